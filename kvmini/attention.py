@@ -1,0 +1,100 @@
+r"""Attention over the cache, in two paths that must agree.
+
+    \mathrm{softmax}\!\left(\frac{q k^\top}{\sqrt{D}} + \text{mask}\right) v
+
+* `sdpa_attention` — PyTorch's fused kernel; used when no statistics are needed.
+* `explicit_attention` — the same maths written out, one chunk of queries at a
+  time, which also returns the per-KV-head statistics a compression policy asks
+  for. It never holds more than (chunk x S) scores per head, never (n x n).
+
+Masking uses absolute positions, so it stays right after tokens are evicted:
+key j is visible to query i iff pos_j <= pos_i (and pos_i - pos_j < window for
+sliding-window layers).
+"""
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+REDUCTIONS = ("mean", "max", "sum")
+
+
+@dataclass(frozen=True)
+class StatsRequest:
+    """Which attention statistics to return, each of shape (B, H_kv, S) over the layer's keys."""
+
+    column_sums: bool = False  # sum over all new queries of the attention each key received
+    window: int = 0  # > 0: the same sum over only the last `window` new queries
+    last_row: bool = False  # the attention row of the last new query
+    reduce: str = "mean"  # how the g query heads of one KV head are combined: mean | max | sum
+
+    def __post_init__(self):
+        if self.reduce not in REDUCTIONS:
+            raise ValueError(f"reduce must be one of {REDUCTIONS}, not {self.reduce!r}")
+
+
+def visible(q_pos: torch.Tensor, k_pos: torch.Tensor, window: int | None) -> torch.Tensor:
+    """Boolean mask (B, H_kv, T, S): may query i see key j?  q_pos (B, T), k_pos (B, H_kv, S)."""
+    qp = q_pos[:, None, :, None]  # (B, 1, T, 1)
+    kp = k_pos[:, :, None, :]  # (B, H_kv, 1, S)
+    mask = kp <= qp
+    if window is not None:
+        mask &= qp - kp < window
+    return mask
+
+
+def sdpa_attention(q, k, v, q_pos, k_pos, window=None):
+    """q (B, H, T, D); k, v (B, H_kv, S, D) -> (B, H, T, D). GQA without copying k or v."""
+    B, H, T, _ = q.shape
+    S, H_kv = k.shape[2], k.shape[1]
+    if S == T and window is None:  # empty cache before this call: plain causal prefill
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+    if T == 1 and window is None:  # one new token: every cached key is in its past
+        return F.scaled_dot_product_attention(q, k, v, enable_gqa=True)
+    mask = visible(q_pos, k_pos, window)  # (B, H_kv, T, S)
+    mask = mask[:, :, None].expand(B, H_kv, H // H_kv, T, S).reshape(B, H, T, S)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+
+
+def explicit_attention(q, k, v, q_pos, k_pos, request: StatsRequest, window=None, chunk: int = 256):
+    """Like `sdpa_attention`, plus the statistics in `request`, computed chunk by chunk of queries.
+
+    Returns (out (B, H, T, D), stats: dict name -> (B, H_kv, S) float32).
+    """
+    B, H, T, D = q.shape
+    H_kv, S = k.shape[1], k.shape[2]
+    g = H // H_kv
+    qg = q.view(B, H_kv, g, T, D)  # (B, H_kv, g, T, D): the g query heads of each KV head
+    kt = k[:, :, None].transpose(-1, -2)  # (B, H_kv, 1, D, S)
+    vg = v[:, :, None]  # (B, H_kv, 1, S, D)
+    out = torch.empty_like(q).view(B, H_kv, g, T, D)
+    col = torch.zeros(B, H_kv, g, S, dtype=torch.float32, device=q.device) if request.column_sums else None
+    win = torch.zeros(B, H_kv, g, S, dtype=torch.float32, device=q.device) if request.window > 0 else None
+    last = None
+    w_start = T - min(request.window, T)  # first query index inside the observation window
+    for c0 in range(0, T, chunk):
+        c1 = min(c0 + chunk, T)
+        scores = (qg[:, :, :, c0:c1] @ kt).float() / D**0.5  # (B, H_kv, g, Tc, S)
+        mask = visible(q_pos[:, c0:c1], k_pos, window)[:, :, None]  # (B, H_kv, 1, Tc, S)
+        p = scores.masked_fill(~mask, float("-inf")).softmax(-1)  # (B, H_kv, g, Tc, S)
+        out[:, :, :, c0:c1] = p.to(v.dtype) @ vg
+        if col is not None:
+            col += p.sum(3)
+        if win is not None and c1 > w_start:
+            win += p[:, :, :, max(w_start - c0, 0) :].sum(3)
+        if request.last_row and c1 == T:
+            last = p[:, :, :, -1]  # (B, H_kv, g, S)
+    stats = {}
+    for name, t in (("column_sums", col), ("window_sums", win), ("last_row", last)):
+        if t is not None:
+            stats[name] = _reduce_group(t, request.reduce)  # (B, H_kv, S)
+    return out.view(B, H, T, D), stats
+
+
+def _reduce_group(t: torch.Tensor, how: str) -> torch.Tensor:
+    """(B, H_kv, g, S) -> (B, H_kv, S): combine the g query heads that share a KV head."""
+    if how == "mean":
+        return t.mean(2)
+    if how == "max":
+        return t.amax(2)
+    return t.sum(2)

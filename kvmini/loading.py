@@ -1,0 +1,98 @@
+"""Load an HF-layout checkpoint folder (config.json + safetensors) into a `Transformer`.
+
+Only safetensors are read (never pickle). Loading is strict: every tensor the
+model needs must be present with the right shape, and nothing unknown may be
+left over. The model is built on the meta device and the loaded tensors are
+assigned in place, so no memory is spent on a random initialization.
+"""
+import json
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError, safe_open
+
+from kvmini.config import ModelConfig
+from kvmini.errors import KvminiError
+from kvmini.model import Transformer
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)  # buffers some old checkpoints saved; recomputed here
+
+
+def resolve_device(name: str = "auto") -> torch.device:
+    """'auto' -> cuda if available else cpu; asking for an absent GPU is an error."""
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name.startswith("cuda") and not torch.cuda.is_available():
+        raise KvminiError("device 'cuda' requested but no CUDA GPU is available (try --device cpu)")
+    try:
+        return torch.device(name)
+    except RuntimeError:
+        raise KvminiError(f"unknown device {name!r} (use auto, cpu or cuda)") from None
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    """'auto' -> float32 on CPU, bfloat16 on CUDA."""
+    if name == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    if name not in DTYPES:
+        raise KvminiError(f"unknown dtype {name!r} (use auto, {', '.join(DTYPES)})")
+    return DTYPES[name]
+
+
+def safetensors_files(folder: Path) -> list[Path]:
+    """The checkpoint's safetensors files: one file, or the shards named by the index."""
+    single, index = folder / "model.safetensors", folder / "model.safetensors.index.json"
+    if single.exists():
+        return [single]
+    if index.exists():
+        try:
+            weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
+        except (json.JSONDecodeError, KeyError, UnicodeDecodeError) as e:
+            raise KvminiError(f"broken shard index {index}: {e}") from None
+        return [folder / name for name in sorted(set(weight_map.values()))]
+    if any(folder.glob("*.bin")) or any(folder.glob("*.pt")):
+        raise KvminiError(f"{folder} holds only pickle weights (.bin/.pt); kvmini loads safetensors only")
+    raise KvminiError(f"no model.safetensors or model.safetensors.index.json in {folder}")
+
+
+def load_model(folder: str | Path, device: str = "auto", dtype: str = "auto") -> Transformer:
+    folder = Path(folder)
+    if not folder.is_dir():
+        raise KvminiError(f"model folder not found: {folder}")
+    config = ModelConfig.from_file(folder / "config.json")
+    dev = resolve_device(device)
+    dt = resolve_dtype(dtype, dev)
+    with torch.device("meta"):
+        model = Transformer(config)
+    expected = {name: t.shape for name, t in model.state_dict().items()}
+    if config.tie_word_embeddings:
+        expected.pop("lm_head.weight")
+    state = {}
+    for path in safetensors_files(folder):
+        if not path.exists():
+            raise KvminiError(f"missing weight shard: {path}")
+        try:
+            with safe_open(str(path), framework="pt", device="cpu") as f:
+                for name in f.keys():
+                    if name.endswith(IGNORED_SUFFIXES) or (name == "lm_head.weight" and config.tie_word_embeddings):
+                        continue
+                    if name not in expected:
+                        raise KvminiError(f"unexpected tensor {name!r} in {path.name}")
+                    t = f.get_tensor(name)
+                    if t.shape != expected[name]:
+                        raise KvminiError(
+                            f"shape mismatch for {name!r}: checkpoint {tuple(t.shape)}, model {tuple(expected[name])}"
+                        )
+                    state[name] = t.to(device=dev, dtype=dt)
+        except SafetensorError as e:
+            raise KvminiError(f"cannot read {path}: {e}") from None
+    missing = [name for name in expected if name not in state]
+    if missing:
+        more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
+        raise KvminiError(f"missing tensor {missing[0]!r}{more} in {folder}")
+    model.load_state_dict(state, strict=False, assign=True)
+    if config.tie_word_embeddings:
+        model.lm_head.weight = model.model.embed_tokens.weight
+    model.reset_rope(dev)
+    return model.eval().requires_grad_(False)
