@@ -1,0 +1,110 @@
+"""Prefill + decode loop with greedy / temperature / top-k / top-p sampling.
+
+    prefill: the whole prompt (or chunks of it) goes through the model once,
+             filling the cache; only the last position's logits are computed.
+    decode:  one token at a time; each step appends one entry per layer.
+"""
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from kvmini.cache import KVCache
+from kvmini.model import Transformer
+
+
+@dataclass(frozen=True)
+class Sampling:
+    temperature: float = 0.0  # 0: greedy (argmax)
+    top_k: int = 0  # 0: no top-k cut
+    top_p: float = 1.0  # 1: no nucleus cut
+    seed: int | None = None
+
+
+@dataclass
+class GenerationResult:
+    tokens: list[list[int]]  # new tokens per sequence, stop token excluded
+    prompt_tokens: int
+    prefill_s: float
+    decode_s: float  # time of the decode forward passes (the first new token comes from prefill)
+    decode_steps: int
+    cache: KVCache = field(repr=False)
+
+    @property
+    def new_tokens(self) -> int:
+        return max(len(t) for t in self.tokens)
+
+
+def sample(logits: torch.Tensor, s: Sampling, generator: torch.Generator | None) -> torch.Tensor:
+    """logits (B, V) -> next ids (B,)."""
+    if s.temperature <= 0:
+        return logits.argmax(-1)
+    logits = logits.float() / s.temperature
+    if s.top_k > 0:
+        kth = logits.topk(min(s.top_k, logits.shape[-1]), dim=-1).values[:, -1:]  # (B, 1)
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if s.top_p < 1.0:
+        sorted_logits, order = logits.sort(dim=-1, descending=True)  # (B, V)
+        probs = sorted_logits.softmax(-1)
+        drop = probs.cumsum(-1) - probs > s.top_p  # keep the smallest prefix whose mass reaches top_p
+        logits = logits.scatter(-1, order, sorted_logits.masked_fill(drop, float("-inf")))
+    return torch.multinomial(logits.softmax(-1), 1, generator=generator)[:, 0]
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+@torch.inference_mode()
+def prefill(model: Transformer, ids: torch.Tensor, cache: KVCache, policy=None, chunk_size: int | None = None):
+    """ids (B, T) -> logits of the last position (B, V). chunk_size splits the prompt into pieces."""
+    T = ids.shape[1]
+    step = chunk_size or T
+    for start in range(0, T, step):
+        logits = model(ids[:, start : start + step], cache, policy)
+    return logits[:, -1]
+
+
+@torch.inference_mode()
+def generate(
+    model: Transformer,
+    ids: torch.Tensor,
+    max_new_tokens: int,
+    sampling: Sampling = Sampling(),
+    stop_ids: set[int] = frozenset(),
+    policy=None,
+    chunk_size: int | None = None,
+    on_token=None,
+) -> GenerationResult:
+    """Generate up to max_new_tokens after prompt ids (B, T); on_token(id) streams sequence 0."""
+    B, T = ids.shape
+    device = model.device
+    ids = ids.to(device)
+    generator = None
+    if sampling.seed is not None:
+        generator = torch.Generator(device=device).manual_seed(sampling.seed)
+    cache = model.new_cache(B, capacity=T + max_new_tokens)
+    t0 = time.perf_counter()
+    logits = prefill(model, ids, cache, policy, chunk_size)  # (B, V)
+    _sync(device)
+    t1 = time.perf_counter()
+    tokens: list[list[int]] = [[] for _ in range(B)]
+    done = [False] * B
+    steps = 0
+    for step in range(max_new_tokens):
+        nxt = sample(logits, sampling, generator)  # (B,)
+        for b, i in enumerate(nxt.tolist()):
+            if not done[b]:
+                if i in stop_ids:
+                    done[b] = True
+                else:
+                    tokens[b].append(i)
+                    if b == 0 and on_token is not None:
+                        on_token(i)
+        if all(done) or step == max_new_tokens - 1:
+            break
+        logits = model(nxt[:, None], cache, policy)[:, -1]
+        steps += 1
+    _sync(device)
+    return GenerationResult(tokens, T, t1 - t0, time.perf_counter() - t1, steps, cache)
