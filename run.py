@@ -99,6 +99,11 @@ def main(argv=None) -> int:
         if chat is not None:
             text = chat.render([{"role": "user", "content": text}])
         ids = tok.encode(text)
+        if max(ids) >= model.config.vocab_size:
+            raise KvminiError(
+                f"the tokenizer produced id {max(ids)} but the model has only {model.config.vocab_size} "
+                "embeddings: tokenizer and model do not match"
+            )
         context = model.config.max_position_embeddings
         if len(ids) + args.max_new_tokens > context:
             raise KvminiError(

@@ -1,0 +1,65 @@
+"""The explicit KVCache: incremental decoding equals one full forward; buffers behave."""
+import torch
+
+from kvmini.cache import KVCache, LayerCache
+from kvmini.generate import prefill
+from kvmini.loading import load_model
+
+
+def test_prefill_then_stepwise_decode_equals_full_forward(tiny):
+    family, folder, _ = tiny
+    model = load_model(folder, "cpu", "float32")
+    ids = torch.randint(0, 97, (2, 30), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        full = model(ids, all_logits=True)  # (2, 30, V)
+        cache = model.new_cache(2, capacity=4)  # small capacity: the buffer must grow on the way
+        steps = [model(ids[:, :20], cache, all_logits=True)]
+        steps += [model(ids[:, t : t + 1], cache) for t in range(20, 30)]
+    torch.testing.assert_close(torch.cat(steps, 1), full, atol=1e-5, rtol=0)
+    assert cache.seen_tokens == 30 and cache.lengths() == [30] * len(cache)
+
+
+def test_chunked_prefill_equals_one_shot(tiny):
+    family, folder, _ = tiny
+    model = load_model(folder, "cpu", "float32")
+    ids = torch.randint(0, 97, (1, 37), generator=torch.Generator().manual_seed(1))
+    one = prefill(model, ids, model.new_cache())
+    for chunk in (1, 5, 16):
+        torch.testing.assert_close(prefill(model, ids, model.new_cache(), chunk_size=chunk), one, atol=1e-5, rtol=0)
+
+
+def test_append_grows_and_keep_gathers_everything():
+    c = LayerCache(batch=1, kv_heads=2, head_dim=3, dtype=torch.float32, device="cpu", capacity=2)
+    k = torch.arange(30.0).view(1, 2, 5, 3)  # (B, H_kv, T, D)
+    c.append(k, -k, torch.arange(5)[None])
+    c.aux("score")[:] = torch.tensor([[[0.0, 1, 2, 3, 4], [10, 11, 12, 13, 14]]])
+    assert c.capacity >= 5 and c.length == 5
+    idx = torch.tensor([[[0, 3], [4, 1]]])  # each head keeps its own entries
+    c.keep(idx)
+    assert c.length == 2
+    assert c.positions.tolist() == [[[0, 3], [4, 1]]]
+    assert c.keys[0, 1].tolist() == [k[0, 1, 4].tolist(), k[0, 1, 1].tolist()]
+    assert torch.equal(c.values, -c.keys)
+    assert c.aux("score").tolist() == [[[0.0, 3.0], [14.0, 11.0]]]
+    c.append(k[:, :, :1], k[:, :, :1], torch.tensor([[5]]))
+    assert c.aux("score")[0, :, -1].tolist() == [0.0, 0.0]  # new entries start with zero statistics
+
+
+def test_nbytes_is_exact(tiny):
+    family, folder, _ = tiny
+    model = load_model(folder, "cpu", "float32")
+    cfg = model.config
+    cache = KVCache(cfg, batch=2, capacity=100)
+    model(torch.zeros(2, 7, dtype=torch.long), cache)
+    # 2 (K and V) * layers * B * H_kv * S * D * 4 bytes, independent of the buffer's capacity
+    assert cache.nbytes() == 2 * cfg.num_layers * 2 * cfg.num_kv_heads * 7 * cfg.head_dim * 4
+
+
+def test_cache_positions_come_from_seen_tokens_not_length(tiny_llama):
+    model = load_model(tiny_llama, "cpu", "float32")
+    cache = model.new_cache()
+    model(torch.zeros(1, 6, dtype=torch.long), cache)
+    cache[0].keep(torch.tensor([[[0, 5], [1, 5]]]))  # layer 0 evicts down to 2 entries
+    model(torch.zeros(1, 1, dtype=torch.long), cache)
+    assert cache[0].positions[0, :, -1].tolist() == [6, 6]
+    assert cache.lengths() == [3, 7]

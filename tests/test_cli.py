@@ -1,0 +1,126 @@
+"""run.py through its real entry point: the happy path, and one-line errors with exit code 2."""
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def run(*args, timeout=300):
+    proc = subprocess.run([sys.executable, str(ROOT / "run.py"), *map(str, args)], capture_output=True, text=True,
+                          timeout=timeout, cwd=ROOT)
+    return proc.returncode, proc.stdout, proc.stderr
+
+
+def assert_one_line_error(code, err, fragment):
+    assert code == 2, err
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: "), err
+    assert "Traceback" not in err
+    assert fragment in lines[0], lines[0]
+
+
+@pytest.fixture
+def prompt(tmp_path):
+    p = tmp_path / "prompt.txt"
+    p.write_text("What is the capital of France?")
+    return p
+
+
+@pytest.mark.slow
+def test_generates_and_reports(default_model_dir, prompt):
+    code, out, err = run("--prompt", prompt, "--max-new-tokens", 12)
+    assert code == 0, err
+    assert "Paris" in out
+    for field in ("model", "prefill", "tokens/s", "decode", "KV cache"):
+        assert field in out
+
+
+def test_help_shows_examples():
+    code, out, _ = run("--help")
+    assert code == 0 and "examples:" in out and "--method" in out
+
+
+@pytest.mark.parametrize("setup,fragment", [
+    (lambda p: p.unlink(), "prompt file not found"),
+    (lambda p: p.write_text("  \n"), "is empty"),
+    (lambda p: p.write_bytes(b"caf\xe9 latin-1"), "not UTF-8"),
+])
+def test_bad_prompt_files(prompt, setup, fragment):
+    setup(prompt)
+    assert_one_line_error(*run("--prompt", prompt)[::2], fragment)
+
+
+@pytest.mark.slow
+def test_prompt_longer_than_context(default_model_dir, tmp_path, real_text):
+    long = tmp_path / "long.txt"
+    long.write_text(real_text[:200_000])
+    assert_one_line_error(*run("--prompt", long)[::2], "exceeds the model's context of 8192")
+
+
+@pytest.mark.parametrize("args,fragment", [
+    (["--method", "nope"], "invalid choice: 'nope'"),
+    (["--max-new-tokens", "0"], "must be >= 1"),
+    (["--max-new-tokens", "many"], "invalid positive_int value"),
+    (["--temperature", "-1"], "must be >= 0"),
+    (["--top-p", "1.5"], "must be in (0, 1]"),
+    (["--top-k", "-3"], "must be >= 0"),
+    (["--dtype", "float8"], "unknown dtype"),
+])
+def test_bad_options(prompt, tiny_llama, args, fragment):
+    assert_one_line_error(*run("--prompt", prompt, "--model", tiny_llama, *args)[::2], fragment)
+
+
+def test_unsupported_architecture(prompt, tiny_llama):
+    cfg = json.loads((tiny_llama / "config.json").read_text())
+    cfg.update(model_type="gpt2", architectures=["GPT2LMHeadModel"])
+    (tiny_llama / "config.json").write_text(json.dumps(cfg))
+    assert_one_line_error(*run("--prompt", prompt, "--model", tiny_llama)[::2], "unsupported architecture")
+
+
+def test_broken_weights(prompt, tiny_llama):
+    (tiny_llama / "model.safetensors").write_bytes(b"\x00" * 100)
+    assert_one_line_error(*run("--prompt", prompt, "--model", tiny_llama)[::2], "cannot read")
+
+
+def test_weights_with_a_wrong_shape(prompt, tiny_llama):
+    from safetensors.torch import load_file, save_file
+
+    state = load_file(tiny_llama / "model.safetensors")
+    state["model.norm.weight"] = torch.ones(5)
+    save_file(state, tiny_llama / "model.safetensors")
+    assert_one_line_error(*run("--prompt", prompt, "--model", tiny_llama)[::2], "shape mismatch for 'model.norm.weight'")
+
+
+def test_missing_tensor_and_missing_folder(prompt, tiny_llama, tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    state = load_file(tiny_llama / "model.safetensors")
+    del state["model.layers.1.mlp.up_proj.weight"]
+    save_file(state, tiny_llama / "model.safetensors")
+    assert_one_line_error(*run("--prompt", prompt, "--model", tiny_llama)[::2], "missing tensor 'model.layers.1.mlp.up_proj.weight'")
+    assert_one_line_error(*run("--prompt", prompt, "--model", tmp_path / "nowhere")[::2], "model folder not found")
+
+
+def test_pickle_only_checkpoint_is_refused(prompt, tiny_llama):
+    (tiny_llama / "model.safetensors").rename(tiny_llama / "pytorch_model.bin")
+    assert_one_line_error(*run("--prompt", prompt, "--model", tiny_llama)[::2], "safetensors only")
+
+
+def test_missing_tokenizer(prompt, tiny_llama):
+    assert_one_line_error(*run("--prompt", prompt, "--model", tiny_llama)[::2], "no tokenizer.json or tokenizer.model")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a CUDA GPU is present, so it cannot be missing")
+def test_cuda_requested_without_gpu(prompt, tiny_llama):
+    assert_one_line_error(*run("--prompt", prompt, "--model", tiny_llama, "--device", "cuda")[::2], "no CUDA GPU")
+
+
+def test_tokenizer_that_does_not_match_the_model(prompt, tiny_llama, default_model_dir):
+    shutil.copy(default_model_dir / "tokenizer.json", tiny_llama)  # 49152 ids for a 97-entry embedding
+    assert_one_line_error(*run("--prompt", prompt, "--model", tiny_llama, "--raw")[::2], "do not match")

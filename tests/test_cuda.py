@@ -1,0 +1,25 @@
+"""CUDA: the same model on the GPU agrees with the CPU. Skipped, with the reason shown, without a GPU."""
+import pytest
+import torch
+
+from conftest import cuda
+from kvmini.generate import generate
+from kvmini.loading import load_model
+
+pytestmark = [pytest.mark.cuda, cuda]
+
+
+def test_cuda_fp32_logits_equal_cpu(tiny):
+    family, folder, _ = tiny
+    ids = torch.randint(0, 97, (2, 33), generator=torch.Generator().manual_seed(0))
+    cpu = load_model(folder, "cpu", "float32")(ids, all_logits=True)
+    gpu = load_model(folder, "cuda", "float32")(ids.cuda(), all_logits=True)
+    torch.testing.assert_close(gpu.cpu(), cpu, atol=1e-4, rtol=0)
+
+
+def test_cuda_default_dtype_is_bfloat16_and_generates(default_model_dir, default_tokenizer):
+    model = load_model(default_model_dir, "cuda", "auto")
+    assert model.dtype == torch.bfloat16
+    ids = torch.tensor([default_tokenizer.encode("The capital of France is")])
+    result = generate(model, ids, 8)
+    assert "Paris" in default_tokenizer.decode(result.tokens[0])
