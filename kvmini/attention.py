@@ -49,11 +49,20 @@ def sdpa_attention(q, k, v, q_pos, k_pos, window=None):
     S, H_kv = k.shape[2], k.shape[1]
     if S == T and window is None:  # empty cache before this call: plain causal prefill
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
-    if T == 1 and window is None:  # one new token: every cached key is in its past
-        return F.scaled_dot_product_attention(q, k, v, enable_gqa=True)
+    if T == 1 and window is None:  # decode: every cached key is in the new token's past
+        return _one_query_attention(q, k, v)
     mask = visible(q_pos, k_pos, window)  # (B, H_kv, T, S)
     mask = mask[:, :, None].expand(B, H_kv, H // H_kv, T, S).reshape(B, H, T, S)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+
+
+def _one_query_attention(q, k, v):
+    """Decode step, T = 1: two grouped matmuls read K and V once (CPU SDPA is slow for one query)."""
+    B, H, _, D = q.shape
+    H_kv = k.shape[1]
+    qg = q.view(B, H_kv, H // H_kv, D)  # (B, H_kv, g, D): the g query heads of each KV head
+    p = ((qg @ k.transpose(-1, -2)).float() / D**0.5).softmax(-1)  # (B, H_kv, g, S)
+    return (p.to(v.dtype) @ v).view(B, H, 1, D)
 
 
 def explicit_attention(q, k, v, q_pos, k_pos, request: StatsRequest, window=None, chunk: int = 256):

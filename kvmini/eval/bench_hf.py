@@ -1,0 +1,96 @@
+"""Benchmark: kvmini vs HF transformers generate() on the default model, same process, side by side.
+
+    python -m kvmini.eval.bench_hf [--prompt-tokens 2048] [--new-tokens 128] [--repeats 3]
+
+Both libraries are measured the same way, alternating, and the median of `repeats` is kept:
+    time to first token (TTFT) = wall time of generating 1 token after the prompt
+    decode tokens/s            = new_tokens / (time(1 + new_tokens tokens) - time(1 token))
+Decode is memory-bound, so we also print the share of the machine's memory bandwidth that
+decoding reaches: bytes read per token (weights + KV cache) * tokens/s / measured copy bandwidth.
+Absolute times vary between runs on shared machines; compare the ratios.
+"""
+import argparse
+import statistics
+import time
+
+import torch
+
+
+def copy_bandwidth(nbytes: int = 1 << 29, repeats: int = 5) -> float:
+    """Bytes/s of a large tensor copy (each byte is read once and written once)."""
+    src = torch.ones(nbytes // 4)
+    dst = torch.empty_like(src)
+    best = float("inf")
+    for _ in range(repeats):
+        t = time.perf_counter()
+        dst.copy_(src)
+        best = min(best, time.perf_counter() - t)
+    return 2 * nbytes / best
+
+
+def timed(fn) -> float:
+    t = time.perf_counter()
+    fn()
+    return time.perf_counter() - t
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--prompt-tokens", type=int, default=2048)
+    p.add_argument("--new-tokens", type=int, default=128)
+    p.add_argument("--repeats", type=int, default=3)
+    args = p.parse_args(argv)
+    try:
+        from transformers import AutoModelForCausalLM
+    except ImportError:
+        raise SystemExit("error: this benchmark needs HF transformers (pip install -r requirements-dev.txt)")
+    import pydoc_data.topics
+
+    from kvmini.generate import generate
+    from kvmini.loading import load_model
+    from kvmini.tokenizer import load_tokenizer
+    from kvmini.weights import ensure_default_model
+
+    folder = ensure_default_model()
+    ours = load_model(folder, "cpu", "float32")
+    hf = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    text = "\n".join(pydoc_data.topics.topics.values())
+    ids = torch.tensor([load_tokenizer(folder).encode(text)[: args.prompt_tokens]])
+    n = args.new_tokens
+
+    def run_ours(k):
+        return generate(ours, ids, k)
+
+    def run_hf(k):
+        with torch.inference_mode():
+            return hf.generate(ids, max_new_tokens=k, min_new_tokens=k, do_sample=False, eos_token_id=None,
+                               pad_token_id=0)
+
+    print(f"SmolLM2-135M-Instruct, CPU fp32, {torch.get_num_threads()} threads, prompt {ids.shape[1]} tokens, "
+          f"{n} new tokens, median of {args.repeats}")
+    same = run_ours(16).tokens[0] == run_hf(16)[0, ids.shape[1]:].tolist()  # warm-up + sanity
+    times = {"kvmini": {"ttft": [], "full": []}, "hf": {"ttft": [], "full": []}}
+    for r in range(args.repeats):
+        for name, fn in (("kvmini", run_ours), ("hf", run_hf)):
+            times[name]["ttft"].append(timed(lambda: fn(1)))
+            times[name]["full"].append(timed(lambda: fn(1 + n)))
+        print(f"  repeat {r + 1}/{args.repeats} done", flush=True)
+    res = {}
+    for name, t in times.items():
+        ttft, full = statistics.median(t["ttft"]), statistics.median(t["full"])
+        res[name] = (ttft, n / (full - ttft))
+    bw = copy_bandwidth()
+    weights = sum(p.numel() * p.element_size() for p in ours.parameters())  # tied lm_head counted once
+    kv_per_token = 2 * ours.config.num_layers * ours.config.num_kv_heads * ours.config.head_dim * 4
+    bytes_per_token = weights + kv_per_token * (ids.shape[1] + n / 2)  # mean cache length while decoding
+    print(f"greedy tokens identical: {same}")
+    print(f"{'':8} {'TTFT s':>8} {'decode tok/s':>13} {'bandwidth share':>16}")
+    for name, (ttft, rate) in res.items():
+        print(f"{name:8} {ttft:8.3f} {rate:13.1f} {bytes_per_token * rate / bw:16.1%}")
+    print(f"ratios   TTFT kvmini/hf = {res['kvmini'][0] / res['hf'][0]:.2f} (target <= 1.0), "
+          f"decode kvmini/hf = {res['kvmini'][1] / res['hf'][1]:.2f}x (target >= 1.5x)")
+    print(f"bytes read per decode token {bytes_per_token / 2**20:.0f} MiB, copy bandwidth {bw / 1e9:.1f} GB/s")
+
+
+if __name__ == "__main__":
+    main()
