@@ -206,8 +206,35 @@ def ensure_default_model(log=print) -> Path:
     return DEFAULT_MODEL_DIR
 
 
-if __name__ == "__main__":
+def download_checkpoint(repo_id: str, dest: Path) -> Path:
+    """Where a model hub is reachable: fetch an HF repo's config, tokenizer and safetensors (never pickle)."""
     try:
-        print(ensure_default_model())
+        from huggingface_hub import snapshot_download
+    except ImportError:
+        raise KvminiError("downloading from the hub needs the optional package huggingface_hub") from None
+    patterns = ["*.json", "*.safetensors", "tokenizer.model", "*.jinja"]
+    try:
+        return Path(snapshot_download(repo_id, local_dir=dest, allow_patterns=patterns))
+    except Exception as e:  # offline, unknown repo, gated model ...: one line for the user
+        raise KvminiError(f"could not download {repo_id}: {type(e).__name__}: {str(e).splitlines()[0][:200]}") from None
+
+
+def main(argv=None) -> None:
+    import argparse
+
+    p = argparse.ArgumentParser(description="Prepare the default model, or download an HF checkpoint folder.")
+    p.add_argument("--hub", metavar="REPO_ID", help="download this HF repo (e.g. Qwen/Qwen2.5-0.5B-Instruct) instead")
+    p.add_argument("--dest", help="target folder for --hub (default: weights/<repo name>)")
+    args = p.parse_args(argv)
+    try:
+        if args.hub:
+            print(download_checkpoint(args.hub, Path(args.dest or ROOT / "weights" / args.hub.split("/")[-1])))
+        else:
+            print(ensure_default_model())
     except KvminiError as e:
-        sys.exit(f"error: {e}")
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
+
+
+if __name__ == "__main__":
+    main()

@@ -124,3 +124,12 @@ def test_cuda_requested_without_gpu(prompt, tiny_llama):
 def test_tokenizer_that_does_not_match_the_model(prompt, tiny_llama, default_model_dir):
     shutil.copy(default_model_dir / "tokenizer.json", tiny_llama)  # 49152 ids for a 97-entry embedding
     assert_one_line_error(*run("--prompt", prompt, "--model", tiny_llama, "--raw")[::2], "do not match")
+
+
+def test_hub_download_failure_is_one_line(tmp_path):
+    import os
+
+    env = dict(os.environ, HF_HUB_OFFLINE="1")
+    proc = subprocess.run([sys.executable, "-m", "kvmini.weights", "--hub", "nobody/nothing", "--dest", str(tmp_path)],
+                          capture_output=True, text=True, cwd=ROOT, env=env, timeout=120)
+    assert_one_line_error(proc.returncode, proc.stderr, "could not download nobody/nothing")
