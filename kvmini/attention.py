@@ -76,7 +76,7 @@ def explicit_attention(q, k, v, q_pos, k_pos, request: StatsRequest, window=None
     qg = q.view(B, H_kv, g, T, D)  # (B, H_kv, g, T, D): the g query heads of each KV head
     kt = k[:, :, None].transpose(-1, -2)  # (B, H_kv, 1, D, S)
     vg = v[:, :, None]  # (B, H_kv, 1, S, D)
-    out = torch.empty_like(q).view(B, H_kv, g, T, D)
+    out = torch.empty(B, H_kv, g, T, D, dtype=q.dtype, device=q.device)
     col = torch.zeros(B, H_kv, g, S, dtype=torch.float32, device=q.device) if request.column_sums else None
     win = torch.zeros(B, H_kv, g, S, dtype=torch.float32, device=q.device) if request.window > 0 else None
     last = None

@@ -136,7 +136,10 @@ def hf_tokenizer_files(reader) -> tuple[dict, dict]:
                   "vocab": {t: i for i, t in enumerate(tokens)},
                   "merges": [m.split(" ", 1) for m in _field(reader, "tokenizer.ggml.merges")]},
     }
-    name = lambda key: tokens[_field(reader, key)]  # noqa: E731
+
+    def name(key):
+        return tokens[_field(reader, key)]
+
     config = {
         "tokenizer_class": "PreTrainedTokenizerFast",
         "add_bos_token": bool(_field(reader, "tokenizer.ggml.add_bos_token", False)),
