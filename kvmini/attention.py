@@ -2,7 +2,8 @@ r"""Attention over the cache, in two paths that must agree.
 
     \mathrm{softmax}\!\left(\frac{q k^\top}{\sqrt{D}} + \text{mask}\right) v
 
-* `sdpa_attention` — PyTorch's fused kernel; used when no statistics are needed.
+* `sdpa_attention` — PyTorch's fused kernel (for one decode query: two grouped
+  matmuls, faster on CPU); used when no statistics are needed.
 * `explicit_attention` — the same maths written out, one chunk of queries at a
   time, which also returns the per-KV-head statistics a compression policy asks
   for. It never holds more than (chunk x S) scores per head, never (n x n).
