@@ -8,8 +8,9 @@ EXAMPLES = """examples:
   python run.py --prompt prompt.txt --max-new-tokens 64 --temperature 0.7 --top-p 0.9 --seed 1
   python run.py --prompt doc.txt --raw --chunk-size 512   # no chat template, chunked prefill
   python run.py --model path/to/hf-folder --prompt prompt.txt --device cuda --dtype bfloat16
+  python run.py --prompt doc.txt --method snapkv --budget 128 --window 16 --pooling max
+  python run.py --prompt doc.txt --method h2o --budget 0.1      # keep 10% of the prompt per layer
 """
-METHODS = ("full",)
 
 
 class OneLineParser(argparse.ArgumentParser):
@@ -40,15 +41,33 @@ def probability(text):
     return value
 
 
+def methods_help() -> str:
+    """The --help section listing every method, what it does and its options with defaults."""
+    from kvmini.methods.registry import METHODS, method_options, summary
+
+    lines = ["methods (--method NAME; options as flags, defaults in brackets):"]
+    for name in METHODS:
+        opts = ", ".join(f"--{k.replace('_', '-')} [{'budget // 2' if v is None else v}]"
+                         for k, v in method_options(name).items())
+        lines.append(f"  {name:<14} {summary(name)}" + (f"\n  {'':<14} options: {opts}" if opts else ""))
+    return "\n".join(lines) + "\n"
+
+
 def parse_args(argv=None):
+    from kvmini.methods.registry import DEFAULT_BUDGET, METHODS, OPTIONS
+
     p = OneLineParser(
         description="Generate text with kvmini and report speed and KV-cache size.",
-        epilog=EXAMPLES,
+        epilog=methods_help() + "\n" + EXAMPLES,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument("--prompt", required=True, help="UTF-8 text file with the prompt")
     p.add_argument("--model", help="HF-layout checkpoint folder (default: SmolLM2-135M-Instruct, prepared under weights/)")
-    p.add_argument("--method", default="full", choices=METHODS, help="KV-cache method (default: full)")
+    p.add_argument("--method", default="full", choices=list(METHODS), metavar="NAME",
+                   help="KV-cache method, listed below (default: full)")
+    p.add_argument("--budget", type=float, default=None,
+                   help=f"tokens kept per layer: a ratio of the prompt if <= 1, a token count if > 1 "
+                        f"(default for compressing methods: {DEFAULT_BUDGET})")
     p.add_argument("--max-new-tokens", type=positive_int, default=128, help="tokens to generate (default: 128)")
     p.add_argument("--temperature", type=non_negative_float, default=0.0, help="0 = greedy (default)")
     p.add_argument("--top-k", type=int, default=0, help="sample from the k most likely tokens (0: off)")
@@ -58,7 +77,11 @@ def parse_args(argv=None):
     p.add_argument("--raw", action="store_true", help="feed the prompt as is, without the chat template")
     p.add_argument("--device", default="auto", help="auto | cpu | cuda (default: auto)")
     p.add_argument("--dtype", default="auto", help="auto | float32 | bfloat16 | float16 (auto: fp32 on CPU, bf16 on CUDA)")
+    group = p.add_argument_group("method options (which method takes which: see the list below)")
+    for name, opt in OPTIONS.items():
+        group.add_argument("--" + name.replace("_", "-"), type=opt.type, default=None, help=opt.help)
     args = p.parse_args(argv)
+    args.options = {name: getattr(args, name) for name in OPTIONS if getattr(args, name) is not None}
     if args.top_k < 0:
         p.error(f"argument --top-k: must be >= 0, got {args.top_k}")
     return args
@@ -87,10 +110,13 @@ def main(argv=None) -> int:
     from kvmini.errors import KvminiError
     from kvmini.generate import Sampling, generate
     from kvmini.loading import load_model
+    from kvmini.methods.registry import make_policy
+    from kvmini.report import cache_report
     from kvmini.tokenizer import StreamDecoder, load_tokenizer
     from kvmini.weights import ensure_default_model
 
     try:
+        policy = make_policy(args.method, args.budget, **args.options)
         text = read_prompt(args.prompt)
         folder = Path(args.model) if args.model else ensure_default_model(log=lambda m: print(m, file=sys.stderr))
         model = load_model(folder, args.device, args.dtype)
@@ -117,7 +143,7 @@ def main(argv=None) -> int:
         result = generate(
             model, torch.tensor([ids]), args.max_new_tokens,
             Sampling(args.temperature, args.top_k, args.top_p, args.seed),
-            stop, chunk_size=args.chunk_size, on_token=write,
+            stop, policy, chunk_size=args.chunk_size, on_token=write,
         )
         print(stream.flush())
     except KvminiError as e:
@@ -130,13 +156,26 @@ def main(argv=None) -> int:
     print("\n--- kvmini report ---")
     print(f"model     {folder.name} ({c.model_type}, {c.num_layers} layers, {c.num_heads}/{c.num_kv_heads} q/kv heads)"
           f" on {model.device.type} {str(model.dtype).removeprefix('torch.')}")
-    print(f"method    {args.method}")
+    print(f"method    {describe(args, policy)}")
     print(f"prompt    {result.prompt_tokens} tokens ({type(chat).__name__ if chat else 'raw'} format)")
     print(f"prefill   {result.prefill_s:.3f} s, {result.prompt_tokens / result.prefill_s:.1f} tokens/s")
     rate = result.decode_steps / result.decode_s if result.decode_steps else float("nan")
     print(f"decode    {result.new_tokens} new tokens, {rate:.1f} tokens/s")
-    print(f"KV cache  {result.cache.summary()}")
+    print("\n".join(cache_report(result.cache, policy)))
     return 0
+
+
+def describe(args, policy) -> str:
+    """`h2o, budget 0.2 = 123 tokens per layer (window budget // 2, reduce mean)`."""
+    from kvmini.methods.registry import method_options
+
+    if policy is None:
+        return args.method
+    options = {**method_options(args.method), **args.options}
+    shown = ", ".join(f"{k} {'budget // 2' if v is None else v}" for k, v in options.items())
+    budgets = policy.budgets
+    per_layer = f"{budgets[0]}" if len(set(budgets)) == 1 else f"{min(budgets)}-{max(budgets)} (mean {sum(budgets) / len(budgets):.1f})"
+    return f"{args.method}, budget {policy.budget:g} = {per_layer} tokens per layer ({shown})"
 
 
 if __name__ == "__main__":

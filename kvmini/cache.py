@@ -74,10 +74,15 @@ class LayerCache:
             buf[:, :, :S_new] = buf[:, :, : self.length].gather(2, idx)
         self.length = S_new
 
+    @property
+    def entry_nbytes(self) -> int:
+        """Bytes of one entry's key and value over the batch and KV heads: 2 * B * H_kv * D * bytes."""
+        B, H_kv, _, D = self._k.shape
+        return 2 * B * H_kv * D * self._k.element_size()
+
     def nbytes(self) -> int:
         """Exact bytes of the keys and values held (positions and aux bookkeeping excluded)."""
-        B, H_kv, _, D = self._k.shape
-        return 2 * B * H_kv * self.length * D * self._k.element_size()
+        return self.entry_nbytes * self.length
 
     def _grow(self, cap: int) -> None:
         def grown(buf):
@@ -112,6 +117,10 @@ class KVCache:
     def nbytes(self) -> int:
         """Exact bytes of all keys and values held."""
         return sum(layer.nbytes() for layer in self.layers)
+
+    def full_nbytes(self) -> int:
+        """Bytes of keys and values an uncompressed cache would hold now (seen_tokens per layer)."""
+        return sum(layer.entry_nbytes * self.seen_tokens for layer in self.layers)
 
     def summary(self) -> str:
         """One line: layers, entries held (min/mean/max over layers), bytes."""

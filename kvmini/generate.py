@@ -57,10 +57,17 @@ def _sync(device: torch.device) -> None:
 
 
 @torch.inference_mode()
-def prefill(model: Transformer, ids: torch.Tensor, cache: KVCache, policy=None, chunk_size: int | None = None):
-    """ids (B, T) -> logits of the last position (B, V). chunk_size splits the prompt into pieces."""
+def prefill(model: Transformer, ids: torch.Tensor, cache: KVCache, policy=None, chunk_size: int | None = None,
+            total_len: int | None = None):
+    """ids (B, T) -> logits of the last position (B, V). chunk_size splits the prompt into pieces.
+
+    A policy is started for this prompt (fresh state); total_len (prompt + tokens to come, if
+    known) lets it skip statistics when its budget can never be reached.
+    """
     T = ids.shape[1]
     step = chunk_size or T
+    if policy is not None:
+        policy.start(T, total_len)
     for start in range(0, T, step):
         logits = model(ids[:, start : start + step], cache, policy)
     return logits[:, -1]
@@ -86,7 +93,7 @@ def generate(
         generator = torch.Generator(device=device).manual_seed(sampling.seed)
     cache = model.new_cache(B, capacity=T + max_new_tokens)
     t0 = time.perf_counter()
-    logits = prefill(model, ids, cache, policy, chunk_size)  # (B, V)
+    logits = prefill(model, ids, cache, policy, chunk_size, T + max_new_tokens - 1)  # (B, V)
     _sync(device)
     t1 = time.perf_counter()
     tokens: list[list[int]] = [[] for _ in range(B)]

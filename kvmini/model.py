@@ -163,15 +163,18 @@ class Transformer(nn.Module):
         """Run T new tokens through the model, appending them to `cache`.
 
         ids (B, T). Returns logits (B, T, V) if all_logits else (B, 1, V) for the last token.
-        `policy` (optional) is asked per layer for a StatsRequest (`policy.request(layer)`) and
-        told after each layer's attention (`policy.after_attention(layer, cache, stats)`); it may
-        then shrink that layer's cache. The attention of this call is computed before that.
+        `policy` (optional, see kvmini.policy) hears `begin(cache, T)`, is asked per layer for a
+        StatsRequest (`request(layer)`) and told after each layer's attention
+        (`after_attention(layer, cache, stats)`); it may then shrink that layer's cache.
+        The attention of this call is computed before that.
         """
         B, T = ids.shape
         cache = cache if cache is not None else self.new_cache(B, T)
         pos = torch.arange(cache.seen_tokens, cache.seen_tokens + T, device=ids.device).expand(B, T)  # (B, T)
         angles = pos[..., None].float() * self.inv_freq  # (B, T, D/2)
         angles = torch.cat((angles, angles), dim=-1)[:, None]  # (B, 1, T, D)
+        if policy is not None:
+            policy.begin(cache, T)
         x = self.model.embed_tokens(ids)  # (B, T, C)
         cos, sin = angles.cos().to(x.dtype), angles.sin().to(x.dtype)
         for i, block in enumerate(self.model.layers):

@@ -77,6 +77,9 @@ class AskEverything:
     def __init__(self):
         self.seen = []
 
+    def begin(self, cache, T):
+        pass
+
     def request(self, layer):
         return StatsRequest(column_sums=True, window=4, last_row=True)
 

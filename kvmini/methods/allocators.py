@@ -1,0 +1,36 @@
+"""Allocators: how many tokens may each layer keep? Each returns one budget per layer."""
+
+
+def uniform(tokens_per_layer: int, L: int) -> list[int]:
+    """Every layer keeps the same number of tokens."""
+    return [tokens_per_layer] * L
+
+
+def pyramid(tokens_per_layer: int, L: int, window: int, beta: float = 20) -> list[int]:
+    r"""PyramidKV (Cai et al. 2024, Sec. 3.3): budgets fall linearly from the bottom layer to the top.
+
+    Beyond the `window` kept by every layer, the top layer gets k_min = (b - w) / \beta and the
+    bottom layer k_max = 2 (b - w) - k_min, so the mean stays b - w; total = L * b exactly
+    (fractions are rounded by largest remainder).
+    Example: b = 40, L = 4, window 8, beta 4: k_min = 8, k_max = 56 -> [64, 48, 32, 16], sum 160 = 4 * 40.
+    """
+    extra = tokens_per_layer - window
+    if L == 1:
+        return [tokens_per_layer]
+    k_min = extra / beta
+    k_max = 2 * extra - k_min
+    exact = [k_max - (k_max - k_min) * l / (L - 1) for l in range(L)]
+    return [window + k for k in round_to_total(exact, extra * L)]
+
+
+def round_to_total(exact: list[float], total: int) -> list[int]:
+    """Round non-negative reals to integers that sum to `total` (largest remainder method).
+
+    [1.5, 1.5, 1.0] with total 4 -> [2, 1, 1].
+    """
+    floors = [int(x) for x in exact]
+    short = total - sum(floors)
+    by_remainder = sorted(range(len(exact)), key=lambda i: (-(exact[i] - floors[i]), i))
+    for i in by_remainder[:short]:
+        floors[i] += 1
+    return floors

@@ -1,0 +1,77 @@
+"""Named methods: each name maps to a module whose `build(budget, **options)` composes a Policy.
+
+Every option is a keyword of that `build` function; its default is the method's default.
+`make_policy("h2o", 0.2, window=16)` -> a fresh Policy; `make_policy("full")` -> None.
+"""
+import inspect
+from dataclasses import dataclass
+from collections.abc import Callable
+
+from kvmini.errors import KvminiError
+from kvmini.methods import h2o, pyramidkv, snapkv, streaming_llm, tova
+from kvmini.policy import Policy
+
+METHODS = {
+    "full": None,  # no compression
+    "streaming_llm": streaming_llm,
+    "h2o": h2o,
+    "tova": tova,
+    "snapkv": snapkv,
+    "pyramidkv": pyramidkv,
+}
+DEFAULT_BUDGET = 0.2  # used by run.py when --budget is not given
+
+
+@dataclass(frozen=True)
+class Option:
+    type: type
+    help: str
+    check: Callable[[object], bool]
+    must: str  # what `check` demands, for the error message
+
+
+OPTIONS = {
+    "sinks": Option(int, "first tokens always kept", lambda x: x >= 0, "be >= 0"),
+    "window": Option(int, "recent tokens always kept (SnapKV/PyramidKV: the observation window)",
+                     lambda x: x >= 0, "be >= 0"),
+    "kernel": Option(int, "pooling kernel along the keys", lambda x: x >= 1 and x % 2 == 1, "be odd and >= 1"),
+    "pooling": Option(str, "avg | max", lambda x: x in ("avg", "max"), "be avg or max"),
+    "reduce": Option(str, "combine the query heads of a KV head: mean | max | sum",
+                     lambda x: x in ("mean", "max", "sum"), "be mean, max or sum"),
+    "pyramid_beta": Option(float, "PyramidKV: top-layer share 1/beta of the bottom's extra budget",
+                           lambda x: x >= 1, "be >= 1"),
+}
+
+
+def summary(name: str) -> str:
+    """First line of the method module's docstring."""
+    module = METHODS[name]
+    return "no compression: every token is kept" if module is None else module.__doc__.strip().splitlines()[0]
+
+
+def method_options(name: str) -> dict[str, object]:
+    """Option name -> default for one method (read from its build() signature)."""
+    module = METHODS[name]
+    if module is None:
+        return {}
+    params = list(inspect.signature(module.build).parameters.values())[1:]  # after `budget`
+    return {p.name: p.default for p in params}
+
+
+def make_policy(name: str, budget: float | None = None, **options) -> Policy | None:
+    """A fresh policy for method `name`; clear errors for unknown names, options and values."""
+    if name not in METHODS:
+        raise KvminiError(f"unknown method {name!r}; choose from {', '.join(METHODS)}")
+    allowed = method_options(name)
+    for key, value in options.items():
+        flag = "--" + key.replace("_", "-")
+        if key not in allowed:
+            accepted = ", ".join("--" + k.replace("_", "-") for k in allowed) or "none"
+            raise KvminiError(f"{flag} does not apply to method {name} (its options: {accepted})")
+        if not OPTIONS[key].check(value):
+            raise KvminiError(f"{flag} must {OPTIONS[key].must}, got {value}")
+    if METHODS[name] is None:
+        if budget is not None:
+            raise KvminiError("--budget does not apply to method full (it keeps every token)")
+        return None
+    return METHODS[name].build(DEFAULT_BUDGET if budget is None else budget, **options)

@@ -1,0 +1,62 @@
+"""Scorers: how important is each cached token? Each returns (B, H_kv, S) scores, higher = keep.
+
+A scorer names the attention statistics it needs (`request`, computed by the attention pass
+per KV head, see kvmini.attention) and turns them into scores. `accumulates` scorers keep a
+running sum in the cache's aux tensors, which follow every eviction, so they need every call.
+"""
+import torch
+import torch.nn.functional as F
+
+from kvmini.attention import StatsRequest
+from kvmini.cache import LayerCache
+
+
+class CumulativeAttention:
+    r"""H2O (Zhang et al. 2023): s_j = \sum_{i \le t} A_{ij}, attention received from every query so far."""
+
+    accumulates = True
+
+    def __init__(self, reduce: str = "mean"):
+        self.request = StatsRequest(column_sums=True, reduce=reduce)
+
+    def update(self, lc: LayerCache, stats: dict) -> None:
+        lc.aux("attention_sum").add_(stats["column_sums"])  # (B, H_kv, S)
+
+    def __call__(self, lc: LayerCache, stats: dict) -> torch.Tensor:
+        return lc.aux("attention_sum")
+
+
+class LastRowAttention:
+    r"""TOVA (Oren et al. 2024): s_j = A_{tj}, the attention of the latest query only."""
+
+    accumulates = False
+
+    def __init__(self, reduce: str = "mean"):
+        self.request = StatsRequest(last_row=True, reduce=reduce)
+
+    def __call__(self, lc: LayerCache, stats: dict) -> torch.Tensor:
+        return stats["last_row"]
+
+
+class WindowAttention:
+    r"""SnapKV (Li et al. 2024, Sec. 4.2): C_j = \sum_{i \in window} A_{ij} over the last w queries,
+    then pooled along the keys (kernel k, stride 1, zero padding k // 2) to keep neighbourhoods.
+
+    Only the keys before the window are pooled and ranked; the window itself is always kept
+    (the caller protects it as the recent tokens), so its scores are +inf.
+    """
+
+    accumulates = False
+
+    def __init__(self, window: int = 32, kernel: int = 7, pooling: str = "avg", reduce: str = "mean"):
+        self.window, self.kernel, self.pooling = window, kernel, pooling
+        self.request = StatsRequest(window=window, reduce=reduce)
+
+    def __call__(self, lc: LayerCache, stats: dict) -> torch.Tensor:
+        C = stats["window_sums"]  # (B, H_kv, S)
+        B, H_kv, S = C.shape
+        prefix = C[:, :, : S - self.window].reshape(B * H_kv, 1, -1)  # (B*H_kv, 1, S - w)
+        pool = F.avg_pool1d if self.pooling == "avg" else F.max_pool1d
+        pooled = pool(prefix, self.kernel, stride=1, padding=self.kernel // 2).view(B, H_kv, -1)
+        inf = C.new_full((B, H_kv, S - pooled.shape[2]), float("inf"))
+        return torch.cat([pooled, inf], dim=-1)  # (B, H_kv, S)

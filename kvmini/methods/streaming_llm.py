@@ -1,0 +1,15 @@
+"""StreamingLLM (Xiao et al. 2023): attention sinks + the most recent tokens, trimmed every step.
+
+Paper: "Efficient Streaming Language Models with Attention Sinks".
+
+Keep the first `sinks` tokens (attention sinks, default 4) and the most recent
+budget - sinks tokens; the cache is trimmed after the prompt and after every decode step.
+No attention statistics are needed, so attention stays on the fast SDPA path.
+Deviation: keys keep the RoPE rotation of their original positions; the paper re-numbers
+positions inside the cache (0..S-1), which we do not do (positions are never rewritten here).
+"""
+from kvmini.policy import EVERY_CALL, Policy
+
+
+def build(budget: float, sinks: int = 4) -> Policy:
+    return Policy("streaming_llm", budget, sinks=sinks, recent=lambda b: b - sinks, schedule=EVERY_CALL)

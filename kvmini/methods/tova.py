@@ -1,0 +1,17 @@
+"""TOVA (Oren et al. 2024): evict the token the latest query attends to least, every step.
+
+Paper: "Transformers are Multi-State RNNs".
+
+Score = the latest query's attention row only. After the prompt the cache keeps the budget's
+best tokens by the last prompt token's attention; afterwards each step evicts the lowest one.
+Defaults: no sinks, no protected window, group reduction mean.
+Deviation: scores are per KV head (the g query heads of a group averaged); the paper averages
+over all heads of a layer, so one layer evicts the same token in every head.
+"""
+from kvmini.methods.scorers import LastRowAttention
+from kvmini.policy import EVERY_CALL, Policy
+
+
+def build(budget: float, sinks: int = 0, window: int = 0, reduce: str = "mean") -> Policy:
+    return Policy("tova", budget, scorer=LastRowAttention(reduce), sinks=sinks, recent=lambda b: window,
+                  schedule=EVERY_CALL)

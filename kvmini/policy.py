@@ -1,0 +1,130 @@
+"""A compression policy: scorer + allocator + selector + compensator, run on a schedule.
+
+    scorer       how important is each cached token, per KV head?        (B, H_kv, S) scores
+    allocator    how many tokens may each layer keep?                     one budget per layer
+    selector     which tokens, given scores, budget, sinks, recent window? indices to keep
+    compensator  what happens to the evicted tokens (drop, or merge)?    edits K/V in place
+    schedule     PREFILL: once, layer by layer, in the call that completes the prompt;
+                 EVERY_CALL: after every forward call (each prefill chunk, each decode step)
+
+The model talks to a policy through three calls per forward pass of T new tokens:
+    begin(cache, T)                     before layer 0
+    request(layer) -> StatsRequest|None before the layer's attention (None: fast SDPA path)
+    after_attention(layer, cache, stats) after it; this may shrink cache[layer]
+A layer always attends over its full appended cache first; only later layers and later
+calls see what the policy kept. All state lives in the Policy object and is reset by
+`start()` (called by `generate`), or automatically when a fresh cache (seen_tokens == 0) arrives.
+"""
+import time
+from collections.abc import Callable
+
+import torch
+
+from kvmini.attention import StatsRequest
+from kvmini.cache import KVCache, LayerCache
+from kvmini.errors import KvminiError
+from kvmini.methods.allocators import uniform
+from kvmini.methods.selectors import keep_top
+
+PREFILL = "prefill"
+EVERY_CALL = "every_call"
+
+
+def resolve_budget(budget: float, prompt_len: int) -> int:
+    """DESIGN.md "Budgets": 0 < x <= 1 is a ratio of the prompt length, x > 1 tokens per layer.
+
+    0.25 with a 400-token prompt -> 100;  128 -> 128 (whatever the prompt length).
+    """
+    if not budget > 0:
+        raise KvminiError(f"--budget must be > 0 (a ratio in (0, 1] or tokens per layer > 1), got {budget}")
+    if budget <= 1:
+        return max(1, round(budget * prompt_len))
+    if budget != int(budget):
+        raise KvminiError(f"--budget above 1 counts tokens per layer and must be a whole number, got {budget}")
+    return int(budget)
+
+
+class Policy:
+    """One compression method, composed of parts. Holds one run's state; see the module docstring."""
+
+    def __init__(
+        self,
+        name: str,
+        budget: float,
+        *,
+        scorer=None,  # None: position (most recent first), as StreamingLLM
+        allocator: Callable[[int, int], list[int]] = uniform,  # (tokens per layer, L) -> per-layer budgets
+        sinks: int = 0,  # first tokens always kept
+        recent: Callable[[int], int] = lambda b: 0,  # layer budget -> last tokens always kept
+        compensator=None,  # None: evicted tokens are dropped
+        schedule: str = PREFILL,
+    ):
+        self.name, self.budget, self.scorer, self.allocator = name, budget, scorer, allocator
+        self.sinks, self.recent, self.compensator, self.schedule = sinks, recent, compensator, schedule
+        self.start(None)
+
+    def start(self, prompt_len: int | None, total_len: int | None = None) -> None:
+        """Fresh state for a run whose prompt has prompt_len tokens (total_len: prompt + new tokens, if known)."""
+        self.prompt_len, self.total_len = prompt_len, total_len
+        self.budgets: list[int] | None = None  # per layer, set on the first call
+        self.evicted: list[int] = []  # tokens removed per layer, over the whole run
+        self.overhead_s = 0.0  # time spent scoring, selecting, merging and gathering
+        self.active = False
+        self._fresh = prompt_len is not None
+
+    def begin(self, cache: KVCache, T: int) -> None:
+        if cache.seen_tokens == 0 and not self._fresh:
+            self.start(T)  # a new run without start(): its first call is the whole prompt
+        self._fresh = False
+        if self.budgets is None:
+            self._set_budgets(len(cache))
+        self.cache, self.T = cache, T
+        end = cache.seen_tokens + T
+        self.compress_now = self.active and (self.schedule == EVERY_CALL or end == self.prompt_len)
+
+    def _set_budgets(self, L: int) -> None:
+        b = resolve_budget(self.budget, self.prompt_len)
+        self.budgets = self.allocator(b, L)
+        self.evicted = [0] * L
+        for layer, b_l in enumerate(self.budgets):
+            recent = self.recent(b_l)
+            if b_l <= self.sinks or recent < 0 or self.sinks + recent > b_l:
+                raise KvminiError(
+                    f"{self.name}: a budget of {b_l} tokens (layer {layer}) is too small for {self.sinks} sinks "
+                    f"and a window of {max(recent, 0)} tokens; raise --budget or lower --sinks/--window"
+                )
+        longest = self.prompt_len if self.schedule == PREFILL else self.total_len
+        # a budget no layer can reach is a no-op: no statistics, the fast path, exactly `full`
+        self.active = longest is None or min(self.budgets) < longest
+
+    def request(self, layer: int) -> StatsRequest | None:
+        if not self.active or self.scorer is None:
+            return None
+        if self.scorer.accumulates:  # running sums need every call's statistics
+            return self.scorer.request
+        if self.compress_now and self.cache[layer].length + self.T > self.budgets[layer]:
+            return self.scorer.request
+        return None
+
+    def after_attention(self, layer: int, cache: KVCache, stats: dict) -> None:
+        if not self.active:
+            return
+        lc = cache[layer]
+        t0 = time.perf_counter()
+        if self.scorer is not None and self.scorer.accumulates:
+            self.scorer.update(lc, stats)
+        b = self.budgets[layer]
+        if self.compress_now and lc.length > b:
+            self.evict(layer, lc, b, stats)
+        if lc.keys.is_cuda:
+            torch.cuda.synchronize(lc.keys.device)
+        self.overhead_s += time.perf_counter() - t0
+
+    def evict(self, layer: int, lc: LayerCache, b: int, stats: dict) -> None:
+        """Shrink layer `layer` to b entries: score, select, compensate, gather."""
+        score = lc.positions.float() if self.scorer is None else self.scorer(lc, stats)  # (B, H_kv, S)
+        idx = keep_top(score, b, self.sinks, self.recent(b))  # (B, H_kv, b), ascending
+        if self.compensator is not None:
+            self.compensator(layer, lc, idx)
+        self.evicted[layer] += lc.length - b
+        lc.keep(idx)
