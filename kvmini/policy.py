@@ -94,8 +94,9 @@ class Policy:
                     f"and a window of {max(recent, 0)} tokens; raise --budget or lower --sinks/--window"
                 )
         longest = self.prompt_len if self.schedule == PREFILL else self.total_len
-        # a budget no layer can reach is a no-op: no statistics, the fast path, exactly `full`
-        self.active = longest is None or min(self.budgets) < longest
+        # a budget >= the sequence is a no-op (even where a per-layer allocation would give some
+        # layer less, as PyramidKV's code does): no statistics, the fast path, exactly `full`
+        self.active = longest is None or b < longest
 
     def request(self, layer: int) -> StatsRequest | None:
         if not self.active or self.scorer is None:

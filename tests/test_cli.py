@@ -41,9 +41,31 @@ def test_generates_and_reports(default_model_dir, prompt):
         assert field in out
 
 
-def test_help_shows_examples():
+def test_help_shows_examples_methods_and_their_options():
     code, out, _ = run("--help")
     assert code == 0 and "examples:" in out and "--method" in out
+    for name in ("full", "streaming_llm", "h2o", "tova", "snapkv", "pyramidkv"):
+        assert f"\n  {name} " in out
+    assert "--window [32], --kernel [7], --pooling [avg], --reduce [mean], --pyramid-beta [20]" in out
+
+
+@pytest.mark.slow
+def test_compressed_run_reports_what_was_kept(default_model_dir, tmp_path, real_text):
+    doc = tmp_path / "doc.txt"
+    doc.write_text(real_text[:2000] + "\nSummarize the text above.")
+    code, out, err = run("--prompt", doc, "--method", "pyramidkv", "--budget", "64", "--max-new-tokens", 5)
+    assert code == 0, err
+    report = out.split("--- kvmini report ---")[1]
+    assert "pyramidkv, budget 64 = " in report and "window 32, kernel 7" in report
+    assert report.count("kept      layers ") == 3  # 30 layers, 10 bars per line
+    for field in ("MiB kept vs", "ratio 0.", "evicted   ", "overhead  "):
+        assert field in report
+
+
+@pytest.mark.slow
+def test_budget_too_small_for_the_window(default_model_dir, prompt):
+    assert_one_line_error(*run("--prompt", prompt, "--method", "snapkv", "--budget", "16")[::2],
+                          "too small for 0 sinks and a window of 32 tokens")
 
 
 @pytest.mark.parametrize("setup,fragment", [
@@ -71,6 +93,14 @@ def test_prompt_longer_than_context(default_model_dir, tmp_path, real_text):
     (["--top-p", "1.5"], "must be in (0, 1]"),
     (["--top-k", "-3"], "must be >= 0"),
     (["--dtype", "float8"], "unknown dtype"),
+    (["--budget", "x"], "invalid float value"),
+    (["--budget", "0.5"], "--budget does not apply to method full"),
+    (["--method", "tova", "--budget", "0"], "--budget must be > 0"),
+    (["--method", "tova", "--budget", "12.5"], "must be a whole number"),
+    (["--method", "h2o", "--kernel", "3"], "--kernel does not apply to method h2o"),
+    (["--method", "snapkv", "--kernel", "4"], "--kernel must be odd"),
+    (["--method", "h2o", "--reduce", "median"], "--reduce must be mean, max or sum"),
+    (["--method", "streaming_llm", "--sinks", "-1"], "--sinks must be >= 0"),
 ])
 def test_bad_options(prompt, tiny_llama, args, fragment):
     assert_one_line_error(*run("--prompt", prompt, "--model", tiny_llama, *args)[::2], fragment)

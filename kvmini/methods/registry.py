@@ -4,12 +4,12 @@ Every option is a keyword of that `build` function; its default is the method's 
 `make_policy("h2o", 0.2, window=16)` -> a fresh Policy; `make_policy("full")` -> None.
 """
 import inspect
-from dataclasses import dataclass
 from collections.abc import Callable
+from dataclasses import dataclass
 
 from kvmini.errors import KvminiError
 from kvmini.methods import h2o, pyramidkv, snapkv, streaming_llm, tova
-from kvmini.policy import Policy
+from kvmini.policy import Policy, resolve_budget
 
 METHODS = {
     "full": None,  # no compression
@@ -70,6 +70,8 @@ def make_policy(name: str, budget: float | None = None, **options) -> Policy | N
             raise KvminiError(f"{flag} does not apply to method {name} (its options: {accepted})")
         if not OPTIONS[key].check(value):
             raise KvminiError(f"{flag} must {OPTIONS[key].must}, got {value}")
+    if budget is not None:
+        resolve_budget(budget, 1)  # rejects budgets that mean nothing before any model is loaded
     if METHODS[name] is None:
         if budget is not None:
             raise KvminiError("--budget does not apply to method full (it keeps every token)")

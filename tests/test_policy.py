@@ -1,0 +1,222 @@
+"""The compression engine's contracts: budgets, no-op equivalence, invariants, batching, no state leaks."""
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvmini.errors import KvminiError
+from kvmini.generate import generate, prefill
+from kvmini.methods.allocators import pyramid, round_to_total, uniform
+from kvmini.methods.registry import METHODS, make_policy, method_options
+from kvmini.methods.selectors import keep_top
+from kvmini.policy import EVERY_CALL, resolve_budget
+from reference import random_model
+
+COMPRESSING = [m for m in METHODS if m != "full"]
+SMALL = {"snapkv": {"window": 3, "kernel": 3}, "pyramidkv": {"window": 3, "kernel": 3}}  # fit tiny prompts
+
+
+def run_calls(model, calls, policy, prompt_len):
+    """Feed calls (ids (B, T) each) through the model; last-position logits per call and the cache."""
+    B = calls[0].shape[0]
+    cache = model.new_cache(B, 4)
+    if policy is not None:
+        policy.start(prompt_len, prompt_len + len(calls) - 1)
+    with torch.no_grad():
+        logits = [model(ids, cache, policy)[:, -1] for ids in calls]
+    return logits, cache
+
+
+def make_calls(B, n, steps, seed=0, vocab=61):
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, vocab, (B, n), generator=gen)] + [torch.randint(0, vocab, (B, 1), generator=gen)
+                                                               for _ in range(steps)]
+
+
+# --- budgets -----------------------------------------------------------------------------------
+
+def test_budget_convention():
+    assert resolve_budget(0.25, 400) == 100  # ratio of the prompt
+    assert resolve_budget(1.0, 37) == 37
+    assert resolve_budget(128, 37) == 128  # tokens per layer, whatever the prompt
+    assert resolve_budget(0.001, 10) == 1  # never zero
+    for bad, msg in [(0, "> 0"), (-3, "> 0"), (float("nan"), "> 0"), (12.5, "whole number")]:
+        with pytest.raises(KvminiError, match=msg):
+            resolve_budget(bad, 100)
+
+
+def test_keep_top_worked_example():
+    score = torch.tensor([5.0, 1, 9, 3, 7, 2]).view(1, 1, 6)
+    assert keep_top(score, 4, sinks=1, recent=1).tolist() == [[[0, 2, 4, 5]]]
+    assert keep_top(score, 3, sinks=0, recent=0).tolist() == [[[0, 2, 4]]]
+    tied = torch.tensor([1.0, 1, 1, 1]).view(1, 1, 4)
+    assert keep_top(tied, 2, sinks=0, recent=0).tolist() == [[[0, 1]]]  # ties go to the earlier entry
+
+
+def test_round_to_total_and_pyramid_by_hand():
+    assert round_to_total([1.5, 1.5, 1.0], 4) == [2, 1, 1]
+    assert pyramid(40, 4, window=8, beta=4) == [64, 48, 32, 16]  # k_min 8, k_max 56, see the docstring
+    assert uniform(7, 3) == [7, 7, 7]
+
+
+@given(b=st.integers(5, 3000), L=st.integers(1, 40), w=st.integers(0, 4), beta=st.floats(1, 50))
+def test_pyramid_budgets_sum_to_the_uniform_total(b, L, w, beta):
+    budgets = pyramid(b, L, window=w, beta=beta)
+    assert sum(budgets) == b * L
+    assert budgets == sorted(budgets, reverse=True)
+    extra = b - w
+    for l, got in enumerate(budgets):  # within one token of the linear formula
+        k_min = extra / beta
+        exact = w + (2 * extra - k_min) - (2 * extra - 2 * k_min) * l / max(L - 1, 1) if L > 1 else b
+        assert abs(got - exact) < 1
+
+
+# --- a budget nobody reaches is exactly `full` ------------------------------------------------
+
+@pytest.mark.parametrize("name", COMPRESSING)
+def test_budget_at_least_the_sequence_is_exactly_full(name):
+    model = random_model()
+    n, steps = 12, 6
+    calls = make_calls(2, n, steps)
+    want, full_cache = run_calls(model, calls, None, n)
+    budgets = [n + steps] + ([1.0] if name in ("snapkv", "pyramidkv") else [])
+    for budget in budgets:
+        got, cache = run_calls(model, calls, make_policy(name, budget, **SMALL.get(name, {})), n)
+        for a, b in zip(got, want):
+            assert torch.equal(a, b)
+        for layer, ref in zip(cache.layers, full_cache.layers):
+            assert torch.equal(layer.keys, ref.keys) and torch.equal(layer.values, ref.values)
+
+
+@pytest.mark.parametrize("name", COMPRESSING)
+def test_generate_with_huge_budget_gives_full_tokens(name):
+    model = random_model(seed=3)
+    ids = torch.randint(0, 61, (1, 15), generator=torch.Generator().manual_seed(1))
+    full = generate(model, ids, 10).tokens
+    assert generate(model, ids, 10, policy=make_policy(name, 10_000, **SMALL.get(name, {}))).tokens == full
+
+
+# --- invariants, over random shapes, lengths, budgets and batch sizes -------------------------
+
+@settings(max_examples=25, deadline=None)
+@given(
+    name=st.sampled_from(COMPRESSING), kv_heads=st.integers(1, 3), group=st.integers(1, 3), B=st.integers(1, 2),
+    n=st.integers(1, 40), steps=st.integers(0, 6), budget=st.integers(5, 30), chunk=st.integers(1, 40),
+    seed=st.integers(0, 10**6),
+)
+def test_invariants(name, kv_heads, group, B, n, steps, budget, chunk, seed):
+    model = random_model(L=2, H=kv_heads * group, H_kv=kv_heads, seed=seed % 100)
+    options = SMALL.get(name, {})
+    policy = make_policy(name, budget, **options)
+    gen = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, 61, (B, n + steps), generator=gen)
+    cache = model.new_cache(B, 4)
+    policy.start(n, n + steps)
+    calls = [ids[:, s : min(s + chunk, n)] for s in range(0, n, chunk)] + [ids[:, t : t + 1] for t in range(n, n + steps)]
+    with torch.no_grad():
+        for ids_c in calls:
+            logits = model(ids_c, cache, policy)
+            assert torch.isfinite(logits).all()
+            seen = cache.seen_tokens
+            for l, lc in enumerate(cache.layers):
+                pos = lc.positions  # (B, H_kv, S)
+                assert (pos[..., 1:] > pos[..., :-1]).all(), "positions unique and sorted"
+                assert (pos < seen).all()
+                b_l = policy.budgets[l] if policy.active else seen  # inactive: budget >= the sequence
+                if policy.schedule == EVERY_CALL:
+                    assert lc.length == min(seen, b_l), "never above budget"
+                elif seen <= n:  # prefill-only methods compress when the prompt is complete, then append
+                    assert lc.length == (min(n, b_l) if seen == n else seen)
+                else:
+                    assert lc.length == min(n, policy.budgets[l] if policy.active else n) + seen - n
+                sinks = policy.sinks if seen > 0 else 0
+                recent = min(policy.recent(b_l), seen)
+                want = set(range(min(sinks, seen))) | set(range(seen - recent, seen))
+                if policy.schedule == EVERY_CALL or seen == n:
+                    for row in pos.reshape(-1, lc.length).tolist():
+                        assert want <= set(row), "sinks and recent window kept"
+
+
+# --- batching and state ------------------------------------------------------------------------
+
+@pytest.mark.parametrize("name", COMPRESSING)
+def test_batch_of_two_equals_two_single_runs(name):
+    model = random_model(seed=5)
+    n, steps = 18, 5
+    calls = make_calls(2, n, steps, seed=2)
+    both, cache2 = run_calls(model, calls, make_policy(name, 8, **SMALL.get(name, {})), n)
+    for b in range(2):
+        alone, cache1 = run_calls(model, [c[b : b + 1] for c in calls], make_policy(name, 8, **SMALL.get(name, {})), n)
+        for x, y in zip(both, alone):
+            torch.testing.assert_close(x[b : b + 1], y, atol=1e-5, rtol=0)
+        for l2, l1 in zip(cache2.layers, cache1.layers):
+            assert torch.equal(l2.positions[b : b + 1], l1.positions)
+
+
+@pytest.mark.parametrize("name", COMPRESSING)
+def test_back_to_back_prompts_equal_fresh_runs(name):
+    model = random_model(seed=6)
+    gen = torch.Generator().manual_seed(4)
+    a, b = torch.randint(0, 61, (1, 20), generator=gen), torch.randint(0, 61, (1, 14), generator=gen)
+    shared = make_policy(name, 9, **SMALL.get(name, {}))
+    first, second = generate(model, a, 8, policy=shared), generate(model, b, 8, policy=shared)
+    fresh_a = generate(model, a, 8, policy=make_policy(name, 9, **SMALL.get(name, {})))
+    fresh_b = generate(model, b, 8, policy=make_policy(name, 9, **SMALL.get(name, {})))
+    assert first.tokens == fresh_a.tokens and second.tokens == fresh_b.tokens
+    assert second.cache.lengths() == fresh_b.cache.lengths()
+    for x, y in zip(second.cache.layers, fresh_b.cache.layers):
+        assert torch.equal(x.keys, y.keys) and torch.equal(x.positions, y.positions)
+        assert x.aux_names() == y.aux_names()
+        for aux in x.aux_names():
+            assert torch.equal(x.aux(aux), y.aux(aux))
+
+
+def test_a_fresh_cache_restarts_the_policy_without_start():
+    model = random_model()
+    policy = make_policy("streaming_llm", 0.5, sinks=2)
+    with torch.no_grad():
+        model(torch.zeros(1, 20, dtype=torch.long), model.new_cache(), policy)
+        assert policy.budgets == [10, 10, 10]
+        model(torch.zeros(1, 8, dtype=torch.long), model.new_cache(), policy)  # new run: 50% of 8
+        assert policy.budgets == [4, 4, 4] and policy.evicted == [4, 4, 4]
+
+
+# --- bytes -------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("name,budget", [("streaming_llm", 7), ("h2o", 0.5), ("pyramidkv", 12)])
+def test_cache_bytes_follow_the_formula(name, budget, dtype):
+    model = random_model(L=4).to(dtype)
+    B, n, steps = 2, 30, 3
+    _, cache = run_calls(model, make_calls(B, n, steps), make_policy(name, budget, **SMALL.get(name, {})), n)
+    H_kv, D = model.config.num_kv_heads, model.config.head_dim
+    if name == "pyramidkv":  # prefill-only: the pyramid's budgets (sum 4 * 12), then every step appends
+        kept = [b + steps for b in pyramid(12, 4, window=3, beta=20)]
+    else:
+        kept = [7 if name == "streaming_llm" else 15] * 4
+    elem = 2 if dtype == torch.bfloat16 else 4
+    assert cache.lengths() == kept
+    assert cache.nbytes() == 2 * sum(kept) * H_kv * D * elem * B
+    assert cache.full_nbytes() == 2 * 4 * (n + steps) * H_kv * D * elem * B
+
+
+# --- the registry ------------------------------------------------------------------------------
+
+def test_registry_errors_are_clear():
+    with pytest.raises(KvminiError, match="unknown method 'h3o'"):
+        make_policy("h3o", 0.2)
+    with pytest.raises(KvminiError, match="--kernel does not apply to method h2o"):
+        make_policy("h2o", 0.2, kernel=3)
+    with pytest.raises(KvminiError, match="--kernel must be odd"):
+        make_policy("snapkv", 0.2, kernel=4)
+    with pytest.raises(KvminiError, match="--budget does not apply to method full"):
+        make_policy("full", 0.5)
+    assert make_policy("full") is None
+    assert method_options("snapkv") == {"window": 32, "kernel": 7, "pooling": "avg", "reduce": "mean"}
+
+
+@pytest.mark.parametrize("name,options,budget", [("streaming_llm", {}, 4), ("snapkv", {}, 20), ("h2o", {"window": 9}, 8)])
+def test_budgets_that_cannot_work_are_rejected(name, options, budget):
+    model = random_model()
+    with pytest.raises(KvminiError, match="too small"):
+        run_calls(model, make_calls(1, 40, 0), make_policy(name, budget, **options), 40)
