@@ -1,0 +1,146 @@
+"""Fidelity: how much of the full cache's behaviour does a compressed cache keep?
+
+A prompt of N tokens of real text is prefilled (and compressed by the method), then the
+next K tokens of the same text are teacher-forced on that cache. Against the full cache
+on the same tokens we measure, over the K predictions:
+
+    perplexity  exp(mean -log p(x_t | compressed cache))
+    KL          mean_t KL(p_full(. | x_<t) || p_method(. | x_<t)), in nats
+    top-1       fraction of t where argmax p_method == argmax p_full
+    kept        cache entries per layer after the prompt (mean over layers), and its share of full
+
+Decode-time methods (streaming_llm, h2o, tova) see the continuation one token at a time,
+so they keep compressing as the paper's decode loop does; for prefill-only methods the
+continuation is one forward call, which equals K decode steps (nothing is compressed then).
+
+    python -m kvmini.eval.fidelity                      # N=2048, K=256, budgets 0.2 and 128
+    python -m kvmini.eval.fidelity --n 512 --k 64 --methods h2o snapkv --budgets 0.1
+"""
+import argparse
+import json
+import sys
+import time
+
+import torch
+import torch.nn.functional as F
+
+from kvmini.errors import KvminiError
+from kvmini.methods.registry import METHODS, make_policy
+from kvmini.policy import EVERY_CALL
+
+
+def pydoc_text() -> str:
+    """Python's own documentation (~110k tokens of English), present on every Python install."""
+    import pydoc_data.topics
+
+    return "\n".join(pydoc_data.topics.topics.values())
+
+
+@torch.inference_mode()
+def continuation_logits(model, ids: torch.Tensor, n: int, policy=None):
+    """ids (1, N + K) -> (logits (K, V) predicting tokens N..N+K-1, cache after the prompt's lengths).
+
+    The prompt ids[:, :n] fills (and the policy compresses) the cache; the rest is teacher-forced.
+    """
+    total = ids.shape[1]
+    cache = model.new_cache(1, capacity=total)
+    if policy is not None:
+        policy.start(n, total - 1)
+    first = model(ids[:, :n], cache, policy)[:, -1]  # (1, V)
+    kept = cache.lengths()
+    rest = ids[:, n : total - 1]  # (1, K - 1): the inputs whose outputs predict tokens N+1..N+K-1
+    if policy is not None and policy.schedule == EVERY_CALL:
+        steps = [model(rest[:, t : t + 1], cache, policy)[:, -1] for t in range(rest.shape[1])]
+        later = torch.cat(steps) if steps else first[:0]
+    else:
+        later = model(rest, cache, policy, all_logits=True)[0]  # (K - 1, V)
+    return torch.cat([first, later]).float(), kept
+
+
+def compare(logits: torch.Tensor, full: torch.Tensor, targets: torch.Tensor) -> dict:
+    """Metrics of one method's (K, V) logits against the full cache's, for target tokens (K,)."""
+    logp, logp_full = logits.log_softmax(-1), full.log_softmax(-1)
+    nll = F.nll_loss(logp, targets)
+    kl = (logp_full.exp() * (logp_full - logp)).sum(-1).mean()
+    top1 = (logits.argmax(-1) == full.argmax(-1)).float().mean()
+    return {"ppl": nll.exp().item(), "kl": kl.item(), "top1": top1.item()}
+
+
+def run(model, ids: torch.Tensor, n: int, methods: list[str], budgets: list[float], log=print,
+        options: dict | None = None) -> list[dict]:
+    """One row per (method, budget), the full cache first. ids (1, N + K); options: method -> its options."""
+    targets = ids[0, n:]  # (K,)
+    t0 = time.perf_counter()
+    full, kept_full = continuation_logits(model, ids, n)
+    rows = [{"method": "full", "budget": None, **compare(full, full, targets), "kept": n, "kept_share": 1.0,
+             "seconds": time.perf_counter() - t0}]
+    log(f"[1/{1 + len(methods) * len(budgets)}] full: ppl {rows[0]['ppl']:.3f} ({rows[0]['seconds']:.1f} s)")
+    for method in methods:
+        for budget in budgets:
+            t0 = time.perf_counter()
+            policy = make_policy(method, budget, **(options or {}).get(method, {}))
+            logits, kept = continuation_logits(model, ids, n, policy)
+            row = {"method": method, "budget": budget, **compare(logits, full, targets),
+                   "kept": sum(kept) / len(kept), "kept_share": sum(kept) / (n * len(kept)),
+                   "seconds": time.perf_counter() - t0}
+            rows.append(row)
+            log(f"[{len(rows)}/{1 + len(methods) * len(budgets)}] {method} budget {budget:g}: ppl {row['ppl']:.3f}, "
+                f"KL {row['kl']:.4f}, top-1 {row['top1']:.3f} ({row['seconds']:.1f} s)")
+    return rows
+
+
+def table(rows: list[dict], n: int, k: int) -> str:
+    """A markdown table of the rows."""
+    lines = [f"Fidelity on pydoc text: prompt N={n}, teacher-forced continuation K={k}", "",
+             "| method | budget | kept/layer | kept share | perplexity | KL(full‖method) | top-1 agree |",
+             "|---|---|---|---|---|---|---|"]
+    for r in rows:
+        budget = "—" if r["budget"] is None else f"{r['budget']:g}"
+        lines.append(f"| {r['method']} | {budget} | {r['kept']:.1f} | {r['kept_share']:.1%} | {r['ppl']:.3f} | "
+                     f"{r['kl']:.4f} | {r['top1']:.3f} |")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description="Compare compressed caches with the full cache on real text.")
+    p.add_argument("--n", type=int, default=2048, help="prompt tokens (default 2048)")
+    p.add_argument("--k", type=int, default=256, help="continuation tokens teacher-forced and scored (default 256)")
+    p.add_argument("--budgets", type=float, nargs="+", default=[0.2, 128], help="budgets (default: 0.2 128)")
+    p.add_argument("--methods", nargs="+", default=[m for m in METHODS if m != "full"], help="methods (default: all)")
+    p.add_argument("--offset", type=int, default=0, help="first token of the text to use (default 0)")
+    p.add_argument("--model", help="HF-layout folder (default: SmolLM2-135M-Instruct)")
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--json", help="also write the rows to this JSON file")
+    args = p.parse_args(argv)
+    from pathlib import Path
+
+    from kvmini.loading import load_model
+    from kvmini.tokenizer import load_tokenizer
+    from kvmini.weights import ensure_default_model
+
+    try:
+        unknown = [m for m in args.methods if m not in METHODS or m == "full"]
+        if unknown:
+            raise KvminiError(f"unknown method(s) {', '.join(unknown)}; choose from {', '.join(list(METHODS)[1:])}")
+        if args.n < 1 or args.k < 1:
+            raise KvminiError("--n and --k must be >= 1")
+        folder = Path(args.model) if args.model else ensure_default_model(log=lambda m: print(m, file=sys.stderr))
+        model = load_model(folder, args.device, "float32")
+        ids = load_tokenizer(folder).encode(pydoc_text())[args.offset : args.offset + args.n + args.k]
+        if len(ids) < args.n + args.k:
+            raise KvminiError(f"the text has only {len(ids)} tokens after --offset {args.offset}")
+        if args.n + args.k > model.config.max_position_embeddings:
+            raise KvminiError(f"N + K = {args.n + args.k} exceeds the model's context")
+        rows = run(model, torch.tensor([ids], device=model.device), args.n, args.methods, args.budgets,
+                   log=lambda m: print(m, file=sys.stderr))
+    except KvminiError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(table(rows, args.n, args.k))
+    if args.json:
+        Path(args.json).write_text(json.dumps(rows, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
