@@ -76,6 +76,8 @@ class Policy:
         if cache.seen_tokens == 0 and not self._fresh:
             self.start(T)  # a new run without start(): its first call is the whole prompt
         self._fresh = False
+        if self.prompt_len is None:
+            raise KvminiError(f"{self.name}: call policy.start(prompt_len) before continuing a cache it has not seen")
         if self.budgets is None:
             self._set_budgets(len(cache))
         self.cache, self.T = cache, T

@@ -5,7 +5,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvmini.errors import KvminiError
-from kvmini.generate import generate, prefill
+from kvmini.generate import generate
 from kvmini.methods.allocators import pyramid, round_to_total, uniform
 from kvmini.methods.registry import METHODS, make_policy, method_options
 from kvmini.methods.selectors import keep_top
