@@ -65,7 +65,8 @@ def prefill(model: Transformer, ids: torch.Tensor, cache: KVCache, policy=None, 
     known) lets it skip statistics when its budget can never be reached.
     """
     T = ids.shape[1]
-    step = chunk_size or T
+    method_chunk = policy.chunk_for(T, total_len) if policy is not None else None  # e.g. WeightedKV's
+    step = chunk_size or method_chunk or T
     if policy is not None:
         policy.start(T, total_len)
     for start in range(0, T, step):

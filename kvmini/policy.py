@@ -56,11 +56,14 @@ class Policy:
         allocator: Callable[[int, int], list[int]] = uniform,  # (tokens per layer, L) -> per-layer budgets
         sinks: int = 0,  # first tokens always kept
         recent: Callable[[int], int] = lambda b: 0,  # layer budget -> last tokens always kept
-        compensator=None,  # None: evicted tokens are dropped
+        compensator=None,  # None: evicted tokens are dropped; else compensator(layer, lc, keep_idx) before the gather
+        reducer=None,  # replaces score/select/compensate: reducer(lc, b, sinks, recent) shrinks lc to b entries
         schedule: str = PREFILL,
+        prefill_chunk: int | None = None,  # prefill the prompt in chunks of this size (None: one call)
     ):
         self.name, self.budget, self.scorer, self.allocator = name, budget, scorer, allocator
         self.sinks, self.recent, self.compensator, self.schedule = sinks, recent, compensator, schedule
+        self.reducer, self.prefill_chunk = reducer, prefill_chunk
         self.start(None)
 
     def start(self, prompt_len: int | None, total_len: int | None = None) -> None:
@@ -72,6 +75,13 @@ class Policy:
         self.active = False
         self._fresh = prompt_len is not None
 
+    def chunk_for(self, prompt_len: int, total_len: int | None) -> int | None:
+        """The prefill chunk size this method asks for, or None (one call, also when its budget is a no-op)."""
+        longest = prompt_len if self.schedule == PREFILL else total_len
+        if self.prefill_chunk is None or (longest is not None and resolve_budget(self.budget, prompt_len) >= longest):
+            return None
+        return self.prefill_chunk
+
     def begin(self, cache: KVCache, T: int) -> None:
         if cache.seen_tokens == 0 and not self._fresh:
             self.start(T)  # a new run without start(): its first call is the whole prompt
@@ -80,7 +90,7 @@ class Policy:
             raise KvminiError(f"{self.name}: call policy.start(prompt_len) before continuing a cache it has not seen")
         if self.budgets is None:
             self._set_budgets(len(cache))
-        self.cache, self.T = cache, T
+        self.cache, self.T, self.call_start = cache, T, cache.seen_tokens
         end = cache.seen_tokens + T
         self.compress_now = self.active and (self.schedule == EVERY_CALL or end == self.prompt_len)
 
@@ -115,7 +125,7 @@ class Policy:
         lc = cache[layer]
         t0 = time.perf_counter()
         if self.scorer is not None and self.scorer.accumulates:
-            self.scorer.update(lc, stats)
+            self.scorer.update(lc, stats, self.call_start, self.T)
         b = self.budgets[layer]
         if self.compress_now and lc.length > b:
             self.evict(layer, lc, b, stats)
@@ -124,10 +134,13 @@ class Policy:
         self.overhead_s += time.perf_counter() - t0
 
     def evict(self, layer: int, lc: LayerCache, b: int, stats: dict) -> None:
-        """Shrink layer `layer` to b entries: score, select, compensate, gather."""
+        """Shrink layer `layer` to b entries: score, select, compensate, gather (or the method's reducer)."""
+        self.evicted[layer] += lc.length - b
+        if self.reducer is not None:
+            self.reducer(lc, b, self.sinks, self.recent(b))
+            return
         score = lc.positions.float() if self.scorer is None else self.scorer(lc, stats)  # (B, H_kv, S)
         idx = keep_top(score, b, self.sinks, self.recent(b))  # (B, H_kv, b), ascending
         if self.compensator is not None:
             self.compensator(layer, lc, idx)
-        self.evicted[layer] += lc.length - b
         lc.keep(idx)

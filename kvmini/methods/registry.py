@@ -8,7 +8,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from kvmini.errors import KvminiError
-from kvmini.methods import h2o, pyramidkv, snapkv, streaming_llm, tova
+from kvmini.methods import h2o, pyramidkv, snapkv, streaming_llm, tova, weightedkv
 from kvmini.policy import Policy, resolve_budget
 
 METHODS = {
@@ -18,6 +18,7 @@ METHODS = {
     "tova": tova,
     "snapkv": snapkv,
     "pyramidkv": pyramidkv,
+    "weightedkv": weightedkv,
 }
 DEFAULT_BUDGET = 0.2  # used by run.py when --budget is not given
 

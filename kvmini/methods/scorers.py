@@ -19,7 +19,8 @@ class CumulativeAttention:
     def __init__(self, reduce: str = "mean"):
         self.request = StatsRequest(column_sums=True, reduce=reduce)
 
-    def update(self, lc: LayerCache, stats: dict) -> None:
+    def update(self, lc: LayerCache, stats: dict, start: int, T: int) -> None:
+        """After a call of T queries at positions start..start+T-1."""
         lc.aux("attention_sum").add_(stats["column_sums"])  # (B, H_kv, S)
 
     def __call__(self, lc: LayerCache, stats: dict) -> torch.Tensor:

@@ -1,0 +1,166 @@
+"""WeightedKV's convex value merging: the paper's Fig. 3 toy run by hand, and Alg. 1 written literally."""
+import torch
+
+from kvmini.cache import LayerCache
+from kvmini.generate import prefill
+from kvmini.methods.convex_value_merge import convex_value_merge
+from kvmini.methods.registry import make_policy
+from reference import group_mean, random_model
+
+E = torch.eye(8)  # v_t = e_t, so a merged value shows its mixing weights directly
+
+
+def append_token(lc: LayerCache, t: int) -> None:
+    """Token t (1-based) with key 10 * e_t and value e_t."""
+    lc.append(10 * E[t - 1].view(1, 1, 1, 8), E[t - 1].view(1, 1, 1, 8), torch.tensor([[t]]))
+
+
+def set_average_attention(lc: LayerCache, abar: list[float]) -> None:
+    lc.aux("a")[:] = torch.tensor(abar).view(1, 1, -1)
+    lc.aux("n")[:] = 1.0
+
+
+def test_fig3_toy_run_with_cache_size_4():
+    """Fig. 3 / Sec. III-B: at step 5 v2 (abar 0.1) merges into v3 (0.5) as v2/6 + 5 v3/6; after step 8
+    the cache holds v3, v6, v7, v8, with v3 and v6 each carrying three values. The scores of steps
+    6-8 are our own (the figure's are not in the text), chosen to give that end state."""
+    lc = LayerCache(1, 1, 8, torch.float32, "cpu", capacity=8)
+    for t in range(1, 5):
+        append_token(lc, t)
+    steps = {5: [0.3, 0.1, 0.5, 0.4, 0.6], 6: [0.2, 0.5, 0.45, 0.6, 0.7], 7: [0.5, 0.2, 0.3, 0.6, 0.9],
+             8: [0.5, 0.1, 0.4, 0.8, 0.9]}
+    for t, abar in steps.items():
+        append_token(lc, t)
+        set_average_attention(lc, abar)
+        convex_value_merge(lc, capacity=4, sinks=0, recent=1)  # Alg. 1: j < m, the newest never merges
+        if t == 5:
+            assert lc.positions.flatten().tolist() == [1, 3, 4, 5]
+            torch.testing.assert_close(lc.values[0, 0, 1], E[1] / 6 + 5 * E[2] / 6)
+    v = lc.values[0, 0]
+    assert lc.positions.flatten().tolist() == [3, 6, 7, 8]
+    v3 = 2 / 7 * E[0] + 5 / 7 * (E[1] / 6 + 5 * E[2] / 6)  # step 6: v1 (0.2) into v3' (0.5)
+    v5 = 0.4 * E[3] + 0.6 * E[4]  # step 7: v4 (0.2) into v5 (0.3)
+    v6 = 0.2 * v5 + 0.8 * E[5]  # step 8: v5' (0.1) into v6 (0.4)
+    for got, want in zip(v, [v3, v6, E[6], E[7]]):
+        torch.testing.assert_close(got, want)
+        assert abs(got.sum().item() - 1) < 1e-6  # convex: weights sum to 1
+    torch.testing.assert_close(lc.keys[0, 0], 10 * E[[2, 5, 6, 7]])  # keys are never merged, only dropped
+
+
+def test_sinks_and_recent_window_are_never_merged_away():
+    lc = LayerCache(1, 1, 8, torch.float32, "cpu", capacity=8)
+    for t in range(1, 8):
+        append_token(lc, t)
+    set_average_attention(lc, [0.01, 0.02, 0.9, 0.8, 0.7, 0.03, 0.04])  # sinks and recent are the weakest
+    convex_value_merge(lc, capacity=5, sinks=2, recent=2)
+    # mergeable: positions 3, 4, 5. First 5 (0.7) merges into 6; then 4 (0.8) merges into 6.
+    assert lc.positions.flatten().tolist() == [1, 2, 3, 6, 7]
+    v6 = (0.7 * E[4] + 0.03 * E[5]) / 0.73
+    torch.testing.assert_close(lc.values[0, 0, 3], (0.8 * E[3] + 0.03 * v6) / 0.83)
+    torch.testing.assert_close(lc.values[0, 0, [0, 1, 2, 4]], E[[0, 1, 2, 6]])
+
+
+@torch.no_grad()
+def literal_alg1(model, ids: torch.Tensor, m: int, sinks: int, recent: int):
+    """Alg. 1 token by token with Python lists per (layer, batch, KV head): keys, values, positions, a, n."""
+    from kvmini.model import apply_rope
+
+    cfg = model.config
+    B, N = ids.shape
+    g, D = cfg.num_heads // cfg.num_kv_heads, cfg.head_dim
+    new = lambda: [[[] for _ in range(cfg.num_kv_heads)] for _ in range(B)]  # noqa: E731
+    K, V, P, A, C = ([new() for _ in range(cfg.num_layers)] for _ in range(5))
+    logits = []
+    for t in range(N):
+        angles = torch.tensor([[float(t)]]) * model.inv_freq
+        angles = torch.cat((angles, angles), -1)
+        x = model.model.embed_tokens(ids[:, t : t + 1])  # (B, 1, C)
+        for l, block in enumerate(model.model.layers):
+            attn = block.self_attn
+            h = block.input_layernorm(x)
+            q = apply_rope(attn.q_proj(h).view(B, 1, -1, D).transpose(1, 2), angles.cos(), angles.sin())
+            k = apply_rope(attn.k_proj(h).view(B, 1, -1, D).transpose(1, 2), angles.cos(), angles.sin())
+            v = attn.v_proj(h).view(B, 1, -1, D).transpose(1, 2)
+            out = torch.zeros(B, cfg.num_heads, 1, D)
+            probs = torch.zeros(B, cfg.num_heads, 1, len(K[l][0][0]) + 1)
+            for b in range(B):
+                for hk in range(cfg.num_kv_heads):
+                    K[l][b][hk].append(k[b, hk, 0]); V[l][b][hk].append(v[b, hk, 0]); P[l][b][hk].append(t)
+                    A[l][b][hk].append(0.0); C[l][b][hk].append(0.0)  # Alg. 1 lines 4-5: [a, 0], [n, 0]
+                for hq in range(cfg.num_heads):
+                    hk = hq // g
+                    p = (torch.stack(K[l][b][hk]) @ q[b, hq, 0] / D**0.5).softmax(-1)
+                    probs[b, hq, 0] = p
+                    out[b, hq, 0] = p @ torch.stack(V[l][b][hk])
+            mean = group_mean(probs, g)[:, :, 0]  # (B, H_kv, S)
+            for b in range(B):
+                for hk in range(cfg.num_kv_heads):
+                    a, n, vals = A[l][b][hk], C[l][b][hk], V[l][b][hk]
+                    for j in range(len(a)):
+                        a[j] += mean[b, hk, j].item()  # line 4
+                        n[j] += 1  # line 5
+                    if len(vals) > m:  # line 6
+                        abar = [a[j] / n[j] for j in range(len(a))]  # line 7
+                        j = min(range(sinks, len(a) - max(recent, 1)), key=lambda i: abar[i])  # line 8
+                        vals[j + 1] = (abar[j] * vals[j] + abar[j + 1] * vals[j + 1]) / (abar[j] + abar[j + 1])  # 9
+                        for lst in (K[l][b][hk], vals, P[l][b][hk], a, n):  # line 10
+                            del lst[j]
+            x = x + attn.o_proj(out.transpose(1, 2).reshape(B, 1, -1))
+            x = x + block.mlp(block.post_attention_layernorm(x))
+        logits.append(model.lm_head(model.model.norm(x))[:, -1])
+    return logits, P, V
+
+
+def test_chunk_size_1_is_algorithm_1_literally():
+    model = random_model(L=2, H=4, H_kv=2, seed=11)
+    ids = torch.randint(0, 61, (2, 26), generator=torch.Generator().manual_seed(3))
+    m, n_prompt = 12, 14
+    policy = make_policy("weightedkv", m, sinks=2, window=3)
+    cache = model.new_cache(2, 4)
+    policy.start(n_prompt, 26)
+    with torch.no_grad():
+        got = [model(ids[:, t : t + 1], cache, policy)[:, -1] for t in range(26)]
+    want, positions, values = literal_alg1(model, ids, m, sinks=2, recent=3)
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=0)
+    for l, lc in enumerate(cache.layers):
+        assert lc.positions.tolist() == positions[l]
+        torch.testing.assert_close(lc.values, torch.stack([torch.stack([torch.stack(h) for h in row])
+                                                           for row in values[l]]), atol=1e-5, rtol=0)
+    assert sum(policy.evicted) == 2 * (26 - m)
+
+
+def test_chunked_prompt_keeps_capacity_and_default_windows():
+    model = random_model(seed=2)
+    policy = make_policy("weightedkv", 40)
+    assert policy.recent(1024) == 508 and policy.recent(256) == 124 and policy.sinks == 4
+    ids = torch.randint(0, 61, (1, 150), generator=torch.Generator().manual_seed(0))
+    cache = model.new_cache(1)
+    prefill(model, ids, cache, policy)  # 150 tokens in chunks of 64: merged down after each chunk
+    assert cache.lengths() == [40, 40, 40]
+    assert policy.chunk_for(150, 150) == 64 and policy.chunk_for(30, 39) is None  # a no-op budget: one call
+    for lc in cache.layers:
+        pos = lc.positions[0, 0].tolist()
+        assert pos[:4] == [0, 1, 2, 3] and pos[-16:] == list(range(134, 150))  # sinks, (40 - 8) // 2 recent
+
+
+def test_the_newest_token_is_never_merged_even_without_a_recent_window():
+    lc = LayerCache(1, 1, 8, torch.float32, "cpu", capacity=8)
+    for t in range(1, 4):
+        append_token(lc, t)
+    set_average_attention(lc, [0.5, 0.4, 0.1])  # the newest token is the weakest
+    convex_value_merge(lc, capacity=2, sinks=0, recent=0)  # Alg. 1 line 8: j in 0..m-1
+    assert lc.positions.flatten().tolist() == [1, 3]
+    torch.testing.assert_close(lc.values[0, 0, 1], (0.4 * E[1] + 0.1 * E[2]) / 0.5)
+
+
+def test_counts_of_a_chunk_follow_the_causal_mask():
+    """A chunk of 3 queries at positions 5, 6, 7: older keys are seen 3 times, new keys 3, 2 and 1 times."""
+    from kvmini.methods.convex_value_merge import AverageAttention
+
+    lc = LayerCache(1, 1, 8, torch.float32, "cpu")
+    for t in [1, 3, 5, 6, 7]:
+        append_token(lc, t)
+    AverageAttention().update(lc, {"column_sums": torch.tensor([[[0.5, 1.0, 1.5, 0.4, 0.1]]])}, start=5, T=3)
+    assert lc.aux("n").tolist() == [[[3, 3, 3, 2, 1]]]
+    torch.testing.assert_close(lc.aux("a"), torch.tensor([[[0.5, 1.0, 1.5, 0.4, 0.1]]]))
