@@ -47,8 +47,7 @@ def methods_help() -> str:
 
     lines = ["methods (--method NAME; options as flags, defaults in brackets):"]
     for name in METHODS:
-        opts = ", ".join(f"--{k.replace('_', '-')} [{'budget // 2' if v is None else v}]"
-                         for k, v in method_options(name).items())
+        opts = ", ".join(f"--{k.replace('_', '-')} [{v}]" for k, v in method_options(name).items())
         lines.append(f"  {name:<14} {summary(name)}" + (f"\n  {'':<14} options: {opts}" if opts else ""))
     return "\n".join(lines) + "\n"
 
@@ -172,9 +171,12 @@ def describe(args, policy) -> str:
     if policy is None:
         return args.method
     options = {**method_options(args.method), **args.options}
-    shown = ", ".join(f"{k} {'budget // 2' if v is None else v}" for k, v in options.items())
+    shown = ", ".join(f"{k} {v}" for k, v in options.items())
     budgets = policy.budgets
     per_layer = f"{budgets[0]}" if len(set(budgets)) == 1 else f"{min(budgets)}-{max(budgets)} (mean {sum(budgets) / len(budgets):.1f})"
+    if policy.budget is None:
+        share = sum(budgets) / (len(budgets) * policy.prompt_len)
+        return f"{args.method}, self-chosen budget {per_layer} tokens per layer = {share:.1%} of the prompt ({shown})"
     return f"{args.method}, budget {policy.budget:g} = {per_layer} tokens per layer ({shown})"
 
 

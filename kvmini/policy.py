@@ -30,6 +30,16 @@ PREFILL = "prefill"
 EVERY_CALL = "every_call"
 
 
+def merge_requests(requests: list[StatsRequest]) -> StatsRequest:
+    """One request asking for everything any of `requests` asks for (they must agree on `reduce`)."""
+    return StatsRequest(
+        column_sums=any(r.column_sums for r in requests),
+        window=max(r.window for r in requests),
+        last_row=any(r.last_row for r in requests),
+        reduce=requests[0].reduce,
+    )
+
+
 def resolve_budget(budget: float, prompt_len: int) -> int:
     """DESIGN.md "Budgets": 0 < x <= 1 is a ratio of the prompt length, x > 1 tokens per layer.
 
@@ -50,7 +60,7 @@ class Policy:
     def __init__(
         self,
         name: str,
-        budget: float,
+        budget: float | None,  # None: the method chooses each layer's budget itself (`layer_rule`)
         *,
         scorer=None,  # None: position (most recent first), as StreamingLLM
         allocator: Callable[[int, int], list[int]] = uniform,  # (tokens per layer, L) -> per-layer budgets
@@ -60,10 +70,15 @@ class Policy:
         reducer=None,  # replaces score/select/compensate: reducer(lc, b, sinks, recent) shrinks lc to b entries
         schedule: str = PREFILL,
         prefill_chunk: int | None = None,  # prefill the prompt in chunks of this size (None: one call)
+        layer_rule=None,  # chooses a layer's budget from its statistics: layer_rule(lc, stats) -> int
+        protected_layers: tuple = (),  # layers never compressed
     ):
         self.name, self.budget, self.scorer, self.allocator = name, budget, scorer, allocator
         self.sinks, self.recent, self.compensator, self.schedule = sinks, recent, compensator, schedule
         self.reducer, self.prefill_chunk = reducer, prefill_chunk
+        self.layer_rule, self.protected_layers = layer_rule, tuple(protected_layers)
+        requests = [part.request for part in (scorer, layer_rule) if part is not None]
+        self.stats_request = merge_requests(requests) if requests else None
         self.start(None)
 
     def start(self, prompt_len: int | None, total_len: int | None = None) -> None:
@@ -78,7 +93,9 @@ class Policy:
     def chunk_for(self, prompt_len: int, total_len: int | None) -> int | None:
         """The prefill chunk size this method asks for, or None (one call, also when its budget is a no-op)."""
         longest = prompt_len if self.schedule == PREFILL else total_len
-        if self.prefill_chunk is None or (longest is not None and resolve_budget(self.budget, prompt_len) >= longest):
+        if self.prefill_chunk is None or (
+            self.budget is not None and longest is not None and resolve_budget(self.budget, prompt_len) >= longest
+        ):
             return None
         return self.prefill_chunk
 
@@ -90,11 +107,18 @@ class Policy:
             raise KvminiError(f"{self.name}: call policy.start(prompt_len) before continuing a cache it has not seen")
         if self.budgets is None:
             self._set_budgets(len(cache))
+        if self.layer_rule is not None and cache[0].positions.shape[0] > 1:
+            raise KvminiError(f"{self.name} chooses a budget per sequence; run one sequence at a time (batch 1)")
         self.cache, self.T, self.call_start = cache, T, cache.seen_tokens
         end = cache.seen_tokens + T
+        self.in_prompt = end <= self.prompt_len
         self.compress_now = self.active and (self.schedule == EVERY_CALL or end == self.prompt_len)
 
     def _set_budgets(self, L: int) -> None:
+        self.evicted = [0] * L
+        if self.budget is None:  # chosen layer by layer as the prompt is compressed
+            self.budgets, self.active = [self.prompt_len] * L, True
+            return
         b = resolve_budget(self.budget, self.prompt_len)
         self.budgets = self.allocator(b, L)
         self.evicted = [0] * L
@@ -111,21 +135,29 @@ class Policy:
         self.active = longest is None or b < longest
 
     def request(self, layer: int) -> StatsRequest | None:
-        if not self.active or self.scorer is None:
+        if not self.active or self.stats_request is None or layer in self.protected_layers:
             return None
-        if self.scorer.accumulates:  # running sums need every call's statistics
-            return self.scorer.request
-        if self.compress_now and self.cache[layer].length + self.T > self.budgets[layer]:
-            return self.scorer.request
+        if self.accumulating():  # running sums need every call's statistics
+            return self.stats_request
+        if self.compress_now and (self.layer_rule is not None or self.cache[layer].length + self.T > self.budgets[layer]):
+            return self.stats_request
         return None
+
+    def accumulating(self) -> bool:
+        """Does the scorer keep running sums now? (Always for decode-time methods, during the prompt otherwise.)"""
+        return self.scorer is not None and self.scorer.accumulates and (self.schedule == EVERY_CALL or self.in_prompt)
 
     def after_attention(self, layer: int, cache: KVCache, stats: dict) -> None:
         if not self.active:
             return
+        if layer in self.protected_layers:
+            return
         lc = cache[layer]
         t0 = time.perf_counter()
-        if self.scorer is not None and self.scorer.accumulates:
+        if self.accumulating():
             self.scorer.update(lc, stats, self.call_start, self.T)
+        if self.layer_rule is not None and self.compress_now:
+            self.budgets[layer] = self.layer_rule(lc, stats)
         b = self.budgets[layer]
         if self.compress_now and lc.length > b:
             self.evict(layer, lc, b, stats)

@@ -12,7 +12,7 @@ from kvmini.methods.selectors import keep_top
 from kvmini.policy import EVERY_CALL, resolve_budget
 from reference import random_model
 
-COMPRESSING = [m for m in METHODS if m != "full"]
+COMPRESSING = [m for m in METHODS if m != "full" and not getattr(METHODS[m], "CHOOSES_BUDGET", False)]
 SMALL = {"snapkv": {"window": 3, "kernel": 3}, "pyramidkv": {"window": 3, "kernel": 3}}  # fit tiny prompts
 
 
@@ -220,3 +220,16 @@ def test_budgets_that_cannot_work_are_rejected(name, options, budget):
     model = random_model()
     with pytest.raises(KvminiError, match="too small"):
         run_calls(model, make_calls(1, 40, 0), make_policy(name, budget, **options), 40)
+
+
+def test_self_budgeted_method_back_to_back_and_threshold_zero():
+    model = random_model(L=4, seed=6)
+    gen = torch.Generator().manual_seed(4)
+    a, b = torch.randint(0, 61, (1, 30), generator=gen), torch.randint(0, 61, (1, 22), generator=gen)
+    shared = make_policy("dbudgetkv", threshold=0.1, protected_layers="0")
+    first, second = generate(model, a, 6, policy=shared), generate(model, b, 6, policy=shared)
+    fresh = generate(model, b, 6, policy=make_policy("dbudgetkv", threshold=0.1, protected_layers="0"))
+    assert second.tokens == fresh.tokens and second.cache.lengths() == fresh.cache.lengths()
+    assert min(first.cache.lengths()) < 30 + 5
+    nothing = generate(model, a, 6, policy=make_policy("dbudgetkv", threshold=0.0, protected_layers=""))
+    assert nothing.cache.lengths() == [35] * 4 and nothing.tokens == generate(model, a, 6).tokens

@@ -25,8 +25,14 @@ import torch
 import torch.nn.functional as F
 
 from kvmini.errors import KvminiError
+from kvmini.generate import prefill
 from kvmini.methods.registry import METHODS, make_policy
 from kvmini.policy import EVERY_CALL
+
+
+def chooses_budget(method: str) -> bool:
+    """Methods like DBudgetKV pick their own budget and run once, whatever --budgets says."""
+    return getattr(METHODS[method], "CHOOSES_BUDGET", False)
 
 
 def pydoc_text() -> str:
@@ -40,13 +46,12 @@ def pydoc_text() -> str:
 def continuation_logits(model, ids: torch.Tensor, n: int, policy=None):
     """ids (1, N + K) -> (logits (K, V) predicting tokens N..N+K-1, cache after the prompt's lengths).
 
-    The prompt ids[:, :n] fills (and the policy compresses) the cache; the rest is teacher-forced.
+    The prompt ids[:, :n] fills (and the policy compresses) the cache, in chunks where the method asks
+    for them (WeightedKV); the rest is teacher-forced.
     """
     total = ids.shape[1]
     cache = model.new_cache(1, capacity=total)
-    if policy is not None:
-        policy.start(n, total - 1)
-    first = model(ids[:, :n], cache, policy)[:, -1]  # (1, V)
+    first = prefill(model, ids[:, :n], cache, policy, total_len=total - 1)  # (1, V); chunked if the method asks
     kept = cache.lengths()
     rest = ids[:, n : total - 1]  # (1, K - 1): the inputs whose outputs predict tokens N+1..N+K-1
     if policy is not None and policy.schedule == EVERY_CALL:
@@ -74,9 +79,10 @@ def run(model, ids: torch.Tensor, n: int, methods: list[str], budgets: list[floa
     full, kept_full = continuation_logits(model, ids, n)
     rows = [{"method": "full", "budget": None, **compare(full, full, targets), "kept": n, "kept_share": 1.0,
              "seconds": time.perf_counter() - t0}]
-    log(f"[1/{1 + len(methods) * len(budgets)}] full: ppl {rows[0]['ppl']:.3f} ({rows[0]['seconds']:.1f} s)")
+    total = 1 + sum(1 if chooses_budget(m) else len(budgets) for m in methods)
+    log(f"[1/{total}] full: ppl {rows[0]['ppl']:.3f} ({rows[0]['seconds']:.1f} s)")
     for method in methods:
-        for budget in budgets:
+        for budget in [None] if chooses_budget(method) else budgets:
             t0 = time.perf_counter()
             policy = make_policy(method, budget, **(options or {}).get(method, {}))
             logits, kept = continuation_logits(model, ids, n, policy)
@@ -84,7 +90,8 @@ def run(model, ids: torch.Tensor, n: int, methods: list[str], budgets: list[floa
                    "kept": sum(kept) / len(kept), "kept_share": sum(kept) / (n * len(kept)),
                    "seconds": time.perf_counter() - t0}
             rows.append(row)
-            log(f"[{len(rows)}/{1 + len(methods) * len(budgets)}] {method} budget {budget:g}: ppl {row['ppl']:.3f}, "
+            shown = "self-chosen" if budget is None else f"{budget:g}"
+            log(f"[{len(rows)}/{total}] {method} budget {shown}: ppl {row['ppl']:.3f}, "
                 f"KL {row['kl']:.4f}, top-1 {row['top1']:.3f} ({row['seconds']:.1f} s)")
     return rows
 
@@ -95,7 +102,7 @@ def table(rows: list[dict], n: int, k: int) -> str:
              "| method | budget | kept/layer | kept share | perplexity | KL(full‖method) | top-1 agree |",
              "|---|---|---|---|---|---|---|"]
     for r in rows:
-        budget = "—" if r["budget"] is None else f"{r['budget']:g}"
+        budget = "—" if r["method"] == "full" else "self-chosen" if r["budget"] is None else f"{r['budget']:g}"
         lines.append(f"| {r['method']} | {budget} | {r['kept']:.1f} | {r['kept_share']:.1%} | {r['ppl']:.3f} | "
                      f"{r['kl']:.4f} | {r['top1']:.3f} |")
     return "\n".join(lines)

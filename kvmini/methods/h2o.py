@@ -11,6 +11,8 @@ Defaults: window = budget // 2, sinks 0, group reduction mean.
 from kvmini.methods.scorers import CumulativeAttention
 from kvmini.policy import EVERY_CALL, Policy
 
+DEFAULTS_SHOWN = {"window": "budget // 2"}
+
 
 def build(budget: float, window: int | None = None, reduce: str = "mean") -> Policy:
     recent = (lambda b: b // 2) if window is None else (lambda b: window)

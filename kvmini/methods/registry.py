@@ -8,7 +8,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from kvmini.errors import KvminiError
-from kvmini.methods import h2o, pyramidkv, snapkv, streaming_llm, tova, weightedkv
+from kvmini.methods import dbudgetkv, h2o, pyramidkv, snapkv, streaming_llm, tova, weightedkv
 from kvmini.policy import Policy, resolve_budget
 
 METHODS = {
@@ -19,6 +19,7 @@ METHODS = {
     "snapkv": snapkv,
     "pyramidkv": pyramidkv,
     "weightedkv": weightedkv,
+    "dbudgetkv": dbudgetkv,
 }
 DEFAULT_BUDGET = 0.2  # used by run.py when --budget is not given
 
@@ -41,6 +42,15 @@ OPTIONS = {
                      lambda x: x in ("mean", "max", "sum"), "be mean, max or sum"),
     "pyramid_beta": Option(float, "PyramidKV: top-layer share 1/beta of the bottom's extra budget",
                            lambda x: x >= 1, "be >= 1"),
+    "threshold": Option(float, "DBudgetKV: allowed relative drop of the attention norm", lambda x: 0 <= x < 1,
+                        "be in [0, 1)"),
+    "k": Option(int, "DBudgetKV: last prompt rows averaged into the attention row (Eq. 1)", lambda x: x >= 1,
+                "be >= 1"),
+    "ranking": Option(str, "DBudgetKV: position | attention", lambda x: x in ("position", "attention"),
+                      "be position or attention"),
+    "protected_layers": Option(str, "DBudgetKV: comma-separated layers never pruned, e.g. 0,1 (empty: none)",
+                               lambda x: all(p.strip().isdigit() for p in x.split(",") if p.strip()),
+                               "be comma-separated layer numbers"),
 }
 
 
@@ -56,7 +66,8 @@ def method_options(name: str) -> dict[str, object]:
     if module is None:
         return {}
     params = list(inspect.signature(module.build).parameters.values())[1:]  # after `budget`
-    return {p.name: p.default for p in params}
+    shown = getattr(module, "DEFAULTS_SHOWN", {})  # how a None default reads, e.g. "budget // 2"
+    return {p.name: shown.get(p.name, p.default) for p in params}
 
 
 def make_policy(name: str, budget: float | None = None, **options) -> Policy | None:
@@ -77,4 +88,8 @@ def make_policy(name: str, budget: float | None = None, **options) -> Policy | N
         if budget is not None:
             raise KvminiError("--budget does not apply to method full (it keeps every token)")
         return None
+    if getattr(METHODS[name], "CHOOSES_BUDGET", False):
+        if budget is not None:
+            raise KvminiError(f"--budget does not apply to method {name}: it chooses each layer's budget itself")
+        return METHODS[name].build(None, **options)
     return METHODS[name].build(DEFAULT_BUDGET if budget is None else budget, **options)

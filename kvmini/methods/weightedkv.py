@@ -11,6 +11,8 @@ mean; the prompt is prefilled in chunks of 64 tokens (run.py `--chunk-size 1` is
 from kvmini.methods.convex_value_merge import AverageAttention, convex_value_merge
 from kvmini.policy import EVERY_CALL, Policy
 
+DEFAULTS_SHOWN = {"window": "(budget - 8) // 2"}
+
 
 def build(budget: float, sinks: int = 4, window: int | None = None, reduce: str = "mean") -> Policy:
     recent = (lambda m: max((m - 8) // 2, 0)) if window is None else (lambda m: window)

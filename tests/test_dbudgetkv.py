@@ -1,0 +1,117 @@
+"""DBudgetKV's Frobenius-norm stopping: a 6-token cut by hand, a sequential prune-until-threshold
+loop, and whole-model runs against a literal masked simulation (tests/reference.py)."""
+import math
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvmini.errors import KvminiError
+from kvmini.methods.frobenius_stop import frobenius_stop
+from kvmini.methods.registry import make_policy
+from reference import group_mean, random_model, simulate
+
+ROW = torch.tensor([0.4, 0.05, 0.1, 0.05, 0.1, 0.3]).view(1, 1, 6)
+BY_POSITION_ONE_SINK = torch.tensor([1, 2, 3, 4, 5, 0]).view(1, 1, 6)  # earliest non-sink first, the sink last
+
+
+def test_six_token_cut_by_hand():
+    # ||A'||^2 = .16 + .0025 + .01 + .0025 + .01 + .09 = .275. Removing token 1 leaves .2725: the norm
+    # drops by 1 - sqrt(.2725/.275) = 0.46%; also token 2 leaves .2625: 2.30%; token 3: .26, 2.77%;
+    # token 4: .25, 4.65%; token 5: .16, 23.7%.
+    drops = [1 - math.sqrt(x / 0.275) for x in (0.2725, 0.2625, 0.26, 0.25, 0.16)]
+    assert [round(d * 100, 2) for d in drops] == [0.46, 2.3, 2.77, 4.65, 23.72]
+    assert frobenius_stop(ROW, BY_POSITION_ONE_SINK, 0.01) == 1
+    assert frobenius_stop(ROW, BY_POSITION_ONE_SINK, 0.03) == 3
+    assert frobenius_stop(ROW, BY_POSITION_ONE_SINK, 0.05) == 4
+    assert frobenius_stop(ROW, BY_POSITION_ONE_SINK, 0.0) == 0  # threshold 0 prunes nothing
+
+
+def sequential_prune(s: torch.Tensor, order: torch.Tensor, t: float) -> int:
+    """Remove the least important token one at a time; stop before the head-averaged norm drops by more than t."""
+    B, H, S = s.shape
+    norm = lambda keep: sum(math.sqrt(sum(s[b, h, j].item() ** 2 for j in keep[b][h]))  # noqa: E731
+                            for b in range(B) for h in range(H)) / (B * H)
+    full = norm([[order[b, h].tolist() for h in range(H)] for b in range(B)])
+    pruned = 0
+    while pruned < S - 1:
+        keep = [[order[b, h, pruned + 1 :].tolist() for h in range(H)] for b in range(B)]
+        if (full - norm(keep)) / full > t:
+            break
+        pruned += 1
+    return pruned
+
+
+@settings(max_examples=60, deadline=None)
+@given(H=st.integers(1, 4), S=st.integers(1, 24), t=st.sampled_from([0.0, 0.005, 0.01, 0.05, 0.2, 0.6]),
+       seed=st.integers(0, 10**6), shared_order=st.booleans())
+def test_vectorized_cut_equals_the_sequential_loop(H, S, t, seed, shared_order):
+    gen = torch.Generator().manual_seed(seed)
+    s = torch.rand(1, H, S, generator=gen).pow(3)
+    s = s / s.sum(-1, keepdim=True)  # attention rows
+    if shared_order:
+        order = torch.randperm(S, generator=gen).expand(1, H, S)
+    else:
+        order = torch.stack([torch.randperm(S, generator=gen) for _ in range(H)])[None]
+    assert frobenius_stop(s, order, t) == sequential_prune(s, order, t)
+
+
+def dbudgetkv_literal(g, threshold, k, sinks, protected, ranking):
+    """Sec. 3.2 written out: Eq. (1) row over the last k queries, rank, prune while the drop <= t."""
+    def choose(layer, c, probs, kept, new):
+        if layer in protected or c > 0:  # prefill only; decode appends
+            return [[sorted(s + new) for s in kept[0]]]
+        cand = sorted(new)  # the whole prompt
+        P = group_mean(probs, g)[0]  # (H_kv, T, N)
+        H_kv, n = P.shape[0], len(cand)
+        rows = P[:, -k:]  # (H_kv, k, N): the last k queries
+        s = [[rows[h, :, j].sum().item() / (rows[h, :, j] != 0).sum().item() for j in cand] for h in range(H_kv)]
+        if ranking == "position":
+            order = [list(range(sinks, n)) + list(range(sinks)) for _ in range(H_kv)]
+        else:
+            colsum = P.sum(1)  # (H_kv, N)
+            order = [sorted(range(n), key=lambda j: (colsum[h, cand[j]].item(), j)) for h in range(H_kv)]
+        pruned = sequential_prune(torch.tensor(s)[None], torch.tensor(order)[None], threshold)
+        if ranking == "position":
+            return [[cand[:sinks] + cand[sinks + pruned :] for _ in range(H_kv)]]
+        return [[sorted(cand[j] for j in order[h][pruned:]) for h in range(H_kv)]]
+    return choose
+
+
+@pytest.mark.parametrize("options", [
+    {"threshold": 0.05, "protected_layers": "0"},
+    {"threshold": 0.2, "k": 3, "sinks": 2, "protected_layers": ""},
+    {"threshold": 0.1, "ranking": "attention", "protected_layers": "1"},
+])
+def test_whole_model_equals_the_literal_rule(options):
+    model = random_model(L=3, H=4, H_kv=2, seed=9, sharp=1.5)
+    gen = torch.Generator().manual_seed(1)
+    calls = [torch.randint(0, 61, (1, 24), generator=gen)] + [torch.randint(0, 61, (1, 1), generator=gen)
+                                                             for _ in range(3)]
+    policy = make_policy("dbudgetkv", **options)
+    cache = model.new_cache(1, 4)
+    policy.start(24, 26)
+    with torch.no_grad():
+        got = [model(ids, cache, policy)[:, -1] for ids in calls]
+    protected = tuple(int(x) for x in options["protected_layers"].split(",") if x)
+    choose = dbudgetkv_literal(2, options["threshold"], options.get("k", 1), options.get("sinks", 4), protected,
+                               options.get("ranking", "position"))
+    want, entering = simulate(model, calls, choose)  # entering[c]: what each layer held before call c
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=0)
+    assert policy.budgets == [len(layer[0][0]) for layer in entering[1]]
+    for l, lc in enumerate(cache.layers):
+        assert lc.positions[:, :, :-1].tolist() == entering[-1][l], f"layer {l}"
+    assert any(b < 24 for b in policy.budgets)  # something was pruned
+
+
+def test_budget_batch_and_option_errors():
+    with pytest.raises(KvminiError, match="--budget does not apply to method dbudgetkv"):
+        make_policy("dbudgetkv", 0.5)
+    with pytest.raises(KvminiError, match="--threshold must be in"):
+        make_policy("dbudgetkv", threshold=1.5)
+    with pytest.raises(KvminiError, match="batch 1"):
+        model = random_model()
+        with torch.no_grad():
+            model(torch.zeros(2, 9, dtype=torch.long), model.new_cache(2), make_policy("dbudgetkv"))
