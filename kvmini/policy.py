@@ -5,7 +5,8 @@
     selector     which tokens, given scores, budget, sinks, recent window? indices to keep
     compensator  what happens to the evicted tokens (drop, or merge)?    edits K/V in place
     schedule     PREFILL: once, layer by layer, in the call that completes the prompt;
-                 EVERY_CALL: after every forward call (each prefill chunk, each decode step)
+                 EVERY_CALL: after every forward call (each prefill chunk, each decode step);
+                 AFTER_PROMPT: once the prompt is complete, and then after every decode step
 
 The model talks to a policy through three calls per forward pass of T new tokens:
     begin(cache, T)                     before layer 0
@@ -28,6 +29,7 @@ from kvmini.methods.selectors import keep_top
 
 PREFILL = "prefill"
 EVERY_CALL = "every_call"
+AFTER_PROMPT = "after_prompt"  # in the call that completes the prompt, then after every later call
 
 
 def merge_requests(requests: list[StatsRequest]) -> StatsRequest:
@@ -71,13 +73,14 @@ class Policy:
         schedule: str = PREFILL,
         prefill_chunk: int | None = None,  # prefill the prompt in chunks of this size (None: one call)
         layer_rule=None,  # chooses a layer's budget from its statistics: layer_rule(lc, stats) -> int
+        layer_stat=None,  # measured per layer on the prompt; allocator(b, L, stats, n) then runs after the last layer
         protected_layers: tuple = (),  # layers never compressed
     ):
         self.name, self.budget, self.scorer, self.allocator = name, budget, scorer, allocator
         self.sinks, self.recent, self.compensator, self.schedule = sinks, recent, compensator, schedule
         self.reducer, self.prefill_chunk = reducer, prefill_chunk
-        self.layer_rule, self.protected_layers = layer_rule, tuple(protected_layers)
-        requests = [part.request for part in (scorer, layer_rule) if part is not None]
+        self.layer_rule, self.layer_stat, self.protected_layers = layer_rule, layer_stat, tuple(protected_layers)
+        requests = [part.request for part in (scorer, layer_rule, layer_stat) if part is not None]
         self.stats_request = merge_requests(requests) if requests else None
         self.start(None)
 
@@ -88,7 +91,12 @@ class Policy:
         self.evicted: list[int] = []  # tokens removed per layer, over the whole run
         self.overhead_s = 0.0  # time spent scoring, selecting, merging and gathering
         self.active = False
+        self.layer_stats: list[float] = []  # layer_stat of each layer, in the call that completes the prompt
+        self._held_stats: list[dict] = []  # each layer's statistics until the deferred allocation
         self._fresh = prompt_len is not None
+        for part in (self.scorer, self.compensator):
+            if hasattr(part, "reset"):
+                part.reset()
 
     def chunk_for(self, prompt_len: int, total_len: int | None) -> int | None:
         """The prefill chunk size this method asks for, or None (one call, also when its budget is a no-op)."""
@@ -107,12 +115,14 @@ class Policy:
             raise KvminiError(f"{self.name}: call policy.start(prompt_len) before continuing a cache it has not seen")
         if self.budgets is None:
             self._set_budgets(len(cache))
-        if self.layer_rule is not None and cache[0].positions.shape[0] > 1:
+        if self.active and (self.layer_rule or self.layer_stat) is not None and cache[0].positions.shape[0] > 1:
             raise KvminiError(f"{self.name} chooses a budget per sequence; run one sequence at a time (batch 1)")
         self.cache, self.T, self.call_start = cache, T, cache.seen_tokens
         end = cache.seen_tokens + T
         self.in_prompt = end <= self.prompt_len
-        self.compress_now = self.active and (self.schedule == EVERY_CALL or end == self.prompt_len)
+        self.compress_now = self.active and (
+            self.schedule == EVERY_CALL or end == self.prompt_len or (self.schedule == AFTER_PROMPT and end > self.prompt_len)
+        )
 
     def _set_budgets(self, L: int) -> None:
         self.evicted = [0] * L
@@ -120,8 +130,14 @@ class Policy:
             self.budgets, self.active = [self.prompt_len] * L, True
             return
         b = resolve_budget(self.budget, self.prompt_len)
-        self.budgets = self.allocator(b, L)
-        self.evicted = [0] * L
+        self.budgets = [b] * L if self.layer_stat is not None else self.allocator(b, L)  # deferred: see _allocate
+        self._check_budgets()
+        longest = self.prompt_len if self.schedule == PREFILL else self.total_len
+        # a budget >= the sequence is a no-op (even where a per-layer allocation would give some
+        # layer less, as PyramidKV's code does): no statistics, the fast path, exactly `full`
+        self.active = longest is None or b < longest
+
+    def _check_budgets(self) -> None:
         for layer, b_l in enumerate(self.budgets):
             recent = self.recent(b_l)
             if b_l <= self.sinks or recent < 0 or self.sinks + recent > b_l:
@@ -129,23 +145,34 @@ class Policy:
                     f"{self.name}: a budget of {b_l} tokens (layer {layer}) is too small for {self.sinks} sinks "
                     f"and a window of {max(recent, 0)} tokens; raise --budget or lower --sinks/--window"
                 )
-        longest = self.prompt_len if self.schedule == PREFILL else self.total_len
-        # a budget >= the sequence is a no-op (even where a per-layer allocation would give some
-        # layer less, as PyramidKV's code does): no statistics, the fast path, exactly `full`
-        self.active = longest is None or b < longest
+
+    def _allocate(self, cache: KVCache, stats: dict) -> None:
+        """Deferred allocation (e.g. D2O): every layer has been measured; budget all, then compress all."""
+        b = resolve_budget(self.budget, self.prompt_len)
+        self.budgets = self.allocator(b, len(cache), self.layer_stats, self.prompt_len)
+        self._check_budgets()
+        for layer, lc in enumerate(cache.layers):
+            if lc.length > self.budgets[layer]:
+                self.evict(layer, lc, self.budgets[layer], self._held_stats[layer])
+        self._held_stats = []
 
     def request(self, layer: int) -> StatsRequest | None:
         if not self.active or self.stats_request is None or layer in self.protected_layers:
             return None
         if self.accumulating():  # running sums need every call's statistics
             return self.stats_request
-        if self.compress_now and (self.layer_rule is not None or self.cache[layer].length + self.T > self.budgets[layer]):
+        if self.compress_now and (self.layer_rule is not None or self.measuring()
+                                  or self.cache[layer].length + self.T > self.budgets[layer]):
             return self.stats_request
         return None
 
+    def measuring(self) -> bool:
+        """Is a deferred allocation still collecting its per-layer statistic (in the call completing the prompt)?"""
+        return self.layer_stat is not None and len(self.layer_stats) < len(self.budgets)
+
     def accumulating(self) -> bool:
         """Does the scorer keep running sums now? (Always for decode-time methods, during the prompt otherwise.)"""
-        return self.scorer is not None and self.scorer.accumulates and (self.schedule == EVERY_CALL or self.in_prompt)
+        return self.scorer is not None and self.scorer.accumulates and (self.schedule != PREFILL or self.in_prompt)
 
     def after_attention(self, layer: int, cache: KVCache, stats: dict) -> None:
         if not self.active:
@@ -159,7 +186,12 @@ class Policy:
         if self.layer_rule is not None and self.compress_now:
             self.budgets[layer] = self.layer_rule(lc, stats)
         b = self.budgets[layer]
-        if self.compress_now and lc.length > b:
+        if self.compress_now and self.measuring():
+            self.layer_stats.append(self.layer_stat(lc, stats))  # measure now, compress after the last layer
+            self._held_stats.append(stats)  # (B, H_kv, S) tensors, for scorers that score from them
+            if len(self.layer_stats) == len(cache):
+                self._allocate(cache, stats)
+        elif self.compress_now and lc.length > b:
             self.evict(layer, lc, b, stats)
         if lc.keys.is_cuda:
             torch.cuda.synchronize(lc.keys.device)

@@ -30,6 +30,8 @@ def cache_report(cache: KVCache, policy=None) -> list[str]:
                  f"(ratio {ratio:.3f})")
     if policy is not None:
         total = sum(policy.evicted)
-        lines.append(f"evicted   {total} tokens ({total / len(kept):.1f} per layer on average)")
+        merged = sum(getattr(policy.compensator, "merged", {}).values())
+        how = f", {merged:.0f} of them merged into kept tokens (mean over KV heads)" if merged else ""
+        lines.append(f"evicted   {total} tokens ({total / len(kept):.1f} per layer on average{how})")
         lines.append(f"overhead  {policy.overhead_s:.3f} s in compression (scoring, selection, merging, gathers)")
     return lines

@@ -44,7 +44,7 @@ def test_generates_and_reports(default_model_dir, prompt):
 def test_help_shows_examples_methods_and_their_options():
     code, out, _ = run("--help")
     assert code == 0 and "examples:" in out and "--method" in out
-    for name in ("full", "streaming_llm", "h2o", "tova", "snapkv", "pyramidkv", "weightedkv", "dbudgetkv"):
+    for name in ("full", "streaming_llm", "h2o", "tova", "snapkv", "pyramidkv", "weightedkv", "dbudgetkv", "d2o"):
         assert f"\n  {name} " in out
     assert "--window [32], --kernel [7], --pooling [avg], --reduce [mean], --pyramid-beta [20]" in out
 
@@ -103,6 +103,9 @@ def test_prompt_longer_than_context(default_model_dir, tmp_path, real_text):
     (["--method", "streaming_llm", "--sinks", "-1"], "--sinks must be >= 0"),
     (["--method", "dbudgetkv", "--budget", "0.3"], "--budget does not apply to method dbudgetkv"),
     (["--method", "dbudgetkv", "--protected-layers", "0,x"], "--protected-layers must be comma-separated"),
+    (["--method", "d2o", "--nm", "3-1"], "--nm must look like N:M"),
+    (["--method", "d2o", "--allocation", "random"], "--allocation must be variance_softmax, reciprocal or uniform"),
+    (["--method", "d2o", "--beta", "1.5"], "--beta must be in [0, 1]"),
 ])
 def test_bad_options(prompt, tiny_llama, args, fragment):
     assert_one_line_error(*run("--prompt", prompt, "--model", tiny_llama, *args)[::2], fragment)

@@ -52,7 +52,7 @@ def test_command_line_error_is_one_line():
     proc = subprocess.run([sys.executable, "-m", "kvmini.eval.fidelity", "--methods", "h2o", "nope"],
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2 and proc.stderr.strip() == (
-        "error: unknown method(s) nope; choose from streaming_llm, h2o, tova, snapkv, pyramidkv, weightedkv, dbudgetkv")
+        "error: unknown method(s) nope; choose from streaming_llm, h2o, tova, snapkv, pyramidkv, weightedkv, dbudgetkv, d2o")
 
 
 @pytest.mark.slow

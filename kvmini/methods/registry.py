@@ -8,7 +8,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from kvmini.errors import KvminiError
-from kvmini.methods import dbudgetkv, h2o, pyramidkv, snapkv, streaming_llm, tova, weightedkv
+from kvmini.methods import d2o, dbudgetkv, h2o, pyramidkv, snapkv, streaming_llm, tova, weightedkv
 from kvmini.policy import Policy, resolve_budget
 
 METHODS = {
@@ -20,6 +20,7 @@ METHODS = {
     "pyramidkv": pyramidkv,
     "weightedkv": weightedkv,
     "dbudgetkv": dbudgetkv,
+    "d2o": d2o,
 }
 DEFAULT_BUDGET = 0.2  # used by run.py when --budget is not given
 
@@ -51,6 +52,16 @@ OPTIONS = {
     "protected_layers": Option(str, "DBudgetKV: comma-separated layers never pruned, e.g. 0,1 (empty: none)",
                                lambda x: all(p.strip().isdigit() for p in x.split(",") if p.strip()),
                                "be comma-separated layer numbers"),
+    "beta": Option(float, "D2O: EMA weight of the newest similarity in the merge threshold (Eq. 10)",
+                   lambda x: 0 <= x <= 1, "be in [0, 1]"),
+    "nm": Option(str, "D2O: heavy:recent split of the non-sink budget, e.g. 3:1",
+                 lambda x: len(x.split(":")) == 2 and all(p.isdigit() and int(p) >= 0 for p in x.split(":"))
+                 and sum(int(p) for p in x.split(":")) > 0, "look like N:M, e.g. 3:1"),
+    "allocation": Option(str, "D2O: variance_softmax | reciprocal | uniform (Table 4)",
+                         lambda x: x in ("variance_softmax", "reciprocal", "uniform"),
+                         "be variance_softmax, reciprocal or uniform"),
+    "softmax_temperature": Option(float, "D2O: temperature of the softmax over standardized variances",
+                                  lambda x: x > 0, "be > 0"),
 }
 
 

@@ -1,0 +1,62 @@
+r"""EMA-threshold merging (D2O, Eq. 6-12): evicted tokens that closely resemble a kept one are
+merged into it instead of being dropped.
+
+    u_{ij} = \frac{k_i \cdot k_j}{\|k_i\| \|k_j\|},   j^*_i = \arg\max_j u_{ij}  over kept j   (Eq. 9)
+    \tau_0 = \mathrm{mean}_{i \in \text{evicted}} u_{i j^*_i}   at prefill                          (Eq. 10)
+    \tau_t = \beta \max_j u_{t j} + (1 - \beta) \tau_{t-1}      at decode step t
+    i is merged iff u_{i j^*_i} \ge \tau   (for one evicted token, \ge \tau_t \iff \ge \tau_{t-1})
+    k_j \leftarrow w_c k_j + \sum_{i \in E_j} w_i k_i,  v likewise                                  (Eq. 11-12)
+    w_i = \frac{e^{u_{ij}}}{\sum_{i' \in E_j} e^{u_{i'j}} + e},   w_c = \frac{e}{\sum_{i' \in E_j} e^{u_{i'j}} + e}
+
+(a softmax over {j itself, similarity 1} and the tokens that chose j; the weights sum to 1).
+tau is kept per (sequence, KV head). A kept token's accumulated attention is not changed by a
+merge. Deviation: the official code merges with raw cosine weights and a scatter-mean (not a
+convex combination); we follow the paper.
+"""
+import math
+
+import torch
+import torch.nn.functional as F
+
+from kvmini.cache import LayerCache
+
+
+class EMAMerge:
+    """The compensator: called with the indices a layer keeps, before they are gathered."""
+
+    def __init__(self, beta: float = 0.7):
+        self.beta = beta
+        self.reset()
+
+    def reset(self) -> None:
+        self.tau: dict[int, torch.Tensor] = {}  # layer -> (B, H_kv)
+        self.merged: dict[int, float] = {}  # layer -> evicted tokens merged rather than dropped (mean over heads)
+
+    def __call__(self, layer: int, lc: LayerCache, keep: torch.Tensor) -> None:
+        B, H_kv, S = lc.positions.shape
+        mask = torch.ones(B, H_kv, S, dtype=torch.bool, device=keep.device)
+        mask.scatter_(2, keep, False)
+        evict = mask.nonzero()[:, 2].view(B, H_kv, -1)  # (B, H_kv, E), ascending
+        D = lc.keys.shape[-1]
+        k_keep = lc.keys.gather(2, keep[..., None].expand(-1, -1, -1, D)).float()  # (B, H_kv, b, D)
+        k_evict = lc.keys.gather(2, evict[..., None].expand(-1, -1, -1, D)).float()  # (B, H_kv, E, D)
+        u = F.normalize(k_evict, dim=-1) @ F.normalize(k_keep, dim=-1).transpose(-1, -2)  # (B, H_kv, E, b) Eq. 9
+        best, j_star = u.max(-1)  # (B, H_kv, E)
+        if layer not in self.tau:
+            self.tau[layer] = best.mean(-1)  # Eq. 10, tau_0
+            tau = self.tau[layer]
+        else:
+            tau = self.tau[layer]  # tau_{t-1}: the comparison is the same as with tau_t
+            self.tau[layer] = self.beta * best.mean(-1) + (1 - self.beta) * tau
+        merge = best >= tau[..., None]  # (B, H_kv, E)
+        self.merged[layer] = self.merged.get(layer, 0) + merge.float().mean(1).sum().item()  # tokens, mean over heads
+        weight = torch.where(merge, best.exp(), torch.zeros_like(best))  # e^{u_ij*} of merged tokens, 0 otherwise
+        den = torch.full(keep.shape, math.e, dtype=torch.float32, device=keep.device)  # (B, H_kv, b): e + ...
+        den.scatter_add_(2, j_star, weight)
+        for cache in (lc.keys, lc.values):
+            x_keep = cache.gather(2, keep[..., None].expand(-1, -1, -1, D)).float()  # (B, H_kv, b, D)
+            x_evict = cache.gather(2, evict[..., None].expand(-1, -1, -1, D)).float()
+            num = math.e * x_keep  # e * k_j ...
+            num.scatter_add_(2, j_star[..., None].expand(-1, -1, -1, D), weight[..., None] * x_evict)  # + sum e^u k_i
+            merged = (num / den[..., None]).to(cache.dtype)  # Eq. 11-12
+            cache.scatter_(2, keep[..., None].expand(-1, -1, -1, D), merged)

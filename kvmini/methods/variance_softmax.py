@@ -1,0 +1,83 @@
+r"""Variance-softmax layer allocation (D2O, Eq. 4-5, App. A.2; Table 4 for the alternatives).
+
+A layer whose attention is spread out (column sums of low variance) needs more of the cache;
+one that concentrates on a few tokens needs less.
+
+    s^{(l)}_j = \sum_i A^{(l)}_{ij}              attention each key received in the prompt
+    F_v^{(l)} = \mathrm{Var}_j(s^{(l)}_j)         (Eq. 4, per head, averaged over heads)
+    \alpha_l = \mathrm{softmax}(-F_v)_l \cdot L \cdot \rho,   S_l = \alpha_l \cdot n   (Eq. 5)
+
+so \sum_l S_l = L \rho n. Deviation: raw variances grow with n and make the softmax a one-hot,
+so F_v is standardized across layers (z-score) before the softmax, divided by a temperature
+(default 1). Each S_l is clamped to [low, n] and what the clamp removes or adds is given to
+the other layers in proportion to their weights, so the total stays L \rho n (rounding by
+largest remainder). The official code instead min-max normalizes variances across the heads
+of a layer, which makes budgets nearly uniform.
+"""
+import torch
+
+from kvmini.attention import StatsRequest
+from kvmini.methods.allocators import round_to_total
+
+ALLOCATIONS = ("variance_softmax", "reciprocal", "uniform")
+
+
+def attention_variance(column_sums: torch.Tensor) -> float:
+    """F_v (Eq. 4): column_sums (B, H_kv, n) -> variance over key positions, averaged over heads."""
+    return column_sums.var(dim=-1, correction=0).mean().item()
+
+
+class AttentionVariance:
+    """The per-layer statistic F_v, measured on the prompt's column sums (with a chunked prefill:
+    the last chunk's queries)."""
+
+    def __init__(self, reduce: str = "mean"):
+        self.request = StatsRequest(column_sums=True, reduce=reduce)
+
+    def __call__(self, lc, stats: dict) -> float:
+        return attention_variance(stats["column_sums"])
+
+
+class VarianceSoftmax:
+    """The deferred allocator: (b, L, F_v per layer, n) -> S_l per layer, total L * b (Eq. 5)."""
+
+    def __init__(self, how: str = "variance_softmax", temperature: float = 1.0, low: int = 8):
+        self.how, self.temperature, self.low = how, temperature, low
+
+    def __call__(self, b: int, L: int, F_v: list[float], n: int) -> list[int]:
+        """Layers get between min(low, b) and max(n, b) tokens (b > n: room for decoding)."""
+        return allocate(layer_weights(F_v, self.how, self.temperature), b * L, min(self.low, b), max(n, b))
+
+
+def layer_weights(F_v: list[float], how: str = "variance_softmax", temperature: float = 1.0) -> list[float]:
+    """Each layer's share of the total (they sum to 1).
+
+    variance_softmax: softmax(-z(F_v) / temperature); reciprocal: (1/F_v) / sum(1/F_v); uniform: 1/L.
+    Example: F_v = [1, 2, 3] -> z = [-1.22, 0, 1.22] -> softmax(-z) = [0.72, 0.21, 0.06].
+    """
+    F = torch.tensor(F_v, dtype=torch.float64)  # (L,)
+    if how == "uniform":
+        return [1 / len(F_v)] * len(F_v)
+    if how == "reciprocal":
+        inv = 1 / F.clamp(min=1e-30)
+        return (inv / inv.sum()).tolist()
+    std = F.std(correction=0)
+    z = (F - F.mean()) / std if std > 0 else torch.zeros_like(F)
+    return torch.softmax(-z / temperature, dim=0).tolist()
+
+
+def allocate(weights: list[float], total: int, low: int, high: int) -> list[int]:
+    """S_l = clamp(lambda * w_l, low, high) with the one lambda that makes them sum to `total`
+    (Eq. 5 plus the clamp; what a clamped layer gives up or takes goes to the others by weight),
+    then rounded to integers with the same sum. lambda is found by bisection: the sum only grows with it.
+    """
+    L = len(weights)
+    total = max(min(total, high * L), low * L)
+    clamped = lambda lam: [min(max(lam * w, low), high) for w in weights]  # noqa: E731
+    lo_lam, hi_lam = 0.0, high / max(min(weights), 1e-12)  # sum(clamped(hi_lam)) = high * L >= total
+    for _ in range(200):
+        mid = (lo_lam + hi_lam) / 2
+        lo_lam, hi_lam = (mid, hi_lam) if sum(clamped(mid)) < total else (lo_lam, mid)
+    exact = clamped(hi_lam)
+    scale = total / sum(exact)  # remove the last bisection error before rounding
+    return round_to_total([x * scale for x in exact], total)

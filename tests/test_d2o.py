@@ -1,0 +1,222 @@
+"""D2O: variance-softmax allocation (Eq. 4-5) and EMA-threshold merging (Eq. 9-12), by hand and against
+literal loops; the whole method on a random model; and variance-softmax composed with SnapKV scoring."""
+import math
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvmini.cache import LayerCache
+from kvmini.errors import KvminiError
+from kvmini.methods.ema_merging import EMAMerge
+from kvmini.methods.registry import make_policy
+from kvmini.methods.scorers import WindowAttention
+from kvmini.methods.variance_softmax import AttentionVariance, VarianceSoftmax, allocate, layer_weights
+from kvmini.policy import PREFILL, Policy
+from reference import group_mean, random_model, simulate
+
+
+# --- allocation --------------------------------------------------------------------------------
+
+def test_layer_weights_by_hand():
+    z = [(f - 2) / math.sqrt(2 / 3) for f in (1, 2, 3)]  # standardized variances
+    softmax = [math.exp(-x) / sum(math.exp(-y) for y in z) for x in z]
+    assert layer_weights([1, 2, 3]) == pytest.approx(softmax)
+    assert layer_weights([1, 2, 3]) == pytest.approx([0.7245, 0.2129, 0.0626], abs=1e-4)
+    assert layer_weights([1, 2, 3], "reciprocal") == pytest.approx([6 / 11, 3 / 11, 2 / 11])
+    assert layer_weights([1, 2, 3], "uniform") == pytest.approx([1 / 3] * 3)
+    assert layer_weights([5, 5, 5]) == pytest.approx([1 / 3] * 3)  # no spread: uniform
+    hot = layer_weights([1, 2, 3], temperature=0.1)
+    assert hot[0] > 0.99  # a low temperature sharpens toward the lowest-variance layer
+    # standardizing makes the weights independent of the variances' scale (they grow with n)
+    assert layer_weights([1e6, 2e6, 3e6]) == pytest.approx(layer_weights([1, 2, 3]))
+
+
+def test_allocation_clamps_and_redistributes_by_hand():
+    w = [0.7245, 0.2129, 0.0626]
+    # 217 > 150 is capped; the other 150 tokens split 0.2129 : 0.0626 -> 115.9, 34.1
+    assert allocate(w, 300, low=20, high=150) == [150, 116, 34]
+    # the floors take 120, so the first layer gets 180, not its cap of 200
+    assert allocate([0.9, 0.05, 0.05], 300, low=60, high=200) == [180, 60, 60]
+    assert allocate([0.5, 0.5], 10, low=8, high=100) == [8, 8]  # infeasible total: every layer at its floor
+
+
+@settings(max_examples=200, deadline=None)
+@given(weights=st.lists(st.floats(0.001, 1), min_size=1, max_size=12), b=st.integers(1, 300),
+       low=st.integers(1, 40), n=st.integers(1, 500))
+def test_allocation_is_the_clamped_proportional_split(weights, b, low, n):
+    """Independent of how it is computed: the total is kept, bounds hold, and the layers not at a
+    bound share the rest in proportion to their weights (within rounding); a layer at the upper
+    bound would have wanted more, one at the lower bound less."""
+    L, low = len(weights), min(low, n)
+    S = allocate(weights, b * L, low, n)
+    total = max(min(b * L, n * L), low * L)
+    assert sum(S) == total and all(low <= s <= n for s in S)
+    free = [l for l in range(L) if low < S[l] < n]
+    if free:
+        lam = sum(S[l] for l in free) / sum(weights[l] for l in free)  # tokens per unit of weight
+        for l in range(L):
+            if l in free:
+                assert abs(S[l] - weights[l] * lam) <= len(free) + 1
+            elif S[l] == n and n > low:
+                assert weights[l] * lam >= n - len(free) - 1
+            elif S[l] == low and n > low:
+                assert weights[l] * lam <= low + len(free) + 1
+
+
+# --- EMA-threshold merging -------------------------------------------------------------------
+
+def toy_cache(keys, values):
+    lc = LayerCache(1, 1, 2, torch.float32, "cpu", capacity=8)
+    for t, (k, v) in enumerate(zip(keys, values)):
+        lc.append(torch.tensor(k).view(1, 1, 1, 2), torch.tensor(v).view(1, 1, 1, 2), torch.tensor([[t]]))
+    return lc
+
+
+def test_d2o_merge_by_hand():
+    """Keep k0 = (1, 0) and k1 = (0, 1); evict k2 = (1, 0.1) and k3 = (-1, 0).
+    cos(k2, k0) = 1/sqrt(1.01) = 0.995 (its nearest), cos(k3, .) = -1, 0 (nearest k1, similarity 0).
+    tau_0 = (0.995 + 0) / 2: k2 merges into k0, k3 is dropped.
+    Weights (Eq. 12): w_c = e / (e + e^0.995), w_2 = e^0.995 / (e + e^0.995)."""
+    lc = toy_cache([(1, 0), (0, 1), (1, 0.1), (-1, 0)], [(1, 2), (5, 6), (3, 4), (7, 8)])
+    merge = EMAMerge(beta=0.7)
+    merge(0, lc, torch.tensor([[[0, 1]]]))
+    u = 1 / math.sqrt(1.01)
+    assert merge.tau[0].item() == pytest.approx(u / 2)
+    w_c, w_2 = math.e / (math.e + math.exp(u)), math.exp(u) / (math.e + math.exp(u))
+    assert (w_c, w_2) == pytest.approx((0.50124, 0.49876), abs=1e-5)
+    torch.testing.assert_close(lc.keys[0, 0, 0], torch.tensor([w_c + w_2, 0.1 * w_2]))
+    torch.testing.assert_close(lc.values[0, 0, 0], torch.tensor([w_c * 1 + w_2 * 3, w_c * 2 + w_2 * 4]))
+    torch.testing.assert_close(lc.keys[0, 0, 1], torch.tensor([0.0, 1.0]))  # k3 was not similar enough
+    torch.testing.assert_close(lc.values[0, 0, 1], torch.tensor([5.0, 6.0]))
+    assert merge.merged == {0: 1.0}
+
+
+def literal_merge(keys, values, keep, tau):
+    """Eq. 9-12 with loops: nearest kept key by cosine, merge iff similarity >= tau, softmax weights with j's own e^1."""
+    unit = lambda x: x / x.norm()  # noqa: E731
+    evict = [i for i in range(len(keys)) if i not in keep]
+    best = {i: max((float(unit(keys[i]) @ unit(keys[j])), -keep.index(j), j) for j in keep) for i in evict}
+    new_k, new_v = {}, {}
+    for j in keep:
+        chose = [i for i in evict if best[i][2] == j and best[i][0] >= tau]
+        den = math.e + sum(math.exp(best[i][0]) for i in chose)
+        new_k[j] = (math.e * keys[j] + sum(math.exp(best[i][0]) * keys[i] for i in chose)) / den
+        new_v[j] = (math.e * values[j] + sum(math.exp(best[i][0]) * values[i] for i in chose)) / den
+    return new_k, new_v, [best[i][0] for i in evict]
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_merge_equals_literal_loops_over_several_steps(seed):
+    """A prefill cut then 4 decode steps (one eviction each): nearest neighbours, merges and
+    tau_t = beta * max_sim_t + (1 - beta) * tau_{t-1}, all by loops."""
+    gen = torch.Generator().manual_seed(seed)
+    D, beta = 4, 0.7
+    keys = [torch.randn(D, generator=gen) for _ in range(10)]
+    values = [torch.randn(D, generator=gen) for _ in range(10)]
+    lc = LayerCache(1, 1, D, torch.float32, "cpu")
+    for t in range(10):
+        lc.append(keys[t].view(1, 1, 1, D), values[t].view(1, 1, 1, D), torch.tensor([[t]]))
+    merge, tau = EMAMerge(beta), None
+    for step in range(5):
+        S = lc.length
+        keep = sorted(torch.randperm(S, generator=gen)[: 6 if step == 0 else S - 1].tolist())
+        cur_k, cur_v = list(lc.keys[0, 0]), list(lc.values[0, 0])
+        sims = literal_merge(cur_k, cur_v, keep, float("inf"))[2]  # max similarities of the evicted
+        threshold = sum(sims) / len(sims) if tau is None else tau  # tau_0, else compare with tau_{t-1}
+        new_k, new_v, _ = literal_merge(cur_k, cur_v, keep, threshold)
+        merge(0, lc, torch.tensor([[keep]]))
+        lc.keep(torch.tensor([[keep]]))
+        tau = threshold if tau is None else beta * sims[0] + (1 - beta) * tau
+        assert merge.tau[0].item() == pytest.approx(tau, abs=1e-6)
+        torch.testing.assert_close(lc.keys[0, 0], torch.stack([new_k[j] for j in keep]), atol=1e-5, rtol=0)
+        torch.testing.assert_close(lc.values[0, 0], torch.stack([new_v[j] for j in keep]), atol=1e-5, rtol=0)
+        if step < 4:
+            t = 10 + step
+            k, v = torch.randn(D, generator=gen), torch.randn(D, generator=gen)
+            lc.append(k.view(1, 1, 1, D), v.view(1, 1, 1, D), torch.tensor([[t]]))
+
+
+@pytest.mark.parametrize("beta", [0.0, 1.0])
+def test_beta_extremes(beta):
+    """beta 0: tau never moves from tau_0; beta 1: tau is the latest maximum similarity."""
+    lc = toy_cache([(1, 0), (0, 1), (1, 0.1), (-1, 0), (1, 1)], [(0, 0)] * 5)
+    merge = EMAMerge(beta)
+    merge(0, lc, torch.tensor([[[0, 1, 4]]]))  # prefill: evict k2, k3
+    tau_0 = merge.tau[0].item()
+    lc.keep(torch.tensor([[[0, 1, 4]]]))
+    merge(0, lc, torch.tensor([[[0, 2]]]))  # a decode step evicts k1 = (0, 1): nearest (1, 1), cos 0.707
+    assert merge.tau[0].item() == pytest.approx(tau_0 if beta == 0 else 1 / math.sqrt(2))
+
+
+# --- the whole method, and a new composition ----------------------------------------------------
+
+def literal_variances(model, ids):
+    """F_v per layer from the prompt's full attention (tests/reference.py), by Eq. 4 written out."""
+    variances = []
+
+    def record(layer, c, probs, kept, new):
+        col = group_mean(probs, model.config.group_size)[0].sum(1)  # (H_kv, n): column sums per KV head
+        per_head = [sum((x - sum(row) / len(row)) ** 2 for x in row) / len(row) for row in col.tolist()]
+        variances.append(sum(per_head) / len(per_head))
+        return [[sorted(s + new) for s in kept[0]]]
+
+    simulate(model, [ids], record)
+    return variances
+
+
+def test_d2o_budgets_follow_eq5_and_hold_during_decode():
+    model = random_model(L=4, H=4, H_kv=2, seed=3, sharp=2.0)
+    ids = torch.randint(0, 61, (1, 40), generator=torch.Generator().manual_seed(2))
+    policy = make_policy("d2o", 0.5)
+    cache = model.new_cache(1, 4)
+    policy.start(40, 46)
+    with torch.no_grad():
+        model(ids, cache, policy)
+        want = VarianceSoftmax(low=8)(20, 4, literal_variances(model, ids), 40)
+        assert policy.budgets == want and sum(want) == 80 and len(set(want)) > 1
+        assert cache.lengths() == want
+        for t in range(6):
+            model(torch.tensor([[t + 1]]), cache, policy)
+            assert cache.lengths() == want  # one eviction (or merge) per decode step
+    assert sum(policy.compensator.merged.values()) > 0
+    for lc, S_l in zip(cache.layers, want):
+        pos = lc.positions[0, 0].tolist()
+        M = (S_l - 4) // 4  # N:M = 3:1 of the non-sink budget
+        assert pos[:4] == [0, 1, 2, 3] and pos[len(pos) - M :] == list(range(46 - M, 46))
+
+
+def test_d2o_allocation_alternatives_and_short_prompts():
+    model = random_model(L=4, seed=3)
+    ids = torch.randint(0, 61, (1, 40), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        for allocation in ("uniform", "reciprocal"):
+            policy = make_policy("d2o", 0.5, allocation=allocation)
+            model(ids, model.new_cache(1), policy)
+            assert sum(policy.budgets) == 80
+        uniform = make_policy("d2o", 0.5, allocation="uniform")
+        model(ids, model.new_cache(1), uniform)
+        assert uniform.budgets == [20] * 4
+        short = make_policy("d2o", 128)  # a 6-token prompt, shorter than sinks + windows: nothing to do
+        short.start(6, 6)
+        logits = model(ids[:, :6], model.new_cache(1), short)
+        assert torch.equal(logits, model(ids[:, :6]))
+        with pytest.raises(KvminiError, match="too small for 4 sinks"):  # half of 6 tokens cannot hold 4 sinks
+            model(ids[:, :6], model.new_cache(1), make_policy("d2o", 0.5))
+
+
+def test_variance_softmax_composes_with_snapkv_scoring():
+    """A combination no paper ran: D2O's layer allocation with SnapKV's pooled window scores."""
+    model = random_model(L=4, H=4, H_kv=2, seed=5, sharp=2.0)
+    ids = torch.randint(0, 61, (1, 48), generator=torch.Generator().manual_seed(4))
+    policy = Policy("snapkv+variance", 16, scorer=WindowAttention(window=4, kernel=3),
+                    layer_stat=AttentionVariance(), allocator=VarianceSoftmax(low=8),
+                    recent=lambda b: 4, schedule=PREFILL)
+    cache = model.new_cache(1)
+    with torch.no_grad():
+        model(ids, cache, policy)
+    want = VarianceSoftmax(low=8)(16, 4, literal_variances(model, ids), 48)
+    assert policy.budgets == want and cache.lengths() == want and sum(want) == 64 and len(set(want)) > 1
+    for lc in cache.layers:  # SnapKV keeps its observation window
+        assert lc.positions[0, 0, -4:].tolist() == [44, 45, 46, 47]
