@@ -74,12 +74,14 @@ class Policy:
         prefill_chunk: int | None = None,  # prefill the prompt in chunks of this size (None: one call)
         layer_rule=None,  # chooses a layer's budget from its statistics: layer_rule(lc, stats) -> int
         layer_stat=None,  # measured per layer on the prompt; allocator(b, L, stats, n) then runs after the last layer
+        rebalance=None,  # after a layer is compressed: rebalance(layer, cache, its scores, b) may trim earlier layers
         protected_layers: tuple = (),  # layers never compressed
     ):
         self.name, self.budget, self.scorer, self.allocator = name, budget, scorer, allocator
         self.sinks, self.recent, self.compensator, self.schedule = sinks, recent, compensator, schedule
         self.reducer, self.prefill_chunk = reducer, prefill_chunk
         self.layer_rule, self.layer_stat, self.protected_layers = layer_rule, layer_stat, tuple(protected_layers)
+        self.rebalance = rebalance
         requests = [part.request for part in (scorer, layer_rule, layer_stat) if part is not None]
         self.stats_request = merge_requests(requests) if requests else None
         self.start(None)
@@ -94,7 +96,7 @@ class Policy:
         self.layer_stats: list[float] = []  # layer_stat of each layer, in the call that completes the prompt
         self._held_stats: list[dict] = []  # each layer's statistics until the deferred allocation
         self._fresh = prompt_len is not None
-        for part in (self.scorer, self.compensator):
+        for part in (self.scorer, self.compensator, self.rebalance):
             if hasattr(part, "reset"):
                 part.reset()
 
@@ -115,7 +117,8 @@ class Policy:
             raise KvminiError(f"{self.name}: call policy.start(prompt_len) before continuing a cache it has not seen")
         if self.budgets is None:
             self._set_budgets(len(cache))
-        if self.active and (self.layer_rule or self.layer_stat) is not None and cache[0].positions.shape[0] > 1:
+        per_sequence = (self.layer_rule or self.layer_stat or self.rebalance) is not None
+        if self.active and per_sequence and cache[0].positions.shape[0] > 1:
             raise KvminiError(f"{self.name} chooses a budget per sequence; run one sequence at a time (batch 1)")
         self.cache, self.T, self.call_start = cache, T, cache.seen_tokens
         end = cache.seen_tokens + T
@@ -129,7 +132,7 @@ class Policy:
         if self.budget is None:  # chosen layer by layer as the prompt is compressed
             self.budgets, self.active = [self.prompt_len] * L, True
             return
-        b = resolve_budget(self.budget, self.prompt_len)
+        b = self.mean_budget = resolve_budget(self.budget, self.prompt_len)
         self.budgets = [b] * L if self.layer_stat is not None else self.allocator(b, L)  # deferred: see _allocate
         self._check_budgets()
         longest = self.prompt_len if self.schedule == PREFILL else self.total_len
@@ -161,8 +164,8 @@ class Policy:
             return None
         if self.accumulating():  # running sums need every call's statistics
             return self.stats_request
-        if self.compress_now and (self.layer_rule is not None or self.measuring()
-                                  or self.cache[layer].length + self.T > self.budgets[layer]):
+        per_layer_choice = self.layer_rule is not None or self.rebalance is not None or self.measuring()
+        if self.compress_now and (per_layer_choice or self.cache[layer].length + self.T > self.budgets[layer]):
             return self.stats_request
         return None
 
@@ -191,8 +194,16 @@ class Policy:
             self._held_stats.append(stats)  # (B, H_kv, S) tensors, for scorers that score from them
             if len(self.layer_stats) == len(cache):
                 self._allocate(cache, stats)
-        elif self.compress_now and lc.length > b:
-            self.evict(layer, lc, b, stats)
+        elif self.compress_now and (lc.length > b or self.rebalance is not None):
+            score = self.scorer(lc, stats) if self.rebalance is not None else None
+            if lc.length > b:
+                self.evict(layer, lc, b, stats)
+            if self.rebalance is not None:
+                before = cache.lengths()
+                self.rebalance(layer, cache, score, self.mean_budget)
+                for i, (was, now) in enumerate(zip(before, cache.lengths())):
+                    self.evicted[i] += was - now
+                    self.budgets[i] = min(self.budgets[i], now) if i <= layer else self.budgets[i]
         if lc.keys.is_cuda:
             torch.cuda.synchronize(lc.keys.device)
         self.overhead_s += time.perf_counter() - t0

@@ -44,7 +44,8 @@ def test_generates_and_reports(default_model_dir, prompt):
 def test_help_shows_examples_methods_and_their_options():
     code, out, _ = run("--help")
     assert code == 0 and "examples:" in out and "--method" in out
-    for name in ("full", "streaming_llm", "h2o", "tova", "snapkv", "pyramidkv", "weightedkv", "dbudgetkv", "d2o"):
+    for name in ("full", "streaming_llm", "h2o", "tova", "snapkv", "pyramidkv", "weightedkv", "dbudgetkv", "d2o",
+                 "dynamickv"):
         assert f"\n  {name} " in out
     assert "--window [32], --kernel [7], --pooling [avg], --reduce [mean], --pyramid-beta [20]" in out
 

@@ -12,7 +12,8 @@ from kvmini.errors import KvminiError
 from kvmini.methods.ema_merging import EMAMerge
 from kvmini.methods.registry import make_policy
 from kvmini.methods.scorers import WindowAttention
-from kvmini.methods.variance_softmax import AttentionVariance, VarianceSoftmax, allocate, layer_weights
+from kvmini.methods.allocators import proportional
+from kvmini.methods.variance_softmax import AttentionVariance, VarianceSoftmax, layer_weights
 from kvmini.policy import PREFILL, Policy
 from reference import group_mean, random_model, simulate
 
@@ -36,10 +37,10 @@ def test_layer_weights_by_hand():
 def test_allocation_clamps_and_redistributes_by_hand():
     w = [0.7245, 0.2129, 0.0626]
     # 217 > 150 is capped; the other 150 tokens split 0.2129 : 0.0626 -> 115.9, 34.1
-    assert allocate(w, 300, low=20, high=150) == [150, 116, 34]
+    assert proportional(w, 300, low=20, high=[150] * 3) == [150, 116, 34]
     # the floors take 120, so the first layer gets 180, not its cap of 200
-    assert allocate([0.9, 0.05, 0.05], 300, low=60, high=200) == [180, 60, 60]
-    assert allocate([0.5, 0.5], 10, low=8, high=100) == [8, 8]  # infeasible total: every layer at its floor
+    assert proportional([0.9, 0.05, 0.05], 300, low=60, high=[200] * 3) == [180, 60, 60]
+    assert proportional([0.5, 0.5], 10, low=8, high=[100] * 2) == [8, 8]  # infeasible total: every layer at its floor
 
 
 @settings(max_examples=200, deadline=None)
@@ -50,7 +51,7 @@ def test_allocation_is_the_clamped_proportional_split(weights, b, low, n):
     bound share the rest in proportion to their weights (within rounding); a layer at the upper
     bound would have wanted more, one at the lower bound less."""
     L, low = len(weights), min(low, n)
-    S = allocate(weights, b * L, low, n)
+    S = proportional(weights, b * L, low, [n] * L)
     total = max(min(b * L, n * L), low * L)
     assert sum(S) == total and all(low <= s <= n for s in S)
     free = [l for l in range(L) if low < S[l] < n]

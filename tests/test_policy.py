@@ -13,8 +13,9 @@ from kvmini.policy import AFTER_PROMPT, EVERY_CALL, resolve_budget
 from reference import random_model
 
 COMPRESSING = [m for m in METHODS if m != "full" and not getattr(METHODS[m], "CHOOSES_BUDGET", False)]
-PER_SEQUENCE = {"d2o"}  # budgets chosen per sequence: batch size 1 only
-SMALL = {"snapkv": {"window": 3, "kernel": 3}, "pyramidkv": {"window": 3, "kernel": 3}}  # fit tiny prompts
+PER_SEQUENCE = {"d2o", "dynamickv"}  # budgets chosen per sequence: batch size 1 only
+SMALL = {"snapkv": {"window": 3, "kernel": 3}, "pyramidkv": {"window": 3, "kernel": 3},  # fit tiny prompts
+         "dynamickv": {"window": 2, "kernel": 3, "interval": 1}}
 
 
 def run_calls(model, calls, policy, prompt_len):

@@ -34,3 +34,23 @@ def round_to_total(exact: list[float], total: int) -> list[int]:
     for i in by_remainder[:short]:
         floors[i] += 1
     return floors
+
+
+def proportional(weights: list[float], total: int, low: int, high: list[int]) -> list[int]:
+    """S_l = clamp(lambda * w_l, low, high_l) with the one lambda that makes them sum to `total`:
+    a split in proportion to the weights where a clamped layer's excess or shortfall goes to the
+    others by weight. Rounded to integers with the same sum (largest remainder).
+    lambda is found by bisection: the sum only grows with it.
+
+    [0.9, 0.05, 0.05], total 300, low 60, high 200 each -> [180, 60, 60] (the floors take 120).
+    """
+    L = len(weights)
+    total = max(min(total, sum(high)), low * L)
+    clamped = lambda lam: [min(max(lam * w, low), h) for w, h in zip(weights, high)]  # noqa: E731
+    lo_lam, hi_lam = 0.0, max(high) / max(min(weights), 1e-12)  # sum(clamped(hi_lam)) = sum(high) >= total
+    for _ in range(200):
+        mid = (lo_lam + hi_lam) / 2
+        lo_lam, hi_lam = (mid, hi_lam) if sum(clamped(mid)) < total else (lo_lam, mid)
+    exact = clamped(hi_lam)
+    scale = total / sum(exact) if sum(exact) > 0 else 0.0  # remove the last bisection error before rounding
+    return round_to_total([x * scale for x in exact], total)

@@ -8,7 +8,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from kvmini.errors import KvminiError
-from kvmini.methods import d2o, dbudgetkv, h2o, pyramidkv, snapkv, streaming_llm, tova, weightedkv
+from kvmini.methods import d2o, dbudgetkv, dynamickv, h2o, pyramidkv, snapkv, streaming_llm, tova, weightedkv
 from kvmini.policy import Policy, resolve_budget
 
 METHODS = {
@@ -21,6 +21,7 @@ METHODS = {
     "weightedkv": weightedkv,
     "dbudgetkv": dbudgetkv,
     "d2o": d2o,
+    "dynamickv": dynamickv,
 }
 DEFAULT_BUDGET = 0.2  # used by run.py when --budget is not given
 
@@ -60,6 +61,10 @@ OPTIONS = {
     "allocation": Option(str, "D2O: variance_softmax | reciprocal | uniform (Table 4)",
                          lambda x: x in ("variance_softmax", "reciprocal", "uniform"),
                          "be variance_softmax, reciprocal or uniform"),
+    "r_max": Option(float, "DynamicKV: a layer keeps at most r_max times the mean budget before re-balancing",
+                    lambda x: x >= 1, "be >= 1"),
+    "interval": Option(int, "DynamicKV: re-balance the finished layers every this many layers", lambda x: x >= 1,
+                       "be >= 1"),
     "softmax_temperature": Option(float, "D2O: temperature of the softmax over standardized variances",
                                   lambda x: x > 0, "be > 0"),
 }

@@ -17,7 +17,7 @@ of a layer, which makes budgets nearly uniform.
 import torch
 
 from kvmini.attention import StatsRequest
-from kvmini.methods.allocators import round_to_total
+from kvmini.methods.allocators import proportional
 
 ALLOCATIONS = ("variance_softmax", "reciprocal", "uniform")
 
@@ -46,7 +46,7 @@ class VarianceSoftmax:
 
     def __call__(self, b: int, L: int, F_v: list[float], n: int) -> list[int]:
         """Layers get between min(low, b) and max(n, b) tokens (b > n: room for decoding)."""
-        return allocate(layer_weights(F_v, self.how, self.temperature), b * L, min(self.low, b), max(n, b))
+        return proportional(layer_weights(F_v, self.how, self.temperature), b * L, min(self.low, b), [max(n, b)] * L)
 
 
 def layer_weights(F_v: list[float], how: str = "variance_softmax", temperature: float = 1.0) -> list[float]:
@@ -64,20 +64,3 @@ def layer_weights(F_v: list[float], how: str = "variance_softmax", temperature: 
     std = F.std(correction=0)
     z = (F - F.mean()) / std if std > 0 else torch.zeros_like(F)
     return torch.softmax(-z / temperature, dim=0).tolist()
-
-
-def allocate(weights: list[float], total: int, low: int, high: int) -> list[int]:
-    """S_l = clamp(lambda * w_l, low, high) with the one lambda that makes them sum to `total`
-    (Eq. 5 plus the clamp; what a clamped layer gives up or takes goes to the others by weight),
-    then rounded to integers with the same sum. lambda is found by bisection: the sum only grows with it.
-    """
-    L = len(weights)
-    total = max(min(total, high * L), low * L)
-    clamped = lambda lam: [min(max(lam * w, low), high) for w in weights]  # noqa: E731
-    lo_lam, hi_lam = 0.0, high / max(min(weights), 1e-12)  # sum(clamped(hi_lam)) = high * L >= total
-    for _ in range(200):
-        mid = (lo_lam + hi_lam) / 2
-        lo_lam, hi_lam = (mid, hi_lam) if sum(clamped(mid)) < total else (lo_lam, mid)
-    exact = clamped(hi_lam)
-    scale = total / sum(exact)  # remove the last bisection error before rounding
-    return round_to_total([x * scale for x in exact], total)
