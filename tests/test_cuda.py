@@ -25,16 +25,19 @@ def test_cuda_default_dtype_is_bfloat16_and_generates(default_model_dir, default
     assert "Paris" in default_tokenizer.decode(result.tokens[0])
 
 
-@pytest.mark.parametrize("name", ["streaming_llm", "h2o", "tova", "snapkv", "pyramidkv"])
+@pytest.mark.parametrize("name", ["streaming_llm", "h2o", "tova", "snapkv", "pyramidkv", "weightedkv", "d2o",
+                                  "dynamickv", "dbudgetkv"])
 def test_cuda_compression_keeps_what_cpu_keeps(name):
     from kvmini.methods.registry import make_policy
     from reference import random_model
 
     model = random_model(seed=1)
-    ids = torch.randint(0, 61, (2, 40), generator=torch.Generator().manual_seed(0))
-    options = {"window": 4, "kernel": 3} if name in ("snapkv", "pyramidkv") else {}
-    cpu = generate(model, ids, 6, policy=make_policy(name, 12, **options))
-    gpu = generate(model.cuda(), ids.cuda(), 6, policy=make_policy(name, 12, **options))
+    B = 1 if name in ("d2o", "dynamickv", "dbudgetkv") else 2  # per-sequence budgets: batch 1
+    ids = torch.randint(0, 61, (B, 40), generator=torch.Generator().manual_seed(0))
+    options = {"window": 4, "kernel": 3} if name in ("snapkv", "pyramidkv", "dynamickv") else {}
+    budget = None if name == "dbudgetkv" else 12
+    cpu = generate(model, ids, 6, policy=make_policy(name, budget, **options))
+    gpu = generate(model.cuda(), ids.cuda(), 6, policy=make_policy(name, budget, **options))
     assert gpu.tokens == cpu.tokens
     for g, c in zip(gpu.cache.layers, cpu.cache.layers):
         assert torch.equal(g.positions.cpu(), c.positions)

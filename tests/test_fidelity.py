@@ -6,7 +6,8 @@ import sys
 import pytest
 import torch
 
-from kvmini.eval.fidelity import compare, continuation_logits, run, table
+from kvmini.errors import KvminiError
+from kvmini.eval.fidelity import compare, continuation_logits, parse_spec, run, table
 from kvmini.methods.registry import METHODS, make_policy
 from reference import random_model
 
@@ -38,21 +39,29 @@ def test_teacher_forcing_equals_one_full_forward():
 def test_rows_and_table():
     model = random_model(seed=4)
     ids = torch.randint(0, 61, (1, 40), generator=torch.Generator().manual_seed(1))
-    rows = run(model, ids, 32, ["streaming_llm", "tova"], [0.25, 12], log=lambda m: None,
-               options={"streaming_llm": {"sinks": 2}})
-    assert [(r["method"], r["budget"]) for r in rows] == [("full", None), ("streaming_llm", 0.25),
-                                                          ("streaming_llm", 12), ("tova", 0.25), ("tova", 12)]
+    rows = run(model, ids, 32, ["streaming_llm[sinks=2]", "tova"], [0.25, 12], log=lambda m: None)
+    assert [(r["method"], r["budget"]) for r in rows] == [("full", None), ("streaming_llm[sinks=2]", 0.25),
+                                                          ("streaming_llm[sinks=2]", 12), ("tova", 0.25), ("tova", 12)]
     assert rows[0]["kl"] == 0 and rows[0]["top1"] == 1
     assert rows[1]["kept"] == 8 and rows[3]["kept_share"] == 0.25 and rows[4]["kept"] == 12
     assert all(r["kl"] > 0 for r in rows[1:])
     assert table(rows, 32, 8).count("\n| ") == 6  # header + 5 rows
 
 
+def test_method_specs():
+    assert parse_spec("d2o[allocation=uniform,nm=1:1,beta=0.5]") == (
+        "d2o", {"allocation": "uniform", "nm": "1:1", "beta": 0.5})
+    assert parse_spec("h2o") == ("h2o", {})
+    for bad, msg in [("h3o", "unknown method 'h3o'"), ("d2o[beta]", "bad option"), ("d2o[beta=x]", "bad value")]:
+        with pytest.raises(KvminiError, match=msg):
+            parse_spec(bad)
+
+
 def test_command_line_error_is_one_line():
     proc = subprocess.run([sys.executable, "-m", "kvmini.eval.fidelity", "--methods", "h2o", "nope"],
                           capture_output=True, text=True, timeout=120)
     names = ", ".join(m for m in METHODS if m != "full")
-    assert proc.returncode == 2 and proc.stderr.strip() == f"error: unknown method(s) nope; choose from {names}"
+    assert proc.returncode == 2 and proc.stderr.strip() == f"error: unknown method 'nope'; choose from {names}"
 
 
 @pytest.mark.slow

@@ -9,12 +9,14 @@ on the same tokens we measure, over the K predictions:
     top-1       fraction of t where argmax p_method == argmax p_full
     kept        cache entries per layer after the prompt (mean over layers), and its share of full
 
-Decode-time methods (streaming_llm, h2o, tova) see the continuation one token at a time,
-so they keep compressing as the paper's decode loop does; for prefill-only methods the
-continuation is one forward call, which equals K decode steps (nothing is compressed then).
+Decode-time methods (streaming_llm, h2o, tova, weightedkv, d2o) see the continuation one
+token at a time, so they keep compressing as their decode loop does; for prefill-only methods
+the continuation is one forward call, which equals K decode steps (nothing is compressed then).
+A method may carry options, e.g. `d2o[allocation=uniform,nm=1:1]` (an ablation row).
 
     python -m kvmini.eval.fidelity                      # N=2048, K=256, budgets 0.2 and 128
     python -m kvmini.eval.fidelity --n 512 --k 64 --methods h2o snapkv --budgets 0.1
+    python -m kvmini.eval.fidelity --methods d2o "d2o[allocation=uniform]" --budgets 0.2
 """
 import argparse
 import json
@@ -26,8 +28,8 @@ import torch.nn.functional as F
 
 from kvmini.errors import KvminiError
 from kvmini.generate import prefill
-from kvmini.methods.registry import METHODS, make_policy
-from kvmini.policy import EVERY_CALL
+from kvmini.methods.registry import METHODS, OPTIONS, make_policy
+from kvmini.policy import PREFILL
 
 
 def chooses_budget(method: str) -> bool:
@@ -54,7 +56,7 @@ def continuation_logits(model, ids: torch.Tensor, n: int, policy=None):
     first = prefill(model, ids[:, :n], cache, policy, total_len=total - 1)  # (1, V); chunked if the method asks
     kept = cache.lengths()
     rest = ids[:, n : total - 1]  # (1, K - 1): the inputs whose outputs predict tokens N+1..N+K-1
-    if policy is not None and policy.schedule == EVERY_CALL:
+    if policy is not None and policy.schedule != PREFILL:  # decode-time methods compress at every step
         steps = [model(rest[:, t : t + 1], cache, policy)[:, -1] for t in range(rest.shape[1])]
         later = torch.cat(steps) if steps else first[:0]
     else:
@@ -71,20 +73,37 @@ def compare(logits: torch.Tensor, full: torch.Tensor, targets: torch.Tensor) -> 
     return {"ppl": nll.exp().item(), "kl": kl.item(), "top1": top1.item()}
 
 
-def run(model, ids: torch.Tensor, n: int, methods: list[str], budgets: list[float], log=print,
-        options: dict | None = None) -> list[dict]:
-    """One row per (method, budget), the full cache first. ids (1, N + K); options: method -> its options."""
+def parse_spec(spec: str) -> tuple[str, dict]:
+    """"d2o[allocation=uniform,nm=1:1]" -> ("d2o", {"allocation": "uniform", "nm": "1:1"})."""
+    name, _, rest = spec.partition("[")
+    if name not in METHODS or name == "full":
+        raise KvminiError(f"unknown method {name!r}; choose from {', '.join(list(METHODS)[1:])}")
+    options = {}
+    for item in filter(None, rest.rstrip("]").split(",")):
+        key, eq, value = item.partition("=")
+        if not eq or key not in OPTIONS:
+            raise KvminiError(f"bad option {item!r} in {spec!r} (write name[key=value,...])")
+        try:
+            options[key] = OPTIONS[key].type(value)
+        except ValueError:
+            raise KvminiError(f"bad value {value!r} for {key} in {spec!r}") from None
+    return name, options
+
+
+def run(model, ids: torch.Tensor, n: int, methods: list[str], budgets: list[float], log=print) -> list[dict]:
+    """One row per (method spec, budget), the full cache first. ids (1, N + K)."""
     targets = ids[0, n:]  # (K,)
     t0 = time.perf_counter()
     full, kept_full = continuation_logits(model, ids, n)
     rows = [{"method": "full", "budget": None, **compare(full, full, targets), "kept": n, "kept_share": 1.0,
              "seconds": time.perf_counter() - t0}]
-    total = 1 + sum(1 if chooses_budget(m) else len(budgets) for m in methods)
+    specs = [(spec, *parse_spec(spec)) for spec in methods]
+    total = 1 + sum(1 if chooses_budget(name) else len(budgets) for _, name, _ in specs)
     log(f"[1/{total}] full: ppl {rows[0]['ppl']:.3f} ({rows[0]['seconds']:.1f} s)")
-    for method in methods:
-        for budget in [None] if chooses_budget(method) else budgets:
+    for method, name, options in specs:
+        for budget in [None] if chooses_budget(name) else budgets:
             t0 = time.perf_counter()
-            policy = make_policy(method, budget, **(options or {}).get(method, {}))
+            policy = make_policy(name, budget, **options)
             logits, kept = continuation_logits(model, ids, n, policy)
             row = {"method": method, "budget": budget, **compare(logits, full, targets),
                    "kept": sum(kept) / len(kept), "kept_share": sum(kept) / (n * len(kept)),
@@ -113,7 +132,8 @@ def main(argv=None) -> int:
     p.add_argument("--n", type=int, default=2048, help="prompt tokens (default 2048)")
     p.add_argument("--k", type=int, default=256, help="continuation tokens teacher-forced and scored (default 256)")
     p.add_argument("--budgets", type=float, nargs="+", default=[0.2, 128], help="budgets (default: 0.2 128)")
-    p.add_argument("--methods", nargs="+", default=[m for m in METHODS if m != "full"], help="methods (default: all)")
+    p.add_argument("--methods", nargs="+", default=[m for m in METHODS if m != "full"],
+                   help="methods, optionally with options: name[key=value,...] (default: all)")
     p.add_argument("--offset", type=int, default=0, help="first token of the text to use (default 0)")
     p.add_argument("--model", help="HF-layout folder (default: SmolLM2-135M-Instruct)")
     p.add_argument("--device", default="cpu")
@@ -126,9 +146,8 @@ def main(argv=None) -> int:
     from kvmini.weights import ensure_default_model
 
     try:
-        unknown = [m for m in args.methods if m not in METHODS or m == "full"]
-        if unknown:
-            raise KvminiError(f"unknown method(s) {', '.join(unknown)}; choose from {', '.join(list(METHODS)[1:])}")
+        for spec in args.methods:
+            parse_spec(spec)
         if args.n < 1 or args.k < 1:
             raise KvminiError("--n and --k must be >= 1")
         folder = Path(args.model) if args.model else ensure_default_model(log=lambda m: print(m, file=sys.stderr))
