@@ -44,6 +44,7 @@ def convex_value_merge(lc: LayerCache, capacity: int, sinks: int, recent: int) -
     Mergeable entries j are those after the sinks and before the recent window (at least the
     newest token is never j, as in the paper's j < m); j+1 may be the first recent token.
     """
+    # BEGIN EXERCISE convex_value_merge: tutorials/06_weightedkv.py, "Algorithm 1 step by step"
     while lc.length > capacity:
         S = lc.length
         abar = lc.aux("a") / lc.aux("n")  # (B, H_kv, S)  line 7
@@ -59,3 +60,4 @@ def convex_value_merge(lc: LayerCache, capacity: int, sinks: int, recent: int) -
         lc.values.scatter_(2, (j + 1)[..., None].expand(-1, -1, -1, D), merged.to(lc.values.dtype))
         rest = torch.arange(S - 1, device=j.device).expand(*j.shape[:2], S - 1)  # (B, H_kv, S-1)
         lc.keep(rest + (rest >= j).long())  # line 10: every entry but j
+    # END EXERCISE

@@ -38,6 +38,7 @@ class EMAMerge:
         mask.scatter_(2, keep, False)
         evict = mask.nonzero()[:, 2].view(B, H_kv, -1)  # (B, H_kv, E), ascending
         D = lc.keys.shape[-1]
+        # BEGIN EXERCISE ema_merging: tutorials/04_d2o_token_level.py, "Nearest neighbour, threshold and merge (Eq. 9-12)"
         k_keep = lc.keys.gather(2, keep[..., None].expand(-1, -1, -1, D)).float()  # (B, H_kv, b, D)
         k_evict = lc.keys.gather(2, evict[..., None].expand(-1, -1, -1, D)).float()  # (B, H_kv, E, D)
         u = F.normalize(k_evict, dim=-1) @ F.normalize(k_keep, dim=-1).transpose(-1, -2)  # (B, H_kv, E, b) Eq. 9
@@ -60,3 +61,4 @@ class EMAMerge:
             num.scatter_add_(2, j_star[..., None].expand(-1, -1, -1, D), weight[..., None] * x_evict)  # + sum e^u k_i
             merged = (num / den[..., None]).to(cache.dtype)  # Eq. 11-12
             cache.scatter_(2, keep[..., None].expand(-1, -1, -1, D), merged)
+        # END EXERCISE

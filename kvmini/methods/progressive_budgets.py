@@ -46,12 +46,14 @@ class ProgressiveBudgets:
         L, l = len(cache), layer + 1
         if l % self.interval and l != L:
             return
+        # BEGIN EXERCISE progressive_budgets: tutorials/07_dynamickv.py, "Progressive re-allocation (Eq. 5-8)"
         A = torch.cat(self.scores, dim=-1)  # (B, H_kv, l * (n - ws)): all finished layers side by side
         k = min((w_t - self.window) * A.shape[1] * l, A.shape[-1] * A.shape[1])
         top = A.flatten(1).topk(k, dim=-1).indices % A.shape[-1] // (n - self.window)  # Eq. 5: layer of each hit
         C = torch.bincount(top.flatten(), minlength=l).tolist()  # Eq. 6
         held = [cache[i].length - self.window for i in range(l)]
         Z = proportional(C, (w_t - self.window) * L, 0, held)  # Eq. 7-8, capped: layers only shrink
+        # END EXERCISE
         for i in range(l):
             if Z[i] < held[i]:
                 self._trim(cache[i], self.scores[i], Z[i])

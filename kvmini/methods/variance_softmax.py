@@ -59,8 +59,12 @@ def layer_weights(F_v: list[float], how: str = "variance_softmax", temperature: 
     if how == "uniform":
         return [1 / len(F_v)] * len(F_v)
     if how == "reciprocal":
+        # BEGIN EXERCISE reciprocal_allocation: tutorials/03_d2o_layer_level.py, "The Table 4 alternatives"
         inv = 1 / F.clamp(min=1e-30)
         return (inv / inv.sum()).tolist()
+        # END EXERCISE
+    # BEGIN EXERCISE variance_softmax: tutorials/03_d2o_layer_level.py, "Inverse variance softmax (Eq. 5)"
     std = F.std(correction=0)
     z = (F - F.mean()) / std if std > 0 else torch.zeros_like(F)
     return torch.softmax(-z / temperature, dim=0).tolist()
+    # END EXERCISE

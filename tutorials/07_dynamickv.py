@@ -1,0 +1,99 @@
+# %% [markdown]
+# # 7. DynamicKV: layer budgets that are decided as the prefill goes
+#
+# DynamicKV (Zhou et al. 2024, Sec. 4, Eq. 1–8, Alg. 1) compresses layer by layer *inside* the
+# prefill forward: each layer first keeps generously, and every $m$ layers the finished layers are
+# re-budgeted against each other. Code: `kvmini/methods/progressive_budgets.py`,
+# `kvmini/methods/dynamickv.py`. Open as a notebook with `jupytext --to notebook tutorials/07_dynamickv.py`.
+
+# %%
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path.cwd() if Path("kvmini").is_dir() else Path.cwd().parent))  # find kvmini from root or tutorials/
+
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+from kvmini.methods.allocators import proportional  # noqa: E402
+from kvmini.methods.registry import make_policy  # noqa: E402
+from kvmini.methods.scorers import WindowAttention  # noqa: E402
+
+# %% [markdown]
+# ## Window scores with pooling (Eq. 1)
+#
+# As in SnapKV, the last $w_s$ prompt queries (default 8) vote for the keys before them, and the
+# votes are smoothed along the keys by average pooling (kernel 7):
+#
+# $$A_l = \mathrm{pool}\Big(\frac{1}{w_s}\sum_{i > n - w_s} \mathrm{softmax}(q_i K^\top / \sqrt{D})\Big)$$
+#
+# (kvmini sums instead of averaging; the ranking is the same.)
+
+# %%
+window_sums = torch.tensor([[[0.0, 3.0, 0.0, 0.0, 6.0, 0.0, 9.0, 9.0]]])  # 6 prefix keys + a window of 2
+scorer = WindowAttention(window=2, kernel=3)
+pooled = scorer(None, {"window_sums": window_sums})
+literal = [sum(window_sums[0, 0, i].item() for i in (j - 1, j, j + 1) if 0 <= i < 6) / 3 for j in range(6)]
+assert torch.allclose(pooled[0, 0, :6], torch.tensor(literal)) and torch.isinf(pooled[0, 0, 6:]).all()
+assert torch.allclose(pooled[0, 0, :6], F.avg_pool1d(window_sums[:, :, :6], 3, 1, 1)[0])
+
+# %% [markdown]
+# ## Per-layer top-k (Eq. 2–4)
+#
+# With a mean budget $w_t$ per layer (the `--budget`, window included), each layer first keeps
+#
+# $$b_s = \min\big(r_{max}\,(w_t - w_s),\ n - w_s\big)$$
+#
+# keys with the best $A_l$, plus the window; $r_{max} = 10$ lets a layer keep up to ten times its
+# average share until the re-allocation decides.
+#
+# ## Progressive re-allocation (Eq. 5-8)
+#
+# Every $m = 4$ layers, and after the last layer, the scores of all $l$ finished layers are pooled
+# together and the global top $(w_t - w_s) \cdot H \cdot l$ are counted per layer, $C_i$. Budgets follow
+# the counts,
+#
+# $$Z_i = \frac{b_s\, C_i}{\max_k C_k}, \qquad r = \frac{\sum_i Z_i}{(w_t - w_s)\, L}, \qquad Z_i \leftarrow Z_i / r,$$
+#
+# so $\sum Z = (w_t - w_s)\,L$, and every finished layer is trimmed to its best $Z_i$ keys plus the window.
+# A layer can only shrink — what it dropped earlier is gone — so kvmini caps $Z_i$ at what the layer
+# holds and gives the excess to the others by their counts. The official code forgets the final
+# re-allocation when $L$ is not a multiple of $m$; kvmini always runs it after the last layer, so the
+# total is exactly $(w_t - w_s) L + w_s L$.
+
+# %%
+counts = [30, 10, 5, 5]  # C_i: hits of the global top-k per layer
+w_t, w_s, L = 12, 4, 4
+Z = proportional(counts, (w_t - w_s) * L, 0, [100] * 4)  # no cap binds: exactly Eq. 7-8
+# 32 * C / 50 = 19.2, 6.4, 3.2, 3.2 -> floors 19, 6, 3, 3 and the last token to the largest remainder
+assert Z == [19, 7, 3, 3]
+capped = proportional(counts, (w_t - w_s) * L, 0, [15, 100, 100, 100])  # layer 0 holds only 15 now
+assert capped[0] == 15 and sum(capped) == 32
+print("Z =", Z, " with layer 0 capped at 15:", capped)
+
+# %% [markdown]
+# ## The resulting budgets on a real prompt
+
+# %%
+from kvmini.eval.fidelity import pydoc_text  # noqa: E402
+from kvmini.loading import load_model  # noqa: E402
+from kvmini.tokenizer import load_tokenizer  # noqa: E402
+from kvmini.weights import ensure_default_model  # noqa: E402
+
+folder = ensure_default_model()
+model = load_model(folder, "cpu", "float32")
+ids = torch.tensor([load_tokenizer(folder).encode(pydoc_text())[:512]])
+policy = make_policy("dynamickv", 64)
+cache = model.new_cache()
+with torch.no_grad():
+    model(ids, cache, policy)
+print("kept per layer:", cache.lengths())
+assert sum(cache.lengths()) == 64 * 30  # (w_t - w_s) L + w_s L
+
+# %% [markdown]
+# ## Exercises
+#
+# 1. *(assignment: `progressive_budgets`)* Implement Eq. 5–8 in `ProgressiveBudgets.__call__`; the
+#    test runs a literal Alg. 1 for several $L$ and $m$, including $L \bmod m \ne 0$.
+# 2. Set `--interval 30` (one re-allocation at the end) and `--interval 1`: which keeps more fidelity?
+# 3. What does `--r-max 1` reduce DynamicKV to?
