@@ -8,6 +8,12 @@
                  EVERY_CALL: after every forward call (each prefill chunk, each decode step);
                  AFTER_PROMPT: once the prompt is complete, and then after every decode step
 
+Methods that pick budgets from statistics add one hook: `layer_rule` (a layer picks its own,
+DBudgetKV), `layer_stat` + a deferred allocator (all layers measured first, then budgeted, D2O)
+or `rebalance` (finished layers re-budgeted as the prefill goes, DynamicKV); `reducer` replaces
+select-and-gather (WeightedKV's merge). AFTER_PROMPT suits methods that evict every step but
+need the whole prompt first.
+
 The model talks to a policy through three calls per forward pass of T new tokens:
     begin(cache, T)                     before layer 0
     request(layer) -> StatsRequest|None before the layer's attention (None: fast SDPA path)
@@ -149,10 +155,9 @@ class Policy:
                     f"and a window of {max(recent, 0)} tokens; raise --budget or lower --sinks/--window"
                 )
 
-    def _allocate(self, cache: KVCache, stats: dict) -> None:
+    def _allocate(self, cache: KVCache) -> None:
         """Deferred allocation (e.g. D2O): every layer has been measured; budget all, then compress all."""
-        b = resolve_budget(self.budget, self.prompt_len)
-        self.budgets = self.allocator(b, len(cache), self.layer_stats, self.prompt_len)
+        self.budgets = self.allocator(self.mean_budget, len(cache), self.layer_stats, self.prompt_len)
         self._check_budgets()
         for layer, lc in enumerate(cache.layers):
             if lc.length > self.budgets[layer]:
@@ -178,9 +183,7 @@ class Policy:
         return self.scorer is not None and self.scorer.accumulates and (self.schedule != PREFILL or self.in_prompt)
 
     def after_attention(self, layer: int, cache: KVCache, stats: dict) -> None:
-        if not self.active:
-            return
-        if layer in self.protected_layers:
+        if not self.active or layer in self.protected_layers:
             return
         lc = cache[layer]
         t0 = time.perf_counter()
@@ -193,17 +196,17 @@ class Policy:
             self.layer_stats.append(self.layer_stat(lc, stats))  # measure now, compress after the last layer
             self._held_stats.append(stats)  # (B, H_kv, S) tensors, for scorers that score from them
             if len(self.layer_stats) == len(cache):
-                self._allocate(cache, stats)
+                self._allocate(cache)
         elif self.compress_now and (lc.length > b or self.rebalance is not None):
             score = self.scorer(lc, stats) if self.rebalance is not None else None
             if lc.length > b:
                 self.evict(layer, lc, b, stats)
             if self.rebalance is not None:
                 before = cache.lengths()
-                self.rebalance(layer, cache, score, self.mean_budget)
-                for i, (was, now) in enumerate(zip(before, cache.lengths())):
-                    self.evicted[i] += was - now
-                    self.budgets[i] = min(self.budgets[i], now) if i <= layer else self.budgets[i]
+                self.rebalance(layer, cache, score, self.mean_budget)  # may trim layers 0..layer
+                for i in range(layer + 1):
+                    self.evicted[i] += before[i] - cache[i].length
+                    self.budgets[i] = min(self.budgets[i], cache[i].length)
         if lc.keys.is_cuda:
             torch.cuda.synchronize(lc.keys.device)
         self.overhead_s += time.perf_counter() - t0
