@@ -198,9 +198,9 @@ class Policy:
             if len(self.layer_stats) == len(cache):
                 self._allocate(cache)
         elif self.compress_now and (lc.length > b or self.rebalance is not None):
-            score = self.scorer(lc, stats) if self.rebalance is not None else None
+            score = self.scorer(lc, stats) if self.rebalance is not None else None  # scored once, used twice
             if lc.length > b:
-                self.evict(layer, lc, b, stats)
+                self.evict(layer, lc, b, stats, score)
             if self.rebalance is not None:
                 before = cache.lengths()
                 self.rebalance(layer, cache, score, self.mean_budget)  # may trim layers 0..layer
@@ -211,13 +211,14 @@ class Policy:
             torch.cuda.synchronize(lc.keys.device)
         self.overhead_s += time.perf_counter() - t0
 
-    def evict(self, layer: int, lc: LayerCache, b: int, stats: dict) -> None:
+    def evict(self, layer: int, lc: LayerCache, b: int, stats: dict, score: torch.Tensor | None = None) -> None:
         """Shrink layer `layer` to b entries: score, select, compensate, gather (or the method's reducer)."""
         self.evicted[layer] += lc.length - b
         if self.reducer is not None:
             self.reducer(lc, b, self.sinks, self.recent(b))
             return
-        score = lc.positions.float() if self.scorer is None else self.scorer(lc, stats)  # (B, H_kv, S)
+        if score is None:
+            score = lc.positions.float() if self.scorer is None else self.scorer(lc, stats)  # (B, H_kv, S)
         idx = keep_top(score, b, self.sinks, self.recent(b))  # (B, H_kv, b), ascending
         if self.compensator is not None:
             self.compensator(layer, lc, idx)
