@@ -8,6 +8,9 @@ Per layer we store, for every KV head (never expanded to query heads):
                                (e.g. accumulated attention); they follow every gather
 S may differ between layers (per-layer budgets); all heads of a layer hold S entries.
 Memory held by K and V: 2 * B * H_kv * S * D * bytes_per_element per layer.
+Buffers are allocated on a layer's first append (so a prefill that compresses layer by layer
+never holds every layer in full), grow geometrically, and shrink when eviction leaves them
+at most a quarter full.
 """
 import torch
 
@@ -18,10 +21,10 @@ class LayerCache:
     """One layer's keys, values, positions and aux tensors in a growable buffer."""
 
     def __init__(self, batch: int, kv_heads: int, head_dim: int, dtype, device, capacity: int = 256):
-        cap = max(int(capacity), 1)
-        self._k = torch.empty(batch, kv_heads, cap, head_dim, dtype=dtype, device=device)  # (B, H_kv, cap, D)
+        self.reserve = max(int(capacity), 1)  # entries to allocate on the first append
+        self._k = torch.empty(batch, kv_heads, 0, head_dim, dtype=dtype, device=device)  # (B, H_kv, cap, D)
         self._v = torch.empty_like(self._k)  # (B, H_kv, cap, D)
-        self._pos = torch.empty(batch, kv_heads, cap, dtype=torch.long, device=device)  # (B, H_kv, cap)
+        self._pos = torch.empty(batch, kv_heads, 0, dtype=torch.long, device=device)  # (B, H_kv, cap)
         self._aux: dict[str, torch.Tensor] = {}  # name -> (B, H_kv, cap)
         self.length = 0  # S: entries held
 
@@ -55,7 +58,7 @@ class LayerCache:
         T = k.shape[2]
         end = self.length + T
         if end > self.capacity:
-            self._grow(max(end, 2 * self.capacity))
+            self._resize(max(end, 2 * self.capacity, self.reserve))
         self._k[:, :, self.length : end] = k
         self._v[:, :, self.length : end] = v
         self._pos[:, :, self.length : end] = pos[:, None, :]
@@ -73,6 +76,8 @@ class LayerCache:
         for buf in self._aux.values():
             buf[:, :, :S_new] = buf[:, :, : self.length].gather(2, idx)
         self.length = S_new
+        if 4 * S_new <= self.capacity and self.capacity > 64:  # give memory back after a big eviction
+            self._resize(max(2 * S_new, 64))
 
     @property
     def entry_nbytes(self) -> int:
@@ -84,14 +89,15 @@ class LayerCache:
         """Exact bytes of the keys and values held (positions and aux bookkeeping excluded)."""
         return self.entry_nbytes * self.length
 
-    def _grow(self, cap: int) -> None:
-        def grown(buf):
+    def _resize(self, cap: int) -> None:
+        """Move the held entries into buffers of `cap` entries (cap >= length)."""
+        def resized(buf):
             new = buf.new_empty(buf.shape[:2] + (cap,) + buf.shape[3:])
             new[:, :, : self.length] = buf[:, :, : self.length]
             return new
 
-        self._k, self._v, self._pos = grown(self._k), grown(self._v), grown(self._pos)
-        self._aux = {name: grown(buf) for name, buf in self._aux.items()}
+        self._k, self._v, self._pos = resized(self._k), resized(self._v), resized(self._pos)
+        self._aux = {name: resized(buf) for name, buf in self._aux.items()}
 
 
 class KVCache:
@@ -117,6 +123,10 @@ class KVCache:
     def nbytes(self) -> int:
         """Exact bytes of all keys and values held."""
         return sum(layer.nbytes() for layer in self.layers)
+
+    def allocated_nbytes(self) -> int:
+        """Bytes of the K/V buffers actually allocated (held entries plus room to grow)."""
+        return sum(layer.entry_nbytes * layer.capacity for layer in self.layers)
 
     def full_nbytes(self) -> int:
         """Bytes of keys and values an uncompressed cache would hold now (seen_tokens per layer)."""

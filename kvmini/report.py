@@ -27,7 +27,7 @@ def cache_report(cache: KVCache, policy=None) -> list[str]:
     lines[-1] += f"   (█ = {top} tokens; the full cache holds {cache.seen_tokens})"
     ratio = cache.nbytes() / max(cache.full_nbytes(), 1)
     lines.append(f"bytes     {cache.nbytes() / 2**20:.2f} MiB kept vs {cache.full_nbytes() / 2**20:.2f} MiB full "
-                 f"(ratio {ratio:.3f})")
+                 f"(ratio {ratio:.3f}); {cache.allocated_nbytes() / 2**20:.2f} MiB allocated")
     if policy is not None:
         total = sum(policy.evicted)
         merged = sum(getattr(policy.compensator, "merged", {}).values())

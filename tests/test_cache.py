@@ -63,3 +63,31 @@ def test_cache_positions_come_from_seen_tokens_not_length(tiny_llama):
     model(torch.zeros(1, 1, dtype=torch.long), cache)
     assert cache[0].positions[0, :, -1].tolist() == [6, 6]
     assert cache.lengths() == [3, 7]
+
+
+def test_buffers_are_allocated_on_first_use_and_shrink_after_eviction():
+    c = LayerCache(batch=1, kv_heads=2, head_dim=4, dtype=torch.float32, device="cpu", capacity=1000)
+    assert c.capacity == 0  # nothing allocated before the layer is used
+    k = torch.randn(1, 2, 300, 4)
+    c.append(k, -k, torch.arange(300)[None])
+    assert c.capacity == 1000  # the reserve asked for
+    keep = torch.arange(0, 300, 6).expand(1, 2, 50)  # every 6th entry
+    c.keep(keep)
+    assert c.capacity == 100  # a quarter full or less: shrunk to twice what is held
+    assert torch.equal(c.keys, k[:, :, ::6]) and torch.equal(c.values, -k[:, :, ::6])
+    assert c.positions[0, 0].tolist() == list(range(0, 300, 6))
+    c.append(k[:, :, :1], k[:, :, :1], torch.tensor([[300]]))
+    assert c.capacity == 100 and c.length == 51  # steady decode: no reallocation
+
+
+def test_prefill_compression_releases_memory():
+    from kvmini.methods.registry import make_policy
+    from reference import random_model
+
+    model = random_model(L=4)
+    cache = model.new_cache(1, capacity=400)
+    with torch.no_grad():
+        model(torch.randint(0, 61, (1, 400)), cache, make_policy("snapkv", 40, window=4, kernel=3))
+    assert cache.lengths() == [40] * 4
+    assert cache.allocated_nbytes() <= 2 * cache.nbytes() + 4 * 64 * cache[0].entry_nbytes
+    assert cache.allocated_nbytes() < cache.full_nbytes() / 4
