@@ -108,12 +108,16 @@ class Policy:
 
     def chunk_for(self, prompt_len: int, total_len: int | None) -> int | None:
         """The prefill chunk size this method asks for, or None (one call, also when its budget is a no-op)."""
-        longest = prompt_len if self.schedule == PREFILL else total_len
         if self.prefill_chunk is None or (
-            self.budget is not None and longest is not None and resolve_budget(self.budget, prompt_len) >= longest
+            self.budget is not None and self._is_noop(resolve_budget(self.budget, prompt_len), prompt_len, total_len)
         ):
             return None
         return self.prefill_chunk
+
+    def _is_noop(self, b: int, prompt_len: int, total_len: int | None) -> bool:
+        """A budget >= the longest the cache gets under this schedule (unknown total: never) changes nothing."""
+        longest = prompt_len if self.schedule == PREFILL else total_len
+        return longest is not None and b >= longest
 
     def begin(self, cache: KVCache, T: int) -> None:
         if cache.seen_tokens == 0 and not self._fresh:
@@ -141,10 +145,9 @@ class Policy:
         b = self.mean_budget = resolve_budget(self.budget, self.prompt_len)
         self.budgets = [b] * L if self.layer_stat is not None else self.allocator(b, L)  # deferred: see _allocate
         self._check_budgets()
-        longest = self.prompt_len if self.schedule == PREFILL else self.total_len
         # a budget >= the sequence is a no-op (even where a per-layer allocation would give some
         # layer less, as PyramidKV's code does): no statistics, the fast path, exactly `full`
-        self.active = longest is None or b < longest
+        self.active = not self._is_noop(b, self.prompt_len, self.total_len)
 
     def _check_budgets(self) -> None:
         for layer, b_l in enumerate(self.budgets):

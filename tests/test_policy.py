@@ -7,12 +7,12 @@ from hypothesis import strategies as st
 from kvmini.errors import KvminiError
 from kvmini.generate import generate
 from kvmini.methods.allocators import pyramid, round_to_total, uniform
-from kvmini.methods.registry import METHODS, make_policy, method_options
+from kvmini.methods.registry import METHODS, chooses_budget, make_policy, method_options
 from kvmini.methods.selectors import keep_top
 from kvmini.policy import AFTER_PROMPT, EVERY_CALL, resolve_budget
 from reference import random_model
 
-COMPRESSING = [m for m in METHODS if m != "full" and not getattr(METHODS[m], "CHOOSES_BUDGET", False)]
+COMPRESSING = [m for m in METHODS if m != "full" and not chooses_budget(m)]
 PER_SEQUENCE = {"d2o", "dynamickv"}  # budgets chosen per sequence: batch size 1 only
 SMALL = {"snapkv": {"window": 3, "kernel": 3}, "pyramidkv": {"window": 3, "kernel": 3},  # fit tiny prompts
          "dynamickv": {"window": 2, "kernel": 3, "interval": 1}}

@@ -28,13 +28,8 @@ import torch.nn.functional as F
 
 from kvmini.errors import KvminiError
 from kvmini.generate import prefill
-from kvmini.methods.registry import METHODS, OPTIONS, make_policy
+from kvmini.methods.registry import METHODS, OPTIONS, chooses_budget, make_policy
 from kvmini.policy import PREFILL
-
-
-def chooses_budget(method: str) -> bool:
-    """Methods like DBudgetKV pick their own budget and run once, whatever --budgets says."""
-    return getattr(METHODS[method], "CHOOSES_BUDGET", False)
 
 
 def pydoc_text() -> str:
@@ -101,7 +96,7 @@ def run(model, ids: torch.Tensor, n: int, methods: list[str], budgets: list[floa
     total = 1 + sum(1 if chooses_budget(name) else len(budgets) for _, name, _ in specs)
     log(f"[1/{total}] full: ppl {rows[0]['ppl']:.3f} ({rows[0]['seconds']:.1f} s)")
     for method, name, options in specs:
-        for budget in [None] if chooses_budget(name) else budgets:
+        for budget in [None] if chooses_budget(name) else budgets:  # self-budgeted: one row
             t0 = time.perf_counter()
             policy = make_policy(name, budget, **options)
             logits, kept = continuation_logits(model, ids, n, policy)

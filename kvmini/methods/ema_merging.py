@@ -54,9 +54,9 @@ class EMAMerge:
         weight = torch.where(merge, best.exp(), torch.zeros_like(best))  # e^{u_ij*} of merged tokens, 0 otherwise
         den = torch.full(keep.shape, math.e, dtype=torch.float32, device=keep.device)  # (B, H_kv, b): e + ...
         den.scatter_add_(2, j_star, weight)
-        for cache in (lc.keys, lc.values):
-            x_keep = cache.gather(2, keep[..., None].expand(-1, -1, -1, D)).float()  # (B, H_kv, b, D)
-            x_evict = cache.gather(2, evict[..., None].expand(-1, -1, -1, D)).float()
+        v_keep = lc.values.gather(2, keep[..., None].expand(-1, -1, -1, D)).float()  # (B, H_kv, b, D)
+        v_evict = lc.values.gather(2, evict[..., None].expand(-1, -1, -1, D)).float()  # (B, H_kv, E, D)
+        for cache, x_keep, x_evict in ((lc.keys, k_keep, k_evict), (lc.values, v_keep, v_evict)):
             num = math.e * x_keep  # e * k_j ...
             num.scatter_add_(2, j_star[..., None].expand(-1, -1, -1, D), weight[..., None] * x_evict)  # + sum e^u k_i
             merged = (num / den[..., None]).to(cache.dtype)  # Eq. 11-12

@@ -86,6 +86,11 @@ def method_options(name: str) -> dict[str, object]:
     return {p.name: shown.get(p.name, p.default) for p in params}
 
 
+def chooses_budget(name: str) -> bool:
+    """Methods like DBudgetKV pick each layer's budget themselves and take no --budget."""
+    return getattr(METHODS[name], "CHOOSES_BUDGET", False)
+
+
 def make_policy(name: str, budget: float | None = None, **options) -> Policy | None:
     """A fresh policy for method `name`; clear errors for unknown names, options and values."""
     if name not in METHODS:
@@ -104,7 +109,7 @@ def make_policy(name: str, budget: float | None = None, **options) -> Policy | N
         if budget is not None:
             raise KvminiError("--budget does not apply to method full (it keeps every token)")
         return None
-    if getattr(METHODS[name], "CHOOSES_BUDGET", False):
+    if chooses_budget(name):
         if budget is not None:
             raise KvminiError(f"--budget does not apply to method {name}: it chooses each layer's budget itself")
         return METHODS[name].build(None, **options)
