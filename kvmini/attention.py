@@ -10,7 +10,8 @@ r"""Attention over the cache, in two paths that must agree.
 
 Masking uses absolute positions, so it stays right after tokens are evicted:
 key j is visible to query i iff pos_j <= pos_i (and pos_i - pos_j < window for
-sliding-window layers).
+sliding-window layers). Pad entries (kvmini.cache.PAD, a position later than any query)
+are therefore never visible.
 """
 from dataclasses import dataclass
 
@@ -44,13 +45,14 @@ def visible(q_pos: torch.Tensor, k_pos: torch.Tensor, window: int | None) -> tor
     return mask
 
 
-def sdpa_attention(q, k, v, q_pos, k_pos, window=None):
-    """q (B, H, T, D); k, v (B, H_kv, S, D) -> (B, H, T, D). GQA without copying k or v."""
+def sdpa_attention(q, k, v, q_pos, k_pos, window=None, padded=False):
+    """q (B, H, T, D); k, v (B, H_kv, S, D) -> (B, H, T, D). GQA without copying k or v.
+    padded: some cache entries are pads (only the position mask hides them)."""
     B, H, T, _ = q.shape
     S, H_kv = k.shape[2], k.shape[1]
-    if S == T and window is None:  # empty cache before this call: plain causal prefill
+    if S == T and window is None and not padded:  # empty cache before this call: plain causal prefill
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
-    if T == 1 and window is None:  # decode: every cached key is in the new token's past
+    if T == 1 and window is None and not padded:  # decode: every cached key is in the new token's past
         return _one_query_attention(q, k, v)
     mask = visible(q_pos, k_pos, window)  # (B, H_kv, T, S)
     mask = mask[:, :, None].expand(B, H_kv, H // H_kv, T, S).reshape(B, H, T, S)

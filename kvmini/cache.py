@@ -8,6 +8,11 @@ Per layer we store, for every KV head (never expanded to query heads):
                                (e.g. accumulated attention); they follow every gather
 S may differ between layers (per-layer budgets); all heads of a layer hold S entries.
 Memory held by K and V: 2 * B * H_kv * S * D * bytes_per_element per layer.
+
+When the sequences of a batch keep different counts (methods that choose a budget per
+sequence), each row holds its entries first and pads after them, up to the longest row:
+a pad's position is PAD, later than any query, so attention never sees it; `counts` says
+how many real entries each row holds. `sequence(b)` views one row as a batch-1 cache.
 Buffers are allocated on a layer's first append (so a prefill that compresses layer by layer
 never holds every layer in full), grow geometrically, and shrink when eviction leaves them
 at most a quarter full.
@@ -15,6 +20,8 @@ at most a quarter full.
 import torch
 
 from kvmini.config import ModelConfig
+
+PAD = torch.iinfo(torch.long).max  # the position of a pad entry: no query is late enough to see it
 
 
 class LayerCache:
@@ -26,7 +33,8 @@ class LayerCache:
         self._v = torch.empty_like(self._k)  # (B, H_kv, cap, D)
         self._pos = torch.empty(batch, kv_heads, 0, dtype=torch.long, device=device)  # (B, H_kv, cap)
         self._aux: dict[str, torch.Tensor] = {}  # name -> (B, H_kv, cap)
-        self.length = 0  # S: entries held
+        self.length = 0  # S: entries held (the longest row's, when rows differ)
+        self.counts: torch.Tensor | None = None  # (B,) entries held per row when rows differ; None: all hold S
 
     @property
     def keys(self) -> torch.Tensor:
@@ -44,6 +52,15 @@ class LayerCache:
     def capacity(self) -> int:
         return self._k.shape[2]
 
+    @property
+    def padded(self) -> bool:
+        """Do some rows hold fewer entries than `length` (the rest of the row being pads)?"""
+        return self.counts is not None
+
+    def held(self) -> list[int]:
+        """Entries held by each sequence of the batch."""
+        return [self.length] * self._k.shape[0] if self.counts is None else self.counts.tolist()
+
     def aux(self, name: str) -> torch.Tensor:
         """Per-token statistic `name` of the held entries, (B, H_kv, S); zeros when first asked for."""
         if name not in self._aux:
@@ -59,6 +76,16 @@ class LayerCache:
         end = self.length + T
         if end > self.capacity:
             self._resize(max(end, 2 * self.capacity, self.reserve))
+        if self.counts is not None:  # rows differ: each row's new entries go right after its own
+            self._set_pads(slice(None), self.length, end)
+            at = self.counts[:, None] + torch.arange(T, device=self.counts.device)  # (B, T) destination
+            at = at[:, None].expand(-1, k.shape[1], -1)  # (B, H_kv, T)
+            self._k.scatter_(2, at[..., None].expand_as(k), k)
+            self._v.scatter_(2, at[..., None].expand_as(v), v)
+            self._pos.scatter_(2, at, pos[:, None, :].expand_as(at))
+            self.counts = self.counts + T
+            self.length = end
+            return
         self._k[:, :, self.length : end] = k
         self._v[:, :, self.length : end] = v
         self._pos[:, :, self.length : end] = pos[:, None, :]
@@ -68,6 +95,8 @@ class LayerCache:
 
     def keep(self, idx: torch.Tensor) -> None:
         """Keep only entries `idx` (B, H_kv, S') of every head, in that order; S' may be < S."""
+        if self.counts is not None:
+            raise ValueError("keep() of a layer whose rows differ in length: use keep_row()")
         S_new = idx.shape[2]
         k_idx = idx[..., None].expand(-1, -1, -1, self._k.shape[3])  # (B, H_kv, S', D)
         self._k[:, :, :S_new] = self.keys.gather(2, k_idx)
@@ -79,6 +108,36 @@ class LayerCache:
         if 4 * S_new <= self.capacity and self.capacity > 64:  # give memory back after a big eviction
             self._resize(max(2 * S_new, 64))
 
+    def sequence(self, b: int) -> "SequenceView":
+        """Row b as a batch-1 layer cache (views of its entries; `keep` evicts from that row only)."""
+        return SequenceView(self, b)
+
+    def keep_row(self, b: int, idx: torch.Tensor) -> None:
+        """Row b keeps only its entries `idx` (1, H_kv, s), in that order; its other places become pads."""
+        counts = torch.tensor(self.held(), device=self._pos.device)  # (B,)
+        s, old = idx.shape[2], int(counts[b])
+        row = slice(b, b + 1)
+        k_idx = idx[..., None].expand(-1, -1, -1, self._k.shape[3])  # (1, H_kv, s, D)
+        self._k[row, :, :s] = self._k[row, :, :old].gather(2, k_idx)
+        self._v[row, :, :s] = self._v[row, :, :old].gather(2, k_idx)
+        self._pos[row, :, :s] = self._pos[row, :, :old].gather(2, idx)
+        for buf in self._aux.values():
+            buf[row, :, :s] = buf[row, :, :old].gather(2, idx)
+        self._set_pads(row, s, old)
+        counts[b] = s
+        self.length = int(counts.max())
+        self.counts = None if bool((counts == self.length).all()) else counts
+        if 4 * self.length <= self.capacity and self.capacity > 64:
+            self._resize(max(2 * self.length, 64))
+
+    def _set_pads(self, rows: slice, start: int, end: int) -> None:
+        """Places start..end-1 of `rows` become pads: zero K/V and statistics, position PAD."""
+        self._k[rows, :, start:end] = 0
+        self._v[rows, :, start:end] = 0
+        self._pos[rows, :, start:end] = PAD
+        for buf in self._aux.values():
+            buf[rows, :, start:end] = 0
+
     @property
     def entry_nbytes(self) -> int:
         """Bytes of one entry's key and value over the batch and KV heads: 2 * B * H_kv * D * bytes."""
@@ -86,8 +145,8 @@ class LayerCache:
         return 2 * B * H_kv * D * self._k.element_size()
 
     def nbytes(self) -> int:
-        """Exact bytes of the keys and values held (positions and aux bookkeeping excluded)."""
-        return self.entry_nbytes * self.length
+        """Exact bytes of the keys and values held (pads, positions and aux bookkeeping excluded)."""
+        return self.entry_nbytes * sum(self.held()) // self._k.shape[0]
 
     def _resize(self, cap: int) -> None:
         """Move the held entries into buffers of `cap` entries (cap >= length)."""
@@ -117,8 +176,12 @@ class KVCache:
         return len(self.layers)
 
     def lengths(self) -> list[int]:
-        """Entries held per layer."""
+        """Entries held per layer (by the longest row, when the rows of a batch differ)."""
         return [layer.length for layer in self.layers]
+
+    def sequence(self, b: int) -> "SequenceCache":
+        """Sequence b of the batch as a batch-1 cache whose reads, writes and evictions act on this one."""
+        return SequenceCache(self, b)
 
     def nbytes(self) -> int:
         """Exact bytes of all keys and values held."""
@@ -139,3 +202,50 @@ class KVCache:
             f"{len(n)} layers, {min(n)}/{sum(n) / len(n):.1f}/{max(n)} entries (min/mean/max), "
             f"{self.nbytes() / 2**20:.2f} MiB of K/V"
         )
+
+
+class SequenceView:
+    """Row b of a LayerCache, seen as a batch-1 LayerCache: views of its held entries (in-place
+    writes reach the parent) and `keep`, which evicts from that row only."""
+
+    def __init__(self, lc: LayerCache, b: int):
+        self.lc, self.b = lc, b
+
+    @property
+    def length(self) -> int:
+        return self.lc.length if self.lc.counts is None else int(self.lc.counts[self.b])
+
+    @property
+    def keys(self) -> torch.Tensor:
+        return self.lc._k[self.b : self.b + 1, :, : self.length]  # (1, H_kv, S_b, D)
+
+    @property
+    def values(self) -> torch.Tensor:
+        return self.lc._v[self.b : self.b + 1, :, : self.length]  # (1, H_kv, S_b, D)
+
+    @property
+    def positions(self) -> torch.Tensor:
+        return self.lc._pos[self.b : self.b + 1, :, : self.length]  # (1, H_kv, S_b)
+
+    def aux(self, name: str) -> torch.Tensor:
+        return self.lc.aux(name)[self.b : self.b + 1, :, : self.length]  # (1, H_kv, S_b)
+
+    def keep(self, idx: torch.Tensor) -> None:
+        self.lc.keep_row(self.b, idx)
+
+
+class SequenceCache:
+    """One sequence of a KVCache, with the KVCache interface a policy uses."""
+
+    def __init__(self, cache: KVCache, b: int):
+        self.layers = [lc.sequence(b) for lc in cache.layers]
+        self.seen_tokens = cache.seen_tokens
+
+    def __getitem__(self, layer: int) -> SequenceView:
+        return self.layers[layer]
+
+    def __len__(self) -> int:
+        return len(self.layers)
+
+    def lengths(self) -> list[int]:
+        return [layer.length for layer in self.layers]

@@ -87,7 +87,7 @@ class Attention(nn.Module):
         cache.append(k, v, pos)
         K, V, k_pos = cache.keys, cache.values, cache.positions  # (B, H_kv, S, D) x2, (B, H_kv, S)
         if request is None:
-            out, stats = sdpa_attention(q, K, V, pos, k_pos, self.window), {}
+            out, stats = sdpa_attention(q, K, V, pos, k_pos, self.window, cache.padded), {}
         else:
             out, stats = explicit_attention(q, K, V, pos, k_pos, request, self.window)
         out = out.transpose(1, 2).reshape(B, T, self.H * self.D)  # (B, T, H*D)

@@ -21,7 +21,12 @@ The model talks to a policy through three calls per forward pass of T new tokens
 A layer always attends over its full appended cache first; only later layers and later
 calls see what the policy kept. All state lives in the Policy object and is reset by
 `start()` (called by `generate`), or automatically when a fresh cache (seen_tokens == 0) arrives.
+
+Methods that choose budgets per sequence (the hooks above) run a batch as one Policy per
+sequence, each acting on its row of the cache (`KVCache.sequence(b)`); rows that keep
+different counts are padded (see kvmini.cache). Batching then changes nothing but speed.
 """
+import copy
 import time
 from collections.abc import Callable
 
@@ -88,6 +93,7 @@ class Policy:
         self.reducer, self.prefill_chunk = reducer, prefill_chunk
         self.layer_rule, self.layer_stat, self.protected_layers = layer_rule, layer_stat, tuple(protected_layers)
         self.rebalance = rebalance
+        self.per_sequence = (layer_rule or layer_stat or rebalance) is not None  # budgets chosen per sequence
         requests = [part.request for part in (scorer, layer_rule, layer_stat) if part is not None]
         self.stats_request = merge_requests(requests) if requests else None
         self.start(None)
@@ -102,6 +108,7 @@ class Policy:
         self.layer_stats: list[float] = []  # layer_stat of each layer, in the call that completes the prompt
         self._held_stats: list[dict] = []  # each layer's statistics until the deferred allocation
         self._fresh = prompt_len is not None
+        self.cache, self.rows = None, None  # rows: one Policy per sequence of a batch (per-sequence methods)
         for part in (self.scorer, self.compensator, self.rebalance):
             if hasattr(part, "reset"):
                 part.reset()
@@ -127,9 +134,14 @@ class Policy:
             raise KvminiError(f"{self.name}: call policy.start(prompt_len) before continuing a cache it has not seen")
         if self.budgets is None:
             self._set_budgets(len(cache))
-        per_sequence = (self.layer_rule or self.layer_stat or self.rebalance) is not None
-        if self.active and per_sequence and cache[0].positions.shape[0] > 1:
-            raise KvminiError(f"{self.name} chooses a budget per sequence; run one sequence at a time (batch 1)")
+        B = cache[0].positions.shape[0]
+        if self.active and self.per_sequence and B > 1:
+            if self.rows is None:  # fresh copies of this policy, started for this prompt
+                self.rows = [copy.deepcopy(self) for _ in range(B)]
+                for row in self.rows:
+                    row.start(self.prompt_len, self.total_len)
+            for b, row in enumerate(self.rows):
+                row.begin(cache.sequence(b), T)
         self.cache, self.T, self.call_start = cache, T, cache.seen_tokens
         end = cache.seen_tokens + T
         self.in_prompt = end <= self.prompt_len
@@ -168,6 +180,8 @@ class Policy:
         self._held_stats = []
 
     def request(self, layer: int) -> StatsRequest | None:
+        if self.rows is not None:  # statistics for the whole batch if any sequence needs them
+            return next((r for r in (row.request(layer) for row in self.rows) if r is not None), None)
         if not self.active or self.stats_request is None or layer in self.protected_layers:
             return None
         if self.accumulating():  # running sums need every call's statistics
@@ -186,6 +200,9 @@ class Policy:
         return self.scorer is not None and self.scorer.accumulates and (self.schedule != PREFILL or self.in_prompt)
 
     def after_attention(self, layer: int, cache: KVCache, stats: dict) -> None:
+        if self.rows is not None:
+            self._after_attention_per_sequence(layer, cache, stats)
+            return
         if not self.active or layer in self.protected_layers:
             return
         lc = cache[layer]
@@ -213,6 +230,20 @@ class Policy:
         if lc.keys.is_cuda:
             torch.cuda.synchronize(lc.keys.device)
         self.overhead_s += time.perf_counter() - t0
+
+    def _after_attention_per_sequence(self, layer: int, cache: KVCache, stats: dict) -> None:
+        """Each sequence's policy acts on its own row, with its row of the statistics."""
+        for b, row in enumerate(self.rows):
+            view = row.cache  # cache.sequence(b), made in begin()
+            S_b = view[layer].length
+            row.after_attention(layer, view, {name: t[b : b + 1, :, :S_b] for name, t in stats.items()})
+        # the batch's report: budgets averaged over sequences, evictions and time summed
+        B = len(self.rows)
+        self.budgets = [round(sum(r.budgets[i] for r in self.rows) / B) for i in range(len(cache))]
+        self.evicted = [sum(r.evicted[i] for r in self.rows) for i in range(len(cache))]
+        self.overhead_s = sum(r.overhead_s for r in self.rows)
+        if hasattr(self.compensator, "merged"):
+            self.compensator.merged = {i: sum(r.compensator.merged.get(i, 0) for r in self.rows) for i in range(len(cache))}
 
     def evict(self, layer: int, lc: LayerCache, b: int, stats: dict, score: torch.Tensor | None = None) -> None:
         """Shrink layer `layer` to b entries: score, select, compensate, gather (or the method's reducer)."""

@@ -1,7 +1,8 @@
 """The explicit KVCache: incremental decoding equals one full forward; buffers behave."""
+import pytest
 import torch
 
-from kvmini.cache import KVCache, LayerCache
+from kvmini.cache import PAD, KVCache, LayerCache
 from kvmini.generate import prefill
 from kvmini.loading import load_model
 
@@ -91,3 +92,40 @@ def test_prefill_compression_releases_memory():
     assert cache.lengths() == [40] * 4
     assert cache.allocated_nbytes() <= 2 * cache.nbytes() + 4 * 64 * cache[0].entry_nbytes
     assert cache.allocated_nbytes() < cache.full_nbytes() / 4
+
+
+def test_rows_of_different_lengths_are_padded_at_their_end():
+    c = LayerCache(batch=2, kv_heads=1, head_dim=1, dtype=torch.float32, device="cpu", capacity=2)
+    k = torch.arange(8.0).view(2, 1, 4, 1)  # row 0: 0 1 2 3, row 1: 4 5 6 7
+    c.append(k, k, torch.arange(4).expand(2, 4))
+    c.aux("score")[:] = k[..., 0]
+    c.sequence(1).keep(torch.tensor([[[0, 3]]]))  # row 1 keeps positions 0 and 3
+    assert c.padded and c.held() == [4, 2] and c.length == 4
+    assert c.positions[1, 0].tolist() == [0, 3, PAD, PAD]
+    assert c.keys[1, 0, :, 0].tolist() == [4.0, 7.0, 0.0, 0.0] and c.aux("score")[1, 0].tolist() == [4.0, 7.0, 0, 0]
+    c.append(torch.tensor([[[[8.0]]], [[[9.0]]]]), torch.zeros(2, 1, 1, 1), torch.tensor([[4], [4]]))
+    assert c.held() == [5, 3] and c.length == 5  # each row's new entry follows its own entries
+    assert c.positions[:, 0].tolist() == [[0, 1, 2, 3, 4], [0, 3, 4, PAD, PAD]]
+    assert c.keys[:, 0, :, 0].tolist() == [[0, 1, 2, 3, 8], [4, 7, 9, 0, 0]]
+    view = c.sequence(1)  # batch-1 views of row 1's entries: in-place writes reach the cache
+    assert view.length == 3 and view.positions.tolist() == [[[0, 3, 4]]]
+    view.aux("score").add_(1)
+    assert c.aux("score")[1, 0].tolist() == [5.0, 8.0, 1.0, 0, 0]
+    assert c.nbytes() == 2 * (5 + 3) * 4  # pads are not counted
+    with pytest.raises(ValueError, match="keep_row"):
+        c.keep(torch.zeros(2, 1, 2, dtype=torch.long))
+    c.sequence(0).keep(torch.tensor([[[1, 3, 4]]]))  # rows equal again: no pads
+    assert not c.padded and c.length == 3 and c.positions[:, 0].tolist() == [[1, 3, 4], [0, 3, 4]]
+
+
+def test_attention_never_sees_pads():
+    """A decode step over a padded row equals the same step over that row's entries alone."""
+    from kvmini.attention import sdpa_attention
+
+    q = torch.randn(2, 4, 1, 8, generator=torch.Generator().manual_seed(0))
+    k = torch.randn(2, 2, 6, 8, generator=torch.Generator().manual_seed(1))
+    pos = torch.arange(6).expand(2, 2, 6).clone()
+    pos[1, :, 4:] = PAD  # row 1 holds 4 entries
+    out = sdpa_attention(q, k, k, torch.tensor([[6], [6]]), pos, padded=True)
+    alone = sdpa_attention(q[1:], k[1:, :, :4], k[1:, :, :4], torch.tensor([[6]]), pos[1:, :, :4])
+    torch.testing.assert_close(out[1:], alone, atol=1e-6, rtol=0)

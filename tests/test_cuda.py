@@ -32,8 +32,7 @@ def test_cuda_compression_keeps_what_cpu_keeps(name):
     from reference import random_model
 
     model = random_model(seed=1)
-    B = 1 if name in ("d2o", "dynamickv", "dbudgetkv") else 2  # per-sequence budgets: batch 1
-    ids = torch.randint(0, 61, (B, 40), generator=torch.Generator().manual_seed(0))
+    ids = torch.randint(0, 61, (2, 40), generator=torch.Generator().manual_seed(0))
     options = {"window": 4, "kernel": 3} if name in ("snapkv", "pyramidkv", "dynamickv") else {}
     budget = None if name == "dbudgetkv" else 12
     cpu = generate(model, ids, 6, policy=make_policy(name, budget, **options))

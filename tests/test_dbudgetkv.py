@@ -106,12 +106,8 @@ def test_whole_model_equals_the_literal_rule(options):
     assert any(b < 24 for b in policy.budgets)  # something was pruned
 
 
-def test_budget_batch_and_option_errors():
+def test_budget_and_option_errors():
     with pytest.raises(KvminiError, match="--budget does not apply to method dbudgetkv"):
         make_policy("dbudgetkv", 0.5)
     with pytest.raises(KvminiError, match="--threshold must be in"):
         make_policy("dbudgetkv", threshold=1.5)
-    with pytest.raises(KvminiError, match="batch 1"):
-        model = random_model()
-        with torch.no_grad():
-            model(torch.zeros(2, 9, dtype=torch.long), model.new_cache(2), make_policy("dbudgetkv"))
