@@ -7,6 +7,10 @@ r"""Attention over the cache, in two paths that must agree.
 * `explicit_attention` — the same maths written out, one chunk of queries at a
   time, which also returns the per-KV-head statistics a compression policy asks
   for. It never holds more than (chunk x S) scores per head, never (n x n).
+* `attend` picks between them: SDPA alone when no statistics are asked for; SDPA
+  for the output plus the explicit pass over only the last queries when only
+  window or last-row statistics are asked for (SnapKV, TOVA, DBudgetKV, ...);
+  the explicit pass over every query for column sums (H2O, D2O, WeightedKV).
 
 Masking uses absolute positions, so it stays right after tokens are evicted:
 key j is visible to query i iff pos_j <= pos_i (and pos_i - pos_j < window for
@@ -68,9 +72,26 @@ def _one_query_attention(q, k, v):
     return (p.to(v.dtype) @ v).view(B, H, 1, D)
 
 
-def explicit_attention(q, k, v, q_pos, k_pos, request: StatsRequest, window=None, chunk: int = 256):
+def attend(q, k, v, q_pos, k_pos, request: StatsRequest | None, window=None, padded=False):
+    """The attention of one layer and the statistics `request` names (see the module docstring).
+
+    k, v (B, H_kv, S, D) end with the T entries of this call's queries q (B, H, T, D).
+    Returns (out (B, H, T, D), stats: dict name -> (B, H_kv, S) float32).
+    """
+    if request is None:
+        return sdpa_attention(q, k, v, q_pos, k_pos, window, padded), {}
+    if request.column_sums:
+        return explicit_attention(q, k, v, q_pos, k_pos, request, window, padded=padded)
+    last = min(max(request.window, int(request.last_row)), q.shape[2])  # queries the statistics cover
+    _, stats = explicit_attention(q[:, :, -last:], k, v, q_pos[:, -last:], k_pos, request, window, padded=padded)
+    return sdpa_attention(q, k, v, q_pos, k_pos, window, padded), stats
+
+
+def explicit_attention(q, k, v, q_pos, k_pos, request: StatsRequest, window=None, chunk: int = 256, padded=False):
     """Like `sdpa_attention`, plus the statistics in `request`, computed chunk by chunk of queries.
 
+    Unless `padded`, the last T entries of k, v are the queries' own tokens, in order, so a chunk
+    of queries only scores the keys before its end (the rest are in its future).
     Returns (out (B, H, T, D), stats: dict name -> (B, H_kv, S) float32).
     """
     B, H, T, D = q.shape
@@ -86,16 +107,17 @@ def explicit_attention(q, k, v, q_pos, k_pos, request: StatsRequest, window=None
     w_start = T - min(request.window, T)  # first query index inside the observation window
     for c0 in range(0, T, chunk):
         c1 = min(c0 + chunk, T)
-        scores = (qg[:, :, :, c0:c1] @ kt).float() / D**0.5  # (B, H_kv, g, Tc, S)
-        mask = visible(q_pos[:, c0:c1], k_pos, window)[:, :, None]  # (B, H_kv, 1, Tc, S)
-        p = scores.masked_fill(~mask, float("-inf")).softmax(-1)  # (B, H_kv, g, Tc, S)
-        out[:, :, :, c0:c1] = p.to(v.dtype) @ vg
+        Sc = S if padded else S - T + c1  # keys this chunk can see at most
+        scores = (qg[:, :, :, c0:c1] @ kt[..., :Sc]).float() / D**0.5  # (B, H_kv, g, Tc, Sc)
+        mask = visible(q_pos[:, c0:c1], k_pos[..., :Sc], window)[:, :, None]  # (B, H_kv, 1, Tc, Sc)
+        p = scores.masked_fill(~mask, float("-inf")).softmax(-1)  # (B, H_kv, g, Tc, Sc)
+        out[:, :, :, c0:c1] = p.to(v.dtype) @ vg[:, :, :, :Sc]
         if col is not None:
-            col += p.sum(3)
+            col[..., :Sc] += p.sum(3)
         if win is not None and c1 > w_start:
-            win += p[:, :, :, max(w_start - c0, 0) :].sum(3)
+            win[..., :Sc] += p[:, :, :, max(w_start - c0, 0) :].sum(3)
         if request.last_row and c1 == T:
-            last = p[:, :, :, -1]  # (B, H_kv, g, S)
+            last = p[:, :, :, -1]  # (B, H_kv, g, S): the last chunk sees every key
     stats = {}
     for name, t in (("column_sums", col), ("window_sums", win), ("last_row", last)):
         if t is not None:

@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kvmini.attention import StatsRequest, explicit_attention, sdpa_attention
+from kvmini.attention import StatsRequest, attend
 from kvmini.cache import KVCache, LayerCache
 from kvmini.config import ModelConfig
 
@@ -86,10 +86,7 @@ class Attention(nn.Module):
         k = apply_rope(k.transpose(1, 2), cos, sin)  # (B, H_kv, T, D)
         cache.append(k, v, pos)
         K, V, k_pos = cache.keys, cache.values, cache.positions  # (B, H_kv, S, D) x2, (B, H_kv, S)
-        if request is None:
-            out, stats = sdpa_attention(q, K, V, pos, k_pos, self.window, cache.padded), {}
-        else:
-            out, stats = explicit_attention(q, K, V, pos, k_pos, request, self.window)
+        out, stats = attend(q, K, V, pos, k_pos, request, self.window, cache.padded)
         out = out.transpose(1, 2).reshape(B, T, self.H * self.D)  # (B, T, H*D)
         return self.o_proj(out), stats
 

@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-from kvmini.attention import StatsRequest, explicit_attention, sdpa_attention
+from kvmini.attention import StatsRequest, attend, explicit_attention, sdpa_attention
 
 
 def naive(q, k, v, q_pos, k_pos, window):
@@ -58,6 +58,32 @@ def test_explicit_path_statistics_equal_naive(reduce, T, S_old, window, chunk):
     torch.testing.assert_close(stats["column_sums"], combine(grouped.sum(3)), atol=1e-5, rtol=0)
     torch.testing.assert_close(stats["window_sums"], combine(grouped[:, :, :, -3:].sum(3)), atol=1e-5, rtol=0)
     torch.testing.assert_close(stats["last_row"], combine(grouped[:, :, :, -1]), atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("request_", [StatsRequest(window=3), StatsRequest(last_row=True, reduce="max"),
+                                      StatsRequest(window=20), StatsRequest(column_sums=True, window=2), None])
+@pytest.mark.parametrize("T,S_old,window", [(7, 5, None), (1, 9, None), (9, 4, 5)])
+def test_attend_equals_naive_on_every_path(request_, T, S_old, window):
+    """SDPA for the output plus statistics from the last queries only, or the full explicit pass."""
+    q, k, v, q_pos, k_pos, w = setup(T, S_old, window, shuffle=True)
+    expected, probs = naive(q, k, v, q_pos, k_pos, w)
+    out, stats = attend(q, k, v, q_pos, k_pos, request_, w)
+    torch.testing.assert_close(out, expected, atol=1e-5, rtol=0)
+    B, H, _, S = probs.shape
+    grouped = probs.view(B, 2, H // 2, T, S)  # (B, H_kv, g, T, S)
+    combine = {"mean": lambda t: t.mean(2), "max": lambda t: t.amax(2)}
+    want = {}
+    if request_ is not None:
+        red = combine[request_.reduce]
+        if request_.column_sums:
+            want["column_sums"] = red(grouped.sum(3))
+        if request_.window:
+            want["window_sums"] = red(grouped[:, :, :, -request_.window :].sum(3))
+        if request_.last_row:
+            want["last_row"] = red(grouped[:, :, :, -1])
+    assert set(stats) == set(want)
+    for name in want:
+        torch.testing.assert_close(stats[name], want[name], atol=1e-5, rtol=0)
 
 
 def test_statistics_are_only_computed_when_requested():
