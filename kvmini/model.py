@@ -74,16 +74,20 @@ class Attention(nn.Module):
         self.qk_norm = config.qk_norm
         self.window = config.sliding_window if layer in config.sliding_layers else None
 
-    def forward(self, x, pos, cos, sin, cache: LayerCache, request: StatsRequest | None):
-        """x (B, T, C); pos (B, T) absolute positions -> (B, T, C), stats dict (empty without a request)."""
+    def project(self, x, cos, sin):
+        """x (B, T, C) -> q (B, H, T, D), k (B, H_kv, T, D) after RoPE, v (B, H_kv, T, D)."""
         B, T, _ = x.shape
         q = self.q_proj(x).view(B, T, self.H, self.D)  # (B, T, H, D)
         k = self.k_proj(x).view(B, T, self.H_kv, self.D)  # (B, T, H_kv, D)
         v = self.v_proj(x).view(B, T, self.H_kv, self.D).transpose(1, 2)  # (B, H_kv, T, D)
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
-        q = apply_rope(q.transpose(1, 2), cos, sin)  # (B, H, T, D)
-        k = apply_rope(k.transpose(1, 2), cos, sin)  # (B, H_kv, T, D)
+        return apply_rope(q.transpose(1, 2), cos, sin), apply_rope(k.transpose(1, 2), cos, sin), v
+
+    def forward(self, x, pos, cos, sin, cache: LayerCache, request: StatsRequest | None):
+        """x (B, T, C); pos (B, T) absolute positions -> (B, T, C), stats dict (empty without a request)."""
+        B, T, _ = x.shape
+        q, k, v = self.project(x, cos, sin)
         cache.append(k, v, pos)
         K, V, k_pos = cache.keys, cache.values, cache.positions  # (B, H_kv, S, D) x2, (B, H_kv, S)
         out, stats = attend(q, K, V, pos, k_pos, request, self.window, cache.padded)

@@ -40,3 +40,14 @@ def test_cuda_compression_keeps_what_cpu_keeps(name):
     assert gpu.tokens == cpu.tokens
     for g, c in zip(gpu.cache.layers, cpu.cache.layers):
         assert torch.equal(g.positions.cpu(), c.positions)
+
+
+def test_cuda_largest_batch_under_a_memory_cap():
+    from kvmini.eval.speed import batch_under_cap
+    from reference import random_model
+
+    model = random_model(seed=2).cuda()
+    ids = torch.randint(0, 61, (1, 40), generator=torch.Generator().manual_seed(0)).cuda()
+    roomy = batch_under_cap(model, ids, ["h2o", "d2o"], 0.25, cap_gib=4, steps=3, max_batch=8, log=lambda m: None)
+    assert all(r["batch"] == 8 and r["tokens_per_s"] > 0 and r["peak_gib"] <= 4 for r in roomy.values())
+    assert batch_under_cap(model, ids, [], 0.25, cap_gib=1e-9, steps=3, log=lambda m: None) == {"full": None}

@@ -101,7 +101,7 @@ def run(model, ids: torch.Tensor, n: int, methods: list[str], budgets: list[floa
             policy = make_policy(name, budget, **options)
             logits, kept = continuation_logits(model, ids, n, policy)
             row = {"method": method, "budget": budget, **compare(logits, full, targets),
-                   "kept": sum(kept) / len(kept), "kept_share": sum(kept) / (n * len(kept)),
+                   "kept": sum(kept) / len(kept), "kept_share": sum(kept) / (n * len(kept)), "kept_per_layer": kept,
                    "seconds": time.perf_counter() - t0}
             rows.append(row)
             shown = "self-chosen" if budget is None else f"{budget:g}"

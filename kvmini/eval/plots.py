@@ -1,0 +1,99 @@
+"""PNG figures of the evaluation suite's results (matplotlib, an optional dependency).
+
+`write_plots(results, folder)` returns the files written, or raises PlotsUnavailable with the
+reason (matplotlib missing) so the suite can say why it skipped them; tables never need it.
+"""
+from pathlib import Path
+
+
+class PlotsUnavailable(Exception):
+    pass
+
+
+def _pyplot():
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")  # files only, no display
+        import matplotlib.pyplot as plt
+    except ImportError:
+        raise PlotsUnavailable("matplotlib is not installed (pip install matplotlib); the tables are complete without it")
+    return plt
+
+
+def write_plots(results: dict, folder: Path) -> list[str]:
+    plt = _pyplot()
+    written = []
+    for name, draw in (("streaming", _streaming), ("passkey", _passkey), ("layers", _layers)):
+        if results.get(name):
+            for fig_name, fig in draw(plt, results[name]):
+                path = Path(folder) / fig_name
+                fig.savefig(path, dpi=110, bbox_inches="tight")
+                plt.close(fig)
+                written.append(str(path))
+    return written
+
+
+def _streaming(plt, rows):
+    """Cumulative mean NLL along the text, one panel per capacity."""
+    capacities = sorted({r["capacity"] for r in rows})
+    fig, axes = plt.subplots(1, len(capacities), figsize=(5.5 * len(capacities), 4), squeeze=False)
+    for ax, cap in zip(axes[0], capacities):
+        for r in (r for r in rows if r["capacity"] == cap):
+            xs = [i * (r["tokens"] - 1) / max(len(r["curve"]) - 1, 1) for i in range(len(r["curve"]))]
+            ax.plot(xs, r["curve"], label=f"{r['method']} (ppl {r['ppl']:.2f})")
+        ax.set(title=f"cache capacity {cap}", xlabel="tokens after the prompt", ylabel="cumulative mean NLL (nats)")
+        ax.legend(fontsize=8)
+    yield "streaming_nll.png", fig
+
+
+def _passkey(plt, rows):
+    """Depth x length accuracy, one panel per (method, budget)."""
+    lengths = sorted({r["length"] for r in rows})
+    depths = sorted({r["depth"] for r in rows})
+    runs = list(dict.fromkeys((r["method"], r["budget"]) for r in rows))
+    cols = min(5, len(runs))
+    nrows = -(-len(runs) // cols)
+    fig, axes = plt.subplots(nrows, cols, figsize=(2.6 * cols, 2.8 * nrows), squeeze=False)
+    for ax in axes.flat:
+        ax.axis("off")
+    for ax, (method, budget) in zip(axes.flat, runs):
+        grid = [[next(float(r["correct"]) for r in rows if (r["method"], r["budget"], r["length"], r["depth"])
+                      == (method, budget, n, d)) for n in lengths] for d in depths]
+        ax.axis("on")
+        ax.imshow(grid, vmin=0, vmax=1, cmap="RdYlGn", aspect="auto")
+        ax.set_xticks(range(len(lengths)), [f"{n // 1000}k" if n >= 1000 else str(n) for n in lengths], fontsize=7)
+        ax.set_yticks(range(len(depths)), [f"{d:.2f}" for d in depths], fontsize=7)
+        ax.set_title(method if budget is None else f"{method} {budget:g}", fontsize=8)
+    fig.supxlabel("context length (green: key retrieved)")
+    fig.supylabel("needle depth")
+    fig.tight_layout()
+    yield "passkey_heatmaps.png", fig
+
+
+def _layers(plt, res):
+    maps = res["density_maps"]
+    fig, axes = plt.subplots(1, len(maps), figsize=(3.2 * len(maps), 3.2), squeeze=False)
+    for ax, (layer, grid) in zip(axes[0], maps.items()):
+        ax.imshow([[v ** 0.5 for v in row] for row in grid], cmap="magma")  # sqrt: faint structure visible
+        ax.set(title=f"layer {layer}", xlabel="key block", ylabel="query block")
+    fig.suptitle("attention density (mean over heads, square root of probability)")
+    yield "layers_density.png", fig
+
+    stats = res["statistics"]
+    fig, (a1, a2) = plt.subplots(1, 2, figsize=(11, 3.6))
+    layers = [s["layer"] for s in stats]
+    a1.bar(layers, [s["variance"] for s in stats])
+    a1.set(title="attention-score variance F_v per layer (D2O Eq. 4)", xlabel="layer", yscale="log")
+    a2.plot(layers, [s["top10_share"] for s in stats], label="top-10% keys' share")
+    a2.plot(layers, [s["sink_share"] for s in stats], label="first 4 tokens' share")
+    a2.set(title="where attention goes", xlabel="layer", ylim=(0, 1))
+    a2.legend(fontsize=8)
+    yield "layers_variance.png", fig
+
+    fig, ax = plt.subplots(figsize=(7, 3.6))
+    for name, kept in res["retention"].items():
+        ax.plot(range(len(kept)), kept, marker=".", label=name)
+    ax.set(title=f"entries kept per layer (prompt {res['n']} tokens, budget {res['budget']:g})", xlabel="layer")
+    ax.legend(fontsize=8)
+    yield "layers_retention.png", fig

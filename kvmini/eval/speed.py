@@ -1,0 +1,164 @@
+"""Speed and memory of each method against the full cache, measured side by side in one run.
+
+    prefill ratio   time to prefill (and compress) n tokens / the full cache's time; the methods
+                    are timed in turns, `reps` rounds, and each keeps its median
+    decode ratio    decode tokens/s after an n-token prompt at the budget / the full cache's
+    kept bytes      K/V bytes the cache holds after the prompt / the full cache's
+    peak memory     growth of the process's peak resident memory during an n-token prefill,
+                    measured in a fresh child process per method (the peak is reset after the
+                    model is loaded and has run once), / the full cache's growth
+    batch (CUDA)    the largest batch (a power of two) whose prefill + decode stays under a
+                    GPU memory cap, and its decode throughput in tokens/s (D2O Table 5 style)
+
+Times on a shared machine are noisy: read the ratios, not the seconds.
+    python -m kvmini.eval.speed --peak METHOD --n N --budget B    (one child measurement; JSON on stdout)
+"""
+import argparse
+import json
+import re
+import statistics
+import subprocess
+import sys
+import time
+
+import torch
+
+from kvmini.generate import prefill
+from kvmini.methods.registry import chooses_budget, make_policy
+
+
+def _policy(name: str, budget: float):
+    return None if name == "full" else make_policy(name, None if chooses_budget(name) else budget)
+
+
+def _sync(model) -> None:
+    if model.device.type == "cuda":
+        torch.cuda.synchronize(model.device)
+
+
+@torch.inference_mode()
+def prefill_times(model, ids: torch.Tensor, methods: list[str], budget: float, reps: int = 1, log=print) -> dict:
+    """method -> {"seconds": median prefill time, "ratio": / full's, "kept_bytes_ratio"} over `reps` turns."""
+    times = {name: [] for name in ["full", *methods]}
+    kept = {}
+    for rep in range(reps):
+        for name in times:
+            cache = model.new_cache(1, ids.shape[1])
+            t0 = time.perf_counter()
+            prefill(model, ids, cache, _policy(name, budget), total_len=ids.shape[1])
+            _sync(model)
+            times[name].append(time.perf_counter() - t0)
+            kept[name] = cache.nbytes() / cache.full_nbytes()
+            log(f"prefill {ids.shape[1]} tokens, round {rep + 1}/{reps}, {name}: {times[name][-1]:.2f} s")
+    full = statistics.median(times["full"])
+    return {name: {"seconds": statistics.median(t), "ratio": statistics.median(t) / full,
+                   "kept_bytes_ratio": kept[name]} for name, t in times.items()}
+
+
+@torch.inference_mode()
+def decode_speed(model, ids: torch.Tensor, methods: list[str], budget: float, steps: int = 32, log=print) -> dict:
+    """method -> {"tokens_per_s", "ratio": / full's} for `steps` decode steps after the prompt ids (1, n)."""
+    out = {}
+    for name in ["full", *methods]:
+        policy = _policy(name, budget)
+        cache = model.new_cache(1, ids.shape[1] + steps)
+        logits = prefill(model, ids, cache, policy, total_len=ids.shape[1] + steps)
+        nxt = logits.argmax(-1, keepdim=True)  # (1, 1)
+        _sync(model)
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            nxt = model(nxt, cache, policy)[:, -1].argmax(-1, keepdim=True)
+        _sync(model)
+        out[name] = {"tokens_per_s": steps / (time.perf_counter() - t0)}
+        log(f"decode after {ids.shape[1]} tokens, {name}: {out[name]['tokens_per_s']:.1f} tokens/s")
+    for name in out:
+        out[name]["ratio"] = out[name]["tokens_per_s"] / out["full"]["tokens_per_s"]
+    return out
+
+
+@torch.inference_mode()
+def batch_under_cap(model, ids: torch.Tensor, methods: list[str], budget: float, cap_gib: float, steps: int = 16,
+                    max_batch: int = 1024, log=print) -> dict:
+    """CUDA only. method -> {"batch", "tokens_per_s", "peak_gib"} of the largest batch (up to max_batch) of
+    copies of ids (1, n) whose peak allocated GPU memory (weights included) stays under cap_gib;
+    None if not even batch 1 fits."""
+    out = {}
+    for name in ["full", *methods]:
+        best, B = None, 1
+        while B <= max_batch:
+            torch.cuda.empty_cache()
+            torch.cuda.reset_peak_memory_stats(model.device)
+            try:
+                policy = _policy(name, budget)
+                cache = model.new_cache(B, ids.shape[1] + steps)
+                nxt = prefill(model, ids.expand(B, -1), cache, policy, total_len=ids.shape[1] + steps).argmax(-1)[:, None]
+                torch.cuda.synchronize(model.device)
+                t0 = time.perf_counter()
+                for _ in range(steps):
+                    nxt = model(nxt, cache, policy)[:, -1].argmax(-1, keepdim=True)
+                torch.cuda.synchronize(model.device)
+                seconds = time.perf_counter() - t0
+            except torch.cuda.OutOfMemoryError:
+                break
+            finally:
+                cache = None
+            peak = torch.cuda.max_memory_allocated(model.device) / 2**30
+            if peak > cap_gib:
+                break
+            best, B = {"batch": B, "tokens_per_s": B * steps / seconds, "peak_gib": peak}, 2 * B
+        out[name] = best
+        log(f"largest batch under {cap_gib:g} GiB, {name}: {best}")
+    return out
+
+
+def _memory_kib() -> dict:
+    status = open("/proc/self/status").read()
+    return {key: int(re.search(key + r":\s+(\d+)", status).group(1)) for key in ("VmRSS", "VmHWM")}
+
+
+def peak_memory(methods: list[str], n: int, budget: float, model_folder: str | None, log=print) -> dict:
+    """method -> {"peak_growth_mib", "ratio": / full's}, each measured in its own child process (Linux)."""
+    out = {}
+    for name in ["full", *methods]:
+        cmd = [sys.executable, "-m", "kvmini.eval.speed", "--peak", name, "--n", str(n), "--budget", str(budget)]
+        if model_folder:
+            cmd += ["--model", str(model_folder)]
+        child = subprocess.run(cmd, capture_output=True, text=True)
+        if child.returncode != 0:
+            raise RuntimeError(f"peak-memory child for {name} failed: {child.stderr.strip().splitlines()[-1:]}")
+        out[name] = json.loads(child.stdout)
+        log(f"peak memory growth in a {n}-token prefill, {name}: {out[name]['peak_growth_mib']:.0f} MiB")
+    for name in out:
+        out[name]["ratio"] = out[name]["peak_growth_mib"] / out["full"]["peak_growth_mib"]
+    return out
+
+
+def _peak_child(name: str, n: int, budget: float, model_folder: str | None) -> dict:
+    from kvmini.eval.fidelity import pydoc_text
+    from kvmini.loading import load_model
+    from kvmini.tokenizer import load_tokenizer
+    from kvmini.weights import ensure_default_model
+
+    folder = model_folder or ensure_default_model(log=lambda m: None)
+    model = load_model(folder, "cpu", "float32")
+    ids = torch.tensor([load_tokenizer(folder).encode(pydoc_text())[:n]])
+    policy = _policy(name, budget)
+    with torch.inference_mode():
+        model(ids[:, :16], model.new_cache(1, 16))  # page in the weights and warm the kernels first
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")  # resets VmHWM (the peak) to the current resident size
+    before = _memory_kib()["VmRSS"]
+    with torch.inference_mode():
+        cache = model.new_cache(1, n)
+        prefill(model, ids, cache, policy, total_len=n)
+    return {"peak_growth_mib": (_memory_kib()["VmHWM"] - before) / 1024, "kept_mib": cache.nbytes() / 2**20}
+
+
+if __name__ == "__main__":
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--peak", required=True, help="method whose prefill peak memory to measure")
+    p.add_argument("--n", type=int, required=True)
+    p.add_argument("--budget", type=float, default=0.2)
+    p.add_argument("--model")
+    a = p.parse_args()
+    print(json.dumps(_peak_child(a.peak, a.n, a.budget, a.model)))

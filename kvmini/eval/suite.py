@@ -1,0 +1,243 @@
+"""The evaluation suite: each paper's headline experiment at small scale, plus speed and memory.
+
+    python -m kvmini.eval.suite                              # quick profile, all experiments -> results/
+    python -m kvmini.eval.suite --profile full --out results-full
+    python -m kvmini.eval.suite --only streaming passkey     # a subset
+    python -m kvmini.eval.suite --profile smoke --out /tmp/x # every code path in a minute
+
+Experiments (sizes per profile in PROFILES):
+    streaming  streaming perplexity at fixed cache capacities (WeightedKV Table I, D2O Fig. 6)
+    passkey    passkey retrieval over context lengths and depths (D2O Table 3, DynamicKV Fig. 4)
+    fidelity   prefill-compression fidelity over several prompts (DBudgetKV, SnapKV, PyramidKV, ...)
+    layers     attention density, variance and per-layer retention (D2O Fig. 1/4, DynamicKV Fig. 2)
+    speed      prefill overhead, decode speed, kept bytes and peak memory relative to the full cache
+
+Writes results.json (everything), summary.md (the tables) and PNG plots (with matplotlib).
+"""
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from kvmini.errors import KvminiError
+from kvmini.eval import fidelity, layers, passkey, plots, speed, streaming
+
+ALL_COMPRESSING = ["streaming_llm", "h2o", "tova", "snapkv", "pyramidkv", "weightedkv", "d2o", "dynamickv"]
+PROFILES = {
+    "smoke": {  # every code path in about a minute; the numbers mean nothing
+        "streaming": dict(n=160, capacities=[32], chunk=16),
+        "passkey": dict(lengths=[256], depths=[0.5], budgets=[64]),
+        "fidelity": dict(n=128, k=16, prompts=2, budgets=[0.5], methods=["h2o", "dbudgetkv"]),
+        "layers": dict(n=128, budget=0.5, bins=16),
+        "speed": dict(prefill_n=256, reps=1, decode_n=256, steps=2, peak_n=256, budget=0.5, batch_n=256, cap_gib=2),
+    },
+    "quick": {
+        "streaming": dict(n=2048, capacities=[256], chunk=16),
+        "passkey": dict(lengths=[1024, 2048], depths=[0.1, 0.5, 0.9], budgets=[128, 0.2]),
+        "fidelity": dict(n=1024, k=128, prompts=3, budgets=[0.2],
+                         methods=["h2o", "snapkv", "pyramidkv", "dynamickv", "d2o", "dbudgetkv"]),
+        "layers": dict(n=1024, budget=0.2, bins=32),
+        "speed": dict(prefill_n=2048, reps=1, decode_n=2048, steps=16, peak_n=2048, budget=0.2, batch_n=2048,
+                      cap_gib=8),
+    },
+    "full": {
+        "streaming": dict(n=4096, capacities=[256, 1024], chunk=4),
+        "passkey": dict(lengths=[1024, 2048, 4096, 8000], depths=[0.0, 0.25, 0.5, 0.75, 1.0], budgets=[64, 128, 0.2]),
+        "fidelity": dict(n=2048, k=256, prompts=5, budgets=[0.2, 128],
+                         methods=["h2o", "snapkv", "pyramidkv", "dynamickv", "d2o", "dbudgetkv"]),
+        "layers": dict(n=2048, budget=0.2, bins=64),
+        "speed": dict(prefill_n=4096, reps=3, decode_n=8128, steps=32, peak_n=8192, budget=0.2, batch_n=4096,
+                      cap_gib=16),
+    },
+}
+EXPERIMENTS = list(PROFILES["quick"])
+
+
+def run_streaming(model, text_ids, p, log):
+    ids = torch.tensor([text_ids[: p["n"]]], device=model.device)
+    return streaming.run(model, ids, p["capacities"], chunk=p["chunk"], log=log)
+
+
+def run_passkey(model, tok, chat, stop_ids, p, log):
+    runs = [("full", None)] + [(m, b) for b in p["budgets"] for m in ALL_COMPRESSING] + [("dbudgetkv", None)]
+    return passkey.run(model, tok, chat, runs, p["lengths"], p["depths"], stop_ids, log=log)
+
+
+def run_fidelity(model, text_ids, p, log):
+    """fidelity.run on `prompts` windows spread over the text; rows carry their prompt index."""
+    span = p["n"] + p["k"]
+    step = (len(text_ids) - span) // max(p["prompts"] - 1, 1)
+    rows = []
+    for i in range(p["prompts"]):
+        ids = torch.tensor([text_ids[i * step : i * step + span]], device=model.device)
+        log(f"fidelity prompt {i + 1}/{p['prompts']} (tokens {i * step}..{i * step + span})")
+        rows += [{"prompt": i, **r} for r in fidelity.run(model, ids, p["n"], p["methods"], p["budgets"], log=log)]
+    return rows
+
+
+def run_layers(model, text_ids, p, log):
+    ids = torch.tensor([text_ids[: p["n"]]], device=model.device)
+    L = model.config.num_layers
+    log(f"layers: statistics, density maps and retention on a {p['n']}-token prompt")
+    return {"n": p["n"], "budget": p["budget"], "statistics": layers.layer_statistics(model, ids),
+            "density_maps": {l: layers.density_map(model, ids, l, p["bins"]) for l in (0, 1, L // 2, L - 1)},
+            "retention": layers.retention(model, ids, p["budget"])}
+
+
+def run_speed(model, text_ids, p, model_folder, log):
+    methods = ALL_COMPRESSING + ["dbudgetkv"]
+    ids = lambda n: torch.tensor([text_ids[:n]], device=model.device)  # noqa: E731
+    out = {"budget": p["budget"], "prefill_n": p["prefill_n"], "decode_n": p["decode_n"], "peak_n": p["peak_n"],
+           "prefill": speed.prefill_times(model, ids(p["prefill_n"]), methods, p["budget"], p["reps"], log),
+           "decode": speed.decode_speed(model, ids(p["decode_n"]), methods, p["budget"], p["steps"], log)}
+    if model.device.type == "cpu" and sys.platform.startswith("linux"):
+        out["peak"] = speed.peak_memory(methods, p["peak_n"], p["budget"], model_folder, log)
+    else:
+        out["peak_skipped"] = "peak process memory is measured on Linux CPU runs only"
+    if model.device.type == "cuda":
+        out["batch"] = speed.batch_under_cap(model, ids(p["batch_n"]), methods, p["budget"], p["cap_gib"], log=log)
+        out["cap_gib"], out["batch_n"] = p["cap_gib"], p["batch_n"]
+    return out
+
+
+def summary(results: dict) -> str:
+    """The markdown tables of whatever experiments ran."""
+    out = [f"# kvmini evaluation ({results['profile']} profile, {results['device']})", ""]
+    if "streaming" in results:
+        out += ["## Streaming perplexity", "", "| capacity | method | tokens scored | perplexity |", "|---|---|---|---|"]
+        out += [f"| {r['capacity']} | {r['method']} | {r['tokens']} | {r['ppl']:.3f} |" for r in results["streaming"]]
+        out.append("")
+    if "passkey" in results:
+        rows = results["passkey"]
+        lengths = sorted({r["length"] for r in rows})
+        out += ["## Passkey retrieval (accuracy over depths)", "",
+                "| method | budget | " + " | ".join(map(str, lengths)) + " | all |",
+                "|---|---|" + "---|" * (len(lengths) + 1)]
+        for (m, b), acc in passkey.accuracy(rows).items():
+            per = [passkey.accuracy([r for r in rows if r["length"] == n and (r["method"], r["budget"]) == (m, b)])
+                   [(m, b)] for n in lengths]
+            shown = "—" if m == "full" else "self-chosen" if b is None else f"{b:g}"
+            out.append(f"| {m} | {shown} | " + " | ".join(f"{a:.2f}" for a in per) + f" | {acc:.2f} |")
+        out.append("")
+    if "fidelity" in results:
+        out += ["## Prefill fidelity over prompts (mean over prompts; range of KL in brackets)", "",
+                "| method | budget | kept share | perplexity / full | KL(full‖method) | top-1 agree |",
+                "|---|---|---|---|---|---|"]
+        out += [_fidelity_line(results["fidelity"], key) for key in dict.fromkeys(
+            (r["method"], r["budget"]) for r in results["fidelity"] if r["method"] != "full")]
+        db = [r for r in results["fidelity"] if r["method"] == "dbudgetkv"]
+        if db:
+            out += ["", "DBudgetKV's self-chosen budget per prompt: " + ", ".join(
+                f"prompt {r['prompt']} {r['kept_share']:.1%} (KL {r['kl']:.3f})" for r in db),
+                "", "Its per-layer budgets, prompt 0: " + " ".join(map(str, db[0]["kept_per_layer"]))]
+        out.append("")
+    if "layers" in results:
+        res = results["layers"]
+        out += [f"## Layers (prompt {res['n']} tokens)", "",
+                "| layer | F_v | top-10% share | sink share | " + " | ".join(res["retention"]) + " |",
+                "|---|---|---|---|" + "---|" * len(res["retention"])]
+        for s in res["statistics"]:
+            kept = " | ".join(str(k[s["layer"]]) for k in res["retention"].values())
+            out.append(f"| {s['layer']} | {s['variance']:.3g} | {s['top10_share']:.2f} | {s['sink_share']:.2f} | {kept} |")
+        out.append("")
+    if "speed" in results:
+        sp = results["speed"]
+        out += [f"## Speed and memory (budget {sp['budget']:g})", "",
+                f"| method | prefill time / full ({sp['prefill_n']} tokens) | decode tokens/s / full "
+                f"(after {sp['decode_n']}) | kept bytes / full | peak memory growth / full ({sp['peak_n']}-token prefill) |",
+                "|---|---|---|---|---|"]
+        for name, pre in sp["prefill"].items():
+            peak = sp.get("peak", {}).get(name)
+            peak_txt = f"{peak['ratio']:.2f} ({peak['peak_growth_mib']:.0f} MiB)" if peak else "—"
+            out.append(f"| {name} | {pre['ratio']:.2f} ({pre['seconds']:.1f} s) | {sp['decode'][name]['ratio']:.2f} "
+                       f"({sp['decode'][name]['tokens_per_s']:.1f}/s) | {pre['kept_bytes_ratio']:.3f} | {peak_txt} |")
+        if "peak_skipped" in sp:
+            out.append(f"\n{sp['peak_skipped']}")
+        if "batch" in sp:
+            out += ["", f"Largest batch of {sp['batch_n']}-token prompts under {sp['cap_gib']:g} GiB of GPU memory:", "",
+                    "| method | batch | decode tokens/s (all sequences) | peak GiB |", "|---|---|---|---|"]
+            out += [f"| {m} | {b['batch']} | {b['tokens_per_s']:.0f} | {b['peak_gib']:.2f} |" if b else f"| {m} | none fits | — | — |"
+                    for m, b in sp["batch"].items()]
+        out.append("")
+    if results.get("plots_skipped"):
+        out += [f"Plots skipped: {results['plots_skipped']}", ""]
+    return "\n".join(out)
+
+
+def _fidelity_line(rows, key) -> str:
+    mine = [r for r in rows if (r["method"], r["budget"]) == key]
+    full = {r["prompt"]: r["ppl"] for r in rows if r["method"] == "full"}
+    mean = lambda xs: statistics.fmean(xs)  # noqa: E731
+    kl = [r["kl"] for r in mine]
+    shown = "self-chosen" if key[1] is None else f"{key[1]:g}"
+    return (f"| {key[0]} | {shown} | {mean([r['kept_share'] for r in mine]):.1%} | "
+            f"{mean([r['ppl'] / full[r['prompt']] for r in mine]):.3f} | {mean(kl):.3f} [{min(kl):.3f}–{max(kl):.3f}] | "
+            f"{mean([r['top1'] for r in mine]):.3f} |")
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description="Run the evaluation suite; write JSON, markdown and plots.")
+    p.add_argument("--profile", choices=list(PROFILES), default="quick", help="sizes (default: quick, minutes on CPU)")
+    p.add_argument("--only", nargs="+", choices=EXPERIMENTS, default=EXPERIMENTS, help="experiments to run (default: all)")
+    p.add_argument("--out", default="results", help="output folder (default: results/)")
+    p.add_argument("--model", help="HF-layout folder (default: SmolLM2-135M-Instruct)")
+    p.add_argument("--device", default="cpu")
+    args = p.parse_args(argv)
+    log = lambda m: print(m, file=sys.stderr, flush=True)  # noqa: E731
+    try:
+        results = run_suite(args.profile, args.only, args.model, args.device, log)
+    except KvminiError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    try:
+        results["plots"] = plots.write_plots(results, out)
+    except plots.PlotsUnavailable as e:
+        results["plots_skipped"] = str(e)
+        log(f"plots skipped: {e}")
+    (out / "results.json").write_text(json.dumps(results, indent=1))
+    (out / "summary.md").write_text(summary(results))
+    print(summary(results))
+    log(f"wrote {out / 'results.json'}, {out / 'summary.md'} and {len(results.get('plots', []))} plots")
+    return 0
+
+
+def run_suite(profile: str, only: list[str], model_folder: str | None, device: str, log=print) -> dict:
+    from kvmini.chat import load_chat_format
+    from kvmini.loading import load_model
+    from kvmini.tokenizer import load_tokenizer
+    from kvmini.weights import ensure_default_model
+
+    folder = Path(model_folder) if model_folder else ensure_default_model(log=log)
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise KvminiError(f"--device {device}: no CUDA GPU is available here")
+    model = load_model(folder, device, "float32")
+    tok = load_tokenizer(folder)
+    text_ids = tok.encode(fidelity.pydoc_text())
+    chat = load_chat_format(folder)
+    stop_ids = set(model.config.eos_token_ids) | {tok.special[s] for s in (chat.stop if chat else ()) if s in tok.special}
+    P = PROFILES[profile]
+    results = {"profile": profile, "device": str(model.device), "sizes": {k: P[k] for k in only}}
+    runners = {
+        "streaming": lambda: run_streaming(model, text_ids, P["streaming"], log),
+        "passkey": lambda: run_passkey(model, tok, chat, stop_ids, P["passkey"], log),
+        "fidelity": lambda: run_fidelity(model, text_ids, P["fidelity"], log),
+        "layers": lambda: run_layers(model, text_ids, P["layers"], log),
+        "speed": lambda: run_speed(model, text_ids, P["speed"], model_folder, log),
+    }
+    for name in only:
+        t0 = time.perf_counter()
+        log(f"== {name} ({profile} profile)")
+        results[name] = runners[name]()
+        results.setdefault("seconds", {})[name] = time.perf_counter() - t0
+        log(f"== {name} done in {time.perf_counter() - t0:.0f} s")
+    return results
+
+
+if __name__ == "__main__":
+    sys.exit(main())

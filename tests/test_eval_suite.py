@@ -1,0 +1,192 @@
+"""The evaluation harness: task generation, scoring and metric math on tiny models; one smoke run
+of the whole suite on the default model."""
+import json
+import math
+import sys
+import zlib
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from kvmini.eval import layers, passkey, plots, speed, streaming, suite
+from kvmini.methods.registry import make_policy
+from reference import random_model
+
+
+# --- streaming perplexity ----------------------------------------------------------------------
+
+@pytest.mark.parametrize("chunk", [1, 3, 16])
+def test_streaming_nll_of_the_full_cache_equals_one_forward(chunk):
+    model = random_model(seed=1)
+    ids = torch.randint(0, 61, (1, 40), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        logits = model(ids, all_logits=True)[0]  # (40, V)
+    want = F.cross_entropy(logits[11:39], ids[0, 12:40], reduction="none")  # tokens 12..39: after P = 2 * 6
+    torch.testing.assert_close(streaming.stream_nll(model, ids, 6, None, chunk), want, atol=1e-5, rtol=0)
+    roomy = make_policy("h2o", 1000)  # a capacity above the text: nothing is ever evicted
+    torch.testing.assert_close(streaming.stream_nll(model, ids, 6, roomy, chunk), want, atol=1e-5, rtol=0)
+
+
+def test_streaming_holds_the_capacity_and_scores_every_later_token():
+    model = random_model(seed=2)
+    ids = torch.randint(0, 61, (1, 50), generator=torch.Generator().manual_seed(1))
+    rows = streaming.run(model, ids, [8], methods=("full", "h2o", "d2o"), chunk=4, log=lambda m: None)
+    assert [r["tokens"] for r in rows] == [34, 34, 34]  # 50 - 2 * 8
+    assert rows[0]["ppl"] != rows[1]["ppl"] and all(math.isfinite(r["ppl"]) for r in rows)
+
+
+def test_cumulative_curve_by_hand():
+    assert streaming.curve(torch.tensor([1.0, 2, 3, 4]), points=4) == [1.0, 1.5, 2.0, 2.5]
+    assert streaming.curve(torch.tensor([1.0, 2, 3, 4]), points=2) == [1.0, 2.5]  # first and last token
+
+
+# --- passkey ------------------------------------------------------------------------------------
+
+class WordTokenizer:
+    """One id per whitespace-separated word (enough to count lengths and find the needle)."""
+
+    def encode(self, text):
+        return [zlib.crc32(w.encode()) % 61 for w in text.split()]
+
+    def decode(self, ids):
+        return " ".join(str(i) for i in ids)
+
+
+def test_passkey_prompt_places_the_needle_at_its_depth_and_length():
+    tok = WordTokenizer()
+    words_per_unit = len(passkey.FILLER.split())
+    for depth in (0.0, 0.5, 1.0):
+        for length in (300, 1000):
+            ids = passkey.passkey_prompt(tok, None, length, depth, 12345)
+            assert abs(len(ids) - length) <= words_per_unit  # within one filler unit of the target
+    # the needle's word offset grows with depth: depth 0 first, depth 1 right before the question
+    text_ids = {d: passkey.passkey_prompt(tok, None, 600, d, 12345) for d in (0.0, 0.5, 1.0)}
+    needle = tok.encode(passkey.needle(12345))
+    where = {d: next(i for i in range(len(t)) if t[i : i + len(needle)] == needle) for d, t in text_ids.items()}
+    assert where[0.0] == 0 and where[0.0] < where[0.5] < where[1.0]
+    question_and_start = len(tok.encode(passkey.QUESTION + "\n" + passkey.ANSWER_START))
+    assert where[1.0] + len(needle) + question_and_start == len(text_ids[1.0])
+
+
+def test_answers_are_scored_by_their_first_number():
+    assert passkey.answer_is(" 48213.", 48213)
+    assert passkey.answer_is("48213. The passkey is 48213.", 48213)
+    assert not passkey.answer_is("482.", 48213)  # a prefix of the key is wrong
+    assert not passkey.answer_is("12, then 48213", 48213)
+    assert not passkey.answer_is("", 48213)
+
+
+def test_keys_are_five_digits_and_repeatable():
+    cells = [(1000, 0.5)] * 20
+    keys = passkey.keys_for(cells, seed=3)
+    assert keys == passkey.keys_for(cells, seed=3) and all(10_000 <= k < 100_000 for k in keys)
+
+
+def test_passkey_run_rows_and_accuracy():
+    model = random_model(seed=3)
+    rows = passkey.run(model, WordTokenizer(), None, [("full", None), ("h2o", 16)], [60, 90], [0.0, 1.0], set(),
+                       log=lambda m: None)
+    assert len(rows) == 8 and {r["method"] for r in rows} == {"full", "h2o"}
+    assert all(r["kept"] <= 16 + 10 for r in rows if r["method"] == "h2o")
+    rows[0]["correct"], rows[1]["correct"] = True, True  # 2 of full's 4 cells
+    acc = passkey.accuracy(rows)
+    assert acc[("full", None)] == 0.5 + sum(r["correct"] for r in rows[2:4]) / 4
+
+
+# --- layers -------------------------------------------------------------------------------------
+
+def test_density_map_and_statistics_agree_with_each_other():
+    """The map (projections + a naive matmul) and the statistics (the attention pass) are computed
+    by different code; the sink share is linear, so the map's column sums must give it."""
+    model = random_model(seed=4, L=3)
+    n = 24
+    ids = torch.randint(0, 61, (1, n), generator=torch.Generator().manual_seed(2))
+    stats = layers.layer_statistics(model, ids, sinks=4)
+    for layer in range(3):
+        grid = torch.tensor(layers.density_map(model, ids, layer, bins=n))  # (n, n), no pooling
+        torch.testing.assert_close(grid.sum(1), torch.ones(n), atol=1e-5, rtol=0)  # rows are distributions
+        assert grid.triu(1).abs().max() == 0  # causal
+        assert abs(grid.sum(0)[:4].sum().item() / n - stats[layer]["sink_share"]) < 1e-5
+        assert 0.1 <= stats[layer]["top10_share"] <= 1 and stats[layer]["variance"] >= 0
+    pooled = torch.tensor(layers.density_map(model, ids, 0, bins=4))  # 6 x 6 blocks, averaged
+    torch.testing.assert_close(pooled.sum(1), torch.full((4,), 4 / n), atol=1e-5, rtol=0)  # each row: 1/6
+
+
+def test_retention_totals():
+    model = random_model(seed=5, L=4)
+    ids = torch.randint(0, 61, (1, 80), generator=torch.Generator().manual_seed(3))
+    kept = layers.retention(model, ids, 0.5, methods=("pyramidkv", "d2o", "dynamickv", "dbudgetkv"))
+    assert sum(kept["d2o"]) == sum(kept["pyramidkv"]) == sum(kept["dynamickv"]) == 4 * 40
+    assert all(k <= 80 for k in kept["dbudgetkv"]) and kept["dbudgetkv"][:2] == [80, 80]  # protected layers
+
+
+# --- speed ----------------------------------------------------------------------------------------
+
+def test_speed_ratios_are_relative_to_the_full_cache():
+    model = random_model(seed=6)
+    ids = torch.randint(0, 61, (1, 40), generator=torch.Generator().manual_seed(4))
+    pre = speed.prefill_times(model, ids, ["h2o", "dbudgetkv"], 0.25, reps=2, log=lambda m: None)
+    assert pre["full"]["ratio"] == 1.0 and pre["full"]["kept_bytes_ratio"] == 1.0
+    assert pre["h2o"]["kept_bytes_ratio"] == 0.25 and pre["h2o"]["ratio"] > 0
+    dec = speed.decode_speed(model, ids, ["h2o"], 0.25, steps=3, log=lambda m: None)
+    assert dec["full"]["ratio"] == 1.0 and dec["h2o"]["tokens_per_s"] > 0
+
+
+# --- outputs --------------------------------------------------------------------------------------
+
+FAKE = {
+    "profile": "quick", "device": "cpu",
+    "streaming": [{"capacity": 8, "method": m, "tokens": 10, "ppl": p, "curve": [2.0, 2.2, 2.3], "seconds": 1}
+                  for m, p in (("full", 9.0), ("h2o", 11.0))],
+    "passkey": [{"method": m, "budget": b, "length": n, "depth": d, "correct": m == "full" or d == 0.0}
+                for m, b in (("full", None), ("h2o", 64)) for n in (1000, 2000) for d in (0.0, 1.0)],
+    "fidelity": [{"prompt": i, "method": m, "budget": b, "ppl": p + i, "kl": kl, "top1": 0.9, "kept_share": s,
+                  "kept_per_layer": [5, 6]} for i in range(2)
+                 for m, b, p, kl, s in (("full", None, 9.0, 0.0, 1.0), ("dbudgetkv", None, 10.0, 0.3, 0.4))],
+    "layers": {"n": 16, "budget": 0.5, "statistics": [{"layer": 0, "variance": 0.5, "top10_share": 0.3,
+                                                          "sink_share": 0.2}],
+               "density_maps": {0: [[1.0, 0.0], [0.5, 0.5]]}, "retention": {"d2o": [8]}},
+    "speed": {"budget": 0.2, "prefill_n": 16, "decode_n": 16, "peak_n": 16,
+              "prefill": {"full": {"seconds": 1.0, "ratio": 1.0, "kept_bytes_ratio": 1.0}},
+              "decode": {"full": {"tokens_per_s": 10.0, "ratio": 1.0}},
+              "peak": {"full": {"peak_growth_mib": 100.0, "ratio": 1.0}}},
+}
+
+
+def test_summary_tables():
+    md = suite.summary(FAKE)
+    assert "| 8 | h2o | 10 | 11.000 |" in md
+    assert "| full | — | 1.00 | 1.00 | 1.00 |" in md and "| h2o | 64 | 0.50 | 0.50 | 0.50 |" in md
+    # perplexity / full averaged over prompts: (10/9 + 11/10) / 2
+    assert f"| dbudgetkv | self-chosen | 40.0% | {(10 / 9 + 11 / 10) / 2:.3f} | 0.300 [0.300–0.300] | 0.900 |" in md
+    assert "| 0 | 0.5 | 0.30 | 0.20 | 8 |" in md
+    assert "| full | 1.00 (1.0 s) | 1.00 (10.0/s) | 1.000 | 1.00 (100 MiB) |" in md
+    gpu = dict(FAKE, speed=dict(FAKE["speed"], batch={"full": {"batch": 4, "tokens_per_s": 800.0, "peak_gib": 1.5},
+                                                     "h2o": None}, batch_n=16, cap_gib=2))
+    md = suite.summary(gpu)
+    assert "| full | 4 | 800 | 1.50 |" in md and "| h2o | none fits | — | — |" in md
+
+
+def test_plots_are_written_or_skipped_with_a_reason(tmp_path, monkeypatch):
+    pytest.importorskip("matplotlib", reason="matplotlib (requirements-dev.txt) is not installed")
+    files = plots.write_plots(FAKE, tmp_path)
+    assert sorted(p.split("/")[-1] for p in files) == sorted(
+        ["streaming_nll.png", "passkey_heatmaps.png", "layers_density.png", "layers_variance.png",
+         "layers_retention.png"])
+    assert all((tmp_path / f).stat().st_size > 1000 for f in files)
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # as if it were not installed
+    with pytest.raises(plots.PlotsUnavailable, match="pip install matplotlib"):
+        plots.write_plots(FAKE, tmp_path)
+
+
+@pytest.mark.slow
+def test_smoke_profile_end_to_end(tmp_path, default_model_dir, monkeypatch):
+    """Every experiment, tiny sizes, on the default model: JSON, markdown and exit code."""
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # the no-matplotlib path of the command
+    code = suite.main(["--profile", "smoke", "--out", str(tmp_path)])
+    assert code == 0
+    results = json.loads((tmp_path / "results.json").read_text())
+    assert set(suite.EXPERIMENTS) <= set(results) and "matplotlib" in results["plots_skipped"]
+    assert results["speed"]["peak"]["full"]["ratio"] == 1.0
+    assert "## Passkey retrieval" in (tmp_path / "summary.md").read_text()
