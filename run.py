@@ -105,7 +105,7 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     import torch
 
-    from kvmini.chat import load_chat_format
+    from kvmini.chat import load_chat_format, stop_token_ids
     from kvmini.errors import KvminiError
     from kvmini.generate import Sampling, generate
     from kvmini.loading import load_model
@@ -135,8 +135,7 @@ def main(argv=None) -> int:
                 f"prompt has {len(ids)} tokens; with --max-new-tokens {args.max_new_tokens} "
                 f"that exceeds the model's context of {context} tokens"
             )
-        stop = set(model.config.eos_token_ids)
-        stop |= {tok.special[s] for s in (chat.stop if chat else ()) if s in tok.special}
+        stop = stop_token_ids(model.config.eos_token_ids, tok, chat)
         stream = StreamDecoder(tok)
         write = lambda i: (sys.stdout.write(stream.push(i)), sys.stdout.flush())  # noqa: E731
         result = generate(

@@ -74,6 +74,11 @@ def chat_format(template: str | None):
     return None
 
 
+def stop_token_ids(eos_ids, tokenizer, chat) -> set[int]:
+    """Token ids that end an answer: the model's EOS ids plus the chat format's end-of-turn tokens."""
+    return set(eos_ids) | {tokenizer.special[s] for s in (chat.stop if chat else ()) if s in tokenizer.special}
+
+
 def load_chat_format(folder: str | Path):
     """The chat format of a checkpoint folder (tokenizer_config.json or chat_template.jinja)."""
     folder = Path(folder)

@@ -51,7 +51,8 @@ def sample(logits: torch.Tensor, s: Sampling, generator: torch.Generator | None)
     return torch.multinomial(logits.softmax(-1), 1, generator=generator)[:, 0]
 
 
-def _sync(device: torch.device) -> None:
+def synchronize(device: torch.device) -> None:
+    """Wait for queued GPU work (no-op on CPU), so that timings cover it."""
     if device.type == "cuda":
         torch.cuda.synchronize(device)
 
@@ -95,7 +96,7 @@ def generate(
     cache = model.new_cache(B, capacity=T + max_new_tokens)
     t0 = time.perf_counter()
     logits = prefill(model, ids, cache, policy, chunk_size, T + max_new_tokens - 1)  # (B, V)
-    _sync(device)
+    synchronize(device)
     t1 = time.perf_counter()
     tokens: list[list[int]] = [[] for _ in range(B)]
     done = [False] * B
@@ -114,5 +115,5 @@ def generate(
             break
         logits = model(nxt[:, None], cache, policy)[:, -1]
         steps += 1
-    _sync(device)
+    synchronize(device)
     return GenerationResult(tokens, T, t1 - t0, time.perf_counter() - t1, steps, cache)

@@ -23,17 +23,12 @@ import time
 
 import torch
 
-from kvmini.generate import prefill
+from kvmini.generate import prefill, synchronize
 from kvmini.methods.registry import chooses_budget, make_policy
 
 
 def _policy(name: str, budget: float):
     return None if name == "full" else make_policy(name, None if chooses_budget(name) else budget)
-
-
-def _sync(model) -> None:
-    if model.device.type == "cuda":
-        torch.cuda.synchronize(model.device)
 
 
 @torch.inference_mode()
@@ -46,7 +41,7 @@ def prefill_times(model, ids: torch.Tensor, methods: list[str], budget: float, r
             cache = model.new_cache(1, ids.shape[1])
             t0 = time.perf_counter()
             prefill(model, ids, cache, _policy(name, budget), total_len=ids.shape[1])
-            _sync(model)
+            synchronize(model.device)
             times[name].append(time.perf_counter() - t0)
             kept[name] = cache.nbytes() / cache.full_nbytes()
             log(f"prefill {ids.shape[1]} tokens, round {rep + 1}/{reps}, {name}: {times[name][-1]:.2f} s")
@@ -64,11 +59,11 @@ def decode_speed(model, ids: torch.Tensor, methods: list[str], budget: float, st
         cache = model.new_cache(1, ids.shape[1] + steps)
         logits = prefill(model, ids, cache, policy, total_len=ids.shape[1] + steps)
         nxt = logits.argmax(-1, keepdim=True)  # (1, 1)
-        _sync(model)
+        synchronize(model.device)
         t0 = time.perf_counter()
         for _ in range(steps):
             nxt = model(nxt, cache, policy)[:, -1].argmax(-1, keepdim=True)
-        _sync(model)
+        synchronize(model.device)
         out[name] = {"tokens_per_s": steps / (time.perf_counter() - t0)}
         log(f"decode after {ids.shape[1]} tokens, {name}: {out[name]['tokens_per_s']:.1f} tokens/s")
     for name in out:
@@ -92,11 +87,11 @@ def batch_under_cap(model, ids: torch.Tensor, methods: list[str], budget: float,
                 policy = _policy(name, budget)
                 cache = model.new_cache(B, ids.shape[1] + steps)
                 nxt = prefill(model, ids.expand(B, -1), cache, policy, total_len=ids.shape[1] + steps).argmax(-1)[:, None]
-                torch.cuda.synchronize(model.device)
+                synchronize(model.device)
                 t0 = time.perf_counter()
                 for _ in range(steps):
                     nxt = model(nxt, cache, policy)[:, -1].argmax(-1, keepdim=True)
-                torch.cuda.synchronize(model.device)
+                synchronize(model.device)
                 seconds = time.perf_counter() - t0
             except torch.cuda.OutOfMemoryError:
                 break

@@ -208,7 +208,7 @@ def main(argv=None) -> int:
 
 
 def run_suite(profile: str, only: list[str], model_folder: str | None, device: str, log=print) -> dict:
-    from kvmini.chat import load_chat_format
+    from kvmini.chat import load_chat_format, stop_token_ids
     from kvmini.loading import load_model
     from kvmini.tokenizer import load_tokenizer
     from kvmini.weights import ensure_default_model
@@ -220,7 +220,7 @@ def run_suite(profile: str, only: list[str], model_folder: str | None, device: s
     tok = load_tokenizer(folder)
     text_ids = tok.encode(fidelity.pydoc_text())
     chat = load_chat_format(folder)
-    stop_ids = set(model.config.eos_token_ids) | {tok.special[s] for s in (chat.stop if chat else ()) if s in tok.special}
+    stop_ids = stop_token_ids(model.config.eos_token_ids, tok, chat)
     P = PROFILES[profile]
     results = {"profile": profile, "device": str(model.device), "sizes": {k: P[k] for k in only}}
     runners = {
