@@ -1,5 +1,13 @@
-"""kvmini command line: generate from a prompt file with an explicit (optionally compressed) KV cache."""
+"""kvmini command line: generate from a prompt file with an explicit (optionally compressed) KV cache.
+
+Every failure ends in one line on stderr (`main`): exit code 2 for bad input and refusals from the
+operating system, 130 for Ctrl-C. KVMINI_DEBUG=1 shows the traceback instead.
+"""
 import argparse
+import errno
+import math
+import os
+import re
 import sys
 from pathlib import Path
 
@@ -10,7 +18,11 @@ EXAMPLES = """examples:
   python run.py --model path/to/hf-folder --prompt prompt.txt --device cuda --dtype bfloat16
   python run.py --prompt doc.txt --method snapkv --budget 128 --window 16 --pooling max
   python run.py --prompt doc.txt --method h2o --budget 0.1      # keep 10% of the prompt per layer
+
+special tokens: strings such as <|im_end|> typed in the prompt are read as the control tokens they
+name (as HF tokenizers do), so a prompt can end a chat turn itself; --raw skips the chat template.
 """
+ASCII_BLOCKS = " .:-=+*#"  # the report's bars where the terminal cannot print block characters
 
 
 class OneLineParser(argparse.ArgumentParser):
@@ -20,25 +32,68 @@ class OneLineParser(argparse.ArgumentParser):
         self.exit(2, f"error: {message} (see --help)\n")
 
 
-def positive_int(text):
+def whole_number(text: str, low: int = 0, high: int | None = None) -> int:
+    """ASCII digits only ('²', '٣' and '1e3' are refused), within [low, high]."""
+    if not re.fullmatch(r"[+-]?[0-9]+", text.strip()):
+        raise argparse.ArgumentTypeError(f"must be a whole number, got {text!r}")
     value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    if value < low or (high is not None and value > high):
+        raise argparse.ArgumentTypeError(f"must be {f'in [{low}, {high}]' if high is not None else f'>= {low}'}, got {text}")
     return value
 
 
+def real_number(text: str) -> float:
+    """A finite number written in ASCII ('inf', 'nan' and '١.٥' are refused)."""
+    try:
+        value = float(text) if text.isascii() else math.nan
+    except ValueError:
+        value = math.nan
+    if not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"must be a finite number, got {text!r}")
+    return value
+
+
+def positive_int(text):
+    return whole_number(text, low=1)
+
+
+def non_negative_int(text):
+    return whole_number(text, low=0)
+
+
+def seed(text):
+    return whole_number(text, low=0, high=2**64 - 1)  # what torch.Generator.manual_seed accepts
+
+
 def non_negative_float(text):
-    value = float(text)
-    if not value >= 0:
+    value = real_number(text)
+    if value < 0:
         raise argparse.ArgumentTypeError(f"must be >= 0, got {text}")
     return value
 
 
 def probability(text):
-    value = float(text)
+    value = real_number(text)
     if not 0 < value <= 1:
         raise argparse.ArgumentTypeError(f"must be in (0, 1], got {text}")
     return value
+
+
+def budget(text):
+    """'128' or '1' -> tokens per layer (int); '0.2' or '1.0' -> a ratio of the prompt (float)."""
+    if re.fullmatch(r"[0-9]+", text.strip()):
+        return int(text)
+    return real_number(text)
+
+
+def option_text(text):
+    """Method options written as text (e.g. --nm 3:1) are checked by the registry; only ASCII here."""
+    if not text.isascii():
+        raise argparse.ArgumentTypeError(f"must be ASCII, got {text!r}")
+    return text
+
+
+PARSERS = {int: non_negative_int, float: real_number, str: option_text}
 
 
 def methods_help() -> str:
@@ -60,29 +115,27 @@ def parse_args(argv=None):
         epilog=methods_help() + "\n" + EXAMPLES,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p.add_argument("--prompt", required=True, help="UTF-8 text file with the prompt")
+    p.add_argument("--prompt", required=True, help="UTF-8 text file with the prompt (special-token strings count)")
     p.add_argument("--model", help="HF-layout checkpoint folder (default: SmolLM2-135M-Instruct, prepared under weights/)")
     p.add_argument("--method", default="full", choices=list(METHODS), metavar="NAME",
                    help="KV-cache method, listed below (default: full)")
-    p.add_argument("--budget", type=float, default=None,
-                   help=f"tokens kept per layer: a ratio of the prompt if <= 1, a token count if > 1 "
-                        f"(default for compressing methods: {DEFAULT_BUDGET})")
+    p.add_argument("--budget", type=budget, default=None,
+                   help=f"tokens kept per layer: a whole number (128) counts tokens, a fraction up to 1.0 (0.2) "
+                        f"is a ratio of the prompt (default for compressing methods: {DEFAULT_BUDGET})")
     p.add_argument("--max-new-tokens", type=positive_int, default=128, help="tokens to generate (default: 128)")
     p.add_argument("--temperature", type=non_negative_float, default=0.0, help="0 = greedy (default)")
-    p.add_argument("--top-k", type=int, default=0, help="sample from the k most likely tokens (0: off)")
+    p.add_argument("--top-k", type=non_negative_int, default=0, help="sample from the k most likely tokens (0: off)")
     p.add_argument("--top-p", type=probability, default=1.0, help="nucleus sampling mass (1: off)")
-    p.add_argument("--seed", type=int, default=None, help="random seed for sampling")
+    p.add_argument("--seed", type=seed, default=None, help="random seed for sampling (0 to 2**64-1)")
     p.add_argument("--chunk-size", type=positive_int, default=None, help="prefill the prompt in chunks of this many tokens")
     p.add_argument("--raw", action="store_true", help="feed the prompt as is, without the chat template")
-    p.add_argument("--device", default="auto", help="auto | cpu | cuda (default: auto)")
+    p.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N (default: auto)")
     p.add_argument("--dtype", default="auto", help="auto | float32 | bfloat16 | float16 (auto: fp32 on CPU, bf16 on CUDA)")
     group = p.add_argument_group("method options (which method takes which: see the list below)")
     for name, opt in OPTIONS.items():
-        group.add_argument("--" + name.replace("_", "-"), type=opt.type, default=None, help=opt.help)
+        group.add_argument("--" + name.replace("_", "-"), type=PARSERS[opt.type], default=None, help=opt.help)
     args = p.parse_args(argv)
     args.options = {name: getattr(args, name) for name in OPTIONS if getattr(args, name) is not None}
-    if args.top_k < 0:
-        p.error(f"argument --top-k: must be >= 0, got {args.top_k}")
     return args
 
 
@@ -90,8 +143,10 @@ def read_prompt(path: str) -> str:
     from kvmini.errors import KvminiError
 
     file = Path(path)
-    if not file.is_file():
+    if not file.exists():
         raise KvminiError(f"prompt file not found: {path}")
+    if file.is_dir():
+        raise KvminiError(f"prompt {path} is a directory, not a text file")
     try:
         text = file.read_bytes().decode("utf-8")
     except UnicodeDecodeError as e:
@@ -101,8 +156,7 @@ def read_prompt(path: str) -> str:
     return text
 
 
-def main(argv=None) -> int:
-    args = parse_args(argv)
+def generate_answer(args) -> int:
     import torch
 
     from kvmini.chat import load_chat_format, stop_token_ids
@@ -110,56 +164,54 @@ def main(argv=None) -> int:
     from kvmini.generate import Sampling, generate
     from kvmini.loading import load_model
     from kvmini.methods.registry import make_policy
-    from kvmini.report import cache_report
+    from kvmini.report import BLOCKS, cache_report
     from kvmini.tokenizer import StreamDecoder, load_tokenizer
     from kvmini.weights import ensure_default_model
 
-    try:
-        policy = make_policy(args.method, args.budget, **args.options)
-        text = read_prompt(args.prompt)
-        folder = Path(args.model) if args.model else ensure_default_model(log=lambda m: print(m, file=sys.stderr))
-        model = load_model(folder, args.device, args.dtype)
-        tok = load_tokenizer(folder)
-        chat = None if args.raw else load_chat_format(folder)
-        if chat is not None:
-            text = chat.render([{"role": "user", "content": text}])
-        ids = tok.encode(text)
-        if max(ids) >= model.config.vocab_size:
-            raise KvminiError(
-                f"the tokenizer produced id {max(ids)} but the model has only {model.config.vocab_size} "
-                "embeddings: tokenizer and model do not match"
-            )
-        context = model.config.max_position_embeddings
-        if len(ids) + args.max_new_tokens > context:
-            raise KvminiError(
-                f"prompt has {len(ids)} tokens; with --max-new-tokens {args.max_new_tokens} "
-                f"that exceeds the model's context of {context} tokens"
-            )
-        stop = stop_token_ids(model.config.eos_token_ids, tok, chat)
-        stream = StreamDecoder(tok)
-        write = lambda i: (sys.stdout.write(stream.push(i)), sys.stdout.flush())  # noqa: E731
-        result = generate(
-            model, torch.tensor([ids]), args.max_new_tokens,
-            Sampling(args.temperature, args.top_k, args.top_p, args.seed),
-            stop, policy, chunk_size=args.chunk_size, on_token=write,
+    policy = make_policy(args.method, args.budget, **args.options)
+    text = read_prompt(args.prompt)
+    folder = Path(args.model) if args.model else ensure_default_model(log=lambda m: print(m, file=sys.stderr))
+    model = load_model(folder, args.device, args.dtype)
+    tok = load_tokenizer(folder)
+    vocab = model.config.vocab_size
+    if tok.vocab_size > vocab:
+        raise KvminiError(f"the tokenizer has {tok.vocab_size} ids but the model only {vocab} embeddings: "
+                          "tokenizer and model do not match")
+    chat = None if args.raw else load_chat_format(folder)
+    if chat is not None:
+        text = chat.render([{"role": "user", "content": text}])
+    ids = tok.encode(text)
+    if not ids:
+        raise KvminiError(f"the prompt encodes to zero tokens: none of its characters is in the tokenizer's "
+                          f"vocabulary ({args.prompt})")
+    context = model.config.max_position_embeddings
+    if len(ids) + args.max_new_tokens > context:
+        raise KvminiError(
+            f"prompt has {len(ids)} tokens; with --max-new-tokens {args.max_new_tokens} "
+            f"that exceeds the model's context of {context} tokens"
         )
-        print(stream.flush())
-    except KvminiError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    except KeyboardInterrupt:
-        print("\ninterrupted", file=sys.stderr)
-        return 130
+    stop = stop_token_ids(model.config.eos_token_ids, tok, chat)
+    stream = StreamDecoder(tok)
+    write = lambda i: (sys.stdout.write(stream.push(i)), sys.stdout.flush())  # noqa: E731
+    sampling = Sampling(args.temperature, args.top_k, args.top_p, args.seed, vocab=min(tok.vocab_size, vocab))
+    result = generate(model, torch.tensor([ids]), args.max_new_tokens, sampling, stop, policy,
+                      chunk_size=args.chunk_size, on_token=write)
+    print(stream.flush())
     c = model.config
     print("\n--- kvmini report ---")
     print(f"model     {folder.name} ({c.model_type}, {c.num_layers} layers, {c.num_heads}/{c.num_kv_heads} q/kv heads)"
           f" on {model.device.type} {str(model.dtype).removeprefix('torch.')}")
+    if tok.vocab_size < vocab:
+        print(f"vocab     the model has {vocab} output ids, the tokenizer {tok.vocab_size}: "
+              f"the {vocab - tok.vocab_size} ids without text are never sampled")
     print(f"method    {describe(args, policy)}")
     print(f"prompt    {result.prompt_tokens} tokens ({type(chat).__name__ if chat else 'raw'} format)")
     print(f"prefill   {result.prefill_s:.3f} s, {result.prompt_tokens / result.prefill_s:.1f} tokens/s")
     rate = result.decode_steps / result.decode_s if result.decode_steps else float("nan")
     print(f"decode    {result.new_tokens} new tokens, {rate:.1f} tokens/s")
-    print("\n".join(cache_report(result.cache, policy)))
+    blocks = BLOCKS if can_print(BLOCKS) else ASCII_BLOCKS
+    print("\n".join(cache_report(result.cache, policy, blocks)))
+    sys.stdout.flush()
     return 0
 
 
@@ -177,6 +229,65 @@ def describe(args, policy) -> str:
         share = sum(budgets) / (len(budgets) * policy.prompt_len)
         return f"{args.method}, self-chosen budget {per_layer} tokens per layer = {share:.1%} of the prompt ({shown})"
     return f"{args.method}, budget {policy.budget:g} = {per_layer} tokens per layer ({shown})"
+
+
+def can_print(text: str) -> bool:
+    try:
+        text.encode(sys.stdout.encoding or "ascii")
+        return True
+    except (UnicodeEncodeError, LookupError):
+        return False
+
+
+def one_line(e: BaseException) -> str:
+    """The message for a failure: ours as written, the operating system's with the file it concerns."""
+    from kvmini.errors import KvminiError
+
+    if isinstance(e, KvminiError):
+        return str(e)
+    if isinstance(e, OSError):
+        what = e.strerror or str(e) or type(e).__name__
+        if e.filename is not None:
+            return f"{what}: {e.filename}"
+        if e.errno in (errno.EPIPE, errno.ENOSPC, errno.EBADF, errno.EIO) or isinstance(e, BrokenPipeError):
+            return f"cannot write the output: {what}"
+        return what
+    if isinstance(e, MemoryError):
+        return "out of memory (try a shorter prompt, a smaller --chunk-size or a smaller model)"
+    text = (str(e).strip().splitlines() or [""])[0][:300]
+    return f"unexpected {type(e).__name__}: {text} (a case kvmini does not check yet; KVMINI_DEBUG=1 shows where)"
+
+
+def silence_stdout() -> None:
+    """After the output failed, point it at /dev/null so the exit's own flush cannot fail again."""
+    try:
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+    except (OSError, ValueError, AttributeError):
+        pass
+
+
+def main(argv=None) -> int:
+    """The entry point and the one error boundary: whatever goes wrong is one line on stderr."""
+    if sys.stdout is None or sys.stderr is None:  # started with stdout or stderr closed (`>&-`)
+        if sys.stderr is not None:
+            print("error: standard output is closed; nowhere to write the answer", file=sys.stderr)
+        return 2
+    sys.stdout.reconfigure(errors="replace")  # text the terminal's encoding lacks prints as '?'
+    sys.stderr.reconfigure(errors="backslashreplace")
+    try:
+        return generate_answer(parse_args(argv))
+    except KeyboardInterrupt:
+        print("\ninterrupted (Ctrl-C)", file=sys.stderr)
+        return 130
+    except SystemExit as e:  # argparse: --help (0) or a usage error (2, its line already written)
+        return e.code if isinstance(e.code, int) else 2
+    except Exception as e:
+        if os.environ.get("KVMINI_DEBUG"):
+            raise
+        if isinstance(e, OSError) and e.filename is None:
+            silence_stdout()
+        print(f"error: {one_line(e)}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

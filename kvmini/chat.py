@@ -6,9 +6,10 @@ checkpoint's Jinja chat template by its marker tokens (we never execute the temp
     ChatML([{"role": "user", "content": "Hi"}]) ->
     "<|im_start|>user\\nHi<|im_end|>\\n<|im_start|>assistant\\n"
 """
-import json
 import re
 from pathlib import Path
+
+from kvmini.errors import KvminiError
 
 
 class ChatML:
@@ -80,11 +81,27 @@ def stop_token_ids(eos_ids, tokenizer, chat) -> set[int]:
 
 
 def load_chat_format(folder: str | Path):
-    """The chat format of a checkpoint folder (tokenizer_config.json or chat_template.jinja)."""
+    """The chat format of a checkpoint folder (chat_template.jinja, else tokenizer_config.json).
+
+    tokenizer_config.json may hold one template, or HF's list of named ones
+    ([{"name": "default", "template": ...}, {"name": "tool_use", ...}]): then the "default" one is used.
+    """
+    from kvmini.tokenizer import read_json_object
+
     folder = Path(folder)
-    template = None
-    if (folder / "chat_template.jinja").exists():
-        template = (folder / "chat_template.jinja").read_text(encoding="utf-8")
-    elif (folder / "tokenizer_config.json").exists():
-        template = json.loads((folder / "tokenizer_config.json").read_text(encoding="utf-8")).get("chat_template")
-    return chat_format(template if isinstance(template, str) else None)
+    jinja = folder / "chat_template.jinja"
+    if jinja.exists():
+        try:
+            return chat_format(jinja.read_text(encoding="utf-8"))
+        except UnicodeDecodeError as e:
+            raise KvminiError(f"{jinja} is not UTF-8 text (byte {e.start})") from None
+    template = read_json_object(folder / "tokenizer_config.json").get("chat_template")
+    if isinstance(template, list):
+        named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
+        if "default" not in named:
+            raise KvminiError(f"tokenizer_config.json lists chat templates {sorted(map(str, named))} but none named "
+                              "'default'; pass --raw to skip the chat template")
+        template = named["default"]
+    if template is not None and not isinstance(template, str):
+        raise KvminiError("tokenizer_config.json: chat_template must be a string or a list of named templates")
+    return chat_format(template)

@@ -1,7 +1,8 @@
 """The one exception type for mistakes a user can make (paths, options, configs).
 
-run.py turns a `KvminiError` into a single line on stderr and exit code 2;
-anything else is a bug and keeps its traceback.
+run.py turns a `KvminiError` into a single line on stderr and exit code 2. Its error boundary
+(`run.main`) also turns refusals from the operating system and anything unforeseen into one
+line; KVMINI_DEBUG=1 shows the traceback instead.
 """
 
 

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 import torch
 
 from kvmini.cache import KVCache
+from kvmini.errors import KvminiError
 from kvmini.model import Transformer
 
 
@@ -19,6 +20,7 @@ class Sampling:
     top_k: int = 0  # 0: no top-k cut
     top_p: float = 1.0  # 1: no nucleus cut
     seed: int | None = None
+    vocab: int | None = None  # only ids below this are sampled (a tokenizer smaller than the embedding table)
 
 
 @dataclass
@@ -37,6 +39,7 @@ class GenerationResult:
 
 def sample(logits: torch.Tensor, s: Sampling, generator: torch.Generator | None) -> torch.Tensor:
     """logits (B, V) -> next ids (B,)."""
+    logits = logits[:, : s.vocab]  # (B, vocab): ids the tokenizer has no text for are never chosen
     if s.temperature <= 0:
         return logits.argmax(-1)
     logits = logits.float() / s.temperature
@@ -49,6 +52,14 @@ def sample(logits: torch.Tensor, s: Sampling, generator: torch.Generator | None)
         drop = probs.cumsum(-1) - probs > s.top_p  # keep the smallest prefix whose mass reaches top_p
         logits = logits.scatter(-1, order, sorted_logits.masked_fill(drop, float("-inf")))
     return torch.multinomial(logits.softmax(-1), 1, generator=generator)[:, 0]
+
+
+def check_finite(logits: torch.Tensor, step: int) -> None:
+    """A model whose weights or dtype overflow gives NaN/inf logits: say so instead of answering nothing."""
+    if not torch.isfinite(logits).all():
+        where = "the prompt" if step == 0 else f"decode step {step}"
+        raise KvminiError(f"the model produced non-finite logits (NaN or inf) at {where}: broken weights, "
+                          "or a dtype too narrow for them (try --dtype float32)")
 
 
 def synchronize(device: torch.device) -> None:
@@ -102,6 +113,7 @@ def generate(
     done = [False] * B
     steps = 0
     for step in range(max_new_tokens):
+        check_finite(logits, step)
         nxt = sample(logits, sampling, generator)  # (B,)
         for b, i in enumerate(nxt.tolist()):
             if not done[b]:

@@ -6,6 +6,7 @@ left over. The model is built on the meta device and the loaded tensors are
 assigned in place, so no memory is spent on a random initialization.
 """
 import json
+import re
 from pathlib import Path
 
 import torch
@@ -20,15 +21,19 @@ IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)  # buffers some old checkpoints save
 
 
 def resolve_device(name: str = "auto") -> torch.device:
-    """'auto' -> cuda if available else cpu; asking for an absent GPU is an error."""
+    """'auto' -> cuda if available else cpu; 'cpu', 'cuda' or 'cuda:N'. An absent GPU is an error."""
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if name.startswith("cuda") and not torch.cuda.is_available():
-        raise KvminiError("device 'cuda' requested but no CUDA GPU is available (try --device cpu)")
-    try:
-        return torch.device(name)
-    except RuntimeError:
-        raise KvminiError(f"unknown device {name!r} (use auto, cpu or cuda)") from None
+    if name == "cpu":
+        return torch.device("cpu")
+    m = re.fullmatch(r"cuda(?::([0-9]+))?", name)
+    if m is None:
+        raise KvminiError(f"unsupported device {name!r}: kvmini runs on auto, cpu, cuda or cuda:N")
+    if not torch.cuda.is_available():
+        raise KvminiError(f"device {name!r} requested but no CUDA GPU is available (try --device cpu)")
+    if m.group(1) is not None and int(m.group(1)) >= torch.cuda.device_count():
+        raise KvminiError(f"device {name!r} does not exist: this machine has {torch.cuda.device_count()} CUDA GPU(s)")
+    return torch.device(name)
 
 
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
@@ -48,9 +53,12 @@ def safetensors_files(folder: Path) -> list[Path]:
     if index.exists():
         try:
             weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
-        except (json.JSONDecodeError, KeyError, UnicodeDecodeError) as e:
-            raise KvminiError(f"broken shard index {index}: {e}") from None
-        return [folder / name for name in sorted(set(weight_map.values()))]
+            names = sorted(set(weight_map.values()))
+        except (json.JSONDecodeError, KeyError, TypeError, AttributeError, UnicodeDecodeError) as e:
+            raise KvminiError(f"broken shard index {index}: {type(e).__name__}: {e}") from None
+        if not all(isinstance(n, str) and n and Path(n).name == n for n in names):
+            raise KvminiError(f"broken shard index {index}: weight_map must map tensor names to file names")
+        return [folder / name for name in names]
     if any(folder.glob("*.bin")) or any(folder.glob("*.pt")):
         raise KvminiError(f"{folder} holds only pickle weights (.bin/.pt); kvmini loads safetensors only")
     raise KvminiError(f"no model.safetensors or model.safetensors.index.json in {folder}")
@@ -72,6 +80,9 @@ def load_model(folder: str | Path, device: str = "auto", dtype: str = "auto") ->
     for path in safetensors_files(folder):
         if not path.exists():
             raise KvminiError(f"missing weight shard: {path}")
+        if not path.is_file():
+            raise KvminiError(f"{path} is not a file")
+        path.open("rb").close()  # an unreadable file fails here with the OS's own reason
         try:
             with safe_open(str(path), framework="pt", device="cpu") as f:
                 for name in f.keys():
@@ -80,6 +91,9 @@ def load_model(folder: str | Path, device: str = "auto", dtype: str = "auto") ->
                     if name not in expected:
                         raise KvminiError(f"unexpected tensor {name!r} in {path.name}")
                     t = f.get_tensor(name)
+                    if not t.dtype.is_floating_point:
+                        raise KvminiError(f"tensor {name!r} in {path.name} has dtype {str(t.dtype).removeprefix('torch.')}; "
+                                          "weights must be floating point")
                     if t.shape != expected[name]:
                         raise KvminiError(
                             f"shape mismatch for {name!r}: checkpoint {tuple(t.shape)}, model {tuple(expected[name])}"

@@ -27,6 +27,7 @@ sequence, each acting on its row of the cache (`KVCache.sequence(b)`); rows that
 different counts are padded (see kvmini.cache). Batching then changes nothing but speed.
 """
 import copy
+import math
 import time
 from collections.abc import Callable
 
@@ -54,12 +55,15 @@ def merge_requests(requests: list[StatsRequest]) -> StatsRequest:
 
 
 def resolve_budget(budget: float, prompt_len: int) -> int:
-    """DESIGN.md "Budgets": 0 < x <= 1 is a ratio of the prompt length, x > 1 tokens per layer.
+    """DESIGN.md "Budgets": a fraction 0 < x <= 1 is a ratio of the prompt length; a whole number
+    (an int, or a float above 1) is tokens per layer.
 
-    0.25 with a 400-token prompt -> 100;  128 -> 128 (whatever the prompt length).
+    0.25 with a 400-token prompt -> 100;  1.0 -> the whole prompt;  1 -> 1 token;  128 -> 128.
     """
-    if not budget > 0:
-        raise KvminiError(f"--budget must be > 0 (a ratio in (0, 1] or tokens per layer > 1), got {budget}")
+    if isinstance(budget, bool) or not isinstance(budget, (int, float)) or not math.isfinite(budget) or budget <= 0:
+        raise KvminiError(f"--budget must be a finite number > 0 (a ratio in (0, 1] or tokens per layer), got {budget}")
+    if isinstance(budget, int):
+        return budget
     if budget <= 1:
         return max(1, round(budget * prompt_len))
     if budget != int(budget):
@@ -150,6 +154,9 @@ class Policy:
         )
 
     def _set_budgets(self, L: int) -> None:
+        if any(layer >= L for layer in self.protected_layers):
+            raise KvminiError(f"{self.name}: protected layers {list(self.protected_layers)} do not all exist; "
+                              f"this model has layers 0 to {L - 1}")
         self.evicted = [0] * L
         if self.budget is None:  # chosen layer by layer as the prompt is compressed
             self.budgets, self.active = [self.prompt_len] * L, True

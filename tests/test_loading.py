@@ -29,7 +29,7 @@ def test_auto_choices():
     assert resolve_dtype("auto", torch.device("cpu")) == torch.float32
     assert resolve_dtype("auto", torch.device("cuda")) == torch.bfloat16
     assert resolve_device("cpu").type == "cpu"
-    with pytest.raises(KvminiError, match="unknown device"):
+    with pytest.raises(KvminiError, match="unsupported device"):
         resolve_device("tpu")
 
 

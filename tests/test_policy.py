@@ -43,7 +43,10 @@ def test_budget_convention():
     assert resolve_budget(1.0, 37) == 37
     assert resolve_budget(128, 37) == 128  # tokens per layer, whatever the prompt
     assert resolve_budget(0.001, 10) == 1  # never zero
-    for bad, msg in [(0, "> 0"), (-3, "> 0"), (float("nan"), "> 0"), (12.5, "whole number")]:
+    assert resolve_budget(1, 37) == 1  # an int is a token count, even 1 (1.0 is the whole prompt)
+    assert resolve_budget(3.0, 37) == 3
+    for bad, msg in [(0, "> 0"), (-3, "> 0"), (float("nan"), "> 0"), (float("inf"), "finite"), (True, "> 0"),
+                     ("5", "> 0"), (12.5, "whole number")]:
         with pytest.raises(KvminiError, match=msg):
             resolve_budget(bad, 100)
 

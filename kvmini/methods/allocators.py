@@ -43,11 +43,14 @@ def proportional(weights: list[float], total: int, low: int, high: list[int]) ->
     lambda is found by bisection: the sum only grows with it.
 
     [0.9, 0.05, 0.05], total 300, low 60, high 200 each -> [180, 60, 60] (the floors take 120).
+    A weight below 1e-12 of the largest counts as 1e-12 of it (a softmax that underflows to 0), so
+    the total is always reachable without breaking a bound.
     """
     L = len(weights)
+    weights = [max(w, max(weights) * 1e-12) for w in weights]
     total = max(min(total, sum(high)), low * L)
     clamped = lambda lam: [min(max(lam * w, low), h) for w, h in zip(weights, high)]  # noqa: E731
-    lo_lam, hi_lam = 0.0, max(high) / max(min(weights), 1e-12)  # sum(clamped(hi_lam)) = sum(high) >= total
+    lo_lam, hi_lam = 0.0, max(high) / min(weights)  # sum(clamped(hi_lam)) = sum(high) >= total
     for _ in range(200):
         mid = (lo_lam + hi_lam) / 2
         lo_lam, hi_lam = (mid, hi_lam) if sum(clamped(mid)) < total else (lo_lam, mid)

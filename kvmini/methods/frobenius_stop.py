@@ -58,4 +58,7 @@ class FrobeniusStop:
             order = torch.cat([idx[self.sinks :], idx[: self.sinks]]).expand_as(pos)
         else:  # the running column sums kept by the policy's CumulativeAttention scorer
             order = lc.aux("attention_sum").argsort(dim=-1, stable=True)  # least attended first
-        return lc.length - frobenius_stop(s, order, self.threshold)
+        pruned = frobenius_stop(s, order, self.threshold)
+        if self.ranking == "position":  # the sinks are never pruned, even where the rule would reach them
+            pruned = min(pruned, max(lc.length - self.sinks, 0))
+        return lc.length - pruned
