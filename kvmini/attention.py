@@ -38,6 +38,24 @@ class StatsRequest:
         if self.reduce not in REDUCTIONS:
             raise ValueError(f"reduce must be one of {REDUCTIONS}, not {self.reduce!r}")
 
+    @property
+    def empty(self) -> bool:
+        return not (self.column_sums or self.window > 0 or self.last_row)
+
+
+def merge_requests(requests: list) -> StatsRequest | None:
+    """One request asking for everything any of `requests` asks for (None entries ask for nothing;
+    the others must agree on `reduce`). None when nothing at all is asked for."""
+    requests = [r for r in requests if r is not None and not r.empty]
+    if not requests:
+        return None
+    return StatsRequest(
+        column_sums=any(r.column_sums for r in requests),
+        window=max(r.window for r in requests),
+        last_row=any(r.last_row for r in requests),
+        reduce=requests[0].reduce,
+    )
+
 
 def visible(q_pos: torch.Tensor, k_pos: torch.Tensor, window: int | None) -> torch.Tensor:
     """Boolean mask (B, H_kv, T, S): may query i see key j?  q_pos (B, T), k_pos (B, H_kv, S)."""
@@ -78,7 +96,7 @@ def attend(q, k, v, q_pos, k_pos, request: StatsRequest | None, window=None, pad
     k, v (B, H_kv, S, D) end with the T entries of this call's queries q (B, H, T, D).
     Returns (out (B, H, T, D), stats: dict name -> (B, H_kv, S) float32).
     """
-    if request is None:
+    if request is None or request.empty:
         return sdpa_attention(q, k, v, q_pos, k_pos, window, padded), {}
     if request.column_sums:
         return explicit_attention(q, k, v, q_pos, k_pos, request, window, padded=padded)

@@ -1,57 +1,22 @@
-"""A compression policy: scorer + allocator + selector + compensator, run on a schedule.
-
-    scorer       how important is each cached token, per KV head?        (B, H_kv, S) scores
-    allocator    how many tokens may each layer keep?                     one budget per layer
-    selector     which tokens, given scores, budget, sinks, recent window? indices to keep
-    compensator  what happens to the evicted tokens (drop, or merge)?    edits K/V in place
-    schedule     PREFILL: once, layer by layer, in the call that completes the prompt;
-                 EVERY_CALL: after every forward call (each prefill chunk, each decode step);
-                 AFTER_PROMPT: once the prompt is complete, and then after every decode step
-
-Methods that pick budgets from statistics add one hook: `layer_rule` (a layer picks its own,
-DBudgetKV), `layer_stat` + a deferred allocator (all layers measured first, then budgeted, D2O)
-or `rebalance` (finished layers re-budgeted as the prefill goes, DynamicKV); `reducer` replaces
-select-and-gather (WeightedKV's merge). AFTER_PROMPT suits methods that evict every step but
-need the whole prompt first.
+"""The compression engine: runs a method's four parts (kvmini.parts) inside the model's forward pass.
 
 The model talks to a policy through three calls per forward pass of T new tokens:
-    begin(cache, T)                     before layer 0
-    request(layer) -> StatsRequest|None before the layer's attention (None: fast SDPA path)
-    after_attention(layer, cache, stats) after it; this may shrink cache[layer]
-A layer always attends over its full appended cache first; only later layers and later
-calls see what the policy kept. All state lives in the Policy object and is reset by
-`start()` (called by `generate`), or automatically when a fresh cache (seen_tokens == 0) arrives.
-
-Methods that choose budgets per sequence (the hooks above) run a batch as one Policy per
-sequence, each acting on its row of the cache (`KVCache.sequence(b)`); rows that keep
-different counts are padded (see kvmini.cache). Batching then changes nothing but speed.
+    begin(cache, T)                      before layer 0
+    request(layer) -> StatsRequest|None  before the layer's attention (None: the fast SDPA path)
+    after_attention(layer, cache, stats) after it; this may shrink cache[layer] (and, for a
+                                         budgeter that revisits layers, earlier ones)
+In a call the schedule says compresses, after layer l attended over its full cache:
+    score = scorer(cache[l], stats);  for i, b in budgeter.decide(l, ...): compressor(i, cache[i], score_i, b)
+Only later layers and later calls see what was kept. `start()` (called by `generate`) resets a
+run; a fresh cache (seen_tokens == 0) without it starts one whose first call is the whole prompt.
+Methods whose budgets follow each sequence's statistics run a batch through `PerSequence`.
 """
-import copy
 import math
-import time
-from collections.abc import Callable
 
-import torch
-
-from kvmini.attention import StatsRequest
-from kvmini.cache import KVCache, LayerCache
+from kvmini.attention import StatsRequest, merge_requests
+from kvmini.cache import KVCache
 from kvmini.errors import KvminiError
-from kvmini.methods.allocators import uniform
-from kvmini.methods.selectors import keep_top
-
-PREFILL = "prefill"
-EVERY_CALL = "every_call"
-AFTER_PROMPT = "after_prompt"  # in the call that completes the prompt, then after every later call
-
-
-def merge_requests(requests: list[StatsRequest]) -> StatsRequest:
-    """One request asking for everything any of `requests` asks for (they must agree on `reduce`)."""
-    return StatsRequest(
-        column_sums=any(r.column_sums for r in requests),
-        window=max(r.window for r in requests),
-        last_row=any(r.last_row for r in requests),
-        reduce=requests[0].reduce,
-    )
+from kvmini.parts import AFTER_PROMPT, EVERY_CALL, PREFILL
 
 
 def resolve_budget(budget: float, prompt_len: int) -> int:
@@ -72,50 +37,20 @@ def resolve_budget(budget: float, prompt_len: int) -> int:
 
 
 class Policy:
-    """One compression method, composed of parts. Holds one run's state; see the module docstring."""
+    """One method = scorer + budgeter + compressor + schedule, and one run's state."""
 
-    def __init__(
-        self,
-        name: str,
-        budget: float | None,  # None: the method chooses each layer's budget itself (`layer_rule`)
-        *,
-        scorer=None,  # None: position (most recent first), as StreamingLLM
-        allocator: Callable[[int, int], list[int]] = uniform,  # (tokens per layer, L) -> per-layer budgets
-        sinks: int = 0,  # first tokens always kept
-        recent: Callable[[int], int] = lambda b: 0,  # layer budget -> last tokens always kept
-        compensator=None,  # None: evicted tokens are dropped; else compensator(layer, lc, keep_idx) before the gather
-        reducer=None,  # replaces score/select/compensate: reducer(lc, b, sinks, recent) shrinks lc to b entries
-        schedule: str = PREFILL,
-        prefill_chunk: int | None = None,  # prefill the prompt in chunks of this size (None: one call)
-        layer_rule=None,  # chooses a layer's budget from its statistics: layer_rule(lc, stats) -> int
-        layer_stat=None,  # measured per layer on the prompt; allocator(b, L, stats, n) then runs after the last layer
-        rebalance=None,  # after a layer is compressed: rebalance(layer, cache, its scores, b) may trim earlier layers
-        protected_layers: tuple = (),  # layers never compressed
-    ):
-        self.name, self.budget, self.scorer, self.allocator = name, budget, scorer, allocator
-        self.sinks, self.recent, self.compensator, self.schedule = sinks, recent, compensator, schedule
-        self.reducer, self.prefill_chunk = reducer, prefill_chunk
-        self.layer_rule, self.layer_stat, self.protected_layers = layer_rule, layer_stat, tuple(protected_layers)
-        self.rebalance = rebalance
-        self.per_sequence = (layer_rule or layer_stat or rebalance) is not None  # budgets chosen per sequence
-        requests = [part.request for part in (scorer, layer_rule, layer_stat) if part is not None]
-        self.stats_request = merge_requests(requests) if requests else None
+    def __init__(self, name: str, budget: float | None, scorer, budgeter, compressor, schedule: str = PREFILL,
+                 prefill_chunk: int | None = None):
+        """budget None: the budgeter chooses; prefill_chunk: the prompt is fed in chunks of this size."""
+        self.name, self.budget, self.schedule, self.prefill_chunk = name, budget, schedule, prefill_chunk
+        self.scorer, self.budgeter, self.compressor = scorer, budgeter, compressor
         self.start(None)
 
     def start(self, prompt_len: int | None, total_len: int | None = None) -> None:
         """Fresh state for a run whose prompt has prompt_len tokens (total_len: prompt + new tokens, if known)."""
         self.prompt_len, self.total_len = prompt_len, total_len
-        self.budgets: list[int] | None = None  # per layer, set on the first call
-        self.evicted: list[int] = []  # tokens removed per layer, over the whole run
-        self.overhead_s = 0.0  # time spent scoring, selecting, merging and gathering
-        self.active = False
-        self.layer_stats: list[float] = []  # layer_stat of each layer, in the call that completes the prompt
-        self._held_stats: list[dict] = []  # each layer's statistics until the deferred allocation
+        self.started, self.evicted, self.active = False, [], False  # the parts start on the first call
         self._fresh = prompt_len is not None
-        self.cache, self.rows = None, None  # rows: one Policy per sequence of a batch (per-sequence methods)
-        for part in (self.scorer, self.compensator, self.rebalance):
-            if hasattr(part, "reset"):
-                part.reset()
 
     def chunk_for(self, prompt_len: int, total_len: int | None) -> int | None:
         """The prefill chunk size this method asks for, or None (one call, also when its budget is a no-op)."""
@@ -126,7 +61,8 @@ class Policy:
         return self.prefill_chunk
 
     def _is_noop(self, b: int, prompt_len: int, total_len: int | None) -> bool:
-        """A budget >= the longest the cache gets under this schedule (unknown total: never) changes nothing."""
+        """A budget >= the longest the cache gets under this schedule (unknown total: never) changes nothing,
+        even where a per-layer plan gives some layer less (as PyramidKV's code does): exactly `full`."""
         longest = prompt_len if self.schedule == PREFILL else total_len
         return longest is not None and b >= longest
 
@@ -136,131 +72,159 @@ class Policy:
         self._fresh = False
         if self.prompt_len is None:
             raise KvminiError(f"{self.name}: call policy.start(prompt_len) before continuing a cache it has not seen")
-        if self.budgets is None:
-            self._set_budgets(len(cache))
-        B = cache[0].positions.shape[0]
-        if self.active and self.per_sequence and B > 1:
-            if self.rows is None:  # fresh copies of this policy, started for this prompt
-                self.rows = [copy.deepcopy(self) for _ in range(B)]
-                for row in self.rows:
-                    row.start(self.prompt_len, self.total_len)
-            for b, row in enumerate(self.rows):
-                row.begin(cache.sequence(b), T)
-        self.cache, self.T, self.call_start = cache, T, cache.seen_tokens
+        if not self.started:
+            self._start_parts(len(cache))
+        self.cache, self.T, self.call_start, self.scores = cache, T, cache.seen_tokens, {}
         end = cache.seen_tokens + T
         self.in_prompt = end <= self.prompt_len
-        self.compress_now = self.active and (
-            self.schedule == EVERY_CALL or end == self.prompt_len or (self.schedule == AFTER_PROMPT and end > self.prompt_len)
-        )
+        self.compress_now = self.active and (self.schedule == EVERY_CALL or end == self.prompt_len or (
+            self.schedule == AFTER_PROMPT and end > self.prompt_len))
 
-    def _set_budgets(self, L: int) -> None:
-        if any(layer >= L for layer in self.protected_layers):
-            raise KvminiError(f"{self.name}: protected layers {list(self.protected_layers)} do not all exist; "
+    def _start_parts(self, L: int) -> None:
+        if any(layer >= L for layer in self.budgeter.protected):
+            raise KvminiError(f"{self.name}: protected layers {list(self.budgeter.protected)} do not all exist; "
                               f"this model has layers 0 to {L - 1}")
-        self.evicted = [0] * L
-        if self.budget is None:  # chosen layer by layer as the prompt is compressed
-            self.budgets, self.active = [self.prompt_len] * L, True
-            return
-        b = self.mean_budget = resolve_budget(self.budget, self.prompt_len)
-        self.budgets = [b] * L if self.layer_stat is not None else self.allocator(b, L)  # deferred: see _allocate
-        self._check_budgets()
-        # a budget >= the sequence is a no-op (even where a per-layer allocation would give some
-        # layer less, as PyramidKV's code does): no statistics, the fast path, exactly `full`
-        self.active = not self._is_noop(b, self.prompt_len, self.total_len)
+        b = None if self.budget is None else resolve_budget(self.budget, self.prompt_len)
+        self.budgeter.start(b, L, self.prompt_len)
+        self.compressor.start(L)
+        self.started, self.evicted = True, [0] * L
+        if b is not None:
+            self._check({layer: b_l for layer, b_l in enumerate(self.budgets)})
+        self.active = b is None or not self._is_noop(b, self.prompt_len, self.total_len)
 
-    def _check_budgets(self) -> None:
-        for layer, b_l in enumerate(self.budgets):
-            recent = self.recent(b_l)
-            if b_l <= self.sinks or recent < 0 or self.sinks + recent > b_l:
-                raise KvminiError(
-                    f"{self.name}: a budget of {b_l} tokens (layer {layer}) is too small for {self.sinks} sinks "
-                    f"and a window of {max(recent, 0)} tokens; raise --budget or lower --sinks/--window"
-                )
-
-    def _allocate(self, cache: KVCache) -> None:
-        """Deferred allocation (e.g. D2O): every layer has been measured; budget all, then compress all."""
-        self.budgets = self.allocator(self.mean_budget, len(cache), self.layer_stats, self.prompt_len)
-        self._check_budgets()
-        for layer, lc in enumerate(cache.layers):
-            if lc.length > self.budgets[layer]:
-                self.evict(layer, lc, self.budgets[layer], self._held_stats[layer])
-        self._held_stats = []
-
-    def request(self, layer: int) -> StatsRequest | None:
-        if self.rows is not None:  # statistics for the whole batch if any sequence needs them
-            return next((r for r in (row.request(layer) for row in self.rows) if r is not None), None)
-        if not self.active or self.stats_request is None or layer in self.protected_layers:
-            return None
-        if self.accumulating():  # running sums need every call's statistics
-            return self.stats_request
-        per_layer_choice = self.layer_rule is not None or self.rebalance is not None or self.measuring()
-        if self.compress_now and (per_layer_choice or self.cache[layer].length + self.T > self.budgets[layer]):
-            return self.stats_request
-        return None
-
-    def measuring(self) -> bool:
-        """Is a deferred allocation still collecting its per-layer statistic (in the call completing the prompt)?"""
-        return self.layer_stat is not None and len(self.layer_stats) < len(self.budgets)
+    def _check(self, budgets: dict[int, int]) -> None:
+        for layer, b in budgets.items():
+            if (problem := self.compressor.problem(b)) is not None:
+                raise KvminiError(f"{self.name}: a budget of {b} tokens (layer {layer}) is {problem}; "
+                                  "raise --budget or lower --sinks/--window")
 
     def accumulating(self) -> bool:
         """Does the scorer keep running sums now? (Always for decode-time methods, during the prompt otherwise.)"""
-        return self.scorer is not None and self.scorer.accumulates and (self.schedule != PREFILL or self.in_prompt)
+        return self.scorer.accumulates and (self.schedule != PREFILL or self.in_prompt)
+
+    def request(self, layer: int) -> StatsRequest | None:
+        if not self.active or self.budgeter.skips(layer):
+            return None
+        wanted = [self.scorer.request] if self.accumulating() else []
+        if self.compress_now:
+            known = self.budgeter.known(layer)
+            if known is None:
+                wanted += [self.scorer.request, self.budgeter.request]
+            elif self.cache[layer].length + self.T > known:
+                wanted.append(self.scorer.request)
+        return merge_requests(wanted)
 
     def after_attention(self, layer: int, cache: KVCache, stats: dict) -> None:
-        if self.rows is not None:
-            self._after_attention_per_sequence(layer, cache, stats)
-            return
-        if not self.active or layer in self.protected_layers:
+        if not self.active or self.budgeter.skips(layer):
             return
         lc = cache[layer]
-        t0 = time.perf_counter()
         if self.accumulating():
             self.scorer.update(lc, stats, self.call_start, self.T)
-        if self.layer_rule is not None and self.compress_now:
-            self.budgets[layer] = self.layer_rule(lc, stats)
-        b = self.budgets[layer]
-        if self.compress_now and self.measuring():
-            self.layer_stats.append(self.layer_stat(lc, stats))  # measure now, compress after the last layer
-            self._held_stats.append(stats)  # (B, H_kv, S) tensors, for scorers that score from them
-            if len(self.layer_stats) == len(cache):
-                self._allocate(cache)
-        elif self.compress_now and (lc.length > b or self.rebalance is not None):
-            score = self.scorer(lc, stats) if self.rebalance is not None else None  # scored once, used twice
-            if lc.length > b:
-                self.evict(layer, lc, b, stats, score)
-            if self.rebalance is not None:
-                before = cache.lengths()
-                self.rebalance(layer, cache, score, self.mean_budget)  # may trim layers 0..layer
-                for i in range(layer + 1):
-                    self.evicted[i] += before[i] - cache[i].length
-                    self.budgets[i] = min(self.budgets[i], cache[i].length)
-        if lc.keys.is_cuda:
-            torch.cuda.synchronize(lc.keys.device)
-        self.overhead_s += time.perf_counter() - t0
+        known = self.budgeter.known(layer) if self.compress_now else None
+        if not self.compress_now or (known is not None and lc.length <= known):
+            return
+        self.scores[layer] = self.scorer(lc, stats)  # (B, H_kv, S), scored once per layer and call
+        decided = self.budgeter.decide(layer, lc, stats, self.scores[layer])
+        if self.budget is not None:  # a budget the user gave; self-chosen ones are feasible by construction
+            self._check(decided)
+        for i, b in decided.items():
+            if cache[i].length > b:
+                self.evicted[i] += cache[i].length - b
+                kept = self.compressor(i, cache[i], self.scores[i], b)
+                if self.budgeter.revisits and kept is not None:  # keep the score aligned with what is left
+                    self.scores[i] = self.scores[i].gather(2, kept)
 
-    def _after_attention_per_sequence(self, layer: int, cache: KVCache, stats: dict) -> None:
-        """Each sequence's policy acts on its own row, with its row of the statistics."""
+    @property
+    def parts(self) -> tuple:
+        return self.scorer, self.budgeter, self.compressor
+
+    @property
+    def budgets(self) -> list[int] | None:
+        """What each layer may keep, as decided so far (None before the first call)."""
+        return self.budgeter.budgets if self.started else None
+
+    @property
+    def merged(self) -> list[float]:
+        """Evicted tokens merged into kept ones, per layer (mean over KV heads)."""
+        return [float(m) for m in self.compressor.merged]
+
+
+class PerSequence:
+    """A batch where every sequence gets its own budgets: one fresh policy per sequence (built by
+    `make()`), each acting on its row of the cache (`KVCache.sequence(b)`) with its row of the
+    statistics. Rows that keep different counts are padded (kvmini.cache). Batch 1 is the policy itself."""
+
+    def __init__(self, make, one: Policy | None = None):
+        self.make = make
+        self.one = one if one is not None else make()
+        self.name, self.budget = self.one.name, self.one.budget
+        self.start(None)
+
+    def start(self, prompt_len: int | None, total_len: int | None = None) -> None:
+        self.one.start(prompt_len, total_len)
+        self.rows = None
+
+    def chunk_for(self, prompt_len: int, total_len: int | None) -> int | None:
+        return self.one.chunk_for(prompt_len, total_len)
+
+    def begin(self, cache: KVCache, T: int) -> None:
+        if cache.seen_tokens == 0:
+            self.rows = None  # a new run
+        self.one.begin(cache, T)  # the run's prompt length and whether any compression happens
+        B = cache[0].positions.shape[0]
+        if B == 1 or not self.one.active:
+            return
+        if self.rows is None:
+            self.rows = [self.make() for _ in range(B)]
+            for row in self.rows:
+                row.start(self.one.prompt_len, self.one.total_len)
+        for b, row in enumerate(self.rows):
+            row.begin(cache.sequence(b), T)
+
+    def request(self, layer: int) -> StatsRequest | None:
+        if self.rows is None:
+            return self.one.request(layer)
+        return next((r for r in (row.request(layer) for row in self.rows) if r is not None), None)
+
+    def after_attention(self, layer: int, cache: KVCache, stats: dict) -> None:
+        if self.rows is None:
+            self.one.after_attention(layer, cache, stats)
+            return
         for b, row in enumerate(self.rows):
             view = row.cache  # cache.sequence(b), made in begin()
             S_b = view[layer].length
             row.after_attention(layer, view, {name: t[b : b + 1, :, :S_b] for name, t in stats.items()})
-        # the batch's report: budgets averaged over sequences, evictions and time summed
-        B = len(self.rows)
-        self.budgets = [round(sum(r.budgets[i] for r in self.rows) / B) for i in range(len(cache))]
-        self.evicted = [sum(r.evicted[i] for r in self.rows) for i in range(len(cache))]
-        self.overhead_s = sum(r.overhead_s for r in self.rows)
-        if hasattr(self.compensator, "merged"):
-            self.compensator.merged = {i: sum(r.compensator.merged.get(i, 0) for r in self.rows) for i in range(len(cache))}
 
-    def evict(self, layer: int, lc: LayerCache, b: int, stats: dict, score: torch.Tensor | None = None) -> None:
-        """Shrink layer `layer` to b entries: score, select, compensate, gather (or the method's reducer)."""
-        self.evicted[layer] += lc.length - b
-        if self.reducer is not None:
-            self.reducer(lc, b, self.sinks, self.recent(b))
-            return
-        if score is None:
-            score = lc.positions.float() if self.scorer is None else self.scorer(lc, stats)  # (B, H_kv, S)
-        idx = keep_top(score, b, self.sinks, self.recent(b))  # (B, H_kv, b), ascending
-        if self.compensator is not None:
-            self.compensator(layer, lc, idx)
-        lc.keep(idx)
+    @property
+    def schedule(self) -> str:
+        return self.one.schedule
+
+    @property
+    def parts(self) -> tuple:
+        """(scorer, budgeter, compressor) of the method, as built for one sequence."""
+        return self.one.scorer, self.one.budgeter, self.one.compressor
+
+    @property
+    def active(self) -> bool:
+        return self.one.active
+
+    def _each(self, attribute: str) -> list[list]:
+        return [getattr(p, attribute) for p in (self.rows or [self.one])]
+
+    @property
+    def prompt_len(self):
+        return (self.rows or [self.one])[0].prompt_len
+
+    @property
+    def budgets(self) -> list[int] | None:
+        """Mean over the sequences, rounded."""
+        rows = self._each("budgets")
+        return None if rows[0] is None else [round(sum(r[i] for r in rows) / len(rows)) for i in range(len(rows[0]))]
+
+    @property
+    def evicted(self) -> list[int]:
+        return [sum(column) for column in zip(*self._each("evicted"))]
+
+    @property
+    def merged(self) -> list[float]:
+        return [sum(column) for column in zip(*self._each("merged"))]

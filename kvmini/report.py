@@ -20,7 +20,7 @@ def layer_bars(kept: list[int], full: int, per_line: int = 10, blocks: str = BLO
 
 
 def cache_report(cache: KVCache, policy=None, blocks: str = BLOCKS) -> list[str]:
-    """Report lines: entries per layer, kept vs full bytes, evictions and compression time."""
+    """Report lines: entries per layer, kept vs full bytes, evictions and merges."""
     kept = cache.lengths()
     top = max(max(kept), 1)
     lines = [f"KV cache  {cache.summary()}"]
@@ -30,9 +30,7 @@ def cache_report(cache: KVCache, policy=None, blocks: str = BLOCKS) -> list[str]
     lines.append(f"bytes     {cache.nbytes() / 2**20:.2f} MiB kept vs {cache.full_nbytes() / 2**20:.2f} MiB full "
                  f"(ratio {ratio:.3f}); {cache.allocated_nbytes() / 2**20:.2f} MiB allocated")
     if policy is not None:
-        total = sum(policy.evicted)
-        merged = sum(getattr(policy.compensator, "merged", {}).values())
+        total, merged = sum(policy.evicted), sum(policy.merged)
         how = f", {merged:.0f} of them merged into kept tokens (mean over KV heads)" if merged else ""
         lines.append(f"evicted   {total} tokens ({total / len(kept):.1f} per layer on average{how})")
-        lines.append(f"overhead  {policy.overhead_s:.3f} s in compression (scoring, selection, merging, gathers)")
     return lines

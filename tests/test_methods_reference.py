@@ -25,8 +25,8 @@ def streaming_llm(budget, sinks=4, **_):
     return choose
 
 
-def h2o(budget, g, window=None, **_):
-    recent = budget // 2 if window is None else window
+def h2o(budget, g, recent=None, **_):
+    recent = budget // 2 if recent is None else recent
     acc = defaultdict(float)  # (layer, b, h, position) -> attention received so far
 
     def choose(layer, c, probs, kept, new):
@@ -74,7 +74,7 @@ CASES = [  # method, options, budget, literal rule, prompt chunks
     ("streaming_llm", {}, 9, streaming_llm, [17]),
     ("streaming_llm", {"sinks": 2}, 6, streaming_llm, [5, 7]),
     ("h2o", {}, 8, h2o, [17]),
-    ("h2o", {"window": 3}, 7, h2o, [6, 11]),
+    ("h2o", {"recent": 3}, 7, h2o, [6, 11]),
     ("h2o", {"reduce": "mean"}, 0.5, h2o, [16]),
     ("tova", {}, 8, tova, [17]),
     ("tova", {}, 6, tova, [4, 4, 9]),

@@ -11,7 +11,8 @@ from kvmini.generate import generate
 from kvmini.methods.allocators import pyramid, round_to_total, uniform
 from kvmini.methods.registry import METHODS, chooses_budget, make_policy, method_options
 from kvmini.methods.selectors import keep_top
-from kvmini.policy import AFTER_PROMPT, EVERY_CALL, resolve_budget
+from kvmini.parts import AFTER_PROMPT, EVERY_CALL
+from kvmini.policy import PerSequence, resolve_budget
 from reference import random_model
 
 COMPRESSING = [m for m in METHODS if m != "full" and not chooses_budget(m)]
@@ -114,6 +115,7 @@ def test_invariants(name, kv_heads, group, B, n, steps, budget, chunk, seed):
     model = random_model(L=2, H=kv_heads * group, H_kv=kv_heads, seed=seed % 100)
     options = SMALL.get(name, {})
     policy = make_policy(name, budget, **options)
+    base = policy.one if isinstance(policy, PerSequence) else policy  # its parts and schedule
     gen = torch.Generator().manual_seed(seed)
     ids = torch.randint(0, 61, (B, n + steps), generator=gen)
     cache = model.new_cache(B, 4)
@@ -125,24 +127,24 @@ def test_invariants(name, kv_heads, group, B, n, steps, budget, chunk, seed):
             assert torch.isfinite(logits).all()
             seen = cache.seen_tokens
             for b, l in itertools.product(range(B), range(len(cache))):
-                row = policy.rows[b] if policy.rows else policy  # per-sequence methods: a policy per row
+                row = policy.rows[b] if getattr(policy, "rows", None) else base  # per-sequence: a policy per row
                 lc = cache.sequence(b)[l]
                 pos = lc.positions  # (1, H_kv, S_b): the row's entries, pads excluded
                 assert (pos[..., 1:] > pos[..., :-1]).all(), "positions unique and sorted"
                 assert (pos < seen).all()
-                b_l = row.budgets[l] if policy.active else seen  # inactive: budget >= the sequence
-                if policy.schedule == EVERY_CALL or (policy.schedule == AFTER_PROMPT and seen >= n):
+                b_l = row.budgets[l] if base.active else seen  # inactive: budget >= the sequence
+                if base.schedule == EVERY_CALL or (base.schedule == AFTER_PROMPT and seen >= n):
                     assert lc.length == min(seen, b_l), "never above budget"
-                elif policy.schedule == AFTER_PROMPT:
+                elif base.schedule == AFTER_PROMPT:
                     assert lc.length == seen
                 elif seen <= n:  # prefill-only methods compress when the prompt is complete, then append
                     assert lc.length == (min(n, b_l) if seen == n else seen)
                 else:
-                    assert lc.length == min(n, row.budgets[l] if policy.active else n) + seen - n
-                sinks = policy.sinks if seen > 0 else 0
-                recent = min(policy.recent(b_l), seen)
+                    assert lc.length == min(n, row.budgets[l] if base.active else n) + seen - n
+                sinks = base.compressor.sinks if seen > 0 else 0
+                recent = min(base.compressor.recent(b_l), seen)
                 want = set(range(min(sinks, seen))) | set(range(seen - recent, seen))
-                if policy.schedule == EVERY_CALL or seen == n or (policy.schedule == AFTER_PROMPT and seen > n):
+                if base.schedule == EVERY_CALL or seen == n or (base.schedule == AFTER_PROMPT and seen > n):
                     for row in pos.reshape(-1, lc.length).tolist():
                         assert want <= set(row), "sinks and recent window kept"
 
@@ -235,7 +237,7 @@ def test_registry_errors_are_clear():
     assert method_options("snapkv") == {"window": 32, "kernel": 7, "pooling": "avg", "reduce": "mean"}
 
 
-@pytest.mark.parametrize("name,options,budget", [("streaming_llm", {}, 4), ("snapkv", {}, 20), ("h2o", {"window": 9}, 8)])
+@pytest.mark.parametrize("name,options,budget", [("streaming_llm", {}, 4), ("snapkv", {}, 20), ("h2o", {"recent": 9}, 8)])
 def test_budgets_that_cannot_work_are_rejected(name, options, budget):
     model = random_model()
     with pytest.raises(KvminiError, match="too small"):

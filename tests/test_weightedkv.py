@@ -115,7 +115,7 @@ def test_chunk_size_1_is_algorithm_1_literally():
     model = random_model(L=2, H=4, H_kv=2, seed=11)
     ids = torch.randint(0, 61, (2, 26), generator=torch.Generator().manual_seed(3))
     m, n_prompt = 12, 14
-    policy = make_policy("weightedkv", m, sinks=2, window=3)
+    policy = make_policy("weightedkv", m, sinks=2, recent=3)
     cache = model.new_cache(2, 4)
     policy.start(n_prompt, 26)
     with torch.no_grad():
@@ -133,7 +133,8 @@ def test_chunk_size_1_is_algorithm_1_literally():
 def test_chunked_prompt_keeps_capacity_and_default_windows():
     model = random_model(seed=2)
     policy = make_policy("weightedkv", 40)
-    assert policy.recent(1024) == 508 and policy.recent(256) == 124 and policy.sinks == 4
+    recent, sinks = policy.compressor.recent, policy.compressor.sinks
+    assert recent(1024) == 508 and recent(256) == 124 and sinks == 4
     ids = torch.randint(0, 61, (1, 150), generator=torch.Generator().manual_seed(0))
     cache = model.new_cache(1)
     prefill(model, ids, cache, policy)  # 150 tokens in chunks of 64: merged down after each chunk

@@ -1,9 +1,10 @@
 # %% [markdown]
 # # 2. Measuring what a compressed cache keeps
 #
-# Every method in kvmini is a *policy*: a scorer (how important is each cached token?), an
-# allocator (how many tokens may each layer keep?), a selector (which ones?) and a compensator
-# (what happens to the rest?), run on a schedule. This tutorial builds up the parts the baselines
+# Every method in kvmini is a *policy* of four parts (`kvmini/parts.py`): a **scorer** (how
+# important is each cached token?), a **budgeter** (how many tokens may each layer keep, and when
+# is that known?), a **compressor** (which ones stay, and what happens to the rest: dropped or
+# merged) and a **schedule** (after the prompt, layer by layer, or every step). This tutorial builds up the parts the baselines
 # need — attention statistics, budgets, StreamingLLM, H2O, SnapKV, PyramidKV — proves that
 # evicting a token is the same as masking it, and defines the fidelity metrics used to compare
 # methods. Open as a notebook with `jupytext --to notebook tutorials/02_measuring_a_compressed_cache.py`.
@@ -171,9 +172,9 @@ assert rows[0]["kl"] == 0 and all(r["kl"] > 0 for r in rows[1:])
 # %% [markdown]
 # ## Exercises
 #
-# 1. Run H2O with `--window 0` (no recent window) and with the default `budget // 2`. Predict which
-#    has the lower KL, then check with `python -m kvmini.eval.fidelity --methods h2o "h2o[window=0]"`.
+# 1. Run H2O with `--recent 0` (no recent window) and with the default `budget // 2`. Predict which
+#    has the lower KL, then check with `python -m kvmini.eval.fidelity --methods h2o "h2o[recent=0]"`.
 # 2. Build a new policy: SnapKV's scores with StreamingLLM's 4 sinks
-#    (`Policy("mine", 128, scorer=WindowAttention(32), sinks=4, recent=lambda b: 32)`).
+#    (`Policy("mine", 128, WindowAttention(32), Uniform(), TopK(sinks=4, recent=lambda b: 32))`).
 # 3. Why does TOVA, which keeps no recent window, still never evict the token it has just seen
 #    in most steps? Look at the last row of attention.

@@ -72,7 +72,7 @@ assert raw[0] > 0.9999  # one-hot without standardization
 
 # %%
 L, n, rho = 3, 100, 0.5
-budgets = VarianceSoftmax(low=8)(round(rho * n), L, F_v, n)  # (b = rho * n per layer, L, F_v, n)
+budgets = VarianceSoftmax(low=8).allocate(round(rho * n), L, F_v, n)  # (b = rho * n per layer, L, F_v, n)
 print("S_l =", budgets)
 assert sum(budgets) == L * round(rho * n) and budgets[0] == n  # layer 0 wanted 109 and was capped at n
 assert proportional([0.9, 0.05, 0.05], 300, 60, [200] * 3) == [180, 60, 60]
@@ -108,7 +108,8 @@ ids = torch.tensor([load_tokenizer(folder).encode(pydoc_text())[:512]])
 policy = make_policy("d2o", 0.2)
 with torch.no_grad():
     model(ids, model.new_cache(), policy)
-print("F_v per layer:", [round(v, 2) for v in policy.layer_stats])
+scorer, budgeter, compressor = policy.parts  # D2O = CumulativeAttention + VarianceSoftmax + TopK(merge)
+print("F_v per layer:", [round(v, 2) for v in budgeter.F_v])
 print("S_l per layer:", policy.budgets)
 assert sum(policy.budgets) == 30 * round(0.2 * 512)
 

@@ -41,7 +41,8 @@ keep = keep_top(scores, S_l, sinks=T, recent=M)[0, 0].tolist()
 middle = sorted(range(T, 20 - M), key=lambda j: -scores[0, 0, j].item())[:N]
 assert keep == list(range(T)) + sorted(middle) + list(range(20 - M, 20))
 policy = make_policy("d2o", 12)
-assert policy.sinks == 4 and policy.recent(12) == 2  # the method's own split
+scorer, budgeter, compressor = policy.parts
+assert compressor.sinks == 4 and compressor.recent(12) == 2  # the method's own split
 
 # %% [markdown]
 # ## Nearest neighbour (Eq. 9) and the EMA threshold (Eq. 10)
@@ -111,7 +112,7 @@ with torch.no_grad():
         model(torch.tensor([[t]]), cache, policy)
         assert cache.lengths() == budgets
 assert sum(budgets) == 3 * 20
-print("S_l:", budgets, " merged per layer:", {k: round(v) for k, v in policy.compensator.merged.items()})
+print("S_l:", budgets, " merged per layer:", [round(m) for m in policy.merged])
 
 # %% [markdown]
 # ## Exercises

@@ -93,7 +93,8 @@ assert torch.allclose(lc.keys[0, 0], 10 * E[[2, 5, 6, 7]])  # keys were only eve
 
 # %%
 policy = make_policy("weightedkv", 256)
-assert policy.sinks == 4 and policy.recent(1024) == 508 and policy.recent(256) == 124
+compressor = policy.compressor  # ConvexValueMerge(sinks, recent)
+assert compressor.sinks == 4 and compressor.recent(1024) == 508 and compressor.recent(256) == 124
 
 # %% [markdown]
 # ## Exercises

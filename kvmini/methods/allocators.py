@@ -1,4 +1,8 @@
-"""Allocators: how many tokens may each layer keep? Each returns one budget per layer."""
+"""Allocators: how many tokens may each layer keep? Each returns one budget per layer.
+
+`Uniform` and `Pyramid` are the static budgeters (kvmini.parts.Budgeter) built on them.
+"""
+from kvmini.parts import Budgeter
 
 
 def uniform(tokens_per_layer: int, L: int) -> list[int]:
@@ -57,3 +61,18 @@ def proportional(weights: list[float], total: int, low: int, high: list[int]) ->
     exact = clamped(hi_lam)
     scale = total / sum(exact) if sum(exact) > 0 else 0.0  # remove the last bisection error before rounding
     return round_to_total([x * scale for x in exact], total)
+
+
+class Uniform(Budgeter):
+    """Every layer keeps the mean budget b, known from the start."""
+
+
+class Pyramid(Budgeter):
+    """PyramidKV's linearly falling budgets (`pyramid`), known from the start."""
+
+    def __init__(self, window: int, beta: float = 20):
+        super().__init__()
+        self.window, self.beta = window, beta
+
+    def plan(self) -> list[int]:
+        return pyramid(self.b, self.L, self.window, self.beta)

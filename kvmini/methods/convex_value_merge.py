@@ -18,9 +18,10 @@ import torch
 
 from kvmini.attention import StatsRequest
 from kvmini.cache import LayerCache
+from kvmini.parts import Compressor, Scorer
 
 
-class AverageAttention:
+class AverageAttention(Scorer):
     """The running sums a and n of Alg. 1 lines 4-5, per KV head (query heads of a group reduced)."""
 
     accumulates = True
@@ -61,3 +62,11 @@ def convex_value_merge(lc: LayerCache, capacity: int, sinks: int, recent: int) -
         rest = torch.arange(S - 1, device=j.device).expand(*j.shape[:2], S - 1)  # (B, H_kv, S-1)
         lc.keep(rest + (rest >= j).long())  # line 10: every entry but j
     # END EXERCISE
+
+
+class ConvexValueMerge(Compressor):
+    """The compressor: `convex_value_merge` down to the budget; every evicted token's value is merged."""
+
+    def __call__(self, layer: int, lc: LayerCache, score: torch.Tensor, b: int) -> None:
+        self.merged[layer] += lc.length - b
+        convex_value_merge(lc, b, self.sinks, self.recent(b))

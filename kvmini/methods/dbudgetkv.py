@@ -6,22 +6,24 @@ Prefill only; decode appends. There is no --budget: the budget is what the norm-
 (kvmini.methods.frobenius_stop) chooses for each layer, reported per layer by run.py.
 Defaults: threshold t = 0.01 (1%, the paper; its official scripts use 5%), k = 1 last row,
 position ranking with m = 4 sinks (`--ranking attention` ranks by the prompt's column sums, Table 3),
-layers 0 and 1 never pruned (`--protected-layers`), group reduction mean. Batch size 1 only,
-because every sequence gets its own budget.
+layers 0 and 1 never pruned (`--protected-layers`), group reduction mean. In a batch, every
+sequence gets its own budgets (kvmini.policy.PerSequence).
 """
 from kvmini.methods.frobenius_stop import FrobeniusStop
-from kvmini.methods.scorers import CumulativeAttention
-from kvmini.policy import PREFILL, Policy
+from kvmini.methods.scorers import CumulativeAttention, Position
+from kvmini.methods.selectors import TopK
+from kvmini.parts import PREFILL
+from kvmini.policy import Policy
 
 CHOOSES_BUDGET = True  # the registry rejects --budget for this method
 
 
 def build(budget: None, threshold: float = 0.01, k: int = 1, ranking: str = "position", sinks: int = 4,
           protected_layers: str = "0,1", reduce: str = "mean") -> Policy:
-    rule = FrobeniusStop(threshold, k, ranking, sinks, reduce)
-    scorer = CumulativeAttention(reduce) if ranking == "attention" else None  # None: keep by position
-    return Policy("dbudgetkv", None, scorer=scorer, sinks=sinks if ranking == "position" else 0,
-                  layer_rule=rule, protected_layers=parse_layers(protected_layers), schedule=PREFILL)
+    by_position = ranking == "position"
+    return Policy("dbudgetkv", None, Position() if by_position else CumulativeAttention(reduce),
+                  FrobeniusStop(threshold, k, ranking, sinks, reduce, parse_layers(protected_layers)),
+                  TopK(sinks if by_position else 0), schedule=PREFILL)
 
 
 def parse_layers(text: str) -> tuple[int, ...]:

@@ -8,16 +8,16 @@ window attention plus the window; every `interval` layers and after the last, th
 layers are re-budgeted by how many of the global top scores they hold
 (kvmini.methods.progressive_budgets), ending at `budget` tokens per layer on average.
 Defaults: window 8, kernel 7, avg pooling, r_max 10, interval 4, group reduction mean.
-Batch size 1 only, because every sequence gets its own layer budgets.
+In a batch, every sequence gets its own layer budgets (kvmini.policy.PerSequence).
 """
 from kvmini.methods.progressive_budgets import ProgressiveBudgets
 from kvmini.methods.scorers import WindowAttention
-from kvmini.policy import PREFILL, Policy
+from kvmini.methods.selectors import TopK
+from kvmini.parts import PREFILL
+from kvmini.policy import Policy
 
 
 def build(budget: float, window: int = 8, kernel: int = 7, pooling: str = "avg", r_max: float = 10,
           interval: int = 4, reduce: str = "mean") -> Policy:
-    progressive = ProgressiveBudgets(window, r_max, interval)
-    return Policy("dynamickv", budget, scorer=WindowAttention(window, kernel, pooling, reduce),
-                  allocator=lambda w_t, L: [progressive.layer_budget(w_t)] * L,
-                  recent=lambda b: window, rebalance=progressive, schedule=PREFILL)
+    return Policy("dynamickv", budget, WindowAttention(window, kernel, pooling, reduce),
+                  ProgressiveBudgets(window, r_max, interval), TopK(recent=lambda b: window), schedule=PREFILL)

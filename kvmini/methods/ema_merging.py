@@ -22,7 +22,8 @@ from kvmini.cache import LayerCache
 
 
 class EMAMerge:
-    """The compensator: called with the indices a layer keeps, before they are gathered."""
+    """The merge step of a TopK compressor: called with the indices a layer keeps, before they are
+    gathered. Returns how many evicted tokens were merged (mean over KV heads), a 0-d tensor."""
 
     def __init__(self, beta: float = 0.7):
         self.beta = beta
@@ -30,13 +31,11 @@ class EMAMerge:
 
     def reset(self) -> None:
         self.tau: dict[int, torch.Tensor] = {}  # layer -> (B, H_kv)
-        self.merged: dict[int, float] = {}  # layer -> evicted tokens merged rather than dropped (mean over heads)
 
-    def __call__(self, layer: int, lc: LayerCache, keep: torch.Tensor) -> None:
+    def __call__(self, layer: int, lc: LayerCache, keep: torch.Tensor) -> torch.Tensor:
         B, H_kv, S = lc.positions.shape
-        mask = torch.ones(B, H_kv, S, dtype=torch.bool, device=keep.device)
-        mask.scatter_(2, keep, False)
-        evict = mask.nonzero()[:, 2].view(B, H_kv, -1)  # (B, H_kv, E), ascending
+        evicted = torch.ones(B, H_kv, S, dtype=torch.int8, device=keep.device).scatter_(2, keep, 0)  # 1: evicted
+        evict = evicted.argsort(dim=-1, descending=True, stable=True)[..., : S - keep.shape[2]]  # (B, H_kv, E) asc.
         D = lc.keys.shape[-1]
         # BEGIN EXERCISE ema_merging: tutorials/04_d2o_token_level.py, "Nearest neighbour, threshold and merge (Eq. 9-12)"
         k_keep = lc.keys.gather(2, keep[..., None].expand(-1, -1, -1, D)).float()  # (B, H_kv, b, D)
@@ -50,7 +49,6 @@ class EMAMerge:
             tau = self.tau[layer]  # tau_{t-1}: the comparison is the same as with tau_t
             self.tau[layer] = self.beta * best.mean(-1) + (1 - self.beta) * tau
         merge = best >= tau[..., None]  # (B, H_kv, E)
-        self.merged[layer] = self.merged.get(layer, 0) + merge.float().mean(1).sum().item()  # tokens, mean over heads
         weight = torch.where(merge, best.exp(), torch.zeros_like(best))  # e^{u_ij*} of merged tokens, 0 otherwise
         den = torch.full(keep.shape, math.e, dtype=torch.float32, device=keep.device)  # (B, H_kv, b): e + ...
         den.scatter_add_(2, j_star, weight)
@@ -62,3 +60,4 @@ class EMAMerge:
             merged = (num / den[..., None]).to(cache.dtype)  # Eq. 11-12
             cache.scatter_(2, keep[..., None].expand(-1, -1, -1, D), merged)
         # END EXERCISE
+        return merge.float().mean(1).sum()  # tokens merged, mean over heads

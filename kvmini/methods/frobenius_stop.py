@@ -19,6 +19,7 @@ import torch
 
 from kvmini.attention import StatsRequest
 from kvmini.cache import LayerCache
+from kvmini.parts import Budgeter
 
 
 def frobenius_stop(s: torch.Tensor, order: torch.Tensor, t: float) -> int:
@@ -38,15 +39,25 @@ def frobenius_stop(s: torch.Tensor, order: torch.Tensor, t: float) -> int:
     # END EXERCISE
 
 
-class FrobeniusStop:
-    """The per-layer budget rule: a layer keeps S - frobenius_stop(...) entries."""
+class FrobeniusStop(Budgeter):
+    """The budgeter: in the call that completes the prompt, each layer keeps S - frobenius_stop(...)
+    entries, chosen from its own statistics; `protected` layers are never pruned."""
+
+    per_sequence = True
 
     def __init__(self, threshold: float = 0.01, k: int = 1, ranking: str = "position", sinks: int = 4,
-                 reduce: str = "mean"):
+                 reduce: str = "mean", protected: tuple = (0, 1)):
+        super().__init__(protected)
         self.threshold, self.k, self.ranking, self.sinks = threshold, k, ranking, sinks
         self.request = StatsRequest(window=k, reduce=reduce)
 
-    def __call__(self, lc: LayerCache, stats: dict) -> int:
+    def plan(self) -> list[int]:
+        return [self.n] * self.L  # nothing is pruned until a layer has chosen
+
+    def known(self, layer: int) -> None:
+        return None
+
+    def decide(self, layer: int, lc: LayerCache, stats: dict, score: torch.Tensor) -> dict[int, int]:
         pos = lc.positions  # (B, H_kv, S)
         n = int(pos.max()) + 1  # the prompt length: this runs in the call that completes the prompt
         # (with a chunked prefill, k must not exceed the last chunk: the window sums cover only that)
@@ -56,9 +67,10 @@ class FrobeniusStop:
             S = pos.shape[-1]
             idx = torch.arange(S, device=pos.device)
             order = torch.cat([idx[self.sinks :], idx[: self.sinks]]).expand_as(pos)
-        else:  # the running column sums kept by the policy's CumulativeAttention scorer
-            order = lc.aux("attention_sum").argsort(dim=-1, stable=True)  # least attended first
+        else:  # by the scorer's accumulated attention (CumulativeAttention), least attended first
+            order = score.argsort(dim=-1, stable=True)
         pruned = frobenius_stop(s, order, self.threshold)
         if self.ranking == "position":  # the sinks are never pruned, even where the rule would reach them
             pruned = min(pruned, max(lc.length - self.sinks, 0))
-        return lc.length - pruned
+        self.budgets[layer] = lc.length - pruned
+        return {layer: self.budgets[layer]}

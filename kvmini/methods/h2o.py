@@ -6,14 +6,17 @@ Score = attention each token has received, summed over every query so far (prefi
 sums, then + each decode step's row), per KV head. Keep the heavy hitters and a recent window
 (default: half of the budget each). The cache is trimmed after the prompt, then one token (the
 lowest-scoring one outside the window) is evicted per decode step.
-Defaults: window = budget // 2, sinks 0, group reduction mean.
+Defaults: recent = budget // 2, sinks 0, group reduction mean.
 """
+from kvmini.methods.allocators import Uniform
 from kvmini.methods.scorers import CumulativeAttention
-from kvmini.policy import EVERY_CALL, Policy
+from kvmini.methods.selectors import TopK
+from kvmini.parts import EVERY_CALL
+from kvmini.policy import Policy
 
-DEFAULTS_SHOWN = {"window": "budget // 2"}
+DEFAULTS_SHOWN = {"recent": "budget // 2"}
 
 
-def build(budget: float, window: int | None = None, reduce: str = "mean") -> Policy:
-    recent = (lambda b: b // 2) if window is None else (lambda b: window)
-    return Policy("h2o", budget, scorer=CumulativeAttention(reduce), recent=recent, schedule=EVERY_CALL)
+def build(budget: float, recent: int | None = None, reduce: str = "mean") -> Policy:
+    window = (lambda b: b // 2) if recent is None else (lambda b: recent)
+    return Policy("h2o", budget, CumulativeAttention(reduce), Uniform(), TopK(recent=window), schedule=EVERY_CALL)

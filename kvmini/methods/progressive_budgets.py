@@ -16,50 +16,55 @@ remainder) instead of int() floors, so the final total is exactly (w_t - w_s) L 
 """
 import torch
 
-from kvmini.cache import LayerCache
 from kvmini.errors import KvminiError
 from kvmini.methods.allocators import proportional
-from kvmini.methods.selectors import keep_top
+from kvmini.parts import Budgeter
 
 
-class ProgressiveBudgets:
-    """Called by the Policy after each layer is compressed during prefill; re-trims finished layers."""
+class ProgressiveBudgets(Budgeter):
+    """Decides, layer by layer inside the prefill forward, what each layer keeps and which finished
+    layers to trim; the engine's TopK(recent=window) compressor does the keeping."""
+
+    per_sequence = True
+    revisits = True
 
     def __init__(self, window: int = 8, r_max: float = 10, interval: int = 4):
+        super().__init__()
         self.window, self.r_max, self.interval = window, r_max, interval
-        self.reset()
 
-    def reset(self) -> None:
-        self.scores: list[torch.Tensor] = []  # A_l over the prefix keys, (B, H_kv, n - ws), per finished layer
+    def start(self, b, L, n) -> None:
+        self.scores, self.held = [], []  # per finished layer: A_l over the prefix keys (B, H_kv, n - ws); entries held
+        super().start(b, L, n)
 
-    def layer_budget(self, w_t: int) -> int:
-        """b_s + w_s (Eq. 2): what a layer keeps before any re-allocation (n - w_s caps it by itself)."""
-        if w_t <= self.window:
-            raise KvminiError(f"dynamickv: a mean budget of {w_t} tokens per layer must exceed the window of "
+    def plan(self) -> list[int]:
+        """b_s + w_s per layer (Eq. 2): what a layer keeps before any re-allocation (n - w_s caps it by itself)."""
+        if self.b <= self.window:
+            raise KvminiError(f"dynamickv: a mean budget of {self.b} tokens per layer must exceed the window of "
                               f"{self.window}; raise --budget or lower --window")
-        return int(self.r_max * (w_t - self.window)) + self.window
+        return [int(self.r_max * (self.b - self.window)) + self.window] * self.L
 
-    def __call__(self, layer: int, cache, score: torch.Tensor, w_t: int) -> None:
-        """score (B, H_kv, S) of `layer` before it was compressed; S = n, the whole prompt."""
-        n = score.shape[-1]
-        self.scores.append(score[:, :, : n - self.window])  # A_l over the non-window keys
-        L, l = len(cache), layer + 1
-        if l % self.interval and l != L:
-            return
-        # BEGIN EXERCISE progressive_budgets: tutorials/07_dynamickv.py, "Progressive re-allocation (Eq. 5-8)"
-        A = torch.cat(self.scores, dim=-1)  # (B, H_kv, l * (n - ws)): all finished layers side by side
-        k = min((w_t - self.window) * A.shape[1] * l, A.shape[-1] * A.shape[1])
-        top = A.flatten(1).topk(k, dim=-1).indices % A.shape[-1] // (n - self.window)  # Eq. 5: layer of each hit
-        C = torch.bincount(top.flatten(), minlength=l).tolist()  # Eq. 6
-        held = [cache[i].length - self.window for i in range(l)]
-        Z = proportional(C, (w_t - self.window) * L, 0, held)  # Eq. 7-8, capped: layers only shrink
-        # END EXERCISE
+    def known(self, layer: int) -> None:
+        return None  # every layer is scored, to re-balance the finished ones
+
+    def decide(self, layer: int, lc, stats: dict, score: torch.Tensor) -> dict[int, int]:
+        """score (B, H_kv, S) of `layer` before it is compressed; S = n, the whole prompt."""
+        n, w, w_t = score.shape[-1], self.window, self.b
+        self.scores.append(score[:, :, : n - w])  # A_l over the non-window keys
+        self.held.append(min(lc.length, self.budgets[layer]))
+        keep = {layer: self.budgets[layer]}
+        L, l = self.L, layer + 1
+        if l % self.interval == 0 or l == L:
+            # BEGIN EXERCISE progressive_budgets: tutorials/07_dynamickv.py, "Progressive re-allocation (Eq. 5-8)"
+            A = torch.cat(self.scores, dim=-1)  # (B, H_kv, l * (n - ws)): all finished layers side by side
+            k = min((w_t - w) * A.shape[1] * l, A.shape[-1] * A.shape[1])
+            top = A.flatten(1).topk(k, dim=-1).indices % A.shape[-1] // (n - w)  # Eq. 5: layer of each hit
+            C = torch.bincount(top.flatten(), minlength=l).tolist()  # Eq. 6
+            held = [h - w for h in self.held]
+            Z = proportional(C, (w_t - w) * L, 0, held)  # Eq. 7-8, capped: layers only shrink
+            # END EXERCISE
+            keep.update({i: Z[i] + w for i in range(l) if Z[i] < held[i]})
+        for i, b in keep.items():
+            self.held[i] = min(self.held[i], b)
         for i in range(l):
-            if Z[i] < held[i]:
-                self._trim(cache[i], self.scores[i], Z[i])
-
-    def _trim(self, lc: LayerCache, A: torch.Tensor, keep: int) -> None:
-        """Keep the `keep` best prefix keys of a layer by its own A, and the window."""
-        prefix = lc.positions[:, :, : lc.length - self.window]  # (B, H_kv, held): kept prefix positions
-        score = torch.cat([A.gather(2, prefix), A.new_full(prefix.shape[:2] + (self.window,), float("inf"))], -1)
-        lc.keep(keep_top(score, keep + self.window, 0, self.window))
+            self.budgets[i] = min(self.budgets[i], self.held[i])
+        return keep

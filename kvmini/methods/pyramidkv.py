@@ -7,15 +7,14 @@ layer to the top with the same total as a uniform budget (kvmini.methods.allocat
 top layer window + (b - window) / beta, bottom layer window + 2 (b - window) - that).
 Defaults: window 32, kernel 7, pooling avg, beta 20 (the official code's), group reduction mean.
 """
-from functools import partial
-
-from kvmini.methods.allocators import pyramid
+from kvmini.methods.allocators import Pyramid
 from kvmini.methods.scorers import WindowAttention
-from kvmini.policy import PREFILL, Policy
+from kvmini.methods.selectors import TopK
+from kvmini.parts import PREFILL
+from kvmini.policy import Policy
 
 
 def build(budget: float, window: int = 32, kernel: int = 7, pooling: str = "avg", reduce: str = "mean",
           pyramid_beta: float = 20) -> Policy:
-    return Policy("pyramidkv", budget, scorer=WindowAttention(window, kernel, pooling, reduce),
-                  allocator=partial(pyramid, window=window, beta=pyramid_beta),
-                  recent=lambda b: window, schedule=PREFILL)
+    return Policy("pyramidkv", budget, WindowAttention(window, kernel, pooling, reduce), Pyramid(window, pyramid_beta),
+                  TopK(recent=lambda b: window), schedule=PREFILL)

@@ -1,15 +1,18 @@
 """Named methods: each name maps to a module whose `build(budget, **options)` composes a Policy.
 
-Every option is a keyword of that `build` function; its default is the method's default.
-`make_policy("h2o", 0.2, window=16)` -> a fresh Policy; `make_policy("full")` -> None.
+Every option is a keyword of that `build` function; its default is the method's default. Each
+option name has one meaning (OPTIONS), from which run.py's flags and checks are derived.
+`make_policy("h2o", 0.2, recent=16)` -> a fresh Policy; `make_policy("full")` -> None.
 """
 import inspect
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 
 from kvmini.errors import KvminiError
 from kvmini.methods import d2o, dbudgetkv, dynamickv, h2o, pyramidkv, snapkv, streaming_llm, tova, weightedkv
-from kvmini.policy import Policy, resolve_budget
+from kvmini.policy import PerSequence, Policy, resolve_budget
 
 METHODS = {
     "full": None,  # no compression
@@ -36,8 +39,9 @@ class Option:
 
 OPTIONS = {
     "sinks": Option(int, "first tokens always kept", lambda x: x >= 0, "be >= 0"),
-    "window": Option(int, "recent tokens always kept (SnapKV/PyramidKV: the observation window)",
-                     lambda x: x >= 0, "be >= 0"),
+    "recent": Option(int, "most recent tokens always kept", lambda x: x >= 0, "be >= 0"),
+    "window": Option(int, "observation window: the last prompt tokens whose attention scores the others; "
+                          "always kept", lambda x: x >= 0, "be >= 0"),
     "kernel": Option(int, "pooling kernel along the keys", lambda x: x >= 1 and x % 2 == 1, "be odd and >= 1"),
     "pooling": Option(str, "avg | max", lambda x: x in ("avg", "max"), "be avg or max"),
     "reduce": Option(str, "combine the query heads of a KV head: mean | max | sum",
@@ -91,8 +95,9 @@ def chooses_budget(name: str) -> bool:
     return getattr(METHODS[name], "CHOOSES_BUDGET", False)
 
 
-def make_policy(name: str, budget: float | None = None, **options) -> Policy | None:
-    """A fresh policy for method `name`; clear errors for unknown names, options and values."""
+def make_policy(name: str, budget: float | None = None, **options) -> Policy | PerSequence | None:
+    """A fresh policy for method `name`; clear errors for unknown names, options and values.
+    Methods whose budgets follow each sequence's statistics come wrapped in PerSequence (batches)."""
     if name not in METHODS:
         raise KvminiError(f"unknown method {name!r}; choose from {', '.join(METHODS)}")
     allowed = method_options(name)
@@ -101,7 +106,11 @@ def make_policy(name: str, budget: float | None = None, **options) -> Policy | N
         if key not in allowed:
             accepted = ", ".join("--" + k.replace("_", "-") for k in allowed) or "none"
             raise KvminiError(f"{flag} does not apply to method {name} (its options: {accepted})")
-        if not OPTIONS[key].check(value):
+        kind = OPTIONS[key].type
+        if isinstance(value, bool) or not isinstance(value, (int, float) if kind is float else kind) or (
+                kind is float and not math.isfinite(value)):
+            raise KvminiError(f"{flag} must be a {'finite number' if kind is float else kind.__name__}, got {value!r}")
+        if kind is str and not value.isascii() or not OPTIONS[key].check(value):
             raise KvminiError(f"{flag} must {OPTIONS[key].must}, got {value}")
     if budget is not None:
         resolve_budget(budget, 1)  # rejects budgets that mean nothing before any model is loaded
@@ -112,5 +121,8 @@ def make_policy(name: str, budget: float | None = None, **options) -> Policy | N
     if chooses_budget(name):
         if budget is not None:
             raise KvminiError(f"--budget does not apply to method {name}: it chooses each layer's budget itself")
-        return METHODS[name].build(None, **options)
-    return METHODS[name].build(DEFAULT_BUDGET if budget is None else budget, **options)
+    else:
+        budget = DEFAULT_BUDGET if budget is None else budget
+    build = partial(METHODS[name].build, budget, **options)
+    policy = build()
+    return PerSequence(build, policy) if policy.budgeter.per_sequence else policy

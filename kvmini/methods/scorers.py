@@ -3,15 +3,24 @@
 A scorer names the attention statistics it needs (`request`, computed by the attention pass
 per KV head, see kvmini.attention) and turns them into scores. `accumulates` scorers keep a
 running sum in the cache's aux tensors, which follow every eviction, so they need every call.
+The protocol is kvmini.parts.Scorer.
 """
 import torch
 import torch.nn.functional as F
 
 from kvmini.attention import StatsRequest
 from kvmini.cache import LayerCache
+from kvmini.parts import Scorer
 
 
-class CumulativeAttention:
+class Position(Scorer):
+    """StreamingLLM, DBudgetKV: the later a token, the more important (no attention statistics)."""
+
+    def __call__(self, lc: LayerCache, stats: dict) -> torch.Tensor:
+        return lc.positions.float()  # (B, H_kv, S)
+
+
+class CumulativeAttention(Scorer):
     r"""H2O (Zhang et al. 2023): s_j = \sum_{i \le t} A_{ij}, attention received from every query so far."""
 
     accumulates = True
@@ -27,10 +36,8 @@ class CumulativeAttention:
         return lc.aux("attention_sum")
 
 
-class LastRowAttention:
+class LastRowAttention(Scorer):
     r"""TOVA (Oren et al. 2024): s_j = A_{tj}, the attention of the latest query only."""
-
-    accumulates = False
 
     def __init__(self, reduce: str = "mean"):
         self.request = StatsRequest(last_row=True, reduce=reduce)
@@ -39,15 +46,13 @@ class LastRowAttention:
         return stats["last_row"]
 
 
-class WindowAttention:
+class WindowAttention(Scorer):
     r"""SnapKV (Li et al. 2024, Sec. 4.2): C_j = \sum_{i \in window} A_{ij} over the last w queries,
     then pooled along the keys (kernel k, stride 1, zero padding k // 2) to keep neighbourhoods.
 
     Only the keys before the window are pooled and ranked; the window itself is always kept
     (the caller protects it as the recent tokens), so its scores are +inf.
     """
-
-    accumulates = False
 
     def __init__(self, window: int = 32, kernel: int = 7, pooling: str = "avg", reduce: str = "mean"):
         self.window, self.kernel, self.pooling = window, kernel, pooling

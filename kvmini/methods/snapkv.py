@@ -8,10 +8,13 @@ keys are kept together with the window itself. Decode steps append without compr
 Defaults: window 32, kernel 7, pooling avg (the official code's default; max is an option),
 group reduction mean. Compression happens layer by layer inside the prefill forward.
 """
+from kvmini.methods.allocators import Uniform
 from kvmini.methods.scorers import WindowAttention
-from kvmini.policy import PREFILL, Policy
+from kvmini.methods.selectors import TopK
+from kvmini.parts import PREFILL
+from kvmini.policy import Policy
 
 
 def build(budget: float, window: int = 32, kernel: int = 7, pooling: str = "avg", reduce: str = "mean") -> Policy:
-    return Policy("snapkv", budget, scorer=WindowAttention(window, kernel, pooling, reduce),
-                  recent=lambda b: window, schedule=PREFILL)
+    return Policy("snapkv", budget, WindowAttention(window, kernel, pooling, reduce), Uniform(),
+                  TopK(recent=lambda b: window), schedule=PREFILL)

@@ -8,8 +8,13 @@ No attention statistics are needed, so attention stays on the fast SDPA path.
 Deviation: keys keep the RoPE rotation of their original positions; the paper re-numbers
 positions inside the cache (0..S-1), which we do not do (positions are never rewritten here).
 """
-from kvmini.policy import EVERY_CALL, Policy
+from kvmini.methods.allocators import Uniform
+from kvmini.methods.scorers import Position
+from kvmini.methods.selectors import TopK
+from kvmini.parts import EVERY_CALL
+from kvmini.policy import Policy
 
 
 def build(budget: float, sinks: int = 4) -> Policy:
-    return Policy("streaming_llm", budget, sinks=sinks, recent=lambda b: b - sinks, schedule=EVERY_CALL)
+    return Policy("streaming_llm", budget, Position(), Uniform(), TopK(sinks, recent=lambda b: b - sinks),
+                  schedule=EVERY_CALL)

@@ -8,10 +8,13 @@ Defaults: no sinks, no protected window, group reduction mean.
 Deviation: scores are per KV head (the g query heads of a group averaged); the paper averages
 over all heads of a layer, so one layer evicts the same token in every head.
 """
+from kvmini.methods.allocators import Uniform
 from kvmini.methods.scorers import LastRowAttention
-from kvmini.policy import EVERY_CALL, Policy
+from kvmini.methods.selectors import TopK
+from kvmini.parts import EVERY_CALL
+from kvmini.policy import Policy
 
 
-def build(budget: float, sinks: int = 0, window: int = 0, reduce: str = "mean") -> Policy:
-    return Policy("tova", budget, scorer=LastRowAttention(reduce), sinks=sinks, recent=lambda b: window,
+def build(budget: float, sinks: int = 0, recent: int = 0, reduce: str = "mean") -> Policy:
+    return Policy("tova", budget, LastRowAttention(reduce), Uniform(), TopK(sinks, recent=lambda b: recent),
                   schedule=EVERY_CALL)

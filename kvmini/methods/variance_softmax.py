@@ -13,11 +13,15 @@ so F_v is standardized across layers (z-score) before the softmax, divided by a 
 the other layers in proportion to their weights, so the total stays L \rho n (rounding by
 largest remainder). The official code instead min-max normalizes variances across the heads
 of a layer, which makes budgets nearly uniform.
+Deviation: F_v is the variance of the column sums per KV head, the g query heads of a group
+reduced first (by --reduce, default mean), then averaged over the KV heads; the paper takes it
+per attention (query) head.
 """
 import torch
 
 from kvmini.attention import StatsRequest
 from kvmini.methods.allocators import proportional
+from kvmini.parts import Budgeter
 
 ALLOCATIONS = ("variance_softmax", "reciprocal", "uniform")
 
@@ -27,26 +31,42 @@ def attention_variance(column_sums: torch.Tensor) -> float:
     return column_sums.var(dim=-1, correction=0).mean().item()
 
 
-class AttentionVariance:
-    """The per-layer statistic F_v, measured on the prompt's column sums (with a chunked prefill:
-    the last chunk's queries)."""
+class VarianceSoftmax(Budgeter):
+    """The deferred budgeter: measures F_v on every layer in the call that completes the prompt,
+    then, after the last layer, budgets all layers at once (Eq. 5) and has them compressed.
+    F_v is measured on the prompt's column sums (with a chunked prefill: the last chunk's queries)."""
 
-    def __init__(self, reduce: str = "mean"):
+    per_sequence = True
+
+    def __init__(self, how: str = "variance_softmax", temperature: float = 1.0, low: int = 8, reduce: str = "mean"):
+        super().__init__()
+        self.how, self.temperature, self.low = how, temperature, low
         self.request = StatsRequest(column_sums=True, reduce=reduce)
 
-    def __call__(self, lc, stats: dict) -> float:
-        return attention_variance(stats["column_sums"])
+    def start(self, b, L, n) -> None:
+        super().start(b, L, n)
+        self.F_v: list[float] = []  # one per layer, measured in the call that completes the prompt
+        self.allocated = False
 
+    def known(self, layer: int) -> int | None:
+        return self.budgets[layer] if self.allocated else None
 
-class VarianceSoftmax:
-    """The deferred allocator: (b, L, F_v per layer, n) -> S_l per layer, total L * b (Eq. 5)."""
+    def decide(self, layer: int, lc, stats: dict, score) -> dict[int, int]:
+        if self.allocated:
+            return {layer: self.budgets[layer]}
+        self.F_v.append(attention_variance(stats["column_sums"]))
+        if len(self.F_v) < self.L:
+            return {}  # measured; compressed once every layer is
+        self.budgets = self.allocate(self.b, self.L, self.F_v, self.n)
+        self.allocated = True
+        return dict(enumerate(self.budgets))
 
-    def __init__(self, how: str = "variance_softmax", temperature: float = 1.0, low: int = 8):
-        self.how, self.temperature, self.low = how, temperature, low
-
-    def __call__(self, b: int, L: int, F_v: list[float], n: int) -> list[int]:
-        """Layers get between min(low, b) and max(n, b) tokens (b > n: room for decoding)."""
-        return proportional(layer_weights(F_v, self.how, self.temperature), b * L, min(self.low, b), [max(n, b)] * L)
+    def allocate(self, b: int, L: int, F_v: list[float], n: int) -> list[int]:
+        """S_l per layer (Eq. 5), b = rho * n: layers get between min(low, b) and max(n, b) tokens
+        (b > n: room for decoding), L * b in all."""
+        share = layer_weights(F_v, self.how, self.temperature)  # softmax(-F_v)_l, summing to 1
+        # S_l = alpha_l * n = share_l * L * rho * n = share_l * (L * b): a split of L * b, clamped
+        return proportional(share, b * L, min(self.low, b), [max(n, b)] * L)
 
 
 def layer_weights(F_v: list[float], how: str = "variance_softmax", temperature: float = 1.0) -> list[float]:

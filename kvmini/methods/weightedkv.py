@@ -8,13 +8,15 @@ dropped (kvmini.methods.convex_value_merge), after every forward call.
 Defaults (Sec. V-A): 4 sinks, recent window (m - 8) // 2 (1024 -> 508, 256 -> 124), reduction
 mean; the prompt is prefilled in chunks of 64 tokens (run.py `--chunk-size 1` is Alg. 1 token by token).
 """
-from kvmini.methods.convex_value_merge import AverageAttention, convex_value_merge
-from kvmini.policy import EVERY_CALL, Policy
+from kvmini.methods.allocators import Uniform
+from kvmini.methods.convex_value_merge import AverageAttention, ConvexValueMerge
+from kvmini.parts import EVERY_CALL
+from kvmini.policy import Policy
 
-DEFAULTS_SHOWN = {"window": "(budget - 8) // 2"}
+DEFAULTS_SHOWN = {"recent": "(budget - 8) // 2"}
 
 
-def build(budget: float, sinks: int = 4, window: int | None = None, reduce: str = "mean") -> Policy:
-    recent = (lambda m: max((m - 8) // 2, 0)) if window is None else (lambda m: window)
-    return Policy("weightedkv", budget, scorer=AverageAttention(reduce), reducer=convex_value_merge,
-                  sinks=sinks, recent=recent, schedule=EVERY_CALL, prefill_chunk=64)
+def build(budget: float, sinks: int = 4, recent: int | None = None, reduce: str = "mean") -> Policy:
+    window = (lambda m: max((m - 8) // 2, 0)) if recent is None else (lambda m: recent)
+    return Policy("weightedkv", budget, AverageAttention(reduce), Uniform(), ConvexValueMerge(sinks, recent=window),
+                  schedule=EVERY_CALL, prefill_chunk=64)

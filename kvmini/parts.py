@@ -1,0 +1,92 @@
+"""The four parts a compression method is made of, one signature each (DESIGN.md "Policies").
+
+    scorer      score = scorer(lc, stats)                  how important is each cached token?
+    budgeter    {layer: budget} = budgeter.decide(layer, lc, stats, score)
+                                                           how many tokens may each layer keep, and when?
+    compressor  compressor(layer, lc, score, budget)       shrink one layer to its budget (select, merge)
+    schedule    PREFILL | AFTER_PROMPT | EVERY_CALL        when the three above run
+
+A method is one of each, e.g. H2O = CumulativeAttention() + Uniform() + TopK(recent=b // 2) on
+EVERY_CALL (kvmini.methods.h2o). The engine that runs them is kvmini.policy.Policy; it imports
+no method. The base classes below hold the shared defaults; a part overrides what it changes.
+Shapes: lc is a LayerCache (kvmini.cache); stats maps names to (B, H_kv, S) attention statistics
+(kvmini.attention); scores are (B, H_kv, S), higher = keep.
+"""
+import torch
+
+from kvmini.attention import StatsRequest
+
+PREFILL = "prefill"  # once, layer by layer, in the forward call that completes the prompt
+AFTER_PROMPT = "after_prompt"  # in the call that completes the prompt, then after every later call
+EVERY_CALL = "every_call"  # after every forward call (each prefill chunk, each decode step)
+
+
+class Scorer:
+    """How important is each cached token, per KV head: `__call__(lc, stats) -> (B, H_kv, S)`."""
+
+    request: StatsRequest | None = None  # the attention statistics it reads (None: the fast SDPA path)
+    accumulates = False  # True: `update` keeps running sums in lc.aux, so it needs every call's statistics
+
+    def update(self, lc, stats: dict, start: int, T: int) -> None:
+        """After a call of T queries at positions start..start+T-1 (accumulating scorers only)."""
+
+    def __call__(self, lc, stats: dict) -> torch.Tensor:
+        raise NotImplementedError
+
+
+class Budgeter:
+    """How many tokens may each layer keep, and when is that known?
+
+    `start` gives the mean budget b (None: the budgeter chooses). `known(layer)` is a layer's
+    budget when it is known before this call's statistics (static budgets, or after a deferred
+    allocation), else None; `decide` then sees the layer's statistics and score and answers
+    {layer: budget} for the layers to compress now — possibly earlier ones too, and possibly none
+    yet (a deferred allocation waits for the last layer). `budgets` is what it decided so far.
+    """
+
+    request: StatsRequest | None = None  # statistics `decide` measures (asked for when known() is None)
+    per_sequence = False  # budgets follow each sequence's statistics: a batch runs one budgeter per sequence
+    revisits = False  # `decide` may re-budget layers compressed earlier in the same call
+
+    def __init__(self, protected: tuple = ()):
+        self.protected = tuple(protected)  # layers never compressed
+
+    def start(self, b: int | None, L: int, n: int) -> None:
+        """A fresh run: L layers, a prompt of n tokens, b tokens per layer on average (or None)."""
+        self.b, self.L, self.n = b, L, n
+        self.budgets = self.plan()
+
+    def plan(self) -> list[int]:
+        """The per-layer budgets known before any statistics (uniform by default)."""
+        return [self.b] * self.L
+
+    def skips(self, layer: int) -> bool:
+        return layer in self.protected
+
+    def known(self, layer: int) -> int | None:
+        return self.budgets[layer]
+
+    def decide(self, layer: int, lc, stats: dict, score: torch.Tensor) -> dict[int, int]:
+        return {layer: self.budgets[layer]}
+
+
+class Compressor:
+    """Shrinks one layer to its budget: `__call__(layer, lc, score, b)`. The first `sinks` entries and
+    the last `recent(b)` are always kept. Returns the kept indices (B, H_kv, b), or None when entries
+    were merged rather than selected. `merged[layer]` counts evicted tokens merged into kept ones."""
+
+    def __init__(self, sinks: int = 0, recent=lambda b: 0):
+        self.sinks, self.recent = sinks, recent
+
+    def start(self, L: int) -> None:
+        self.merged = [0.0] * L  # per layer, mean over KV heads (floats or 0-d tensors)
+
+    def problem(self, b: int) -> str | None:
+        """Why a layer budget of b tokens cannot work, or None."""
+        recent = self.recent(b)
+        if b <= self.sinks or recent < 0 or self.sinks + recent > b:
+            return f"too small for {self.sinks} sinks and a window of {max(recent, 0)} tokens"
+        return None
+
+    def __call__(self, layer: int, lc, score: torch.Tensor, b: int) -> torch.Tensor | None:
+        raise NotImplementedError
