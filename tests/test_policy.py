@@ -17,7 +17,7 @@ from reference import random_model
 
 COMPRESSING = [m for m in METHODS if m != "full" and not chooses_budget(m)]
 SMALL = {"snapkv": {"window": 3, "kernel": 3}, "pyramidkv": {"window": 3, "kernel": 3},  # fit tiny prompts
-         "dynamickv": {"window": 2, "kernel": 3, "interval": 1}}
+         "dynamickv": {"window": 2, "kernel": 3, "interval": 1}, "snapkv_d2o": {"window": 3, "kernel": 3}}
 
 
 def run_calls(model, calls, policy, prompt_len):

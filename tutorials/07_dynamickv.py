@@ -93,7 +93,7 @@ assert sum(cache.lengths()) == 64 * 30  # (w_t - w_s) L + w_s L
 # %% [markdown]
 # ## Exercises
 #
-# 1. *(assignment: `progressive_budgets`)* Implement Eq. 5–8 in `ProgressiveBudgets.__call__`; the
+# 1. *(assignment: `progressive_budgets`)* Implement Eq. 5–8 in `ProgressiveBudgets.decide`; the
 #    test runs a literal Alg. 1 for several $L$ and $m$, including $L \bmod m \ne 0$.
 # 2. Set `--interval 30` (one re-allocation at the end) and `--interval 1`: which keeps more fidelity?
 # 3. What does `--r-max 1` reduce DynamicKV to?

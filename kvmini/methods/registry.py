@@ -11,7 +11,8 @@ from dataclasses import dataclass
 from functools import partial
 
 from kvmini.errors import KvminiError
-from kvmini.methods import d2o, dbudgetkv, dynamickv, h2o, pyramidkv, snapkv, streaming_llm, tova, weightedkv
+from kvmini.methods import (d2o, dbudgetkv, dynamickv, h2o, knorm, pyramidkv, snapkv, snapkv_d2o, streaming_llm, tova,
+                            weightedkv)
 from kvmini.policy import PerSequence, Policy, resolve_budget
 
 METHODS = {
@@ -25,6 +26,8 @@ METHODS = {
     "dbudgetkv": dbudgetkv,
     "d2o": d2o,
     "dynamickv": dynamickv,
+    "knorm": knorm,
+    "snapkv_d2o": snapkv_d2o,
 }
 DEFAULT_BUDGET = 0.2  # used by run.py when --budget is not given
 
