@@ -57,8 +57,9 @@ class Budgeter:
         self.budgets = self.plan()
 
     def plan(self) -> list[int]:
-        """The per-layer budgets known before any statistics (uniform by default)."""
-        return [self.b] * self.L
+        """The per-layer budgets known before any statistics: uniform by default; a protected layer
+        keeps the whole prompt."""
+        return [self.n if self.skips(layer) else self.b for layer in range(self.L)]
 
     def skips(self, layer: int) -> bool:
         return layer in self.protected

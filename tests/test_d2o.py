@@ -11,7 +11,7 @@ from kvmini.cache import LayerCache
 from kvmini.errors import KvminiError
 from kvmini.methods.ema_merging import EMAMerge
 from kvmini.methods.registry import make_policy
-from kvmini.methods.scorers import WindowAttention
+from kvmini.methods.scorers import CumulativeAttention, WindowAttention
 from kvmini.methods.selectors import TopK
 from kvmini.methods.allocators import proportional
 from kvmini.methods.variance_softmax import VarianceSoftmax, layer_weights
@@ -216,6 +216,21 @@ def test_d2o_allocation_alternatives_and_short_prompts():
         assert torch.equal(logits, model(ids[:, :6]))
         with pytest.raises(KvminiError, match="too small for 4 sinks"):  # half of 6 tokens cannot hold 4 sinks
             model(ids[:, :6], model.new_cache(1), make_policy("d2o", 0.5))
+
+
+def test_deferred_allocation_completes_with_protected_layers():
+    """Layers 0 and L-1 never compressed: the other layers are measured, budgeted (Eq. 5 over them,
+    L-2 layers sharing (L-2) * b) and compressed after the last measured layer."""
+    model = random_model(L=4, H=4, H_kv=2, seed=3, sharp=2.0)
+    ids = torch.randint(0, 61, (1, 40), generator=torch.Generator().manual_seed(2))
+    policy = Policy("d2o-protected", 0.5, CumulativeAttention(), VarianceSoftmax(low=8, protected=(0, 3)),
+                    TopK(4, recent=lambda b: (b - 4) // 4), schedule=PREFILL)
+    cache = model.new_cache(1)
+    with torch.no_grad():
+        model(ids, cache, policy)
+    lengths = cache.lengths()
+    assert lengths[0] == lengths[3] == 40 and policy.budgets[0] == policy.budgets[3] == 40
+    assert lengths[1] + lengths[2] == 2 * 20 and lengths[1:3] == policy.budgets[1:3]
 
 
 def test_variance_softmax_composes_with_snapkv_scoring():

@@ -109,7 +109,7 @@ policy = make_policy("d2o", 0.2)
 with torch.no_grad():
     model(ids, model.new_cache(), policy)
 scorer, budgeter, compressor = policy.parts  # D2O = CumulativeAttention + VarianceSoftmax + TopK(merge)
-print("F_v per layer:", [round(v, 2) for v in budgeter.F_v])
+print("F_v per layer:", [round(v, 2) for v in budgeter.F_v.values()])
 print("S_l per layer:", policy.budgets)
 assert sum(policy.budgets) == 30 * round(0.2 * 512)
 

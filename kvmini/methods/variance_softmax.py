@@ -38,14 +38,15 @@ class VarianceSoftmax(Budgeter):
 
     per_sequence = True
 
-    def __init__(self, how: str = "variance_softmax", temperature: float = 1.0, low: int = 8, reduce: str = "mean"):
-        super().__init__()
+    def __init__(self, how: str = "variance_softmax", temperature: float = 1.0, low: int = 8, reduce: str = "mean",
+                 protected: tuple = ()):
+        super().__init__(protected)
         self.how, self.temperature, self.low = how, temperature, low
         self.request = StatsRequest(column_sums=True, reduce=reduce)
 
     def start(self, b, L, n) -> None:
         super().start(b, L, n)
-        self.F_v: list[float] = []  # one per layer, measured in the call that completes the prompt
+        self.F_v: dict[int, float] = {}  # layer -> F_v, measured in the call that completes the prompt
         self.allocated = False
 
     def known(self, layer: int) -> int | None:
@@ -54,12 +55,15 @@ class VarianceSoftmax(Budgeter):
     def decide(self, layer: int, lc, stats: dict, score) -> dict[int, int]:
         if self.allocated:
             return {layer: self.budgets[layer]}
-        self.F_v.append(attention_variance(stats["column_sums"]))
-        if len(self.F_v) < self.L:
+        self.F_v[layer] = attention_variance(stats["column_sums"])
+        measured = [l for l in range(self.L) if not self.skips(l)]  # protected layers are never compressed
+        if len(self.F_v) < len(measured):
             return {}  # measured; compressed once every layer is
-        self.budgets = self.allocate(self.b, self.L, self.F_v, self.n)
+        S = self.allocate(self.b, len(measured), [self.F_v[l] for l in measured], self.n)
+        for l, S_l in zip(measured, S):
+            self.budgets[l] = S_l
         self.allocated = True
-        return dict(enumerate(self.budgets))
+        return {l: self.budgets[l] for l in measured}
 
     def allocate(self, b: int, L: int, F_v: list[float], n: int) -> list[int]:
         """S_l per layer (Eq. 5), b = rho * n: layers get between min(low, b) and max(n, b) tokens
