@@ -129,6 +129,7 @@ def parse_args(argv=None):
     p.add_argument("--seed", type=seed, default=None, help="random seed for sampling (0 to 2**64-1)")
     p.add_argument("--chunk-size", type=positive_int, default=None, help="prefill the prompt in chunks of this many tokens")
     p.add_argument("--raw", action="store_true", help="feed the prompt as is, without the chat template")
+    p.add_argument("--quiet", action="store_true", help="no progress on stderr (it shows only on a terminal, for long work)")
     p.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N (default: auto)")
     p.add_argument("--dtype", default="auto", help="auto | float32 | bfloat16 | float16 (auto: fp32 on CPU, bf16 on CUDA)")
     group = p.add_argument_group("method options (which method takes which: see the list below)")
@@ -164,13 +165,15 @@ def generate_answer(args) -> int:
     from kvmini.generate import Sampling, generate
     from kvmini.loading import load_model
     from kvmini.methods.registry import make_policy
+    from kvmini.progress import Progress
     from kvmini.report import BLOCKS, cache_report
     from kvmini.tokenizer import StreamDecoder, load_tokenizer
     from kvmini.weights import ensure_default_model
 
     policy = make_policy(args.method, args.budget, **args.options)
     text = read_prompt(args.prompt)
-    folder = Path(args.model) if args.model else ensure_default_model(log=lambda m: print(m, file=sys.stderr))
+    log = (lambda m: None) if args.quiet else (lambda m: print(m, file=sys.stderr))
+    folder = Path(args.model) if args.model else ensure_default_model(log=log)
     model = load_model(folder, args.device, args.dtype)
     tok = load_tokenizer(folder)
     vocab = model.config.vocab_size
@@ -194,8 +197,9 @@ def generate_answer(args) -> int:
     stream = StreamDecoder(tok)
     write = lambda i: (sys.stdout.write(stream.push(i)), sys.stdout.flush())  # noqa: E731
     sampling = Sampling(args.temperature, args.top_k, args.top_p, args.seed, vocab=min(tok.vocab_size, vocab))
+    progress = Progress("prefill", len(ids), enabled=False if args.quiet else None)  # on a terminal only
     result = generate(model, torch.tensor([ids]), args.max_new_tokens, sampling, stop, policy,
-                      chunk_size=args.chunk_size, on_token=write)
+                      chunk_size=args.chunk_size, on_token=write, progress=progress)
     print(stream.flush())
     c = model.config
     print("\n--- kvmini report ---")
@@ -205,6 +209,8 @@ def generate_answer(args) -> int:
         print(f"vocab     the model has {vocab} output ids, the tokenizer {tok.vocab_size}: "
               f"the {vocab - tok.vocab_size} ids without text are never sampled")
     print(f"method    {describe(args, policy)}")
+    if policy is not None and policy.note:
+        print(f"note      {policy.note}")
     print(f"prompt    {result.prompt_tokens} tokens ({type(chat).__name__ if chat else 'raw'} format)")
     print(f"prefill   {result.prefill_s:.3f} s, {result.prompt_tokens / result.prefill_s:.1f} tokens/s")
     rate = result.decode_steps / result.decode_s if result.decode_steps else float("nan")
@@ -222,13 +228,13 @@ def describe(args, policy) -> str:
     if policy is None:
         return args.method
     options = {**method_options(args.method), **args.options}
-    shown = ", ".join(f"{k} {v}" for k, v in options.items())
+    shown = f" ({', '.join(f'{k} {v}' for k, v in options.items())})" if options else ""
     budgets = policy.budgets
     per_layer = f"{budgets[0]}" if len(set(budgets)) == 1 else f"{min(budgets)}-{max(budgets)} (mean {sum(budgets) / len(budgets):.1f})"
     if policy.budget is None:
         share = sum(budgets) / (len(budgets) * policy.prompt_len)
-        return f"{args.method}, self-chosen budget {per_layer} tokens per layer = {share:.1%} of the prompt ({shown})"
-    return f"{args.method}, budget {policy.budget:g} = {per_layer} tokens per layer ({shown})"
+        return f"{args.method}, self-chosen budget {per_layer} tokens per layer = {share:.1%} of the prompt{shown}"
+    return f"{args.method}, budget {policy.budget:g} = {per_layer} tokens per layer{shown}"
 
 
 def can_print(text: str) -> bool:

@@ -12,6 +12,7 @@ import torch
 from kvmini.cache import KVCache
 from kvmini.errors import KvminiError
 from kvmini.model import Transformer
+from kvmini.progress import Progress
 
 
 @dataclass(frozen=True)
@@ -70,19 +71,24 @@ def synchronize(device: torch.device) -> None:
 
 @torch.inference_mode()
 def prefill(model: Transformer, ids: torch.Tensor, cache: KVCache, policy=None, chunk_size: int | None = None,
-            total_len: int | None = None):
+            total_len: int | None = None, progress: Progress | None = None):
     """ids (B, T) -> logits of the last position (B, V). chunk_size splits the prompt into pieces.
 
     A policy is started for this prompt (fresh state); total_len (prompt + tokens to come, if
-    known) lets it skip statistics when its budget can never be reached.
+    known) lets it skip statistics when its budget can never be reached. `progress` hears the
+    tokens done after every layer (a chunk of c tokens counts c/L per layer).
     """
-    T = ids.shape[1]
+    T, L = ids.shape[1], model.config.num_layers
     method_chunk = policy.chunk_for(T, total_len) if policy is not None else None  # e.g. WeightedKV's
     step = chunk_size or method_chunk or T
     if policy is not None:
         policy.start(T, total_len)
     for start in range(0, T, step):
-        logits = model(ids[:, start : start + step], cache, policy)
+        c = min(step, T - start)
+        on_layer = None if progress is None else (lambda i, start=start, c=c: progress.update(start + c * (i + 1) / L))
+        logits = model(ids[:, start : start + step], cache, policy, on_layer=on_layer)
+    if progress is not None:
+        progress.close()
     return logits[:, -1]
 
 
@@ -96,8 +102,10 @@ def generate(
     policy=None,
     chunk_size: int | None = None,
     on_token=None,
+    progress: Progress | None = None,
 ) -> GenerationResult:
-    """Generate up to max_new_tokens after prompt ids (B, T); on_token(id) streams sequence 0."""
+    """Generate up to max_new_tokens after prompt ids (B, T); on_token(id) streams sequence 0;
+    `progress` reports the prefill (see `prefill`)."""
     B, T = ids.shape
     device = model.device
     ids = ids.to(device)
@@ -106,7 +114,7 @@ def generate(
         generator = torch.Generator(device=device).manual_seed(sampling.seed)
     cache = model.new_cache(B, capacity=T + max_new_tokens)
     t0 = time.perf_counter()
-    logits = prefill(model, ids, cache, policy, chunk_size, T + max_new_tokens - 1)  # (B, V)
+    logits = prefill(model, ids, cache, policy, chunk_size, T + max_new_tokens - 1, progress)  # (B, V)
     synchronize(device)
     t1 = time.perf_counter()
     tokens: list[list[int]] = [[] for _ in range(B)]

@@ -160,14 +160,16 @@ class Transformer(nn.Module):
     def new_cache(self, batch: int = 1, capacity: int = 256) -> KVCache:
         return KVCache(self.config, batch, self.dtype, self.device, capacity)
 
-    def forward(self, ids: torch.Tensor, cache: KVCache | None = None, policy=None, all_logits: bool = False):
+    def forward(self, ids: torch.Tensor, cache: KVCache | None = None, policy=None, all_logits: bool = False,
+                on_layer=None):
         """Run T new tokens through the model, appending them to `cache`.
 
         ids (B, T). Returns logits (B, T, V) if all_logits else (B, 1, V) for the last token.
         `policy` (optional, see kvmini.policy) hears `begin(cache, T)`, is asked per layer for a
         StatsRequest (`request(layer)`) and told after each layer's attention
         (`after_attention(layer, cache, stats)`); it may then shrink that layer's cache.
-        The attention of this call is computed before that.
+        The attention of this call is computed before that. on_layer(i), if given, hears that
+        layer i is done (progress reports).
         """
         B, T = ids.shape
         cache = cache if cache is not None else self.new_cache(B, T)
@@ -183,6 +185,8 @@ class Transformer(nn.Module):
             x, stats = block(x, pos, cos, sin, cache[i], request)
             if policy is not None:
                 policy.after_attention(i, cache, stats)
+            if on_layer is not None:
+                on_layer(i)
         cache.seen_tokens += T
         x = x if all_logits else x[:, -1:]
         return self.lm_head(self.model.norm(x))  # (B, T or 1, V)

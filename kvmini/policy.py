@@ -49,7 +49,7 @@ class Policy:
     def start(self, prompt_len: int | None, total_len: int | None = None) -> None:
         """Fresh state for a run whose prompt has prompt_len tokens (total_len: prompt + new tokens, if known)."""
         self.prompt_len, self.total_len = prompt_len, total_len
-        self.started, self.evicted, self.active = False, [], False  # the parts start on the first call
+        self.started, self.evicted, self.active, self.note = False, [], False, None  # parts start on the first call
         self._fresh = prompt_len is not None
 
     def chunk_for(self, prompt_len: int, total_len: int | None) -> int | None:
@@ -84,13 +84,29 @@ class Policy:
         if any(layer >= L for layer in self.budgeter.protected):
             raise KvminiError(f"{self.name}: protected layers {list(self.budgeter.protected)} do not all exist; "
                               f"this model has layers 0 to {L - 1}")
-        b = None if self.budget is None else resolve_budget(self.budget, self.prompt_len)
-        self.budgeter.start(b, L, self.prompt_len)
+        n, b, self.note = self.prompt_len, None if self.budget is None else resolve_budget(self.budget, self.prompt_len), None
         self.compressor.start(L)
         self.started, self.evicted = True, [0] * L
+        if isinstance(self.budget, float) and self.budget <= 1 and not self._fits(b, L):
+            # a share of a short prompt smaller than what the method always keeps: raise it to the least that works
+            fit = next((x for x in range(b + 1, n + 1) if self._fits(x, L)), None)
+            if fit is None:
+                self.note = f"not compressed: the {n}-token prompt is no longer than what {self.name} always keeps"
+                self.budgeter.budgets, self.active = [n] * L, False
+                return
+            self.note, b = f"budget raised from {b} to {fit} tokens per layer, the least {self.name} can keep", fit
+        self.budgeter.start(b, L, n)
         if b is not None:
             self._check({layer: b_l for layer, b_l in enumerate(self.budgets)})
-        self.active = b is None or not self._is_noop(b, self.prompt_len, self.total_len)
+        self.active = b is None or not self._is_noop(b, n, self.total_len)
+
+    def _fits(self, b: int, L: int) -> bool:
+        """Can the parts work with a mean budget of b tokens per layer?"""
+        try:
+            self.budgeter.start(b, L, self.prompt_len)
+        except KvminiError:
+            return False
+        return all(self.compressor.problem(b_l) is None for b_l in self.budgeter.budgets)
 
     def _check(self, budgets: dict[int, int]) -> None:
         for layer, b in budgets.items():
@@ -207,6 +223,10 @@ class PerSequence:
     @property
     def active(self) -> bool:
         return self.one.active
+
+    @property
+    def note(self) -> str | None:
+        return self.one.note
 
     def _each(self, attribute: str) -> list[list]:
         return [getattr(p, attribute) for p in (self.rows or [self.one])]

@@ -1,5 +1,6 @@
 """Terminal reports of what a compressed cache kept: a compact per-layer bar chart and byte counts."""
 from kvmini.cache import KVCache
+from kvmini.parts import PREFILL
 
 BLOCKS = "▁▂▃▄▅▆▇█"
 
@@ -29,6 +30,9 @@ def cache_report(cache: KVCache, policy=None, blocks: str = BLOCKS) -> list[str]
     ratio = cache.nbytes() / max(cache.full_nbytes(), 1)
     lines.append(f"bytes     {cache.nbytes() / 2**20:.2f} MiB kept vs {cache.full_nbytes() / 2**20:.2f} MiB full "
                  f"(ratio {ratio:.3f}); {cache.allocated_nbytes() / 2**20:.2f} MiB allocated")
+    if policy is not None and policy.active and policy.schedule == PREFILL and cache.seen_tokens > policy.prompt_len:
+        lines.append(f"appended  each layer's last {cache.seen_tokens - policy.prompt_len} entries were appended while "
+                     "decoding, after the prompt was compressed (this method compresses the prompt only)")
     if policy is not None:
         total, merged = sum(policy.evicted), sum(policy.merged)
         how = f", {merged:.0f} of them merged into kept tokens (mean over KV heads)" if merged else ""

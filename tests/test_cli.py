@@ -169,3 +169,39 @@ def test_hub_download_failure_is_one_line(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "kvmini.weights", "--hub", "nobody/nothing", "--dest", str(tmp_path)],
                           capture_output=True, text=True, cwd=ROOT, env=env, timeout=120)
     assert_one_line_error(proc.returncode, proc.stderr, "could not download nobody/nothing")
+
+
+SHORT_QUESTION = "In two sentences, explain why the sky looks blue during the day but red and orange at sunset."
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("method", ["full", "streaming_llm", "h2o", "tova", "snapkv", "pyramidkv", "weightedkv",
+                                    "dbudgetkv", "d2o", "dynamickv", "knorm", "snapkv_d2o"])
+def test_a_short_question_works_with_every_method_default(default_model_dir, tmp_path, capsys, method):
+    """51 tokens with the chat template; 20% of that is less than SnapKV's 32-token window, so a ratio
+    budget is raised to the least the method can keep, and the report says so."""
+    import run
+
+    p = tmp_path / "question.txt"
+    p.write_text(SHORT_QUESTION)
+    code = run.main(["--prompt", str(p), "--method", method, "--max-new-tokens", "4", "--quiet"])
+    out, err = capsys.readouterr()
+    assert code == 0, err
+    if method in ("snapkv", "pyramidkv", "snapkv_d2o"):
+        assert f"note      budget raised from 10 to 32 tokens per layer, the least {method} can keep" in out
+        assert "appended  each layer's last 3 entries were appended while decoding" in out
+
+
+def test_a_prompt_shorter_than_the_window_is_not_compressed(tiny_llama):
+    from kvmini.generate import generate
+    from kvmini.loading import load_model
+    from kvmini.methods.registry import make_policy
+
+    model = load_model(tiny_llama, "cpu", "float32")
+    ids = torch.tensor([[5, 6, 7, 8, 9]])
+    policy = make_policy("snapkv", 0.2)  # a 32-token window for a 5-token prompt
+    result = generate(model, ids, 3, policy=policy)
+    assert policy.note == "not compressed: the 5-token prompt is no longer than what snapkv always keeps"
+    assert result.tokens == generate(model, ids, 3).tokens and result.cache.lengths() == [7, 7]
+    with pytest.raises(Exception, match="too small for 0 sinks and a window of 32"):  # a token count stays exact
+        generate(model, torch.arange(40)[None] % 90, 3, policy=make_policy("snapkv", 16))
