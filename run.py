@@ -93,7 +93,15 @@ def option_text(text):
     return text
 
 
-PARSERS = {int: non_negative_int, float: real_number, str: option_text}
+def truth(text):
+    """true/false, yes/no, on/off, 1/0."""
+    value = {"true": True, "yes": True, "on": True, "1": True, "false": False, "no": False, "off": False, "0": False}
+    if text.strip().lower() not in value:
+        raise argparse.ArgumentTypeError(f"must be true or false, got {text!r}")
+    return value[text.strip().lower()]
+
+
+PARSERS = {int: non_negative_int, float: real_number, str: option_text, bool: truth}
 
 
 def methods_help() -> str:

@@ -33,6 +33,7 @@ class StatsRequest:
     window: int = 0  # > 0: the same sum over only the last `window` new queries
     last_row: bool = False  # the attention row of the last new query
     reduce: str = "mean"  # how the g query heads of one KV head are combined: mean | max | sum
+    heads: bool = False  # with column_sums: also every query head's own, (B, H, S), as "column_sums_heads"
 
     def __post_init__(self):
         if self.reduce not in REDUCTIONS:
@@ -54,6 +55,7 @@ def merge_requests(requests: list) -> StatsRequest | None:
         window=max(r.window for r in requests),
         last_row=any(r.last_row for r in requests),
         reduce=requests[0].reduce,
+        heads=any(r.heads for r in requests),
     )
 
 
@@ -140,6 +142,8 @@ def explicit_attention(q, k, v, q_pos, k_pos, request: StatsRequest, window=None
     for name, t in (("column_sums", col), ("window_sums", win), ("last_row", last)):
         if t is not None:
             stats[name] = _reduce_group(t, request.reduce)  # (B, H_kv, S)
+    if request.heads and col is not None:
+        stats["column_sums_heads"] = col.reshape(B, H, S)  # (B, H, S): query head h = kv_head * g + i
     return out.view(B, H, T, D), stats
 
 

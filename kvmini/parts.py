@@ -19,6 +19,7 @@ from kvmini.attention import StatsRequest
 PREFILL = "prefill"  # once, layer by layer, in the forward call that completes the prompt
 AFTER_PROMPT = "after_prompt"  # in the call that completes the prompt, then after every later call
 EVERY_CALL = "every_call"  # after every forward call (each prefill chunk, each decode step)
+DECODE = "decode"  # after every call past the prompt: the first compression at the first decode step
 
 
 class Scorer:
@@ -45,21 +46,27 @@ class Budgeter:
     """
 
     request: StatsRequest | None = None  # statistics `decide` measures (asked for when known() is None)
+    accumulates = False  # True: `update` also sees them in every call of the prompt (measured before compressing)
     per_sequence = False  # budgets follow each sequence's statistics: a batch runs one budgeter per sequence
     revisits = False  # `decide` may re-budget layers compressed earlier in the same call
 
     def __init__(self, protected: tuple = ()):
-        self.protected = tuple(protected)  # layers never compressed
+        self.protected_spec = tuple(protected)  # layers never compressed; -1 is the last
+        self.protected = self.protected_spec
 
     def start(self, b: int | None, L: int, n: int) -> None:
         """A fresh run: L layers, a prompt of n tokens, b tokens per layer on average (or None)."""
         self.b, self.L, self.n = b, L, n
+        self.protected = tuple(p + L if p < 0 else p for p in self.protected_spec)
         self.budgets = self.plan()
 
     def plan(self) -> list[int]:
         """The per-layer budgets known before any statistics: uniform by default; a protected layer
         keeps the whole prompt."""
-        return [self.n if self.skips(layer) else self.b for layer in range(self.L)]
+        return [self.n if layer in self.protected else self.b for layer in range(self.L)]
+
+    def update(self, layer: int, lc, stats: dict, start: int, T: int) -> None:
+        """After a prompt call of T queries at positions start..start+T-1 (accumulating budgeters only)."""
 
     def skips(self, layer: int) -> bool:
         return layer in self.protected

@@ -16,7 +16,7 @@ import math
 from kvmini.attention import StatsRequest, merge_requests
 from kvmini.cache import KVCache
 from kvmini.errors import KvminiError
-from kvmini.parts import AFTER_PROMPT, EVERY_CALL, PREFILL
+from kvmini.parts import AFTER_PROMPT, DECODE, EVERY_CALL, PREFILL
 
 
 def resolve_budget(budget: float, prompt_len: int) -> int:
@@ -77,12 +77,14 @@ class Policy:
         self.cache, self.T, self.call_start, self.scores = cache, T, cache.seen_tokens, {}
         end = cache.seen_tokens + T
         self.in_prompt = end <= self.prompt_len
-        self.compress_now = self.active and (self.schedule == EVERY_CALL or end == self.prompt_len or (
-            self.schedule == AFTER_PROMPT and end > self.prompt_len))
+        past_prompt = end > self.prompt_len
+        self.compress_now = self.active and (self.schedule == EVERY_CALL or (
+            past_prompt if self.schedule == DECODE else end == self.prompt_len or (
+                self.schedule == AFTER_PROMPT and past_prompt)))
 
     def _start_parts(self, L: int) -> None:
-        if any(layer >= L for layer in self.budgeter.protected):
-            raise KvminiError(f"{self.name}: protected layers {list(self.budgeter.protected)} do not all exist; "
+        if any(not -L <= layer < L for layer in self.budgeter.protected_spec):
+            raise KvminiError(f"{self.name}: protected layers {list(self.budgeter.protected_spec)} do not all exist; "
                               f"this model has layers 0 to {L - 1}")
         n, b, self.note = self.prompt_len, None if self.budget is None else resolve_budget(self.budget, self.prompt_len), None
         self.compressor.start(L)
@@ -106,10 +108,14 @@ class Policy:
             self.budgeter.start(b, L, self.prompt_len)
         except KvminiError:
             return False
-        return all(self.compressor.problem(b_l) is None for b_l in self.budgeter.budgets)
+        return all(self.compressor.problem(b_l) is None for layer, b_l in enumerate(self.budgeter.budgets)
+                   if layer not in self.budgeter.protected)
 
     def _check(self, budgets: dict[int, int]) -> None:
+        """A budget the compressor cannot work with is an error (protected layers are never compressed)."""
         for layer, b in budgets.items():
+            if layer in self.budgeter.protected:
+                continue
             if (problem := self.compressor.problem(b)) is not None:
                 raise KvminiError(f"{self.name}: a budget of {b} tokens (layer {layer}) is {problem}; "
                                   "raise --budget or lower --sinks/--window")
@@ -122,6 +128,8 @@ class Policy:
         if not self.active or self.budgeter.skips(layer):
             return None
         wanted = [self.scorer.request] if self.accumulating() else []
+        if self.budgeter.accumulates and self.in_prompt:
+            wanted.append(self.budgeter.request)
         if self.compress_now:
             known = self.budgeter.known(layer)
             if known is None:
@@ -136,6 +144,8 @@ class Policy:
         lc = cache[layer]
         if self.accumulating():
             self.scorer.update(lc, stats, self.call_start, self.T)
+        if self.budgeter.accumulates and self.in_prompt:
+            self.budgeter.update(layer, lc, stats, self.call_start, self.T)
         known = self.budgeter.known(layer) if self.compress_now else None
         if not self.compress_now or (known is not None and lc.length <= known):
             return

@@ -105,7 +105,7 @@ def test_prompt_longer_than_context(default_model_dir, tmp_path, real_text):
     (["--method", "dbudgetkv", "--budget", "0.3"], "--budget does not apply to method dbudgetkv"),
     (["--method", "dbudgetkv", "--protected-layers", "0,x"], "--protected-layers must be comma-separated"),
     (["--method", "d2o", "--nm", "3-1"], "--nm must look like N:M"),
-    (["--method", "d2o", "--allocation", "random"], "--allocation must be variance_softmax, reciprocal or uniform"),
+    (["--method", "d2o", "--allocation", "random"], "--allocation must be official, paper, zscore, reciprocal or uniform"),
     (["--method", "d2o", "--beta", "1.5"], "--beta must be in [0, 1]"),
 ])
 def test_bad_options(prompt, tiny_llama, args, fragment):

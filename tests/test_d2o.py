@@ -164,6 +164,23 @@ def test_beta_extremes(beta):
 
 # --- the whole method, and a new composition ----------------------------------------------------
 
+KVMINI = {"variant": "paper", "allocation": "zscore"}  # kvmini's own reading of Eq. 5 (z-scored variances)
+
+
+def literal_budgets(F_v, b, n, low):
+    """Eq. 5 with z-scored variances, by hand: softmax(-z), the clamped proportional split of L * b
+    (exact_clamped_split), integers by largest remainder."""
+    mean = sum(F_v) / len(F_v)
+    std = math.sqrt(sum((f - mean) ** 2 for f in F_v) / len(F_v))
+    e = [math.exp(-(f - mean) / std) for f in F_v]
+    weights = [x / sum(e) for x in e]
+    exact = exact_clamped_split(weights, b * len(F_v), min(low, b), max(n, b))
+    floors = [math.floor(x) for x in exact]
+    order = sorted(range(len(exact)), key=lambda i: (-(exact[i] - floors[i]), i))
+    for i in order[: b * len(F_v) - sum(floors)]:
+        floors[i] += 1
+    return floors
+
 def literal_variances(model, ids):
     """F_v per layer from the prompt's full attention (tests/reference.py), by Eq. 4 written out."""
     variances = []
@@ -181,12 +198,12 @@ def literal_variances(model, ids):
 def test_d2o_budgets_follow_eq5_and_hold_during_decode():
     model = random_model(L=4, H=4, H_kv=2, seed=3, sharp=2.0)
     ids = torch.randint(0, 61, (1, 40), generator=torch.Generator().manual_seed(2))
-    policy = make_policy("d2o", 0.5)
+    policy = make_policy("d2o", 0.5, **KVMINI)
     cache = model.new_cache(1, 4)
     policy.start(40, 46)
     with torch.no_grad():
         model(ids, cache, policy)
-        want = VarianceSoftmax(low=8).allocate(20, 4, literal_variances(model, ids), 40)
+        want = literal_budgets(literal_variances(model, ids), 20, 40, 8)
         assert policy.budgets == want and sum(want) == 80 and len(set(want)) > 1
         assert cache.lengths() == want
         for t in range(6):
@@ -204,18 +221,21 @@ def test_d2o_allocation_alternatives_and_short_prompts():
     ids = torch.randint(0, 61, (1, 40), generator=torch.Generator().manual_seed(2))
     with torch.no_grad():
         for allocation in ("uniform", "reciprocal"):
-            policy = make_policy("d2o", 0.5, allocation=allocation)
+            policy = make_policy("d2o", 0.5, **{**KVMINI, "allocation": allocation})
             model(ids, model.new_cache(1), policy)
             assert sum(policy.budgets) == 80
-        uniform = make_policy("d2o", 0.5, allocation="uniform")
+        uniform = make_policy("d2o", 0.5, **{**KVMINI, "allocation": "uniform"})
         model(ids, model.new_cache(1), uniform)
         assert uniform.budgets == [20] * 4
-        short = make_policy("d2o", 128)  # a 6-token prompt, shorter than sinks + windows: nothing to do
+        short = make_policy("d2o", 128, **KVMINI)  # a 6-token prompt, shorter than sinks + windows: nothing to do
         short.start(6, 6)
         logits = model(ids[:, :6], model.new_cache(1), short)
         assert torch.equal(logits, model(ids[:, :6]))
-        with pytest.raises(KvminiError, match="too small for 4 sinks"):  # half of 6 tokens cannot hold 4 sinks
-            model(ids[:, :6], model.new_cache(1), make_policy("d2o", 0.5))
+        with pytest.raises(KvminiError, match="too small for 4 sinks"):  # 3 tokens cannot hold 4 sinks
+            model(ids[:, :6], model.new_cache(1), make_policy("d2o", 3, **KVMINI))
+        half = make_policy("d2o", 0.5, **KVMINI)  # a share of a short prompt is raised to what works instead
+        model(ids[:, :6], model.new_cache(1), half)
+        assert half.note == "budget raised from 3 to 5 tokens per layer, the least d2o can keep"
 
 
 def test_deferred_allocation_completes_with_protected_layers():
@@ -242,7 +262,151 @@ def test_variance_softmax_composes_with_snapkv_scoring():
     cache = model.new_cache(1)
     with torch.no_grad():
         model(ids, cache, policy)
-    want = VarianceSoftmax(low=8).allocate(16, 4, literal_variances(model, ids), 48)
+    want = literal_budgets(literal_variances(model, ids), 16, 48, 8)
     assert policy.budgets == want and cache.lengths() == want and sum(want) == 64 and len(set(want)) > 1
     for lc in cache.layers:  # SnapKV keeps its observation window
         assert lc.positions[0, 0, -4:].tolist() == [44, 45, 46, 47]
+
+
+# --- the authors' code (AIoT-MLSys-Lab/D2O), written out ----------------------------------------
+
+def literal_official_budgets(v, b, n, L, parts, low):
+    """softmax(-v) L rho, clamped to [0.01, 1], times n + 1 (the first decode step's length); the
+    heavy and recent parts floored separately; kvmini's floor of `low` tokens."""
+    N, M = parts
+    e = [math.exp(-x) for x in v]
+    shares = [min(max(x / sum(e) * L * b / n, 0.01), 1.0) * (n + 1) for x in e]
+    return [max(int(x * N / (N + M)) + int(x * M / (N + M)), low) for x in shares]
+
+
+def d2o_official_literal(g, L, b, n, sinks, parts, protected, low):
+    """The official schedule with loops, merging off: nothing is compressed in the prompt; F_v per
+    query head (unbiased variance of the column sums, min-max across the layer's heads, mean); at
+    the first decode step every unprotected layer keeps its 4 sinks (inside the N heavy), its top
+    scores and its M recent tokens, scores = attention summed over every query so far."""
+    v, acc, budgets = {}, {}, {}
+
+    def choose(layer, c, probs, kept, new):
+        P = group_mean(probs, g)[0]  # (H_kv, T, N): per KV head, for the scores
+        for h in range(P.shape[0]):
+            for p in sorted(kept[0][h] + new):
+                acc[layer, h, p] = acc.get((layer, h, p), 0.0) + P[h, :, p].sum().item()
+        if c == 0:
+            col = probs[0].sum(1)  # (H, n): column sums of every query head
+            var = [sum((x - sum(row) / len(row)) ** 2 for x in row) / (len(row) - 1) for row in col.tolist()]
+            v[layer] = sum((x - min(var)) / (max(var) - min(var) + 1e-6) for x in var) / len(var)
+            return [[sorted(s + new) for s in kept[0]]]
+        if not budgets:
+            budgets.update(enumerate(literal_official_budgets([v[l] for l in range(L)], b, n, L, parts, low)))
+        rows = []
+        for h, s in enumerate(kept[0]):
+            cand = sorted(s + new)
+            S = budgets[layer]
+            if layer in protected or len(cand) <= S:
+                rows.append(cand)
+                continue
+            recent = S * parts[1] // sum(parts)
+            middle = cand[sinks : len(cand) - recent]
+            heavy = sorted(middle, key=lambda p: (-acc[layer, h, p], p))[: S - sinks - recent]
+            rows.append(cand[:sinks] + sorted(heavy) + cand[len(cand) - recent :])
+        return [rows]
+    return choose, budgets
+
+
+@pytest.mark.parametrize("L,protected", [(4, "0,1,-1"), (3, "")])
+def test_official_schedule_allocation_and_split_equal_a_literal_run(L, protected):
+    model = random_model(L=L, H=4, H_kv=2, seed=3, sharp=2.0)
+    gen = torch.Generator().manual_seed(2)
+    n = 40
+    calls = [torch.randint(0, 61, (1, n), generator=gen)] + [torch.randint(0, 61, (1, 1), generator=gen)
+                                                            for _ in range(4)]
+    policy = make_policy("d2o", 16, variant="official", merge="off", protected_layers=protected)
+    cache = model.new_cache(1, 4)
+    policy.start(n, n + 4)
+    got, after = [], []
+    with torch.no_grad():
+        for ids in calls:
+            got.append(model(ids, cache, policy)[:, -1])
+            after.append([lc.positions.tolist() for lc in cache.layers])
+    prot = tuple(int(x) % L for x in protected.split(",") if x)
+    choose, budgets = d2o_official_literal(2, L, 16, n, 4, (1, 1), prot, 8)
+    want, entering = simulate(model, calls + calls[-1:], choose)  # one more call: what the last one kept
+    for a, w in zip(got, want):  # evict == mask, the prompt uncompressed, then every step
+        torch.testing.assert_close(a, w, atol=1e-5, rtol=0)
+    assert entering[1] == [[[list(range(n))] * 2] for _ in range(L)]  # nothing compressed in the prompt
+    for c in range(len(calls)):
+        assert after[c] == entering[c + 1], f"call {c}"
+    for l, lc in enumerate(cache.layers):
+        assert lc.length == (n + 4 if l in prot else budgets[l])
+    if not prot:
+        assert len(set(budgets.values())) > 1  # the layers really differ
+
+
+def literal_official_merge(keys, values, keep, tau_prev, beta):
+    """The authors' merge with loops, several KV heads: per head the nearest kept key by cosine;
+    one threshold per layer (EMA of the mean best similarity over heads and evicted tokens); an
+    evicted slot merges when its similarity averaged over the heads reaches it; then
+    x_j <- (x_j + sum_i u_ij x_i) / (1 + |E_j|)."""
+    H = len(keys)
+    unit = lambda x: x / x.norm()  # noqa: E731
+    evict = [[i for i in range(len(keys[h])) if i not in keep[h]] for h in range(H)]
+    best = [[max((float(unit(keys[h][i]) @ unit(keys[h][j])), -keep[h].index(j), j) for j in keep[h])
+             for i in evict[h]] for h in range(H)]
+    mean_best = sum(u for h in range(H) for u, _, _ in best[h]) / sum(len(e) for e in evict)
+    tau = mean_best if tau_prev is None else beta * mean_best + (1 - beta) * tau_prev
+    E = len(evict[0])
+    chosen = [sum(best[h][e][0] for h in range(H)) / H >= tau for e in range(E)]
+    new_k, new_v = [], []
+    for h in range(H):
+        k_h, v_h = {}, {}
+        for j in keep[h]:
+            into = [e for e in range(E) if chosen[e] and best[h][e][2] == j]
+            k_h[j] = (keys[h][j] + sum(best[h][e][0] * keys[h][evict[h][e]] for e in into)) / (1 + len(into))
+            v_h[j] = (values[h][j] + sum(best[h][e][0] * values[h][evict[h][e]] for e in into)) / (1 + len(into))
+        new_k.append(torch.stack([k_h[j] for j in keep[h]]))
+        new_v.append(torch.stack([v_h[j] for j in keep[h]]))
+    return torch.stack(new_k), torch.stack(new_v), tau
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_official_merge_equals_literal_loops_over_several_heads_and_steps(seed):
+    gen = torch.Generator().manual_seed(seed)
+    H, D, beta = 3, 4, 0.5
+    lc = LayerCache(1, H, D, torch.float32, "cpu")
+    for t in range(10):
+        lc.append(torch.randn(1, H, 1, D, generator=gen), torch.randn(1, H, 1, D, generator=gen), torch.tensor([[t]]))
+    merge, tau = EMAMerge(beta, weights="official", tau="per_layer"), None
+    for step in range(4):
+        S = lc.length
+        keep = [sorted(torch.randperm(S, generator=gen)[: 6 if step == 0 else S - 1].tolist()) for _ in range(H)]
+        keys = [list(lc.keys[0, h]) for h in range(H)]
+        values = [list(lc.values[0, h]) for h in range(H)]
+        want_k, want_v, tau = literal_official_merge(keys, values, keep, tau, beta)
+        merge(0, lc, torch.tensor([keep]))
+        lc.keep(torch.tensor([keep]))
+        assert merge.tau[0].item() == pytest.approx(tau, abs=1e-6)
+        torch.testing.assert_close(lc.keys[0], want_k, atol=1e-5, rtol=0)
+        torch.testing.assert_close(lc.values[0], want_v, atol=1e-5, rtol=0)
+        lc.append(torch.randn(1, H, 1, D, generator=gen), torch.randn(1, H, 1, D, generator=gen),
+                  torch.tensor([[10 + step]]))
+
+
+def test_paper_merge_over_several_kv_heads_equals_loops_per_head():
+    """The paper's merge is per KV head: each head alone equals the one-head loop (literal_merge)."""
+    gen = torch.Generator().manual_seed(5)
+    H, D = 3, 4
+    lc = LayerCache(1, H, D, torch.float32, "cpu")
+    for t in range(9):
+        lc.append(torch.randn(1, H, 1, D, generator=gen), torch.randn(1, H, 1, D, generator=gen), torch.tensor([[t]]))
+    keep = [sorted(torch.randperm(9, generator=gen)[:5].tolist()) for _ in range(H)]
+    keys = [list(lc.keys[0, h].clone()) for h in range(H)]  # copies: the merge writes the cache in place
+    values = [list(lc.values[0, h].clone()) for h in range(H)]
+    merge = EMAMerge(0.7)
+    merge(0, lc, torch.tensor([keep]))
+    for h in range(H):
+        sims = literal_merge(keys[h], values[h], keep[h], float("inf"))[2]
+        new_k, new_v, _ = literal_merge(keys[h], values[h], keep[h], sum(sims) / len(sims))
+        assert merge.tau[0][0, h].item() == pytest.approx(sum(sims) / len(sims), abs=1e-6)
+        torch.testing.assert_close(lc.keys[0, h, keep[h]], torch.stack([new_k[j] for j in keep[h]]), atol=1e-5, rtol=0)
+        torch.testing.assert_close(lc.values[0, h, keep[h]], torch.stack([new_v[j] for j in keep[h]]), atol=1e-5,
+                                   rtol=0)

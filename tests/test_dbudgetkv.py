@@ -57,8 +57,11 @@ def test_vectorized_cut_equals_the_sequential_loop(H, S, t, seed, shared_order):
     assert frobenius_stop(s, order, t) == sequential_prune(s, order, t)
 
 
-def dbudgetkv_literal(g, threshold, k, sinks, protected, ranking):
-    """Sec. 3.2 written out: Eq. (1) row over the last k queries, rank, prune while the drop <= t."""
+def dbudgetkv_literal(g, threshold, k, sinks, protected, ranking, window=8, excludes_kept=False):
+    """Sec. 3.2 written out: Eq. (1) row over the last k queries, rank, prune while the drop <= t.
+    ranking "window_attention" and excludes_kept are the authors' code (Patrick-Ni/ReFreeKV): the
+    last `window` queries' attention ranks the others, those `window` tokens are kept, and the
+    always-kept tokens are zeroed out of the row before the norms."""
     def choose(layer, c, probs, kept, new):
         if layer in protected or c > 0:  # prefill only; decode appends
             return [[sorted(s + new) for s in kept[0]]]
@@ -67,12 +70,19 @@ def dbudgetkv_literal(g, threshold, k, sinks, protected, ranking):
         H_kv, n = P.shape[0], len(cand)
         rows = P[:, -k:]  # (H_kv, k, N): the last k queries
         s = [[rows[h, :, j].sum().item() / (rows[h, :, j] != 0).sum().item() for j in cand] for h in range(H_kv)]
+        kept_idx = {"position": range(sinks), "window_attention": range(n - window, n)}.get(ranking, [])
+        if excludes_kept:
+            s = [[0.0 if j in kept_idx else x for j, x in enumerate(row)] for row in s]
         if ranking == "position":
             order = [list(range(sinks, n)) + list(range(sinks)) for _ in range(H_kv)]
+        elif ranking == "window_attention":
+            win = P[:, -window:].sum(1)  # (H_kv, N): attention of the last `window` queries
+            order = [sorted(range(n - window), key=lambda j: (win[h, cand[j]].item(), j)) + list(kept_idx)
+                     for h in range(H_kv)]
         else:
             colsum = P.sum(1)  # (H_kv, N)
             order = [sorted(range(n), key=lambda j: (colsum[h, cand[j]].item(), j)) for h in range(H_kv)]
-        pruned = sequential_prune(torch.tensor(s)[None], torch.tensor(order)[None], threshold)
+        pruned = min(sequential_prune(torch.tensor(s)[None], torch.tensor(order)[None], threshold), n - len(kept_idx))
         if ranking == "position":
             return [[cand[:sinks] + cand[sinks + pruned :] for _ in range(H_kv)]]
         return [[sorted(cand[j] for j in order[h][pruned:]) for h in range(H_kv)]]
@@ -82,7 +92,10 @@ def dbudgetkv_literal(g, threshold, k, sinks, protected, ranking):
 @pytest.mark.parametrize("options", [
     {"threshold": 0.05, "protected_layers": "0"},
     {"threshold": 0.2, "k": 3, "sinks": 2, "protected_layers": ""},
-    {"threshold": 0.1, "ranking": "attention", "protected_layers": "1"},
+    {"threshold": 0.1, "ranking": "cumulative", "protected_layers": "1"},
+    {"threshold": 0.3, "protected_layers": "", "norm_excludes_kept": True},  # the authors' norm, position ranking
+    {"variant": "official", "window": 4},  # window_attention, t = 5%, no protected layers, kept zeroed
+    {"variant": "official", "window": 5, "threshold": 0.3, "norm_excludes_kept": False, "protected_layers": "-1"},
 ])
 def test_whole_model_equals_the_literal_rule(options):
     model = random_model(L=3, H=4, H_kv=2, seed=9, sharp=1.5)
@@ -94,9 +107,13 @@ def test_whole_model_equals_the_literal_rule(options):
     policy.start(24, 26)
     with torch.no_grad():
         got = [model(ids, cache, policy)[:, -1] for ids in calls]
-    protected = tuple(int(x) for x in options["protected_layers"].split(",") if x)
-    choose = dbudgetkv_literal(2, options["threshold"], options.get("k", 1), options.get("sinks", 4), protected,
-                               options.get("ranking", "position"))
+    official = options.get("variant") == "official"
+    spec = options.get("protected_layers", "" if official else "0,1")
+    protected = tuple(int(x) % 3 for x in spec.split(",") if x)
+    choose = dbudgetkv_literal(2, options.get("threshold", 0.05 if official else 0.01), options.get("k", 1),
+                               options.get("sinks", 4), protected,
+                               options.get("ranking", "window_attention" if official else "position"),
+                               options.get("window", 8), options.get("norm_excludes_kept", official))
     want, entering = simulate(model, calls, choose)  # entering[c]: what each layer held before call c
     for a, b in zip(got, want):
         torch.testing.assert_close(a, b, atol=1e-5, rtol=0)

@@ -29,8 +29,10 @@ def largest_remainder(exact, total):
     return floors
 
 
-def literal_dynamickv(n, w_t, ws, kernel, r_max, m, L, g):
-    """Alg. 1 with loops. Returns the choose / after_layer pair for `simulate` and the Z history."""
+def literal_dynamickv(n, w_t, ws, kernel, r_max, m, L, g, tail=True):
+    """Alg. 1 with loops. Returns the choose / after_layer pair for `simulate` and the Z history.
+    tail=False is the authors' code (DreamMr/DynamicKV): no re-allocation after the last layer
+    unless L is a multiple of m."""
     bs = min(int(r_max * (w_t - ws)), n - ws)
     scores = {}  # layer -> [head][position] pooled window attention over the prefix
     history = []
@@ -52,7 +54,7 @@ def literal_dynamickv(n, w_t, ws, kernel, r_max, m, L, g):
 
     def after_layer(layer, c, kept):
         l = layer + 1
-        if c > 0 or (l % m and l != L):
+        if c > 0 or (l % m and (l != L or not tail)):
             return
         flat = [(scores[i][h][j], i) for i in range(l) for h in range(len(scores[i])) for j in range(n - ws)]
         k = (w_t - ws) * len(scores[0]) * l
@@ -71,25 +73,31 @@ def literal_dynamickv(n, w_t, ws, kernel, r_max, m, L, g):
     return choose, after_layer, history
 
 
-@pytest.mark.parametrize("L,m,w_t,r_max", [(4, 2, 12, 10), (5, 2, 12, 10), (5, 3, 10, 2), (3, 4, 9, 3)])
-def test_engine_equals_literal_algorithm_1(L, m, w_t, r_max):
+@pytest.mark.parametrize("L,m,w_t,r_max,tail", [(4, 2, 12, 10, True), (5, 2, 12, 10, True), (5, 3, 10, 2, True),
+                                                (3, 4, 9, 3, True), (5, 2, 12, 10, False), (5, 3, 10, 2, False)])
+def test_engine_equals_literal_algorithm_1(L, m, w_t, r_max, tail):
     n, ws, kernel = 48, 4, 3
     model = random_model(L=L, H=4, H_kv=2, seed=L + m, sharp=2.0)
     gen = torch.Generator().manual_seed(m)
     calls = [torch.randint(0, 61, (1, n), generator=gen)] + [torch.randint(0, 61, (1, 1), generator=gen)
                                                             for _ in range(3)]
-    policy = make_policy("dynamickv", w_t, window=ws, kernel=kernel, r_max=r_max, interval=m)
+    policy = make_policy("dynamickv", w_t, window=ws, kernel=kernel, r_max=r_max, interval=m, tail_reallocation=tail)
     cache = model.new_cache(1, 4)
     policy.start(n, n + 3)
     with torch.no_grad():
         got = [model(ids, cache, policy)[:, -1] for ids in calls]
-    choose, after_layer, history = literal_dynamickv(n, w_t, ws, kernel, r_max, m, L, 2)
+    choose, after_layer, history = literal_dynamickv(n, w_t, ws, kernel, r_max, m, L, 2, tail)
     want, entering = simulate(model, calls, choose, after_layer)
-    updates = [l for l in range(1, L + 1) if l % m == 0 or l == L]
-    assert len(history) == len(updates)  # every m layers and the tail (L % m != 0 included)
-    assert sum(history[-1]) == (w_t - ws) * L  # totals: (w_t - w_s) L + w_s L in all
-    assert policy.budgets == [z + ws for z in history[-1]]
-    assert sum(policy.budgets) == w_t * L
+    updates = [l for l in range(1, L + 1) if l % m == 0 or (l == L and tail)]
+    assert len(history) == len(updates)  # every m layers, and the tail (L % m != 0 included) unless official
+    if tail:
+        assert sum(history[-1]) == (w_t - ws) * L  # totals: (w_t - w_s) L + w_s L in all
+        assert policy.budgets == [z + ws for z in history[-1]]
+        assert sum(policy.budgets) == w_t * L
+    else:  # the last L % m layers keep b_s + w_s, the finished ones their share of the whole total
+        bs = min(int(r_max * (w_t - ws)), n - ws)
+        assert policy.budgets[len(history[-1]):] == [bs + ws] * (L - len(history[-1]))
+        assert policy.budgets[: len(history[-1])] == [z + ws for z in history[-1]]
     for a, b in zip(got, want):  # evict == mask, through prefill and 3 decode steps
         torch.testing.assert_close(a, b, atol=1e-5, rtol=0)
     for l, lc in enumerate(cache.layers):

@@ -29,6 +29,8 @@ from reference import random_model
 DATA = Path(__file__).resolve().parent / "data" / "engine_regression"
 SMALL = {"snapkv": {"window": 3, "kernel": 3}, "pyramidkv": {"window": 3, "kernel": 3},
          "dynamickv": {"window": 2, "kernel": 3, "interval": 1}}
+# D2O as recorded: kvmini's reading (z-scored variances) of the paper; now `variant=paper, allocation=zscore`
+KVMINI_D2O = {"variant": "paper", "allocation": "zscore"}
 # (label, method, budget, options): every method, and the variants the fidelity tool's specs reach
 TINY_VARIANTS = [
     ("full", "full", None, {}),
@@ -42,21 +44,22 @@ TINY_VARIANTS = [
     ("pyramidkv", "pyramidkv", 12, SMALL["pyramidkv"]),
     ("weightedkv", "weightedkv", 12, {}),
     ("weightedkv[sinks=1,window=3]", "weightedkv", 12, {"sinks": 1, "recent": 3}),
-    ("d2o", "d2o", 12, {}),
-    ("d2o[allocation=uniform]", "d2o", 12, {"allocation": "uniform"}),
-    ("d2o[allocation=reciprocal,nm=1:1,beta=0.3]", "d2o", 12, {"allocation": "reciprocal", "nm": "1:1", "beta": 0.3}),
-    ("d2o[softmax_temperature=0.5,sinks=2]", "d2o", 0.3, {"softmax_temperature": 0.5, "sinks": 2}),
+    ("d2o", "d2o", 12, KVMINI_D2O),  # the labels name the options as they were when recorded
+    ("d2o[allocation=uniform]", "d2o", 12, {**KVMINI_D2O, "allocation": "uniform"}),
+    ("d2o[allocation=reciprocal,nm=1:1,beta=0.3]", "d2o", 12,
+     {**KVMINI_D2O, "allocation": "reciprocal", "nm": "1:1", "beta": 0.3}),
+    ("d2o[softmax_temperature=0.5,sinks=2]", "d2o", 0.3, {**KVMINI_D2O, "softmax_temperature": 0.5, "sinks": 2}),
     ("dynamickv", "dynamickv", 12, SMALL["dynamickv"]),
     ("dynamickv[r_max=2,interval=2]", "dynamickv", 12, {**SMALL["dynamickv"], "r_max": 2.0, "interval": 2}),
     ("dbudgetkv[threshold=0.1,protected_layers=0]", "dbudgetkv", None, {"threshold": 0.1, "protected_layers": "0"}),
     ("dbudgetkv[ranking=attention,threshold=0.2,k=3]", "dbudgetkv", None,
-     {"ranking": "attention", "threshold": 0.2, "k": 3, "protected_layers": ""}),
+     {"ranking": "cumulative", "threshold": 0.2, "k": 3, "protected_layers": ""}),
 ]
 DEFAULT_VARIANTS = [("full", "full", None, {})] + [
-    (m, m, None if m == "dbudgetkv" else 64, {}) for m in
+    (m, m, None if m == "dbudgetkv" else 64, KVMINI_D2O if m == "d2o" else {}) for m in
     ("streaming_llm", "h2o", "tova", "snapkv", "pyramidkv", "weightedkv", "d2o", "dynamickv", "dbudgetkv")
-] + [("d2o[allocation=uniform]", "d2o", 64, {"allocation": "uniform"}),
-     ("dbudgetkv[ranking=attention]", "dbudgetkv", None, {"ranking": "attention"})]
+] + [("d2o[allocation=uniform]", "d2o", 64, {**KVMINI_D2O, "allocation": "uniform"}),
+     ("dbudgetkv[ranking=attention]", "dbudgetkv", None, {"ranking": "cumulative"})]
 
 
 def tiny_scenarios():

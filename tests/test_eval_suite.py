@@ -116,8 +116,9 @@ def test_density_map_and_statistics_agree_with_each_other():
 def test_retention_totals():
     model = random_model(seed=5, L=4)
     ids = torch.randint(0, 61, (1, 80), generator=torch.Generator().manual_seed(3))
-    kept = layers.retention(model, ids, 0.5, methods=("pyramidkv", "d2o", "dynamickv", "dbudgetkv"))
-    assert sum(kept["d2o"]) == sum(kept["pyramidkv"]) == sum(kept["dynamickv"]) == 4 * 40
+    kept = layers.retention(model, ids, 0.5, methods=("pyramidkv", "d2o[variant=paper]", "dynamickv", "dbudgetkv", "d2o"))
+    assert sum(kept["d2o[variant=paper]"]) == sum(kept["pyramidkv"]) == sum(kept["dynamickv"]) == 4 * 40
+    assert max(kept["d2o"]) == 81  # the official variant protects layers 0, 1, L-1: the prompt + the first step
     assert all(k <= 80 for k in kept["dbudgetkv"]) and kept["dbudgetkv"][:2] == [80, 80]  # protected layers
 
 

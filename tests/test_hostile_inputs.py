@@ -295,7 +295,7 @@ def test_d2o_budgets_stay_feasible_at_a_tiny_temperature(chat_model_template):
 
     m = load_model(chat_model_template, "cpu", "float32")
     ids = torch.randint(0, 256, (1, 60), generator=torch.Generator().manual_seed(0))
-    policy = make_policy("d2o", 0.9, softmax_temperature=1e-6)  # 54 per layer on average, 108 in all
+    policy = make_policy("d2o", 0.9, variant="paper", allocation="zscore", softmax_temperature=1e-6)  # 54 per layer
     cache = m.new_cache(1)
     prefill(m, ids, cache, policy)
     assert max(policy.budgets) <= 60 and sum(policy.budgets) == 108

@@ -11,7 +11,7 @@ from kvmini.generate import generate
 from kvmini.methods.allocators import pyramid, round_to_total, uniform
 from kvmini.methods.registry import METHODS, chooses_budget, make_policy, method_options
 from kvmini.methods.selectors import keep_top
-from kvmini.parts import AFTER_PROMPT, EVERY_CALL
+from kvmini.parts import AFTER_PROMPT, DECODE, EVERY_CALL
 from kvmini.policy import PerSequence, resolve_budget
 from reference import random_model
 
@@ -133,7 +133,12 @@ def test_invariants(name, kv_heads, group, B, n, steps, budget, chunk, seed):
                 assert (pos[..., 1:] > pos[..., :-1]).all(), "positions unique and sorted"
                 assert (pos < seen).all()
                 b_l = row.budgets[l] if base.active else seen  # inactive: budget >= the sequence
-                if base.schedule == EVERY_CALL or (base.schedule == AFTER_PROMPT and seen >= n):
+                if l in base.budgeter.protected:  # never compressed
+                    assert lc.length == seen
+                    continue
+                if base.schedule == DECODE:  # D2O's official variant: from the first decode step on
+                    assert lc.length == (seen if seen <= n else min(seen, b_l)), "never above budget"
+                elif base.schedule == EVERY_CALL or (base.schedule == AFTER_PROMPT and seen >= n):
                     assert lc.length == min(seen, b_l), "never above budget"
                 elif base.schedule == AFTER_PROMPT:
                     assert lc.length == seen
@@ -144,15 +149,17 @@ def test_invariants(name, kv_heads, group, B, n, steps, budget, chunk, seed):
                 sinks = base.compressor.sinks if seen > 0 else 0
                 recent = min(base.compressor.recent(b_l), seen)
                 want = set(range(min(sinks, seen))) | set(range(seen - recent, seen))
-                if base.schedule == EVERY_CALL or seen == n or (base.schedule == AFTER_PROMPT and seen > n):
+                if base.schedule == EVERY_CALL or (seen == n and base.schedule != DECODE) or (
+                        base.schedule in (AFTER_PROMPT, DECODE) and seen > n):
                     for row in pos.reshape(-1, lc.length).tolist():
                         assert want <= set(row), "sinks and recent window kept"
 
 
 # --- batching and state ------------------------------------------------------------------------
 
-PER_SEQUENCE = {"d2o": dict(seed=1, budget=12), "dynamickv": dict(seed=5, budget=8),  # settings where the
-                "dbudgetkv": dict(seed=5, budget=None)}  # two sequences keep different counts in some layer
+PER_SEQUENCE = {"d2o": dict(seed=1, budget=12, options={"variant": "paper", "allocation": "zscore"}),
+                "dynamickv": dict(seed=5, budget=8),  # settings where the two sequences keep different counts
+                "dbudgetkv": dict(seed=5, budget=None)}  # in some layer
 
 
 @pytest.mark.parametrize("name", COMPRESSING + ["dbudgetkv"])
@@ -161,12 +168,12 @@ def test_batch_of_two_equals_two_single_runs(name):
     model = random_model(seed=setting["seed"])
     n, steps = 24, 5
     calls = make_calls(2, n, steps, seed=2)
-    both, cache2 = run_calls(model, calls, make_policy(name, setting["budget"], **SMALL.get(name, {})), n)
+    options = setting.get("options", SMALL.get(name, {}))
+    both, cache2 = run_calls(model, calls, make_policy(name, setting["budget"], **options), n)
     if name in PER_SEQUENCE:  # the rows really differ, so the batch cache holds pads
         assert any(lc.padded for lc in cache2.layers)
     for b in range(2):
-        alone, cache1 = run_calls(model, [c[b : b + 1] for c in calls],
-                                  make_policy(name, setting["budget"], **SMALL.get(name, {})), n)
+        alone, cache1 = run_calls(model, [c[b : b + 1] for c in calls], make_policy(name, setting["budget"], **options), n)
         for x, y in zip(both, alone):
             torch.testing.assert_close(x[b : b + 1], y, atol=1e-5, rtol=0)
         for l2, l1 in zip(cache2.sequence(b).layers, cache1.layers):

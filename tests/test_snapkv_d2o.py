@@ -1,8 +1,6 @@
 """snapkv_d2o (SnapKV's scores + D2O's variance-softmax budgets and EMA merging) against literal
 references: the budgets from Eq. 4-5 written out, the kept positions from SnapKV's rule written
 out, and "evict == mask" for the composition without its merge."""
-import math
-
 import pytest
 import torch
 
@@ -13,25 +11,10 @@ from kvmini.methods.variance_softmax import VarianceSoftmax
 from kvmini.parts import PREFILL
 from kvmini.policy import Policy
 from reference import random_model, simulate
-from test_d2o import exact_clamped_split, literal_variances
+from test_d2o import literal_budgets, literal_variances
 from test_methods_reference import snapkv as literal_snapkv
 
 WINDOW, KERNEL, N, BUDGET, L = 4, 3, 48, 16, 4
-
-
-def literal_budgets(F_v, b, n, low):
-    """Eq. 5 by hand: z-scored variances, softmax(-z), the clamped proportional split of L * b
-    (exact_clamped_split), integers by largest remainder."""
-    mean = sum(F_v) / len(F_v)
-    std = math.sqrt(sum((f - mean) ** 2 for f in F_v) / len(F_v))
-    e = [math.exp(-(f - mean) / std) for f in F_v]
-    weights = [x / sum(e) for x in e]
-    exact = exact_clamped_split(weights, b * len(F_v), min(low, b), max(n, b))
-    floors = [math.floor(x) for x in exact]
-    order = sorted(range(len(exact)), key=lambda i: (-(exact[i] - floors[i]), i))
-    for i in order[: b * len(F_v) - sum(floors)]:
-        floors[i] += 1
-    return floors
 
 
 @pytest.fixture(scope="module")

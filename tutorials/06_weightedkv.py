@@ -97,6 +97,12 @@ compressor = policy.compressor  # ConvexValueMerge(sinks, recent)
 assert compressor.sinks == 4 and compressor.recent(1024) == 508 and compressor.recent(256) == 124
 
 # %% [markdown]
+# ## What the authors' code does differently
+#
+# WeightedKV has no public code, so there is nothing to compare: kvmini follows Alg. 1, and the
+# tests replay it token by token (`tests/test_weightedkv.py`).
+
+# %% [markdown]
 # ## Exercises
 #
 # 1. *(assignment: `convex_value_merge`)* Implement Alg. 1 lines 6–10; the tests include this toy

@@ -51,8 +51,9 @@ assert len(rows) == 1 + len(methods) and all(r["kl"] > 0 for r in rows[1:])
 
 # %%
 allocations = {}
-for name in ("snapkv", "pyramidkv", "d2o", "dynamickv", "dbudgetkv"):
-    policy = make_policy(name, None if name == "dbudgetkv" else 0.2)
+for name in ("snapkv", "pyramidkv", "d2o", "dynamickv", "dbudgetkv"):  # D2O: kvmini's reading, compressing at the prompt
+    options = {"variant": "paper", "allocation": "zscore"} if name == "d2o" else {}
+    policy = make_policy(name, None if name == "dbudgetkv" else 0.2, **options)
     cache = model.new_cache()
     policy.start(N, N)
     with torch.no_grad():

@@ -28,7 +28,7 @@ import torch.nn.functional as F
 
 from kvmini.errors import KvminiError
 from kvmini.generate import prefill
-from kvmini.methods.registry import METHODS, OPTIONS, chooses_budget, make_policy
+from kvmini.methods.registry import METHODS, chooses_budget, make_policy, parse_spec
 from kvmini.policy import PREFILL
 
 
@@ -41,10 +41,12 @@ def pydoc_text() -> str:
 
 @torch.inference_mode()
 def continuation_logits(model, ids: torch.Tensor, n: int, policy=None):
-    """ids (1, N + K) -> (logits (K, V) predicting tokens N..N+K-1, cache after the prompt's lengths).
+    """ids (1, N + K) -> (logits (K, V) predicting tokens N..N+K-1, the entries each layer keeps).
 
     The prompt ids[:, :n] fills (and the policy compresses) the cache, in chunks where the method asks
-    for them (WeightedKV); the rest is teacher-forced.
+    for them (WeightedKV); the rest is teacher-forced. What a layer keeps is its length after the
+    prompt for prefill-only methods, and after the continuation for those that compress while
+    decoding (their steady size; D2O's official variant compresses only from the first step).
     """
     total = ids.shape[1]
     cache = model.new_cache(1, capacity=total)
@@ -54,6 +56,7 @@ def continuation_logits(model, ids: torch.Tensor, n: int, policy=None):
     if policy is not None and policy.schedule != PREFILL:  # decode-time methods compress at every step
         steps = [model(rest[:, t : t + 1], cache, policy)[:, -1] for t in range(rest.shape[1])]
         later = torch.cat(steps) if steps else first[:0]
+        kept = cache.lengths()
     else:
         later = model(rest, cache, policy, all_logits=True)[0]  # (K - 1, V)
     return torch.cat([first, later]).float(), kept
@@ -66,23 +69,6 @@ def compare(logits: torch.Tensor, full: torch.Tensor, targets: torch.Tensor) -> 
     kl = (logp_full.exp() * (logp_full - logp)).sum(-1).mean()
     top1 = (logits.argmax(-1) == full.argmax(-1)).float().mean()
     return {"ppl": nll.exp().item(), "kl": kl.item(), "top1": top1.item()}
-
-
-def parse_spec(spec: str) -> tuple[str, dict]:
-    """"d2o[allocation=uniform,nm=1:1]" -> ("d2o", {"allocation": "uniform", "nm": "1:1"})."""
-    name, _, rest = spec.partition("[")
-    if name not in METHODS or name == "full":
-        raise KvminiError(f"unknown method {name!r}; choose from {', '.join(list(METHODS)[1:])}")
-    options = {}
-    for item in filter(None, rest.rstrip("]").split(",")):
-        key, eq, value = item.partition("=")
-        if not eq or key not in OPTIONS:
-            raise KvminiError(f"bad option {item!r} in {spec!r} (write name[key=value,...])")
-        try:
-            options[key] = OPTIONS[key].type(value)
-        except ValueError:
-            raise KvminiError(f"bad value {value!r} for {key} in {spec!r}") from None
-    return name, options
 
 
 def run(model, ids: torch.Tensor, n: int, methods: list[str], budgets: list[float], log=print) -> list[dict]:

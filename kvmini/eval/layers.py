@@ -14,10 +14,11 @@ import torch
 
 from kvmini.attention import StatsRequest
 from kvmini.generate import prefill
-from kvmini.methods.registry import make_policy
+from kvmini.methods.registry import policy_for
+from kvmini.parts import DECODE
 from kvmini.methods.variance_softmax import attention_variance
 
-ADAPTIVE = ("pyramidkv", "d2o", "dynamickv", "dbudgetkv")
+ADAPTIVE = ("pyramidkv", "d2o", "d2o[variant=paper]", "dynamickv", "dbudgetkv")
 
 
 class ColumnSums:
@@ -73,10 +74,14 @@ def density_map(model, ids: torch.Tensor, layer: int, bins: int = 32) -> list[li
 
 @torch.inference_mode()
 def retention(model, ids: torch.Tensor, budget: float, methods=ADAPTIVE) -> dict[str, list[int]]:
-    """Entries each layer keeps after the prompt, per layer-adaptive method."""
+    """Entries each layer keeps after the prompt, per layer-adaptive method (a spec: d2o[variant=paper]).
+    A method that compresses at the first decode step (D2O's official variant) is read after it."""
     kept = {}
     for name in methods:
-        cache = model.new_cache(1, ids.shape[1])
-        prefill(model, ids, cache, make_policy(name, None if name == "dbudgetkv" else budget))
+        cache = model.new_cache(1, ids.shape[1] + 1)
+        policy = policy_for(name, budget)
+        logits = prefill(model, ids, cache, policy, total_len=ids.shape[1] + 1)
+        if policy.schedule == DECODE:
+            model(logits.argmax(-1, keepdim=True), cache, policy)
         kept[name] = cache.lengths()
     return kept

@@ -19,7 +19,7 @@ import re
 import torch
 
 from kvmini.generate import generate
-from kvmini.methods.registry import make_policy
+from kvmini.methods.registry import policy_for
 
 FILLER = (
     "The lamps along the harbour were lit one by one. A cart rolled slowly over the bridge. "
@@ -73,7 +73,7 @@ def run(model, tokenizer, chat, methods: list[tuple[str, float | None]], lengths
     for name, budget in methods:
         for (n, d), key in zip(cells, keys):
             ids = torch.tensor([passkey_prompt(tokenizer, chat, n, d, key)], device=model.device)
-            policy = None if name == "full" else make_policy(name, budget)
+            policy = policy_for(name, budget)
             out = generate(model, ids, 10, stop_ids=stop_ids, policy=policy)
             text = tokenizer.decode(out.tokens[0])
             rows.append({"method": name, "budget": budget, "length": n, "depth": d, "key": key,

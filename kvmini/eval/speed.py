@@ -24,11 +24,11 @@ import time
 import torch
 
 from kvmini.generate import prefill, synchronize
-from kvmini.methods.registry import chooses_budget, make_policy
+from kvmini.methods.registry import policy_for
 
 
 def _policy(name: str, budget: float):
-    return None if name == "full" else make_policy(name, None if chooses_budget(name) else budget)
+    return policy_for(name, budget)
 
 
 @torch.inference_mode()

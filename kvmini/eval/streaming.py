@@ -18,11 +18,10 @@ import time
 import torch
 import torch.nn.functional as F
 
-from kvmini.eval.fidelity import parse_spec
 from kvmini.generate import prefill
-from kvmini.methods.registry import make_policy
+from kvmini.methods.registry import policy_for
 
-METHODS = ("full", "streaming_llm", "h2o", "tova", "weightedkv", "d2o", "d2o[allocation=uniform]")
+METHODS = ("full", "streaming_llm", "h2o", "tova", "weightedkv", "d2o", "d2o[variant=paper]")
 
 
 @torch.inference_mode()
@@ -53,7 +52,7 @@ def run(model, ids: torch.Tensor, capacities: list[int], methods=METHODS, chunk:
     for capacity in capacities:
         for name in methods:
             t0 = time.perf_counter()
-            policy = None if name == "full" else make_policy(parse_spec(name)[0], capacity, **parse_spec(name)[1])
+            policy = policy_for(name, capacity)
             nll = stream_nll(model, ids, capacity, policy, chunk)
             rows.append({"capacity": capacity, "method": name, "tokens": len(nll), "ppl": nll.mean().exp().item(),
                          "curve": curve(nll), "seconds": time.perf_counter() - t0})

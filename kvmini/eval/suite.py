@@ -26,7 +26,10 @@ import torch
 from kvmini.errors import KvminiError
 from kvmini.eval import fidelity, layers, passkey, plots, speed, streaming
 
-ALL_COMPRESSING = ["streaming_llm", "h2o", "tova", "snapkv", "pyramidkv", "weightedkv", "d2o", "dynamickv"]
+ALL_COMPRESSING = ["streaming_llm", "h2o", "tova", "snapkv", "pyramidkv", "weightedkv", "d2o", "d2o[variant=paper]",
+                   "dynamickv"]
+VARIANTS = ["d2o", "d2o[variant=paper]", "dbudgetkv", "dbudgetkv[variant=official]", "dynamickv",
+            "dynamickv[variant=official]"]  # paper and authors' code side by side
 PROFILES = {
     "smoke": {  # every code path in about a minute; the numbers mean nothing
         "streaming": dict(n=160, capacities=[32], chunk=16),
@@ -38,8 +41,7 @@ PROFILES = {
     "quick": {
         "streaming": dict(n=2048, capacities=[256], chunk=16),
         "passkey": dict(lengths=[1024, 2048], depths=[0.1, 0.5, 0.9], budgets=[128, 0.2]),
-        "fidelity": dict(n=1024, k=128, prompts=3, budgets=[0.2],
-                         methods=["h2o", "snapkv", "pyramidkv", "dynamickv", "d2o", "dbudgetkv"]),
+        "fidelity": dict(n=1024, k=128, prompts=3, budgets=[0.2], methods=["h2o", "snapkv", "pyramidkv"] + VARIANTS),
         "layers": dict(n=1024, budget=0.2, bins=32),
         "speed": dict(prefill_n=2048, reps=1, decode_n=2048, steps=16, peak_n=2048, budget=0.2, batch_n=2048,
                       cap_gib=8),
@@ -47,8 +49,7 @@ PROFILES = {
     "full": {
         "streaming": dict(n=4096, capacities=[256, 1024], chunk=4),
         "passkey": dict(lengths=[1024, 2048, 4096, 8000], depths=[0.0, 0.25, 0.5, 0.75, 1.0], budgets=[64, 128, 0.2]),
-        "fidelity": dict(n=2048, k=256, prompts=5, budgets=[0.2, 128],
-                         methods=["h2o", "snapkv", "pyramidkv", "dynamickv", "d2o", "dbudgetkv"]),
+        "fidelity": dict(n=2048, k=256, prompts=5, budgets=[0.2, 128], methods=["h2o", "snapkv", "pyramidkv"] + VARIANTS),
         "layers": dict(n=2048, budget=0.2, bins=64),
         "speed": dict(prefill_n=4096, reps=3, decode_n=8128, steps=32, peak_n=8192, budget=0.2, batch_n=4096,
                       cap_gib=16),

@@ -1,28 +1,69 @@
 """D2O (Wan et al. 2024): variance-softmax layer budgets + H2O eviction with EMA-threshold merging.
 
-Paper: "D2O: Dynamic Discriminative Operations for Efficient Long-Context Inference of LLMs".
+Paper: "D2O: Dynamic Discriminative Operations for Efficient Long-Context Inference of LLMs"
+(Zhongwei Wan et al., ICLR 2025; arXiv 2406.13035).
 
     scorer       cumulative attention (H2O), per KV head
     budgeter     variance-softmax over layers (kvmini.methods.variance_softmax, Eq. 4-5),
                  measured on every layer of the prompt, then every layer is compressed
-    compressor   T sinks + N heavy + M recent, N:M = 3:1, T + N + M = S_l (Eq. 6-8), with
-                 EMA-threshold merging of the evicted tokens (kvmini.methods.ema_merging, Eq. 9-12)
-    schedule     at the end of the prompt, then one eviction (and possible merge) per decode step
-Defaults: beta 0.7, N:M 3:1, 4 sinks, allocation variance_softmax (Table 4: reciprocal, uniform),
-softmax temperature 1, a layer gets at least sinks + 4 tokens, group reduction mean. In a batch,
-every sequence gets its own layer budgets (kvmini.policy.PerSequence).
+    compressor   T sinks + N heavy + M recent (Eq. 6-8), with EMA-threshold merging of the
+                 evicted tokens (kvmini.methods.ema_merging, Eq. 9-12)
+    schedule     when the prompt is complete (paper) or at the first decode step (official),
+                 then one eviction (and possible merge) per decode step
+
+Two variants; every option below overrides its part of the chosen one:
+
+    option            paper (the equations)        official (AIoT-MLSys-Lab/D2O, Llama-3 code)
+    allocation        paper: softmax(-F_v), raw    official: min-max over heads, clamp [0.01, 1]
+    protected_layers  none                         0, 1 and the last layer (-1) never compressed
+    nm                3:1                          1:1
+    split             paper: T + N + M = S_l       official: the T sinks come out of the N heavy
+    merge             paper: convex softmax        official: raw-cosine scatter-mean
+    tau               per_head                     per_layer (head-averaged similarity decides)
+    beta              0.7                          0.5 (alpha = beta = 0.5)
+    start             prompt                       first_decode (scores include that step's row)
+`allocation=zscore` is kvmini's own reading (standardized variances, `softmax_temperature`);
+`reciprocal` and `uniform` are the paper's Table 4; `merge=off` only evicts. Defaults: the
+`official` variant (see the README's D2O table for the measured reason), 4 sinks, group
+reduction mean. In a batch, every sequence gets its own budgets (kvmini.policy.PerSequence).
+Deviation: the authors' code keeps one cache per query head (after repeat_kv), so each query
+head evicts and merges its own tokens; kvmini does this per KV head (query heads of a group
+reduced by mean), in both variants.
+Deviation: every allocation gives a layer at least sinks + 4 tokens (the official one has only
+its 1% floor, which on a short prompt leaves less than the sinks).
 """
+from kvmini.methods.dbudgetkv import parse_layers
 from kvmini.methods.ema_merging import EMAMerge
 from kvmini.methods.scorers import CumulativeAttention
 from kvmini.methods.selectors import TopK
 from kvmini.methods.variance_softmax import VarianceSoftmax
-from kvmini.parts import AFTER_PROMPT
+from kvmini.parts import AFTER_PROMPT, DECODE
 from kvmini.policy import Policy
 
+VARIANTS = {
+    "paper": dict(allocation="paper", protected_layers="", nm="3:1", split="paper", merge="paper", tau="per_head",
+                  beta=0.7, start="prompt"),
+    "official": dict(allocation="official", protected_layers="0,1,-1", nm="1:1", split="official", merge="official",
+                     tau="per_layer", beta=0.5, start="first_decode"),
+}
+DEFAULTS_SHOWN = {name: "by variant" for name in VARIANTS["paper"]}
 
-def build(budget: float, beta: float = 0.7, nm: str = "3:1", sinks: int = 4, allocation: str = "variance_softmax",
-          softmax_temperature: float = 1.0, reduce: str = "mean") -> Policy:
-    N, M = (int(x) for x in nm.split(":"))
-    recent = lambda S_l: (S_l - sinks) * M // (N + M)  # noqa: E731  Eq. 8: N:M of what is not a sink
-    return Policy("d2o", budget, CumulativeAttention(reduce), VarianceSoftmax(allocation, softmax_temperature, sinks + 4, reduce),
-                  TopK(sinks, recent, merge=EMAMerge(beta)), schedule=AFTER_PROMPT)
+
+def build(budget: float, variant: str = "official", allocation: str | None = None, protected_layers: str | None = None,
+          nm: str | None = None, split: str | None = None, merge: str | None = None, tau: str | None = None,
+          beta: float | None = None, start: str | None = None, sinks: int = 4, softmax_temperature: float = 1.0,
+          reduce: str = "mean") -> Policy:
+    given = dict(allocation=allocation, protected_layers=protected_layers, nm=nm, split=split, merge=merge, tau=tau,
+                 beta=beta, start=start)
+    o = {**VARIANTS[variant], **{k: v for k, v in given.items() if v is not None}}
+    N, M = (int(x) for x in o["nm"].split(":"))
+    if o["split"] == "paper":  # Eq. 8: S_l = T + N + M, N:M of what is not a sink
+        recent = lambda S_l: (S_l - sinks) * M // (N + M)  # noqa: E731
+    else:  # the official code: N:M of S_l, the sinks inside the heavy part
+        recent = lambda S_l: S_l * M // (N + M)  # noqa: E731
+    first_decode = o["start"] == "first_decode"
+    budgeter = VarianceSoftmax(o["allocation"], softmax_temperature, sinks + 4, reduce, parse_layers(o["protected_layers"]),
+                               parts=(N, M), measure_in_prompt=first_decode)
+    merging = None if o["merge"] == "off" else EMAMerge(o["beta"], weights=o["merge"], tau=o["tau"])
+    return Policy("d2o", budget, CumulativeAttention(reduce), budgeter, TopK(sinks, recent, merge=merging),
+                  schedule=DECODE if first_decode else AFTER_PROMPT)

@@ -9,6 +9,13 @@ layers are re-budgeted by how many of the global top scores they hold
 (kvmini.methods.progressive_budgets), ending at `budget` tokens per layer on average.
 Defaults: window 8, kernel 7, avg pooling, r_max 10, interval 4, group reduction mean.
 In a batch, every sequence gets its own layer budgets (kvmini.policy.PerSequence).
+
+Variants: `paper` (the default: Alg. 1 re-allocates after the last layer too) and `official`
+(DreamMr/DynamicKV: re-allocates only every m layers, so when L % m != 0 the last L % m layers
+keep their first budget b_s + w_s; `tail_reallocation=false`). Other differences of the authors'
+code are not options: it floors every count and share with int() and gives the remainder to the
+last layer (kvmini rounds by largest remainder), and intermediate re-allocations share the whole
+model's budget among the finished layers (kvmini caps them at what they hold).
 """
 from kvmini.methods.progressive_budgets import ProgressiveBudgets
 from kvmini.methods.scorers import WindowAttention
@@ -17,7 +24,11 @@ from kvmini.parts import PREFILL
 from kvmini.policy import Policy
 
 
-def build(budget: float, window: int = 8, kernel: int = 7, pooling: str = "avg", r_max: float = 10,
-          interval: int = 4, reduce: str = "mean") -> Policy:
+DEFAULTS_SHOWN = {"tail_reallocation": "by variant"}
+
+
+def build(budget: float, variant: str = "paper", window: int = 8, kernel: int = 7, pooling: str = "avg",
+          r_max: float = 10, interval: int = 4, tail_reallocation: bool | None = None, reduce: str = "mean") -> Policy:
+    tail = (variant == "paper") if tail_reallocation is None else tail_reallocation
     return Policy("dynamickv", budget, WindowAttention(window, kernel, pooling, reduce),
-                  ProgressiveBudgets(window, r_max, interval), TopK(recent=lambda b: window), schedule=PREFILL)
+                  ProgressiveBudgets(window, r_max, interval, tail), TopK(recent=lambda b: window), schedule=PREFILL)

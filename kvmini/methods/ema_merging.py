@@ -4,14 +4,20 @@ merged into it instead of being dropped.
     u_{ij} = \frac{k_i \cdot k_j}{\|k_i\| \|k_j\|},   j^*_i = \arg\max_j u_{ij}  over kept j   (Eq. 9)
     \tau_0 = \mathrm{mean}_{i \in \text{evicted}} u_{i j^*_i}   at prefill                          (Eq. 10)
     \tau_t = \beta \max_j u_{t j} + (1 - \beta) \tau_{t-1}      at decode step t
-    i is merged iff u_{i j^*_i} \ge \tau   (for one evicted token, \ge \tau_t \iff \ge \tau_{t-1})
+    i is merged iff u_{i j^*_i} \ge \tau_t   (the threshold updated with this step's similarities)
     k_j \leftarrow w_c k_j + \sum_{i \in E_j} w_i k_i,  v likewise                                  (Eq. 11-12)
     w_i = \frac{e^{u_{ij}}}{\sum_{i' \in E_j} e^{u_{i'j}} + e},   w_c = \frac{e}{\sum_{i' \in E_j} e^{u_{i'j}} + e}
 
 (a softmax over {j itself, similarity 1} and the tokens that chose j; the weights sum to 1).
 tau is kept per (sequence, KV head). A kept token's accumulated attention is not changed by a
-merge. Deviation: the official code merges with raw cosine weights and a scatter-mean (not a
-convex combination); we follow the paper.
+merge. With several evicted tokens in a step the EMA takes the mean of their maxima.
+
+The authors' code (AIoT-MLSys-Lab/D2O) differs, and each difference is an option:
+`weights="official"`: k_j <- (k_j + \sum_{i \in E_j} u_{ij} k_i) / (1 + |E_j|), raw cosine weights
+and a mean that counts tokens (not a convex combination); `tau="per_layer"`: one threshold per
+layer (the mean over heads and evicted tokens), and a token is merged when its similarity
+averaged over the heads reaches it. (Its beta weighs the newest mean as here: alpha = 1 - beta.)
+Deviation: the official cache holds every query head (after repeat_kv); kvmini merges per KV head.
 """
 import math
 
@@ -20,44 +26,76 @@ import torch.nn.functional as F
 
 from kvmini.cache import LayerCache
 
+WEIGHTS = ("paper", "official")
+TAUS = ("per_head", "per_layer")
+
 
 class EMAMerge:
     """The merge step of a TopK compressor: called with the indices a layer keeps, before they are
     gathered. Returns how many evicted tokens were merged (mean over KV heads), a 0-d tensor."""
 
-    def __init__(self, beta: float = 0.7):
-        self.beta = beta
+    def __init__(self, beta: float = 0.7, weights: str = "paper", tau: str = "per_head"):
+        self.beta, self.weights, self.per_layer = beta, weights, tau == "per_layer"
         self.reset()
 
     def reset(self) -> None:
-        self.tau: dict[int, torch.Tensor] = {}  # layer -> (B, H_kv)
+        self.tau: dict[int, torch.Tensor] = {}  # layer -> (B, H_kv), or (B, 1) per layer
 
     def __call__(self, layer: int, lc: LayerCache, keep: torch.Tensor) -> torch.Tensor:
         B, H_kv, S = lc.positions.shape
         evicted = torch.ones(B, H_kv, S, dtype=torch.int8, device=keep.device).scatter_(2, keep, 0)  # 1: evicted
         evict = evicted.argsort(dim=-1, descending=True, stable=True)[..., : S - keep.shape[2]]  # (B, H_kv, E) asc.
         D = lc.keys.shape[-1]
-        # BEGIN EXERCISE ema_merging: tutorials/04_d2o_token_level.py, "Nearest neighbour, threshold and merge (Eq. 9-12)"
-        k_keep = lc.keys.gather(2, keep[..., None].expand(-1, -1, -1, D)).float()  # (B, H_kv, b, D)
-        k_evict = lc.keys.gather(2, evict[..., None].expand(-1, -1, -1, D)).float()  # (B, H_kv, E, D)
-        u = F.normalize(k_evict, dim=-1) @ F.normalize(k_keep, dim=-1).transpose(-1, -2)  # (B, H_kv, E, b) Eq. 9
-        best, j_star = u.max(-1)  # (B, H_kv, E)
-        if layer not in self.tau:
-            self.tau[layer] = best.mean(-1)  # Eq. 10, tau_0
-            tau = self.tau[layer]
+        gather = lambda x, idx: x.gather(2, idx[..., None].expand(-1, -1, -1, D)).float()  # noqa: E731
+        k_keep, k_evict = gather(lc.keys, keep), gather(lc.keys, evict)  # (B, H_kv, b, D), (B, H_kv, E, D)
+        best, j_star = nearest(k_evict, k_keep)  # (B, H_kv, E) each, Eq. 9
+        if self.per_layer:  # the official code: one threshold per layer, similarities averaged over heads
+            sim = best.mean(1, keepdim=True)  # (B, 1, E)
+            self.tau[layer] = ema_threshold(self.tau.get(layer), sim.mean(-1), self.beta)  # (B, 1)
+            merge = (sim >= self.tau[layer][..., None]).expand_as(best)  # (B, H_kv, E)
         else:
-            tau = self.tau[layer]  # tau_{t-1}: the comparison is the same as with tau_t
-            self.tau[layer] = self.beta * best.mean(-1) + (1 - self.beta) * tau
-        merge = best >= tau[..., None]  # (B, H_kv, E)
-        weight = torch.where(merge, best.exp(), torch.zeros_like(best))  # e^{u_ij*} of merged tokens, 0 otherwise
-        den = torch.full(keep.shape, math.e, dtype=torch.float32, device=keep.device)  # (B, H_kv, b): e + ...
-        den.scatter_add_(2, j_star, weight)
-        v_keep = lc.values.gather(2, keep[..., None].expand(-1, -1, -1, D)).float()  # (B, H_kv, b, D)
-        v_evict = lc.values.gather(2, evict[..., None].expand(-1, -1, -1, D)).float()  # (B, H_kv, E, D)
+            self.tau[layer] = ema_threshold(self.tau.get(layer), best.mean(-1), self.beta)  # (B, H_kv), Eq. 10
+            merge = best >= self.tau[layer][..., None]  # (B, H_kv, E)
+        combine = convex_merge if self.weights == "paper" else scatter_mean_merge
+        v_keep, v_evict = gather(lc.values, keep), gather(lc.values, evict)
         for cache, x_keep, x_evict in ((lc.keys, k_keep, k_evict), (lc.values, v_keep, v_evict)):
-            num = math.e * x_keep  # e * k_j ...
-            num.scatter_add_(2, j_star[..., None].expand(-1, -1, -1, D), weight[..., None] * x_evict)  # + sum e^u k_i
-            merged = (num / den[..., None]).to(cache.dtype)  # Eq. 11-12
-            cache.scatter_(2, keep[..., None].expand(-1, -1, -1, D), merged)
-        # END EXERCISE
+            merged = combine(x_keep, x_evict, j_star, best, merge)  # (B, H_kv, b, D), Eq. 11-12
+            cache.scatter_(2, keep[..., None].expand(-1, -1, -1, D), merged.to(cache.dtype))
         return merge.float().mean(1).sum()  # tokens merged, mean over heads
+
+
+def nearest(k_evict: torch.Tensor, k_keep: torch.Tensor):
+    """Eq. 9: for every evicted key its most similar kept key by cosine: (u_{i j*}, j*), each (B, H_kv, E)."""
+    # BEGIN EXERCISE ema_merging: tutorials/04_d2o_token_level.py, "Nearest neighbour, threshold and merge (Eq. 9-12)"
+    u = F.normalize(k_evict, dim=-1) @ F.normalize(k_keep, dim=-1).transpose(-1, -2)  # (B, H_kv, E, b)
+    return u.max(-1)
+    # END EXERCISE
+
+
+def ema_threshold(tau_prev: torch.Tensor | None, new: torch.Tensor, beta: float) -> torch.Tensor:
+    """Eq. 10: tau_0 = the mean maximum similarity (`new`), then tau_t = beta new + (1 - beta) tau_{t-1}."""
+    # BEGIN EXERCISE ema_merging: tutorials/04_d2o_token_level.py, "Nearest neighbour, threshold and merge (Eq. 9-12)"
+    return new if tau_prev is None else beta * new + (1 - beta) * tau_prev
+    # END EXERCISE
+
+
+def convex_merge(x_keep, x_evict, j_star, best, merge) -> torch.Tensor:
+    """Eq. 11-12: x_j <- w_c x_j + sum_i w_i x_i, softmax weights over {j (similarity 1)} + E_j."""
+    # BEGIN EXERCISE ema_merging: tutorials/04_d2o_token_level.py, "Nearest neighbour, threshold and merge (Eq. 9-12)"
+    weight = torch.where(merge, best.exp(), torch.zeros_like(best))  # e^{u_ij*} of merged tokens, 0 otherwise
+    den = torch.full(x_keep.shape[:3], math.e, dtype=torch.float32, device=x_keep.device)  # (B, H_kv, b): e + ...
+    den.scatter_add_(2, j_star, weight)
+    num = math.e * x_keep  # e * x_j ...
+    num.scatter_add_(2, j_star[..., None].expand_as(x_evict), weight[..., None] * x_evict)  # + sum e^u x_i
+    return num / den[..., None]
+    # END EXERCISE
+
+
+def scatter_mean_merge(x_keep, x_evict, j_star, best, merge) -> torch.Tensor:
+    """The authors' code: x_j <- (x_j + sum_{i in E_j} u_ij x_i) / (1 + |E_j|), raw cosine weights."""
+    weight = torch.where(merge, best, torch.zeros_like(best))  # (B, H_kv, E)
+    count = torch.ones(x_keep.shape[:3], dtype=torch.float32, device=x_keep.device)  # (B, H_kv, b): j itself
+    count.scatter_add_(2, j_star, merge.float())
+    num = x_keep.clone()
+    num.scatter_add_(2, j_star[..., None].expand_as(x_evict), weight[..., None] * x_evict)
+    return num / count[..., None]

@@ -8,12 +8,16 @@ A layer prunes its least important tokens for as long as the attention it loses 
                                              left after removing the i least important tokens)
     prune the largest i with (\|A'\|_F - R_i) / \|A'\|_F \le t           (Alg. 1, t = 1%)
 
-Ranking (Sec. 3.2): by position, the first m = 4 tokens are most important, then the rest from
-the last to the first, so pruning removes the earliest non-sink tokens first; or, as in the
-paper's Table 3, by attention (the column sums of the prompt's attention).
+Ranking (`ranking`): `position` (Sec. 3.2): the first m = 4 tokens (sinks) are most important,
+then the rest from the last to the first, so pruning removes the earliest non-sink tokens first;
+`cumulative` (the paper's Table 3): the column sums of the prompt's attention; `window_attention`
+(the authors' code, Patrick-Ni/ReFreeKV, its `h2o` mode): the attention of the last `window`
+queries summed, those `window` tokens always kept.
 One cut per layer: R_i and \|A'\|_F are averaged over the KV heads (as the official code does),
 so all heads of a layer keep the same count. Layers 0 and 1 are never pruned (Sec. 3.3, App. B).
-Deviation: none from the paper; the official scripts use t = 5% where the paper says 1%.
+`norm_excludes_kept`: the authors' code zeroes the always-kept tokens (the sinks, or the window)
+out of s before both norms; the paper (and the `paper` variant) keeps them in.
+Deviation: the official code cuts every query head (after repeat_kv); kvmini every KV head.
 """
 import torch
 
@@ -46,10 +50,12 @@ class FrobeniusStop(Budgeter):
     per_sequence = True
 
     def __init__(self, threshold: float = 0.01, k: int = 1, ranking: str = "position", sinks: int = 4,
-                 reduce: str = "mean", protected: tuple = (0, 1)):
+                 reduce: str = "mean", protected: tuple = (0, 1), window: int = 8, norm_excludes_kept: bool = False):
         super().__init__(protected)
-        self.threshold, self.k, self.ranking, self.sinks = threshold, k, ranking, sinks
-        self.request = StatsRequest(window=k, reduce=reduce)
+        self.threshold, self.k, self.ranking, self.sinks, self.window = threshold, k, ranking, sinks, window
+        self.excludes_kept = norm_excludes_kept
+        # the last row itself when k = 1 (a window of k queries would merge with a ranking window)
+        self.request = StatsRequest(last_row=True, reduce=reduce) if k == 1 else StatsRequest(window=k, reduce=reduce)
 
     def plan(self) -> list[int]:
         return [self.n] * self.L  # nothing is pruned until a layer has chosen
@@ -57,20 +63,29 @@ class FrobeniusStop(Budgeter):
     def known(self, layer: int) -> None:
         return None
 
+    def always_kept(self, S: int) -> tuple[int, int]:
+        """(first, last): how many leading entries (sinks) and trailing ones (the window) are always kept."""
+        return {"position": (min(self.sinks, S), 0), "window_attention": (0, min(self.window, S))}.get(self.ranking, (0, 0))
+
     def decide(self, layer: int, lc: LayerCache, stats: dict, score: torch.Tensor) -> dict[int, int]:
         pos = lc.positions  # (B, H_kv, S)
-        n = int(pos.max()) + 1  # the prompt length: this runs in the call that completes the prompt
-        # (with a chunked prefill, k must not exceed the last chunk: the window sums cover only that)
-        seen_by = (n - pos).clamp(max=self.k).float()  # queries among the last k that see each key
-        s = stats["window_sums"] / seen_by  # Eq. (1): (B, H_kv, S)
+        S = pos.shape[-1]
+        if self.k == 1:
+            s = stats["last_row"]  # Eq. (1) with k = 1: (B, H_kv, S)
+        else:  # (with a chunked prefill, k must not exceed the last chunk: the window sums cover only that)
+            n = int(pos.max()) + 1  # the prompt length: this runs in the call that completes the prompt
+            seen_by = (n - pos).clamp(max=self.k).float()  # queries among the last k that see each key
+            s = stats["window_sums"] / seen_by  # Eq. (1): (B, H_kv, S)
+        first, last = self.always_kept(S)
+        if self.excludes_kept and first + last:  # the authors' code: zero them out of both norms
+            s = s.clone()
+            s[..., :first] = 0
+            s[..., S - last :] = 0
         if self.ranking == "position":  # earliest non-sinks first, the sinks last
-            S = pos.shape[-1]
             idx = torch.arange(S, device=pos.device)
             order = torch.cat([idx[self.sinks :], idx[: self.sinks]]).expand_as(pos)
-        else:  # by the scorer's accumulated attention (CumulativeAttention), least attended first
+        else:  # by the scorer (window or cumulative attention; the window scores +inf), least attended first
             order = score.argsort(dim=-1, stable=True)
-        pruned = frobenius_stop(s, order, self.threshold)
-        if self.ranking == "position":  # the sinks are never pruned, even where the rule would reach them
-            pruned = min(pruned, max(lc.length - self.sinks, 0))
+        pruned = min(frobenius_stop(s, order, self.threshold), S - first - last)  # the always-kept stay
         self.budgets[layer] = lc.length - pruned
         return {layer: self.budgets[layer]}

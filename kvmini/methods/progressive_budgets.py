@@ -10,9 +10,10 @@ and every m layers (and after the last one), over the l layers finished so far:
     trim each finished layer to its Z_i best keys + the window
 Layers only shrink: what a layer dropped earlier cannot come back, so Z_i is capped at what it
 holds and the cap's excess goes to the other layers by their counts.
-Deviation: the official code forgets the tail re-allocation when L % m != 0; we always
-re-allocate after the last layer. Z is rounded to integers with an exact total (largest
-remainder) instead of int() floors, so the final total is exactly (w_t - w_s) L + w_s L.
+The official code forgets the tail re-allocation when L % m != 0, so its last L % m layers keep
+b_s + w_s each: `tail_reallocation=False` does the same; Alg. 1 (and the default) re-allocates.
+Deviation: Z is rounded to integers with an exact total (largest remainder) instead of int()
+floors, so the final total is exactly (w_t - w_s) L + w_s L.
 """
 import torch
 
@@ -28,9 +29,9 @@ class ProgressiveBudgets(Budgeter):
     per_sequence = True
     revisits = True
 
-    def __init__(self, window: int = 8, r_max: float = 10, interval: int = 4):
+    def __init__(self, window: int = 8, r_max: float = 10, interval: int = 4, tail_reallocation: bool = True):
         super().__init__()
-        self.window, self.r_max, self.interval = window, r_max, interval
+        self.window, self.r_max, self.interval, self.tail = window, r_max, interval, tail_reallocation
 
     def start(self, b, L, n) -> None:
         self.scores, self.held = [], []  # per finished layer: A_l over the prefix keys (B, H_kv, n - ws); entries held
@@ -53,7 +54,7 @@ class ProgressiveBudgets(Budgeter):
         self.held.append(min(lc.length, self.budgets[layer]))
         keep = {layer: self.budgets[layer]}
         L, l = self.L, layer + 1
-        if l % self.interval == 0 or l == L:
+        if l % self.interval == 0 or (l == L and self.tail):  # tail: the paper; the official code skips it
             # BEGIN EXERCISE progressive_budgets: tutorials/07_dynamickv.py, "Progressive re-allocation (Eq. 5-8)"
             A = torch.cat(self.scores, dim=-1)  # (B, H_kv, l * (n - ws)): all finished layers side by side
             k = min((w_t - w) * A.shape[1] * l, A.shape[-1] * A.shape[1])

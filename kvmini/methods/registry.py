@@ -6,6 +6,7 @@ option name has one meaning (OPTIONS), from which run.py's flags and checks are 
 """
 import inspect
 import math
+import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
@@ -40,41 +41,92 @@ class Option:
     must: str  # what `check` demands, for the error message
 
 
+def one_of(*values: str) -> tuple[Callable[[object], bool], str]:
+    return (lambda x: x in values), "be " + ", ".join(values[:-1]) + " or " + values[-1]
+
+
 OPTIONS = {
+    "variant": Option(str, "D2O/DBudgetKV/DynamicKV: paper (the equations) | official (the authors' code)",
+                      *one_of("paper", "official")),
     "sinks": Option(int, "first tokens always kept", lambda x: x >= 0, "be >= 0"),
     "recent": Option(int, "most recent tokens always kept", lambda x: x >= 0, "be >= 0"),
     "window": Option(int, "observation window: the last prompt tokens whose attention scores the others; "
                           "always kept", lambda x: x >= 0, "be >= 0"),
     "kernel": Option(int, "pooling kernel along the keys", lambda x: x >= 1 and x % 2 == 1, "be odd and >= 1"),
-    "pooling": Option(str, "avg | max", lambda x: x in ("avg", "max"), "be avg or max"),
-    "reduce": Option(str, "combine the query heads of a KV head: mean | max | sum",
-                     lambda x: x in ("mean", "max", "sum"), "be mean, max or sum"),
+    "pooling": Option(str, "avg | max", *one_of("avg", "max")),
+    "reduce": Option(str, "combine the query heads of a KV head: mean | max | sum", *one_of("mean", "max", "sum")),
     "pyramid_beta": Option(float, "PyramidKV: top-layer share 1/beta of the bottom's extra budget",
                            lambda x: x >= 1, "be >= 1"),
     "threshold": Option(float, "DBudgetKV: allowed relative drop of the attention norm", lambda x: 0 <= x < 1,
                         "be in [0, 1)"),
     "k": Option(int, "DBudgetKV: last prompt rows averaged into the attention row (Eq. 1)", lambda x: x >= 1,
                 "be >= 1"),
-    "ranking": Option(str, "DBudgetKV: position | attention", lambda x: x in ("position", "attention"),
-                      "be position or attention"),
-    "protected_layers": Option(str, "DBudgetKV: comma-separated layers never pruned, e.g. 0,1 (empty: none)",
-                               lambda x: all(p.strip().isdigit() for p in x.split(",") if p.strip()),
+    "ranking": Option(str, "DBudgetKV: position | cumulative (column sums) | window_attention (authors' code)",
+                      *one_of("position", "cumulative", "window_attention")),
+    "norm_excludes_kept": Option(bool, "DBudgetKV: zero the always-kept tokens out of the norm (authors' code)",
+                                 lambda x: True, "be true or false"),
+    "protected_layers": Option(str, "comma-separated layers never compressed, -1 the last, e.g. 0,1 (empty: none)",
+                               lambda x: all(re.fullmatch(r"-?[0-9]+", p.strip()) for p in x.split(",") if p.strip()),
                                "be comma-separated layer numbers"),
     "beta": Option(float, "D2O: EMA weight of the newest similarity in the merge threshold (Eq. 10)",
                    lambda x: 0 <= x <= 1, "be in [0, 1]"),
-    "nm": Option(str, "D2O: heavy:recent split of the non-sink budget, e.g. 3:1",
+    "nm": Option(str, "D2O: heavy:recent split, e.g. 3:1",
                  lambda x: len(x.split(":")) == 2 and all(p.isdigit() and int(p) >= 0 for p in x.split(":"))
                  and sum(int(p) for p in x.split(":")) > 0, "look like N:M, e.g. 3:1"),
-    "allocation": Option(str, "D2O: variance_softmax | reciprocal | uniform (Table 4)",
-                         lambda x: x in ("variance_softmax", "reciprocal", "uniform"),
-                         "be variance_softmax, reciprocal or uniform"),
+    "split": Option(str, "D2O: paper (sinks + N + M = budget) | official (sinks inside the N heavy)",
+                    *one_of("paper", "official")),
+    "allocation": Option(str, "D2O: official | paper | zscore | reciprocal | uniform (Table 4)",
+                         *one_of("official", "paper", "zscore", "reciprocal", "uniform")),
+    "merge": Option(str, "D2O: paper (convex, Eq. 11-12) | official (raw-cosine scatter-mean) | off",
+                    *one_of("paper", "official", "off")),
+    "tau": Option(str, "D2O: merge threshold per_head | per_layer", *one_of("per_head", "per_layer")),
+    "start": Option(str, "D2O: compress when the prompt ends (prompt) or at the first decode step (first_decode)",
+                    *one_of("prompt", "first_decode")),
     "r_max": Option(float, "DynamicKV: a layer keeps at most r_max times the mean budget before re-balancing",
                     lambda x: x >= 1, "be >= 1"),
     "interval": Option(int, "DynamicKV: re-balance the finished layers every this many layers", lambda x: x >= 1,
                        "be >= 1"),
-    "softmax_temperature": Option(float, "D2O: temperature of the softmax over standardized variances",
+    "tail_reallocation": Option(bool, "DynamicKV: re-balance after the last layer too (the paper; not the "
+                                      "authors' code)", lambda x: True, "be true or false"),
+    "softmax_temperature": Option(float, "D2O: temperature of the softmax over standardized variances (zscore)",
                                   lambda x: x > 0, "be > 0"),
 }
+
+
+def parse_value(name: str, text: str):
+    """An option value written as text (a fidelity spec such as d2o[merge=off,beta=0.5])."""
+    kind = OPTIONS[name].type
+    if kind is bool:
+        if text.lower() not in ("true", "false"):
+            raise ValueError(text)
+        return text.lower() == "true"
+    return kind(text)
+
+
+def parse_spec(spec: str) -> tuple[str, dict]:
+    """A method with options, as the evaluation tools take it:
+    "d2o[allocation=uniform,nm=1:1]" -> ("d2o", {"allocation": "uniform", "nm": "1:1"})."""
+    name, _, rest = spec.partition("[")
+    if name not in METHODS or name == "full":
+        raise KvminiError(f"unknown method {name!r}; choose from {', '.join(list(METHODS)[1:])}")
+    options = {}
+    for item in filter(None, rest.rstrip("]").split(",")):
+        key, eq, value = item.partition("=")
+        if not eq or key not in OPTIONS:
+            raise KvminiError(f"bad option {item!r} in {spec!r} (write name[key=value,...])")
+        try:
+            options[key] = parse_value(key, value)
+        except ValueError:
+            raise KvminiError(f"bad value {value!r} for {key} in {spec!r}") from None
+    return name, options
+
+
+def policy_for(spec: str, budget: float | None):
+    """A fresh policy for a spec ("full" -> None); self-budgeted methods ignore `budget`."""
+    if spec == "full":
+        return None
+    name, options = parse_spec(spec)
+    return make_policy(name, None if chooses_budget(name) else budget, **options)
 
 
 def summary(name: str) -> str:
@@ -110,8 +162,8 @@ def make_policy(name: str, budget: float | None = None, **options) -> Policy | P
             accepted = ", ".join("--" + k.replace("_", "-") for k in allowed) or "none"
             raise KvminiError(f"{flag} does not apply to method {name} (its options: {accepted})")
         kind = OPTIONS[key].type
-        if isinstance(value, bool) or not isinstance(value, (int, float) if kind is float else kind) or (
-                kind is float and not math.isfinite(value)):
+        if (isinstance(value, bool) and kind is not bool) or not isinstance(
+                value, (int, float) if kind is float else kind) or (kind is float and not math.isfinite(value)):
             raise KvminiError(f"{flag} must be a {'finite number' if kind is float else kind.__name__}, got {value!r}")
         if kind is str and not value.isascii() or not OPTIONS[key].check(value):
             raise KvminiError(f"{flag} must {OPTIONS[key].must}, got {value}")

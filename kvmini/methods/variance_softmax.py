@@ -3,67 +3,112 @@ r"""Variance-softmax layer allocation (D2O, Eq. 4-5, App. A.2; Table 4 for the a
 A layer whose attention is spread out (column sums of low variance) needs more of the cache;
 one that concentrates on a few tokens needs less.
 
-    s^{(l)}_j = \sum_i A^{(l)}_{ij}              attention each key received in the prompt
-    F_v^{(l)} = \mathrm{Var}_j(s^{(l)}_j)         (Eq. 4, per head, averaged over heads)
+    s^{(l,h)}_j = \sum_i A^{(l,h)}_{ij}          attention key j received in the prompt, head h
+    F_v^{(l)} = \mathrm{mean}_h \mathrm{Var}_j(s^{(l,h)}_j)   (Eq. 4, App. A.9)
     \alpha_l = \mathrm{softmax}(-F_v)_l \cdot L \cdot \rho,   S_l = \alpha_l \cdot n   (Eq. 5)
 
-so \sum_l S_l = L \rho n. Deviation: raw variances grow with n and make the softmax a one-hot,
-so F_v is standardized across layers (z-score) before the softmax, divided by a temperature
-(default 1). Each S_l is clamped to [low, n] and what the clamp removes or adds is given to
-the other layers in proportion to their weights, so the total stays L \rho n (rounding by
-largest remainder). The official code instead min-max normalizes variances across the heads
-of a layer, which makes budgets nearly uniform.
-Deviation: F_v is the variance of the column sums per KV head, the g query heads of a group
-reduced first (by --reduce, default mean), then averaged over the KV heads; the paper takes it
-per attention (query) head.
+so \sum_l S_l = L \rho n. The `allocation` option chooses how F_v becomes shares:
+    paper       softmax(-F_v) of the raw variances, as Eq. 5 reads. Raw variances grow with n, so
+                on real prompts this is a one-hot: one layer takes everything the clamp allows.
+    official    the authors' code (AIoT-MLSys-Lab/D2O): per query head the unbiased variance,
+                min-max normalized across the heads of the layer, averaged (v_l in [0, 1]);
+                S_l = clamp(softmax(-v)_l L \rho, 0.01, 1) (n + 1), no renormalization; the
+                softmax counts the protected layers, whose share is then unused.
+    zscore      kvmini's own reading: F_v standardized across layers, divided by a temperature.
+                Deviation: F_v here is the variance of the column sums per KV head (the g query
+                heads of a group reduced by --reduce first), averaged over the KV heads.
+    reciprocal  (1/F_v) / \sum 1/F_v (Table 4); uniform: 1/L (Table 4).
+Except for `official`, each S_l is clamped to [low, n] and what the clamp removes or adds is
+given to the other layers in proportion to their weights, so the total stays L \rho n (largest
+remainder rounding); protected layers are left out of the split.
 """
+import sys
+
 import torch
 
 from kvmini.attention import StatsRequest
 from kvmini.methods.allocators import proportional
 from kvmini.parts import Budgeter
 
-ALLOCATIONS = ("variance_softmax", "reciprocal", "uniform")
+ALLOCATIONS = ("official", "paper", "zscore", "reciprocal", "uniform")
 
 
-def attention_variance(column_sums: torch.Tensor) -> float:
-    """F_v (Eq. 4): column_sums (B, H_kv, n) -> variance over key positions, averaged over heads."""
-    return column_sums.var(dim=-1, correction=0).mean().item()
+def attention_variance(column_sums: torch.Tensor, correction: int = 0) -> float:
+    """F_v (Eq. 4): column_sums (B, heads, n) -> variance over key positions, averaged over heads."""
+    return column_sums.var(dim=-1, correction=correction).mean().item()
+
+
+def official_variance(column_sums_heads: torch.Tensor) -> float:
+    """The authors' v_l: per query head the unbiased variance of the column sums, averaged over the
+    batch, min-max normalized across the heads of the layer, then averaged. In [0, 1]."""
+    var = column_sums_heads.var(dim=-1).mean(0)  # (H,)
+    return ((var - var.min()) / (var.max() - var.min() + 1e-6)).mean().item()
 
 
 class VarianceSoftmax(Budgeter):
-    """The deferred budgeter: measures F_v on every layer in the call that completes the prompt,
-    then, after the last layer, budgets all layers at once (Eq. 5) and has them compressed.
-    F_v is measured on the prompt's column sums (with a chunked prefill: the last chunk's queries)."""
+    """The deferred budgeter: F_v of every layer is measured on the prompt, then every layer is
+    budgeted at once (Eq. 5) and compressed. With `measure_in_prompt` (the authors' code compresses
+    at the first decode step) F_v is taken in the call that completes the prompt and the budgets
+    are applied at the next compressing call. Protected layers are measured, never compressed."""
 
     per_sequence = True
 
-    def __init__(self, how: str = "variance_softmax", temperature: float = 1.0, low: int = 8, reduce: str = "mean",
-                 protected: tuple = ()):
+    def __init__(self, how: str = "zscore", temperature: float = 1.0, low: int = 8, reduce: str = "mean",
+                 protected: tuple = (), parts: tuple = (1, 1), measure_in_prompt: bool = False):
         super().__init__(protected)
-        self.how, self.temperature, self.low = how, temperature, low
-        self.request = StatsRequest(column_sums=True, reduce=reduce)
+        self.how, self.temperature, self.low, self.parts = how, temperature, low, parts
+        self.request = StatsRequest(column_sums=True, reduce=reduce, heads=how in ("official", "paper"))
+        self.accumulates = measure_in_prompt  # F_v is recorded by update() during the prompt
 
     def start(self, b, L, n) -> None:
         super().start(b, L, n)
-        self.F_v: dict[int, float] = {}  # layer -> F_v, measured in the call that completes the prompt
+        self.F_v: dict[int, float] = {}  # layer -> F_v, measured on the prompt
+        self.waiting: list[int] = []  # measured, not yet compressed
         self.allocated = False
 
+    def skips(self, layer: int) -> bool:
+        return False  # a protected layer is still measured (the official softmax counts it)
+
     def known(self, layer: int) -> int | None:
-        return self.budgets[layer] if self.allocated else None
+        if not self.allocated:
+            return None
+        return sys.maxsize if layer in self.protected else self.budgets[layer]
+
+    def update(self, layer: int, lc, stats: dict, start: int, T: int) -> None:
+        if start + T == self.n:  # the call that completes the prompt
+            self.F_v[layer] = self.measure(stats)
+
+    def measure(self, stats: dict) -> float:
+        if self.how == "official":
+            return official_variance(stats["column_sums_heads"])
+        if self.how == "paper":
+            return attention_variance(stats["column_sums_heads"])
+        return attention_variance(stats["column_sums"])
 
     def decide(self, layer: int, lc, stats: dict, score) -> dict[int, int]:
-        if self.allocated:
-            return {layer: self.budgets[layer]}
-        self.F_v[layer] = attention_variance(stats["column_sums"])
-        measured = [l for l in range(self.L) if not self.skips(l)]  # protected layers are never compressed
-        if len(self.F_v) < len(measured):
-            return {}  # measured; compressed once every layer is
-        S = self.allocate(self.b, len(measured), [self.F_v[l] for l in measured], self.n)
-        for l, S_l in zip(measured, S):
-            self.budgets[l] = S_l
+        if not self.allocated:
+            if not self.accumulates:
+                self.F_v[layer] = self.measure(stats)
+            self.waiting.append(layer)
+            if len(self.F_v) < self.L or (not self.accumulates and layer < self.L - 1):
+                return {}  # compressed once every layer is measured
+            self.allocate_all(lc.length)
+        now, self.waiting = [l for l in self.waiting + [layer] if l not in self.protected], []
+        return {l: self.budgets[l] for l in dict.fromkeys(now)}
+
+    def allocate_all(self, length: int) -> None:
+        """Budgets for every layer from F_v; `length` is what a layer holds now (n, or n + 1 at the
+        first decode step: the official code's base)."""
+        F_v = [self.F_v[l] for l in range(self.L)]
+        if self.how == "official":  # at least `low` per layer (a Deviation: the official floor is 1%)
+            self.budgets = [max(S_l, min(self.low, length)) for S_l in official_budgets(F_v, self.b / self.n, length,
+                                                                                        self.parts)]
+        else:
+            free = [l for l in range(self.L) if l not in self.protected]
+            S = self.allocate(self.b, len(free), [F_v[l] for l in free], self.n)
+            for l, S_l in zip(free, S):
+                self.budgets[l] = S_l
         self.allocated = True
-        return {l: self.budgets[l] for l in measured}
 
     def allocate(self, b: int, L: int, F_v: list[float], n: int) -> list[int]:
         """S_l per layer (Eq. 5), b = rho * n: layers get between min(low, b) and max(n, b) tokens
@@ -73,10 +118,19 @@ class VarianceSoftmax(Budgeter):
         return proportional(share, b * L, min(self.low, b), [max(n, b)] * L)
 
 
-def layer_weights(F_v: list[float], how: str = "variance_softmax", temperature: float = 1.0) -> list[float]:
+def official_budgets(v: list[float], rho: float, length: int, parts: tuple) -> list[int]:
+    """S_l = floor(x_l N/(N+M)) + floor(x_l M/(N+M)), x_l = length * clamp(softmax(-v)_l L rho, 0.01, 1):
+    the heavy and recent parts floored separately, as the authors' code does."""
+    N, M = parts
+    share = torch.softmax(-torch.tensor(v, dtype=torch.float64), dim=0) * len(v) * rho
+    x = (share.clamp(0.01, 1.0) * length).tolist()
+    return [int(x_l * N / (N + M)) + int(x_l * M / (N + M)) for x_l in x]
+
+def layer_weights(F_v: list[float], how: str = "zscore", temperature: float = 1.0) -> list[float]:
     """Each layer's share of the total (they sum to 1).
 
-    variance_softmax: softmax(-z(F_v) / temperature); reciprocal: (1/F_v) / sum(1/F_v); uniform: 1/L.
+    zscore: softmax(-z(F_v) / temperature); paper: softmax(-F_v); reciprocal: (1/F_v) / sum(1/F_v);
+    uniform: 1/L.
     Example: F_v = [1, 2, 3] -> z = [-1.22, 0, 1.22] -> softmax(-z) = [0.72, 0.21, 0.06].
     """
     F = torch.tensor(F_v, dtype=torch.float64)  # (L,)
@@ -87,6 +141,8 @@ def layer_weights(F_v: list[float], how: str = "variance_softmax", temperature: 
         inv = 1 / F.clamp(min=1e-30)
         return (inv / inv.sum()).tolist()
         # END EXERCISE
+    if how == "paper":  # Eq. 5 as written, on the raw variances
+        return torch.softmax(-F, dim=0).tolist()
     # BEGIN EXERCISE variance_softmax: tutorials/03_d2o_layer_level.py, "Inverse variance softmax (Eq. 5)"
     std = F.std(correction=0)
     z = (F - F.mean()) / std if std > 0 else torch.zeros_like(F)
