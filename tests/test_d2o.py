@@ -22,14 +22,24 @@ from reference import group_mean, random_model, simulate
 
 # --- allocation --------------------------------------------------------------------------------
 
-def test_layer_weights_by_hand():
+def test_variance_softmax_by_hand():
+    """Exercise `variance_softmax` (tutorial 3): softmax(-z(F_v)), and no NaN when the variances are equal."""
     z = [(f - 2) / math.sqrt(2 / 3) for f in (1, 2, 3)]  # standardized variances
     softmax = [math.exp(-x) / sum(math.exp(-y) for y in z) for x in z]
-    assert layer_weights([1, 2, 3]) == pytest.approx(softmax)
-    assert layer_weights([1, 2, 3]) == pytest.approx([0.7245, 0.2129, 0.0626], abs=1e-4)
+    assert layer_weights([1, 2, 3], "zscore") == pytest.approx(softmax)
+    assert layer_weights([1, 2, 3], "zscore") == pytest.approx([0.7245, 0.2129, 0.0626], abs=1e-4)
+    assert layer_weights([5, 5, 5], "zscore") == pytest.approx([1 / 3] * 3)  # no spread (sigma = 0): uniform
+
+
+def test_reciprocal_allocation_by_hand():
+    """Exercise `reciprocal_allocation` (tutorial 3, Table 4)."""
     assert layer_weights([1, 2, 3], "reciprocal") == pytest.approx([6 / 11, 3 / 11, 2 / 11])
+
+
+def test_paper_and_uniform_weights_by_hand():
+    e = [math.exp(-f) for f in (1, 2, 3)]
+    assert layer_weights([1, 2, 3], "paper") == pytest.approx([x / sum(e) for x in e])  # Eq. 5 on raw variances
     assert layer_weights([1, 2, 3], "uniform") == pytest.approx([1 / 3] * 3)
-    assert layer_weights([5, 5, 5]) == pytest.approx([1 / 3] * 3)  # no spread: uniform
     hot = layer_weights([1, 2, 3], temperature=0.1)
     assert hot[0] > 0.99  # a low temperature sharpens toward the lowest-variance layer
     # standardizing makes the weights independent of the variances' scale (they grow with n)

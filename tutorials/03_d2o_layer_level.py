@@ -91,9 +91,9 @@ assert layer_weights(F_v, "uniform") == [1 / 3] * 3
 # ## On the real model
 #
 # `python run.py --method d2o --budget 0.2 --prompt doc.txt` prints the per-layer allocation. On
-# SmolLM2 the standardized softmax gives the first layers 400+ tokens and some deep layers 10–40;
-# the README's ablation shows that this costs fidelity on this small model, where uniform budgets do
-# much better. Below, the variances of a real prompt and the allocation they produce.
+# SmolLM2 the standardized softmax gives the first layers several times the mean and starves some
+# deep layers (the cell below prints and checks it); the README's ablation shows that this costs
+# fidelity on this small model, where uniform budgets do much better.
 
 # %%
 from kvmini.loading import load_model  # noqa: E402
@@ -112,6 +112,7 @@ scorer, budgeter, compressor = policy.parts  # D2O = CumulativeAttention + Varia
 print("F_v per layer:", [round(v, 2) for v in budgeter.F_v.values()])
 print("S_l per layer:", policy.budgets)
 assert sum(policy.budgets) == 30 * round(0.2 * 512)
+assert max(policy.budgets[:3]) > 2 * 102 and min(policy.budgets) < 102 / 2  # early layers rich, some starved
 
 # %% [markdown]
 # ## What the authors' code does differently
@@ -142,7 +143,9 @@ for how in ("paper", "zscore", "official", "uniform"):
 # ## Exercises
 #
 # 1. *(assignment: `variance_softmax`)* Implement the standardized softmax of Eq. 5 in
-#    `layer_weights`. The test `tests/test_d2o.py::test_layer_weights_by_hand` checks it.
-# 2. *(assignment: `reciprocal_allocation`)* Implement the reciprocal-of-variance allocator.
-# 3. Raise `--softmax-temperature` to 4 and predict how the fidelity of `d2o` changes; check with
-#    `python -m kvmini.eval.fidelity --methods "d2o[softmax_temperature=4]" --budgets 0.2`.
+#    `layer_weights`. The test `tests/test_d2o.py::test_variance_softmax_by_hand` checks it.
+# 2. *(assignment: `reciprocal_allocation`)* Implement the reciprocal-of-variance allocator; the
+#    test `tests/test_d2o.py::test_reciprocal_allocation_by_hand` checks it.
+# 3. Raise `--softmax-temperature` to 4 and predict how the fidelity of kvmini's `zscore` reading
+#    changes; check with `python -m kvmini.eval.fidelity --budgets 0.2 --methods
+#    "d2o[variant=paper,allocation=zscore]" "d2o[variant=paper,allocation=zscore,softmax_temperature=4]"`.

@@ -1,6 +1,6 @@
 """D2O (Wan et al. 2024): variance-softmax layer budgets + H2O eviction with EMA-threshold merging.
 
-Paper: "D2O: Dynamic Discriminative Operations for Efficient Long-Context Inference of LLMs"
+Paper: "D2O: Dynamic Discriminative Operations for Efficient Long-Context Inference of Large Language Models"
 (Zhongwei Wan et al., ICLR 2025; arXiv 2406.13035).
 
     scorer       cumulative attention (H2O), per KV head

@@ -1,6 +1,7 @@
 """DynamicKV (Zhou et al. 2024): SnapKV-style scores, per-layer budgets re-balanced every m layers.
 
-Paper: "DynamicKV: Task-Aware Adaptive KV Cache Compression for Long Context LLMs".
+Paper: "DynamicKV: Task-Aware Adaptive KV Cache Compression for Long Context LLMs" (Xiabin Zhou et al.,
+Findings of EMNLP 2025; arXiv 2412.14838).
 
 Prefill only, layer by layer inside the prefill forward (so the cache never holds every layer
 in full); decode appends. Each layer first keeps r_max * (budget - window) keys by its pooled

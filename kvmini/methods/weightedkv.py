@@ -1,6 +1,7 @@
 """WeightedKV (Yuan et al. 2025): drop the key, merge the value into its neighbour, every step.
 
-Paper: "WeightedKV: Attention Scores Weighted Key-Value Cache Merging for Large Language Models".
+Paper: "WeightedKV: Attention Scores Weighted Key-Value Cache Merging for Large Language Models" (Jian Yuan
+et al., 2025; arXiv 2503.01330).
 
 A fixed capacity m (the budget) per layer. Tokens are ranked by average attention a/n; the
 weakest non-protected token's value is merged convexly into its right neighbour and its key
