@@ -1,9 +1,12 @@
-"""Every tutorial runs top to bottom (its own asserts are the checks), so none can drift from the code."""
+"""Every tutorial runs top to bottom as a notebook (its own asserts are the checks) and shows its
+figures inline; one also runs as a plain script, which saves its figure to a file instead."""
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+
+from kvmini.notebooks import FIGURES, build, images
 
 ROOT = Path(__file__).resolve().parent.parent
 TUTORIALS = sorted((ROOT / "tutorials").glob("[0-9]*.py"))
@@ -15,6 +18,21 @@ def test_there_are_tutorials():
 
 @pytest.mark.slow
 @pytest.mark.parametrize("path", TUTORIALS, ids=[p.stem for p in TUTORIALS])
-def test_tutorial_runs(path, default_model_dir):
-    proc = subprocess.run([sys.executable, str(path)], cwd=ROOT, capture_output=True, text=True, timeout=600)
+def test_tutorial_runs_as_a_notebook_and_shows_its_figures(path, default_model_dir, tmp_path):
+    notebook, written = build(path, tmp_path)
+    assert written.exists()
+    figure_cells = [c for c in notebook.cells if c.cell_type == "code" and "show(fig" in c.source]
+    assert figure_cells, "every tutorial has at least one figure"
+    for cell in figure_cells:
+        assert any("image/png" in out.get("data", {}) for out in cell.outputs), cell.source[:80]
+    assert images(notebook) >= len(figure_cells)
+
+
+@pytest.mark.slow
+def test_a_tutorial_runs_as_a_script_and_saves_its_figure(default_model_dir):
+    target = FIGURES / "01_cache_memory.png"
+    target.unlink(missing_ok=True)
+    proc = subprocess.run([sys.executable, str(ROOT / "tutorials" / "01_transformer_and_kv_cache.py")], cwd=ROOT,
+                          capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
+    assert target.exists() and target.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -180,6 +180,25 @@ print(f"SmolLM2 KV cache: {cache.nbytes() / 2**20:.1f} MiB at {S} tokens, {full_
 assert full_context / 2**20 == 360
 
 # %% [markdown]
+# The cache grows linearly with the context, and halves in bf16:
+
+# %%
+import matplotlib.pyplot as plt  # noqa: E402
+
+from kvmini.notebooks import show  # noqa: E402
+
+lengths = list(range(0, 8193, 512))
+per_token = cache.nbytes() // S  # bytes per token over all layers (fp32)
+fig, ax = plt.subplots(figsize=(6, 3))
+ax.plot(lengths, [n * per_token / 2**20 for n in lengths], label="float32")
+ax.plot(lengths, [n * per_token / 2 / 2**20 for n in lengths], label="bfloat16")
+ax.set_xlabel("tokens in the cache (S)")
+ax.set_ylabel("K + V (MiB)")
+ax.set_title("SmolLM2-135M: 2 L H_kv D bytes per token")
+ax.legend()
+show(fig, "01_cache_memory")
+
+# %% [markdown]
 # ## Exercises
 #
 # 1. Change the dtype to `torch.bfloat16` in the last cell: predict `nbytes()` first.

@@ -169,6 +169,17 @@ for r in rows:
     print(f"{r['method']:<14} kept {r['kept']:>5.0f}  ppl {r['ppl']:6.2f}  KL {r['kl']:.3f}  top-1 {r['top1']:.2f}")
 assert rows[0]["kl"] == 0 and all(r["kl"] > 0 for r in rows[1:])
 
+# %%
+import matplotlib.pyplot as plt  # noqa: E402
+
+from kvmini.notebooks import show  # noqa: E402
+
+fig, ax = plt.subplots(figsize=(5, 3))
+ax.bar([r["method"] for r in rows[1:]], [r["kl"] for r in rows[1:]])
+ax.set_ylabel("KL(full ‖ method)")
+ax.set_title("64 tokens per layer of a 256-token prompt")
+show(fig, "02_fidelity")
+
 # %% [markdown]
 # ## Exercises
 #

@@ -115,6 +115,35 @@ assert sum(policy.budgets) == 30 * round(0.2 * 512)
 assert max(policy.budgets[:3]) > 2 * 102 and min(policy.budgets) < 102 / 2  # early layers rich, some starved
 
 # %% [markdown]
+# Shallow layers spread their attention, deep ones concentrate it: the attention maps of the first
+# and the last layer (mean over heads, averaged into blocks), and F_v with the budgets it gives.
+
+# %%
+import matplotlib.pyplot as plt  # noqa: E402
+
+from kvmini.eval.layers import density_map  # noqa: E402
+from kvmini.notebooks import show  # noqa: E402
+
+fig, axes = plt.subplots(1, 3, figsize=(13, 3.6))
+for ax, layer in zip(axes[:2], (0, 29)):
+    im = ax.imshow(density_map(model, ids, layer, bins=32), cmap="magma", norm="log")
+    ax.set_title(f"layer {layer}: attention (blocks of 16 tokens)")
+    ax.set_xlabel("key block")
+    ax.set_ylabel("query block")
+    fig.colorbar(im, ax=ax, shrink=0.8)
+F = list(budgeter.F_v.values())
+axes[2].bar(range(30), F, color="tab:gray", label="F_v (left)")
+axes[2].set_yscale("log")
+axes[2].set_xlabel("layer")
+axes[2].set_ylabel("F_v")
+right = axes[2].twinx()
+right.plot(range(30), policy.budgets, "o-", color="tab:red", markersize=3, label="S_l, zscore (right)")
+right.set_ylabel("S_l (tokens)")
+axes[2].set_title("variance and budget per layer")
+fig.tight_layout()
+show(fig, "03_density_and_budgets")
+
+# %% [markdown]
 # ## What the authors' code does differently
 #
 # Eq. 5 as printed takes the softmax of the *raw* variances. On this model they run from about 1

@@ -58,6 +58,23 @@ for t in (0.0, 0.01, 0.03, 0.05):
 assert frobenius_stop(s, order, 0.01) == 1 and frobenius_stop(s, order, 0.05) == 4
 
 # %% [markdown]
+# The norm lost as tokens are removed (least important first), and where each threshold cuts:
+
+# %%
+import matplotlib.pyplot as plt  # noqa: E402
+
+from kvmini.notebooks import show  # noqa: E402
+
+fig, ax = plt.subplots(figsize=(5, 3))
+ax.plot(range(6), [100 * d for d in drops], "o-")
+for t, color in ((0.01, "tab:green"), (0.05, "tab:red")):
+    ax.axhline(100 * t, color=color, linestyle="--", label=f"t = {t:.0%}: prune {frobenius_stop(s, order, t)}")
+ax.set_xlabel("tokens removed (least important first)")
+ax.set_ylabel("norm lost (%)")
+ax.legend()
+show(fig, "05_norm_drop")
+
+# %% [markdown]
 # ## Why layers 0 and 1 are kept
 #
 # The paper (App. B) found that its rule prunes the first two layers too hard when their attention

@@ -87,6 +87,23 @@ assert torch.allclose(lc.values[0, 0].sum(-1), torch.ones(4))  # every value is 
 assert torch.allclose(lc.keys[0, 0], 10 * E[[2, 5, 6, 7]])  # keys were only ever dropped
 
 # %% [markdown]
+# The four values left at step 8, as mixtures of the eight one-hot values that arrived: keys were
+# only dropped, values only merged rightwards.
+
+# %%
+import matplotlib.pyplot as plt  # noqa: E402
+
+from kvmini.notebooks import show  # noqa: E402
+
+fig, ax = plt.subplots(figsize=(6, 2.6))
+im = ax.imshow(lc.values[0, 0].numpy(), cmap="Blues", vmin=0, vmax=1)
+ax.set_yticks(range(4), [f"slot of v{p}" for p in lc.positions.flatten().tolist()])
+ax.set_xticks(range(8), [f"v{t}" for t in range(1, 9)])
+ax.set_title("weight of each original value in the kept ones")
+fig.colorbar(im, ax=ax)
+show(fig, "06_merge_chain")
+
+# %% [markdown]
 # ## Defaults from the experiments (Sec. V-A)
 #
 # The paper keeps 4 initial tokens and $(m - 8)/2$ recent ones: 508 for $m = 1024$, 124 for $m = 256$.

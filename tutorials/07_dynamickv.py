@@ -91,6 +91,28 @@ print("kept per layer:", cache.lengths())
 assert sum(cache.lengths()) == 64 * 30  # (w_t - w_s) L + w_s L
 
 # %% [markdown]
+# The budgets as the prefill goes: after each layer, what every layer may keep (a layer's line
+# starts when it is reached at b_s + w_s and drops at each re-allocation, every m = 4 layers).
+
+# %%
+import matplotlib.pyplot as plt  # noqa: E402
+
+from kvmini.notebooks import show  # noqa: E402
+
+history = []
+policy = make_policy("dynamickv", 64)
+with torch.no_grad():
+    model(ids, model.new_cache(), policy, on_layer=lambda i: history.append(list(policy.budgets)))
+fig, ax = plt.subplots(figsize=(7, 3.2))
+for layer in range(0, 30, 3):
+    ax.plot(range(layer, 30), [history[i][layer] for i in range(layer, 30)], label=f"layer {layer}")
+ax.set_xlabel("after layer")
+ax.set_ylabel("budget (tokens)")
+ax.set_yscale("log")
+ax.legend(ncol=2, fontsize=7)
+show(fig, "07_progressive_budgets")
+
+# %% [markdown]
 # ## What the authors' code does differently
 #
 # The official code (DreamMr/DynamicKV) re-allocates only when the layer index is a multiple of

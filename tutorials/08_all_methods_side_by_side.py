@@ -68,27 +68,21 @@ for name in ("snapkv", "pyramidkv", "d2o", "dynamickv"):  # the same total, spre
 assert len(set(allocations["snapkv"])) == 1 and allocations["pyramidkv"] == sorted(allocations["pyramidkv"], reverse=True)
 
 # %% [markdown]
-# ## Plots (optional)
-#
-# With matplotlib installed, the same allocations as a picture; without it this cell says so.
+# ## The same allocations as a picture
 
 # %%
-try:
-    import matplotlib
+import matplotlib.pyplot as plt  # noqa: E402
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-except ImportError:
-    print("matplotlib is not installed: skipping the plot (pip install matplotlib)")
-else:
-    fig, ax = plt.subplots(figsize=(8, 3))
-    for name, kept in allocations.items():
-        ax.plot(range(30), kept, marker="o", markersize=3, label=name)
-    ax.set_xlabel("layer")
-    ax.set_ylabel("tokens kept")
-    ax.legend()
-    fig.tight_layout()
-    print("a figure with", len(ax.lines), "lines (call fig.savefig(...) to keep it)")
+from kvmini.notebooks import show  # noqa: E402
+
+fig, ax = plt.subplots(figsize=(8, 3))
+for name, kept in allocations.items():
+    ax.plot(range(30), kept, marker="o", markersize=3, label=name)
+ax.set_xlabel("layer")
+ax.set_ylabel("tokens kept")
+ax.legend()
+fig.tight_layout()
+show(fig, "08_allocations")
 
 # %% [markdown]
 # ## Exercises

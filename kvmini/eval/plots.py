@@ -43,7 +43,7 @@ def _streaming(plt, rows):
             xs = [i * (r["tokens"] - 1) / max(len(r["curve"]) - 1, 1) for i in range(len(r["curve"]))]
             ax.plot(xs, r["curve"], label=f"{r['method']} (ppl {r['ppl']:.2f})")
         ax.set(title=f"cache capacity {cap}", xlabel="tokens after the prompt", ylabel="cumulative mean NLL (nats)")
-        ax.legend(fontsize=8)
+    axes[0, -1].legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.02, 1))  # outside: never over the curves
     yield "streaming_nll.png", fig
 
 
@@ -62,6 +62,9 @@ def _passkey(plt, rows):
                       == (method, budget, n, d)) for n in lengths] for d in depths]
         ax.axis("on")
         ax.imshow(grid, vmin=0, vmax=1, cmap="RdYlGn", aspect="auto")
+        for i, row in enumerate(grid):  # the cell's value, readable without the colours
+            for j, v in enumerate(row):
+                ax.text(j, i, f"{v:.0f}", ha="center", va="center", fontsize=7)
         ax.set_xticks(range(len(lengths)), [f"{n // 1000}k" if n >= 1000 else str(n) for n in lengths], fontsize=7)
         ax.set_yticks(range(len(depths)), [f"{d:.2f}" for d in depths], fontsize=7)
         ax.set_title(method if budget is None else f"{method} {budget:g}", fontsize=8)
@@ -73,11 +76,16 @@ def _passkey(plt, rows):
 
 def _layers(plt, res):
     maps = res["density_maps"]
-    fig, axes = plt.subplots(1, len(maps), figsize=(3.2 * len(maps), 3.2), squeeze=False)
+    block = max(1, res["n"] // max(len(next(iter(maps.values()))), 1))  # tokens per block
+    fig, axes = plt.subplots(1, len(maps), figsize=(3.6 * len(maps), 3.4), squeeze=False)
     for ax, (layer, grid) in zip(axes[0], maps.items()):
-        ax.imshow([[v ** 0.5 for v in row] for row in grid], cmap="magma")  # sqrt: faint structure visible
-        ax.set(title=f"layer {layer}", xlabel="key block", ylabel="query block")
-    fig.suptitle("attention density (mean over heads, square root of probability)")
+        im = ax.imshow([[v ** 0.5 for v in row] for row in grid], cmap="magma")  # sqrt: faint structure visible
+        ax.set(title=f"layer {layer}", xlabel=f"key block ({block} tokens)", ylabel="query block")
+        ax.xaxis.get_major_locator().set_params(integer=True)
+        ax.yaxis.get_major_locator().set_params(integer=True)
+        fig.colorbar(im, ax=ax, shrink=0.75, label="sqrt(probability)")
+    fig.suptitle("attention density (mean over heads)")
+    fig.tight_layout()
     yield "layers_density.png", fig
 
     stats = res["statistics"]
@@ -94,6 +102,9 @@ def _layers(plt, res):
     fig, ax = plt.subplots(figsize=(7, 3.6))
     for name, kept in res["retention"].items():
         ax.plot(range(len(kept)), kept, marker=".", label=name)
-    ax.set(title=f"entries kept per layer (prompt {res['n']} tokens, budget {res['budget']:g})", xlabel="layer")
-    ax.legend(fontsize=8)
+    mean = res["budget"] * res["n"] if res["budget"] <= 1 else res["budget"]
+    ax.axhline(mean, color="gray", linestyle="--", linewidth=1, label=f"mean budget ({mean:.0f})")
+    ax.set(title=f"entries kept per layer (prompt {res['n']} tokens, budget {res['budget']:g})", xlabel="layer",
+           ylabel="entries kept")
+    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.02, 1))
     yield "layers_retention.png", fig

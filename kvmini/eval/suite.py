@@ -108,6 +108,9 @@ def run_speed(model, text_ids, p, model_folder, log):
 def summary(results: dict) -> str:
     """The markdown tables of whatever experiments ran."""
     out = [f"# kvmini evaluation ({results['profile']} profile, {results['device']})", ""]
+    if results["profile"] == "smoke":
+        out += ["> **Smoke profile: these numbers mean nothing.** The sizes only exercise every code path (a",
+                "> compressed cache may even score better than the full one on 128 tokens). Use --profile quick", ""]
     if "streaming" in results:
         out += ["## Streaming perplexity", "", "| capacity | method | tokens scored | perplexity |", "|---|---|---|---|"]
         out += [f"| {r['capacity']} | {r['method']} | {r['tokens']} | {r['ppl']:.3f} |" for r in results["streaming"]]

@@ -1,0 +1,74 @@
+"""Tutorials as executed notebooks, and the one helper their figures use.
+
+    python -m kvmini.notebooks            # every tutorial -> notebooks/NN_name.ipynb, executed
+    python -m kvmini.notebooks 03 06      # only these
+
+Needs jupytext, nbclient and ipykernel (requirements-dev.txt); the notebooks are written to
+notebooks/ (git-ignored). In a notebook, `show(fig, name)` displays a figure inline; run as a
+script, it saves it to results/tutorials/<name>.png instead (no display needed).
+"""
+import argparse
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+FIGURES = ROOT / "results" / "tutorials"
+
+
+def in_notebook() -> bool:
+    return "ipykernel" in sys.modules
+
+
+def show(fig, name: str) -> None:
+    """Inline in a notebook; saved as results/tutorials/<name>.png when run as a script."""
+    import matplotlib.pyplot as plt
+
+    if in_notebook():
+        plt.show()
+        return
+    FIGURES.mkdir(parents=True, exist_ok=True)
+    fig.savefig(FIGURES / f"{name}.png", dpi=110, bbox_inches="tight")
+    plt.close(fig)
+    print(f"(figure saved to {(FIGURES / f'{name}.png').relative_to(ROOT)})")
+
+
+def build(tutorial: Path, out_dir: Path, timeout: int = 1200):
+    """tutorials/NN_name.py -> out_dir/NN_name.ipynb, executed from the repository root."""
+    import jupytext
+    from nbclient import NotebookClient
+
+    notebook = jupytext.read(tutorial)
+    notebook.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
+    NotebookClient(notebook, timeout=timeout, kernel_name="python3", resources={"metadata": {"path": str(ROOT)}}).execute()
+    out_dir.mkdir(parents=True, exist_ok=True)
+    path = out_dir / (tutorial.stem + ".ipynb")
+    jupytext.write(notebook, path)
+    return notebook, path
+
+
+def images(notebook) -> int:
+    """How many PNG figures the executed notebook shows."""
+    return sum("image/png" in out.get("data", {}) for cell in notebook.cells if cell.cell_type == "code"
+               for out in cell.get("outputs", []))
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description="Build executed notebooks of the tutorials (into notebooks/).")
+    p.add_argument("only", nargs="*", help="tutorial number prefixes, e.g. 03 06 (default: all)")
+    p.add_argument("--out", default=str(ROOT / "notebooks"), help="output folder (default: notebooks/)")
+    args = p.parse_args(argv)
+    tutorials = sorted((ROOT / "tutorials").glob("[0-9]*.py"))
+    tutorials = [t for t in tutorials if not args.only or any(t.name.startswith(o) for o in args.only)]
+    try:
+        for t in tutorials:
+            print(f"executing {t.name} ...", file=sys.stderr, flush=True)
+            notebook, path = build(t, Path(args.out))
+            print(f"{path}: {images(notebook)} figure(s)")
+    except ImportError as e:
+        print(f"error: {e.name} is not installed (pip install -r requirements-dev.txt)", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
