@@ -59,10 +59,22 @@ print("column sums requested with", StatsRequest(column_sums=True))
 F_v = [1.0, 2.0, 3.0]
 z = [(f - 2) / math.sqrt(2 / 3) for f in F_v]
 by_hand = [math.exp(-x) / sum(math.exp(-y) for y in z) for x in z]
-assert all(abs(a - b) < 1e-9 for a, b in zip(layer_weights(F_v), by_hand))
+assert all(abs(a - b) < 1e-9 for a, b in zip(layer_weights(F_v), by_hand))  # zscore is the default `how`
 raw = torch.softmax(-torch.tensor([400.0, 900.0, 1300.0]), 0)  # raw variances at a long prompt
 print("raw softmax(-F_v):", [round(x, 4) for x in raw.tolist()], " standardized:", [round(x, 3) for x in layer_weights([400, 900, 1300])])
 assert raw[0] > 0.9999  # one-hot without standardization
+
+# %% [markdown]
+# **The case $\sigma = 0$.** When every layer has the same variance (a tiny model, a degenerate
+# prompt, a test with equal inputs), the z-score divides 0 by 0. A straightforward implementation
+# returns NaN budgets; the right answer is the limit, equal shares for all layers, and
+# `layer_weights` checks for it.
+
+# %%
+same = [7.0, 7.0, 7.0]
+naive = torch.softmax(-(torch.tensor(same) - 7.0) / torch.tensor(same).std(correction=0), 0)
+print("naive z-score softmax:", naive.tolist(), " layer_weights:", layer_weights(same))
+assert torch.isnan(naive).all() and layer_weights(same) == [1 / 3] * 3
 
 # %% [markdown]
 # Budgets are then $S_l = \mathrm{clamp}(\lambda w_l, \text{low}, n)$ with the one $\lambda$ that keeps

@@ -21,13 +21,54 @@ from kvmini.methods.registry import make_policy  # noqa: E402
 # %% [markdown]
 # ## The ideal merge and its convex approximation (Sec. III-B)
 #
-# Attention output is $\sum_j a_j v_j$. If token $j$ and its neighbour $j+1$ were replaced by one
-# entry that received both their attention, the ideal value would be
-# $\frac{a_j v_j + a_{j+1} v_{j+1}}{a_j + a_{j+1}}$ — but the future attentions $a_j$ are unknown.
-# WeightedKV approximates them by each token's *average* attention so far,
-# $\bar a = a / n$ (attention received, divided by the number of queries that saw it). The merged
-# value is a convex combination: its weights are positive and sum to one.
+# Write $s_i = e^{q_t^\top k_i / \sqrt{d}}$ and $Z = \sum_{i=1}^t s_i$. Attention outputs
+# $o = \frac{1}{Z}\sum_i s_i v_i$. Drop key $k_1$ and replace $v_2$ by some $\tilde v$: the output is
+# unchanged for this query exactly when
 #
+# $$\tilde v = \Big(1 - \frac{s_1}{Z}\Big)\Big(\frac{s_1}{s_2} v_1 + v_2\Big) - \frac{s_1}{s_2 Z}\sum_{i \ge 3} s_i v_i,$$
+#
+# the *ideal merge*. It depends on the query and on every other value, so WeightedKV drops the last
+# term and renormalizes, which leaves a convex combination of the two neighbours,
+#
+# $$\tilde v \approx \frac{s_1}{s_1 + s_2} v_1 + \frac{s_2}{s_1 + s_2} v_2,$$
+#
+# and, since future queries are unknown, uses each token's *average* attention so far,
+# $\bar a = a / n$ (attention received, divided by the number of queries that saw it), as its weight:
+#
+# $$v_{j+1} \leftarrow \frac{\bar a_j v_j + \bar a_{j+1} v_{j+1}}{\bar a_j + \bar a_{j+1}}.$$
+#
+# Below: the ideal $\tilde v$ reproduces the output exactly; the convex one does not, and its error
+# is small when the dropped token had little attention (`s_1` small), which is why the least attended
+# token is the one merged.
+
+# %%
+torch.manual_seed(0)
+t, d = 6, 4
+q, K, V = torch.randn(d), torch.randn(t, d), torch.randn(t, d)
+s = (K @ q / d**0.5).exp()  # (t,)
+Z = s.sum()
+out = (s[:, None] * V).sum(0) / Z  # the full attention output
+ideal = (1 - s[0] / Z) * (s[0] / s[1] * V[0] + V[1]) - s[0] / (s[1] * Z) * (s[2:, None] * V[2:]).sum(0)
+convex = (s[0] * V[0] + s[1] * V[1]) / (s[0] + s[1])
+
+
+def output_after(v_tilde):  # attention over k_2..k_t with v_2 replaced
+    return (s[1] * v_tilde + (s[2:, None] * V[2:]).sum(0)) / (Z - s[0])
+
+
+assert torch.allclose(output_after(ideal), out, atol=1e-6)  # exact
+err = {}
+for scale in (3.0, 1.0, 0.1):  # make the dropped token less and less attended
+    K[0] = scale * q / q.norm()  # k_1 along q: its attention grows with `scale`
+    s = (K @ q / d**0.5).exp()
+    Z = s.sum()
+    out = (s[:, None] * V).sum(0) / Z
+    convex = (s[0] * V[0] + s[1] * V[1]) / (s[0] + s[1])
+    err[scale] = (output_after(convex) - out).norm().item()
+    print(f"dropped token's attention {s[0] / Z:.3f}: convex-merge output error {err[scale]:.4f}")
+assert err[0.1] < err[3.0]  # the less the dropped token was attended, the better the approximation
+
+# %% [markdown]
 # ## Algorithm 1 step by step
 #
 # ```
@@ -95,12 +136,15 @@ import matplotlib.pyplot as plt  # noqa: E402
 
 from kvmini.notebooks import show  # noqa: E402
 
-fig, ax = plt.subplots(figsize=(6, 2.6))
+fig, (ax, ax2) = plt.subplots(1, 2, figsize=(11, 2.8), gridspec_kw={"width_ratios": [2, 1]})
 im = ax.imshow(lc.values[0, 0].numpy(), cmap="Blues", vmin=0, vmax=1)
 ax.set_yticks(range(4), [f"slot of v{p}" for p in lc.positions.flatten().tolist()])
 ax.set_xticks(range(8), [f"v{t}" for t in range(1, 9)])
 ax.set_title("weight of each original value in the kept ones")
 fig.colorbar(im, ax=ax)
+ax2.bar([f"k_1 scale {k:g}" for k in err], list(err.values()), color="tab:orange")
+ax2.set_title("convex merge vs ideal: output error")
+ax2.tick_params(axis="x", labelsize=8)
 show(fig, "06_merge_chain")
 
 # %% [markdown]
