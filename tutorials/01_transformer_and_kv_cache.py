@@ -7,7 +7,7 @@
 # that implements it and by a check against a literal computation.
 #
 # Run it as a script (`python tutorials/01_transformer_and_kv_cache.py`) or open it as a
-# notebook (`pip install jupytext && jupytext --to notebook tutorials/01_transformer_and_kv_cache.py`).
+# notebook (`python -m kvmini.notebooks 01` writes it, executed, to notebooks/).
 # A tiny random model is enough for everything except the last section, which uses the
 # configuration of the default model (SmolLM2-135M-Instruct).
 

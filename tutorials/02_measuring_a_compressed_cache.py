@@ -7,7 +7,7 @@
 # merged) and a **schedule** (after the prompt, layer by layer, or every step). This tutorial builds up the parts the baselines
 # need — attention statistics, budgets, StreamingLLM, H2O, SnapKV, PyramidKV — proves that
 # evicting a token is the same as masking it, and defines the fidelity metrics used to compare
-# methods. Open as a notebook with `jupytext --to notebook tutorials/02_measuring_a_compressed_cache.py`.
+# methods. Open it as an executed notebook: `python -m kvmini.notebooks 02` (into notebooks/).
 
 # %%
 import math

@@ -4,7 +4,7 @@
 # D2O (Wan et al. 2024, Sec. 4) observes that shallow layers spread their attention over many
 # tokens while deep layers concentrate it on a few, and gives each layer a budget accordingly.
 # This tutorial follows Eq. 4–5 with `kvmini/methods/variance_softmax.py`.
-# Open as a notebook with `jupytext --to notebook tutorials/03_d2o_layer_level.py`.
+# Open it as an executed notebook: `python -m kvmini.notebooks 03` (into notebooks/).
 
 # %%
 import math

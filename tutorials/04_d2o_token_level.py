@@ -5,7 +5,7 @@
 # hitters and a recent window, and instead of simply dropping the other tokens, merges each one
 # into its most similar kept token when the similarity is high enough. Code:
 # `kvmini/methods/d2o.py` (the composition) and `kvmini/methods/ema_merging.py` (the mechanism).
-# Open as a notebook with `jupytext --to notebook tutorials/04_d2o_token_level.py`.
+# Open it as an executed notebook: `python -m kvmini.notebooks 04` (into notebooks/).
 
 # %%
 import math

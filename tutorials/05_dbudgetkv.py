@@ -4,7 +4,7 @@
 # DBudgetKV (Ni et al. 2025, Sec. 3.2–3.3, Alg. 1) has no budget parameter. Each layer removes
 # its least important tokens for as long as the attention it would lose stays below a threshold
 # $t$ (1%). Code: `kvmini/methods/frobenius_stop.py` and `kvmini/methods/dbudgetkv.py`.
-# Open as a notebook with `jupytext --to notebook tutorials/05_dbudgetkv.py`.
+# Open it as an executed notebook: `python -m kvmini.notebooks 05` (into notebooks/).
 
 # %%
 import math

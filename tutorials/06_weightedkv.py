@@ -4,7 +4,7 @@
 # WeightedKV (Yuan et al. 2025, Sec. III-B, Alg. 1) keeps a fixed number $m$ of cache entries.
 # When one too many arrive, the least attended token loses its *key*, but its *value* is not lost:
 # it is blended into its right neighbour's value. Code: `kvmini/methods/convex_value_merge.py`.
-# Open as a notebook with `jupytext --to notebook tutorials/06_weightedkv.py`.
+# Open it as an executed notebook: `python -m kvmini.notebooks 06` (into notebooks/).
 
 # %%
 import sys

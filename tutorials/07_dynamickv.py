@@ -4,7 +4,7 @@
 # DynamicKV (Zhou et al. 2024, Sec. 4, Eq. 1–8, Alg. 1) compresses layer by layer *inside* the
 # prefill forward: each layer first keeps generously, and every $m$ layers the finished layers are
 # re-budgeted against each other. Code: `kvmini/methods/progressive_budgets.py`,
-# `kvmini/methods/dynamickv.py`. Open as a notebook with `jupytext --to notebook tutorials/07_dynamickv.py`.
+# `kvmini/methods/dynamickv.py`. Open it as an executed notebook: `python -m kvmini.notebooks 07` (into notebooks/).
 
 # %%
 import sys

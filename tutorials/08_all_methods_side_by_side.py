@@ -3,9 +3,9 @@
 #
 # One fidelity table for every method in kvmini, and a picture of how each layer-adaptive method
 # spreads its budget over SmolLM2's 30 layers. The prompt here is short (512 tokens, 64
-# continuation tokens) so the tutorial runs in about a minute; the README has the N = 2048,
+# continuation tokens) so the tutorial runs in under a minute (29 s as a notebook on a quiet 2-core machine); the README has the N = 2048,
 # K = 256 table from `python -m kvmini.eval.fidelity`.
-# Open as a notebook with `jupytext --to notebook tutorials/08_all_methods_side_by_side.py`.
+# Open it as an executed notebook: `python -m kvmini.notebooks 08` (into notebooks/).
 
 # %%
 import sys

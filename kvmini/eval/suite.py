@@ -3,7 +3,7 @@
     python -m kvmini.eval.suite                              # quick profile, all experiments -> results/
     python -m kvmini.eval.suite --profile full --out results-full
     python -m kvmini.eval.suite --only streaming passkey     # a subset
-    python -m kvmini.eval.suite --profile smoke --out /tmp/x # every code path in a minute
+    python -m kvmini.eval.suite --profile smoke --out /tmp/x # every code path (56 s on a quiet 2-core machine)
 
 Experiments (sizes per profile in PROFILES):
     streaming  streaming perplexity at fixed cache capacities (WeightedKV Table I, D2O Fig. 6)
@@ -31,7 +31,7 @@ ALL_COMPRESSING = ["streaming_llm", "h2o", "tova", "snapkv", "pyramidkv", "weigh
 VARIANTS = ["d2o", "d2o[variant=paper]", "dbudgetkv", "dbudgetkv[variant=official]", "dynamickv",
             "dynamickv[variant=official]"]  # paper and authors' code side by side
 PROFILES = {
-    "smoke": {  # every code path in about a minute; the numbers mean nothing
+    "smoke": {  # every code path, about a minute on a quiet machine; the numbers mean nothing
         "streaming": dict(n=160, capacities=[32], chunk=16),
         "passkey": dict(lengths=[256], depths=[0.5], budgets=[64]),
         "fidelity": dict(n=128, k=16, prompts=2, budgets=[0.5], methods=["h2o", "dbudgetkv"]),
