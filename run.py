@@ -231,11 +231,11 @@ def generate_answer(args) -> int:
 
 def describe(args, policy) -> str:
     """`h2o, budget 0.2 = 123 tokens per layer (window budget // 2, reduce mean)`."""
-    from kvmini.methods.registry import method_options
+    from kvmini.methods.registry import resolved_options
 
     if policy is None:
         return args.method
-    options = {**method_options(args.method), **args.options}
+    options = resolved_options(args.method, args.options)
     shown = f" ({', '.join(f'{k} {v}' for k, v in options.items())})" if options else ""
     budgets = policy.budgets
     per_layer = f"{budgets[0]}" if len(set(budgets)) == 1 else f"{min(budgets)}-{max(budgets)} (mean {sum(budgets) / len(budgets):.1f})"

@@ -242,6 +242,11 @@ def test_registry_errors_are_clear():
         make_policy("full", 0.5)
     assert make_policy("full") is None
     assert method_options("snapkv") == {"window": 32, "kernel": 7, "pooling": "avg", "reduce": "mean"}
+    from kvmini.methods.registry import resolved_options  # what run.py's report shows
+
+    assert resolved_options("d2o", {"variant": "paper"})["nm"] == "3:1"
+    assert resolved_options("d2o", {"nm": "2:1"})["nm"] == "2:1" and resolved_options("d2o", {})["merge"] == "official"
+    assert resolved_options("dynamickv", {"variant": "official"})["tail_reallocation"] is False
 
 
 @pytest.mark.parametrize("name,options,budget", [("streaming_llm", {}, 4), ("snapkv", {}, 20), ("h2o", {"recent": 9}, 8)])

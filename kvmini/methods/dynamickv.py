@@ -25,11 +25,12 @@ from kvmini.parts import PREFILL
 from kvmini.policy import Policy
 
 
+VARIANTS = {"paper": dict(tail_reallocation=True), "official": dict(tail_reallocation=False)}
 DEFAULTS_SHOWN = {"tail_reallocation": "by variant"}
 
 
 def build(budget: float, variant: str = "paper", window: int = 8, kernel: int = 7, pooling: str = "avg",
           r_max: float = 10, interval: int = 4, tail_reallocation: bool | None = None, reduce: str = "mean") -> Policy:
-    tail = (variant == "paper") if tail_reallocation is None else tail_reallocation
+    tail = VARIANTS[variant]["tail_reallocation"] if tail_reallocation is None else tail_reallocation
     return Policy("dynamickv", budget, WindowAttention(window, kernel, pooling, reduce),
                   ProgressiveBudgets(window, r_max, interval, tail), TopK(recent=lambda b: window), schedule=PREFILL)

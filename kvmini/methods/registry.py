@@ -145,6 +145,14 @@ def method_options(name: str) -> dict[str, object]:
     return {p.name: shown.get(p.name, p.default) for p in params}
 
 
+def resolved_options(name: str, given: dict) -> dict[str, object]:
+    """Every option of a method as it will run: the given ones, else the chosen variant's, else the default."""
+    module = METHODS[name]
+    options = {**method_options(name), **given}
+    variant = getattr(module, "VARIANTS", {}).get(options.get("variant"), {})
+    return {k: given.get(k, variant.get(k, v)) for k, v in options.items()}
+
+
 def chooses_budget(name: str) -> bool:
     """Methods like DBudgetKV pick each layer's budget themselves and take no --budget."""
     return getattr(METHODS[name], "CHOOSES_BUDGET", False)

@@ -101,8 +101,8 @@ class VarianceSoftmax(Budgeter):
         first decode step: the official code's base)."""
         F_v = [self.F_v[l] for l in range(self.L)]
         if self.how == "official":  # at least `low` per layer (a Deviation: the official floor is 1%)
-            self.budgets = [max(S_l, min(self.low, length)) for S_l in official_budgets(F_v, self.b / self.n, length,
-                                                                                        self.parts)]
+            S = official_budgets(F_v, self.b / self.n, length, self.parts)
+            self.budgets = [length if l in self.protected else max(S_l, min(self.low, length)) for l, S_l in enumerate(S)]
         else:
             free = [l for l in range(self.L) if l not in self.protected]
             S = self.allocate(self.b, len(free), [F_v[l] for l in free], self.n)
