@@ -75,12 +75,10 @@ class Policy:
         if not self.started:
             self._start_parts(len(cache))
         self.cache, self.T, self.call_start, self.scores = cache, T, cache.seen_tokens, {}
-        end = cache.seen_tokens + T
-        self.in_prompt = end <= self.prompt_len
-        past_prompt = end > self.prompt_len
-        self.compress_now = self.active and (self.schedule == EVERY_CALL or (
-            past_prompt if self.schedule == DECODE else end == self.prompt_len or (
-                self.schedule == AFTER_PROMPT and past_prompt)))
+        end, n = cache.seen_tokens + T, self.prompt_len  # this call ends at token `end`
+        self.in_prompt = end <= n
+        when = {PREFILL: end == n, AFTER_PROMPT: end >= n, DECODE: end > n, EVERY_CALL: True}  # the schedule
+        self.compress_now = self.active and when[self.schedule]
 
     def _start_parts(self, L: int) -> None:
         if any(not -L <= layer < L for layer in self.budgeter.protected_spec):
@@ -108,17 +106,18 @@ class Policy:
             self.budgeter.start(b, L, self.prompt_len)
         except KvminiError:
             return False
-        return all(self.compressor.problem(b_l) is None for layer, b_l in enumerate(self.budgeter.budgets)
-                   if layer not in self.budgeter.protected)
+        return not self._problems(dict(enumerate(self.budgeter.budgets)))
+
+    def _problems(self, budgets: dict[int, int]) -> list[tuple[int, int, str]]:
+        """(layer, budget, why) for the budgets the compressor cannot work with (protected layers never compress)."""
+        return [(layer, b, why) for layer, b in budgets.items()
+                if layer not in self.budgeter.protected and (why := self.compressor.problem(b)) is not None]
 
     def _check(self, budgets: dict[int, int]) -> None:
-        """A budget the compressor cannot work with is an error (protected layers are never compressed)."""
-        for layer, b in budgets.items():
-            if layer in self.budgeter.protected:
-                continue
-            if (problem := self.compressor.problem(b)) is not None:
-                raise KvminiError(f"{self.name}: a budget of {b} tokens (layer {layer}) is {problem}; "
-                                  "raise --budget or lower --sinks/--window")
+        if problems := self._problems(budgets):
+            layer, b, why = problems[0]
+            raise KvminiError(f"{self.name}: a budget of {b} tokens (layer {layer}) is {why}; "
+                              "raise --budget or lower --sinks/--window")
 
     def accumulating(self) -> bool:
         """Does the scorer keep running sums now? (Always for decode-time methods, during the prompt otherwise.)"""
