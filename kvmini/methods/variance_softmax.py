@@ -90,7 +90,7 @@ class VarianceSoftmax(Budgeter):
             if not self.accumulates:
                 self.F_v[layer] = self.measure(stats)
             self.waiting.append(layer)
-            if len(self.F_v) < self.L or (not self.accumulates and layer < self.L - 1):
+            if len(self.F_v) < self.L:
                 return {}  # compressed once every layer is measured
             self.allocate_all(lc.length)
         now, self.waiting = [l for l in self.waiting + [layer] if l not in self.protected], []
