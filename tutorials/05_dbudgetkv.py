@@ -23,7 +23,7 @@ from kvmini.methods.registry import make_policy  # noqa: E402
 #
 # Which tokens go first? By position: the first $m = 4$ tokens are the most important (attention
 # sinks), then the rest from the last to the first. Pruning therefore removes the *earliest*
-# non-sink tokens first. (`--ranking attention` ranks by the prompt's column sums instead, as in
+# non-sink tokens first. (`--ranking cumulative` ranks by the prompt's column sums instead, as in
 # the paper's Table 3.)
 #
 # ## The reduced attention row (Eq. 1)
@@ -134,5 +134,5 @@ assert frobenius_stop(no_sink, order, 0.05) < frobenius_stop(row, order, 0.05)  
 #
 # 1. *(assignment: `frobenius_stop`)* Implement Eq. 2 with `cumsum` and `where`; the tests compare
 #    it with a sequential prune-until-threshold loop.
-# 2. Compare `--ranking position` with `--ranking attention` at $t = 1\%$: which keeps more?
+# 2. Compare `--ranking position` with `--ranking cumulative` (and the authors' `window_attention`) at $t = 1\%$: which keeps more?
 # 3. Set `--protected-layers ""` and look at the budgets run.py reports for layers 0 and 1.
