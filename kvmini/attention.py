@@ -11,6 +11,8 @@ r"""Attention over the cache, in two paths that must agree.
   for the output plus the explicit pass over only the last queries when only
   window or last-row statistics are asked for (SnapKV, TOVA, DBudgetKV, ...);
   the explicit pass over every query for column sums (H2O, D2O, WeightedKV).
+  A decode step (one query) gets every statistic from the attention row that the
+  output is computed with: for T = 1, column sums, window sums and last row are that row.
 
 Masking uses absolute positions, so it stays right after tokens are evicted:
 key j is visible to query i iff pos_j <= pos_i (and pos_i - pos_j < window for
@@ -83,13 +85,15 @@ def sdpa_attention(q, k, v, q_pos, k_pos, window=None, padded=False):
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
 
 
-def _one_query_attention(q, k, v):
-    """Decode step, T = 1: two grouped matmuls read K and V once (CPU SDPA is slow for one query)."""
+def _one_query_attention(q, k, v, with_row=False):
+    """Decode step, T = 1: two grouped matmuls read K and V once (CPU SDPA is slow for one query).
+    with_row: also return the attention row p (B, H_kv, g, S) of every query head."""
     B, H, _, D = q.shape
     H_kv = k.shape[1]
     qg = q.view(B, H_kv, H // H_kv, D)  # (B, H_kv, g, D): the g query heads of each KV head
     p = ((qg @ k.transpose(-1, -2)).float() / D**0.5).softmax(-1)  # (B, H_kv, g, S)
-    return (p.to(v.dtype) @ v).view(B, H, 1, D)
+    out = (p.to(v.dtype) @ v).view(B, H, 1, D)
+    return (out, p) if with_row else out
 
 
 def attend(q, k, v, q_pos, k_pos, request: StatsRequest | None, window=None, padded=False):
@@ -100,6 +104,9 @@ def attend(q, k, v, q_pos, k_pos, request: StatsRequest | None, window=None, pad
     """
     if request is None or request.empty:
         return sdpa_attention(q, k, v, q_pos, k_pos, window, padded), {}
+    if q.shape[2] == 1 and window is None and not padded:  # decode: the row is every statistic
+        out, p = _one_query_attention(q, k, v, with_row=True)
+        return out, _statistics(request, p, p if request.window > 0 else None, p if request.last_row else None)
     if request.column_sums:
         return explicit_attention(q, k, v, q_pos, k_pos, request, window, padded=padded)
     last = min(max(request.window, int(request.last_row)), q.shape[2])  # queries the statistics cover
@@ -118,33 +125,44 @@ def explicit_attention(q, k, v, q_pos, k_pos, request: StatsRequest, window=None
     H_kv, S = k.shape[1], k.shape[2]
     g = H // H_kv
     qg = q.view(B, H_kv, g, T, D)  # (B, H_kv, g, T, D): the g query heads of each KV head
-    kt = k[:, :, None].transpose(-1, -2)  # (B, H_kv, 1, D, S)
-    vg = v[:, :, None]  # (B, H_kv, 1, S, D)
     out = torch.empty(B, H_kv, g, T, D, dtype=q.dtype, device=q.device)
     col = torch.zeros(B, H_kv, g, S, dtype=torch.float32, device=q.device) if request.column_sums else None
     win = torch.zeros(B, H_kv, g, S, dtype=torch.float32, device=q.device) if request.window > 0 else None
     last = None
     w_start = T - min(request.window, T)  # first query index inside the observation window
+    causal_only = not padded and window is None  # every key before this call is in every query's past
     for c0 in range(0, T, chunk):
         c1 = min(c0 + chunk, T)
-        Sc = S if padded else S - T + c1  # keys this chunk can see at most
-        scores = (qg[:, :, :, c0:c1] @ kt[..., :Sc]).float() / D**0.5  # (B, H_kv, g, Tc, Sc)
-        mask = visible(q_pos[:, c0:c1], k_pos[..., :Sc], window)[:, :, None]  # (B, H_kv, 1, Tc, Sc)
-        p = scores.masked_fill(~mask, float("-inf")).softmax(-1)  # (B, H_kv, g, Tc, Sc)
-        out[:, :, :, c0:c1] = p.to(v.dtype) @ vg[:, :, :, :Sc]
+        Tc, Sc = c1 - c0, S if padded else S - T + c1  # queries in the chunk, keys it can see at most
+        q_c = qg[:, :, :, c0:c1].reshape(B, H_kv, g * Tc, D)  # the g heads' queries share K: one matmul
+        scores = (q_c @ k[:, :, :Sc].transpose(-1, -2)).float().view(B, H_kv, g, Tc, Sc).div_(D**0.5)
+        if causal_only:  # only the last Tc keys (this chunk's own tokens) can be in a query's future
+            future = torch.ones(Tc, Tc, dtype=torch.bool, device=q.device).triu_(1)  # (Tc, Tc)
+            scores[..., Sc - Tc :].masked_fill_(future, float("-inf"))
+        else:
+            scores.masked_fill_(~visible(q_pos[:, c0:c1], k_pos[..., :Sc], window)[:, :, None], float("-inf"))
+        p = scores.softmax(-1)  # (B, H_kv, g, Tc, Sc)
+        out[:, :, :, c0:c1] = (p.to(v.dtype).view(B, H_kv, g * Tc, Sc) @ v[:, :, :Sc]).view(B, H_kv, g, Tc, D)
         if col is not None:
             col[..., :Sc] += p.sum(3)
         if win is not None and c1 > w_start:
             win[..., :Sc] += p[:, :, :, max(w_start - c0, 0) :].sum(3)
         if request.last_row and c1 == T:
             last = p[:, :, :, -1]  # (B, H_kv, g, S): the last chunk sees every key
+    return out.view(B, H, T, D), _statistics(request, col, win, last)
+
+
+def _statistics(request: StatsRequest, col, win, last) -> dict:
+    """The requested statistics from per-query-head sums col, win and row last, each (B, H_kv, g, S) or None."""
     stats = {}
+    col = col if request.column_sums else None
     for name, t in (("column_sums", col), ("window_sums", win), ("last_row", last)):
         if t is not None:
             stats[name] = _reduce_group(t, request.reduce)  # (B, H_kv, S)
     if request.heads and col is not None:
-        stats["column_sums_heads"] = col.reshape(B, H, S)  # (B, H, S): query head h = kv_head * g + i
-    return out.view(B, H, T, D), stats
+        B, H_kv, g, S = col.shape
+        stats["column_sums_heads"] = col.reshape(B, H_kv * g, S)  # (B, H, S): query head h = kv_head * g + i
+    return stats
 
 
 def _reduce_group(t: torch.Tensor, how: str) -> torch.Tensor:

@@ -11,9 +11,14 @@ The expected values are the engine's own output from before the refactor (commit
 the engine's behaviour ..."), stored in tests/data/engine_regression.safetensors (+ .json).
 Regenerate only on purpose: `PYTHONPATH=. python tests/test_engine_regression.py --record`.
 
-Bit-identical is the claim. A CPU with different floating-point kernels cannot reproduce the
-bits, so the test first compares the uncompressed model's logits (the canary); if those differ
-bit for bit it says so and compares floats to 1e-5 instead (positions and counts stay exact).
+What is compared, by position: the order of entries in a buffer means nothing to attention
+(positions are explicit), and per-step eviction moves the newest entry into the evicted one's
+slot, so every head's entries are put in position order before comparing. The kept positions,
+budgets and eviction counts must be exact; logits, keys and values agree to 1e-5, not bit for
+bit, because attention sums over the entries in buffer order and a decode step takes its
+statistics from the one-query kernel (both changed by issue 14, "compression that pays").
+The canary (the uncompressed tiny model's logits, bit for bit?) says in a failure message
+whether this CPU's floating-point kernels match the recording machine's.
 """
 import hashlib
 import json
@@ -91,8 +96,22 @@ def run(model, calls, name, budget, options, prompt_len):
             out[f"positions.{c}.{i}"] = lc.positions.contiguous()
     for i, lc in enumerate(cache.layers):
         out[f"keys.{i}"], out[f"values.{i}"] = lc.keys.contiguous(), lc.values.contiguous()
+    by_position(out, len(cache.layers))
     facts = {} if policy is None else {"budgets": list(policy.budgets), "evicted": list(policy.evicted)}
     return out, facts
+
+
+def by_position(out: dict, L: int) -> None:
+    """Put every head's entries in position order (the recording's buffers were in that order)."""
+    for i in range(L):
+        last = max(int(k.split(".")[1]) for k in out if k.startswith("positions.") and k.endswith(f".{i}"))
+        order = out[f"positions.{last}.{i}"].argsort(dim=-1, stable=True)  # (B, H_kv, S)
+        for name in ("keys", "values"):
+            t = out[f"{name}.{i}"]
+            out[f"{name}.{i}"] = t.gather(2, order[..., None].expand_as(t)).contiguous()
+    for k in out:
+        if k.startswith("positions."):
+            out[k] = out[k].sort(dim=-1, stable=True).values.contiguous()
 
 
 def digest(t: torch.Tensor) -> dict:
@@ -132,8 +151,8 @@ def recorded():
     return load_file(str(DATA.with_suffix(".safetensors"))), json.loads(DATA.with_suffix(".json").read_text())
 
 
-def same(a: torch.Tensor, b: torch.Tensor, exact: bool) -> bool:
-    return torch.equal(a, b) if exact else (a.shape == b.shape and torch.allclose(a, b, atol=1e-5, rtol=1e-5))
+def same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.shape == b.shape and torch.allclose(a, b, atol=1e-5, rtol=1e-5)
 
 
 @pytest.fixture(scope="module")
@@ -159,25 +178,18 @@ def test_tiny_model_behaviour_is_unchanged(recorded, exact_tiny, scenario, varia
         if key.startswith("positions"):
             assert torch.equal(value, expected[key]), f"{key}: kept positions differ"
         else:
-            assert same(value, expected[key], exact_tiny), f"{key} differs" + ("" if exact_tiny else " (beyond 1e-5)")
+            assert same(value, expected[key]), f"{key} differs beyond 1e-5" + ("" if exact_tiny else
+                                                                               " (this CPU's kernels differ)")
     assert f == facts["tiny"][f"{scenario}/{label}"]
-
-
-@pytest.fixture(scope="module")
-def exact_default(recorded, default_model, default_tokenizer):
-    """The canary on the default model: the uncompressed prefill's logits, bit for bit?"""
-    calls, n = default_scenario(default_tokenizer)
-    out, _ = run(default_model, calls[:1], "full", None, {}, n)
-    return digest(out["logits.0"])["sha256"] == recorded[1]["default"]["full"]["digests"]["logits.0"]["sha256"]
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("variant", DEFAULT_VARIANTS, ids=[v[0] for v in DEFAULT_VARIANTS])
-def test_default_model_behaviour_is_unchanged(recorded, exact_default, default_model, default_tokenizer, variant):
+def test_default_model_behaviour_is_unchanged(recorded, default_model, default_tokenizer, variant):
     tensors, facts = recorded
     label, name, budget, options = variant
     calls, n = default_scenario(default_tokenizer)
-    expected, exact = facts["default"][label], exact_default
+    expected = facts["default"][label]
     out, f = run(default_model, calls, name, budget, options, n)
     last = f"positions.{len(calls) - 1}."
     for key, value in out.items():
@@ -186,11 +198,9 @@ def test_default_model_behaviour_is_unchanged(recorded, exact_default, default_m
                 assert torch.equal(value, tensors[f"default/{label}/{key}"].long()), f"{key}: kept positions differ"
             continue
         d, e = digest(value), expected["digests"][key]
-        if exact:
-            assert d["sha256"] == e["sha256"], f"{key} differs: sum {d['sum']} vs {e['sum']}"
-        else:
-            assert d["shape"] == e["shape"] and d["argmax"] == e["argmax"], key
-            assert d["sum"] == pytest.approx(e["sum"], rel=1e-4, abs=1e-3), key
+        assert d["shape"] == e["shape"] and d["argmax"] == e["argmax"], key
+        assert d["sum"] == pytest.approx(e["sum"], rel=1e-4, abs=1e-3), f"{key}: sum {d['sum']} vs {e['sum']}"
+        assert d["sumsq"] == pytest.approx(e["sumsq"], rel=1e-4, abs=1e-3), key
     assert {k: v for k, v in f.items()} == {k: expected[k] for k in f}
 
 
