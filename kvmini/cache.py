@@ -94,7 +94,8 @@ class LayerCache:
         self.length = end
 
     def keep(self, idx: torch.Tensor) -> None:
-        """Keep only entries `idx` (B, H_kv, S') of every head, in that order; S' may be < S."""
+        """Keep only entries `idx` (B, H_kv, S') of every head, in that order; S' may be < S.
+        The bulk eviction (after a prompt): every kept entry moves, O(S·D); see `evict_one`."""
         if self.counts is not None:
             raise ValueError("keep() of a layer whose rows differ in length: use keep_row()")
         S_new = idx.shape[2]
@@ -107,6 +108,23 @@ class LayerCache:
         self.length = S_new
         if 4 * S_new <= self.capacity and self.capacity > 64:  # give memory back after a big eviction
             self._resize(max(2 * S_new, 64))
+
+    def evict_one(self, slot: torch.Tensor) -> None:
+        """Evict entry `slot` (B, H_kv) of every head in O(D): the last entry moves into that slot.
+
+        The per-step case of `keep` (a decode step drops one entry per head): `keep` of every
+        other entry would move S entries, this moves one. Buffer order means nothing to attention,
+        which masks by positions, so after this the entries are no longer in position order.
+        """
+        if self.counts is not None:
+            raise ValueError("evict_one() of a layer whose rows differ in length: use keep_row()")
+        last = self.length - 1
+        at = slot[:, :, None]  # (B, H_kv, 1)
+        for buf in (self._k, self._v):  # (B, H_kv, cap, D)
+            buf.scatter_(2, at[..., None].expand(-1, -1, -1, buf.shape[3]), buf[:, :, last : last + 1].clone())
+        for buf in (self._pos, *self._aux.values()):  # (B, H_kv, cap)
+            buf.scatter_(2, at, buf[:, :, last : last + 1].clone())
+        self.length = last
 
     def sequence(self, b: int) -> "SequenceView":
         """Row b as a batch-1 layer cache (views of its entries; `keep` evicts from that row only)."""
@@ -232,6 +250,12 @@ class SequenceView:
 
     def keep(self, idx: torch.Tensor) -> None:
         self.lc.keep_row(self.b, idx)
+
+    def evict_one(self, slot: torch.Tensor) -> None:
+        """Evict entry `slot` (1, H_kv): a row of a padded batch keeps the others in order (O(S·D))."""
+        S = self.length
+        rest = torch.arange(S - 1, device=slot.device).expand(*slot.shape, S - 1)  # (1, H_kv, S-1)
+        self.lc.keep_row(self.b, rest + (rest >= slot[..., None]).long())
 
 
 class SequenceCache:

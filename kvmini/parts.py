@@ -79,9 +79,10 @@ class Budgeter:
 
 
 class Compressor:
-    """Shrinks one layer to its budget: `__call__(layer, lc, score, b)`. The first `sinks` entries and
-    the last `recent(b)` are always kept. Returns the kept indices (B, H_kv, b), or None when entries
-    were merged rather than selected. `merged[layer]` counts evicted tokens merged into kept ones."""
+    """Shrinks one layer to its budget: `__call__(layer, lc, score, b)`. The first `sinks` tokens and
+    the last `recent(b)` (by position) are always kept. Returns the kept indices (B, H_kv, b) in their
+    new buffer order, or None when entries were merged rather than selected. `merged[layer]` counts
+    evicted tokens merged into kept ones."""
 
     def __init__(self, sinks: int = 0, recent=lambda b: 0):
         self.sinks, self.recent = sinks, recent

@@ -41,7 +41,8 @@ class Policy:
 
     def __init__(self, name: str, budget: float | None, scorer, budgeter, compressor, schedule: str = PREFILL,
                  prefill_chunk: int | None = None):
-        """budget None: the budgeter chooses; prefill_chunk: the prompt is fed in chunks of this size."""
+        """budget None: the budgeter chooses; prefill_chunk: the prompt is fed in chunks of this size
+        (an int, or a function of the per-layer budget in tokens)."""
         self.name, self.budget, self.schedule, self.prefill_chunk = name, budget, schedule, prefill_chunk
         self.scorer, self.budgeter, self.compressor = scorer, budgeter, compressor
         self.start(None)
@@ -54,11 +55,10 @@ class Policy:
 
     def chunk_for(self, prompt_len: int, total_len: int | None) -> int | None:
         """The prefill chunk size this method asks for, or None (one call, also when its budget is a no-op)."""
-        if self.prefill_chunk is None or (
-            self.budget is not None and self._is_noop(resolve_budget(self.budget, prompt_len), prompt_len, total_len)
-        ):
+        b = None if self.budget is None else resolve_budget(self.budget, prompt_len)
+        if self.prefill_chunk is None or (b is not None and self._is_noop(b, prompt_len, total_len)):
             return None
-        return self.prefill_chunk
+        return self.prefill_chunk(b) if callable(self.prefill_chunk) else self.prefill_chunk
 
     def _is_noop(self, b: int, prompt_len: int, total_len: int | None) -> bool:
         """A budget >= the longest the cache gets under this schedule (unknown total: never) changes nothing,

@@ -95,3 +95,11 @@ def group_mean(probs: torch.Tensor, g: int) -> torch.Tensor:
 def top_positions(candidates: list[int], score: dict, count: int) -> list[int]:
     """The `count` candidates with the highest score; ties go to the earlier position."""
     return sorted(sorted(candidates, key=lambda p: (-score[p], p))[:count])
+
+
+def in_position_order(lc):
+    """A layer cache's positions, keys and values with every head's entries sorted by position
+    (per-step eviction leaves a buffer in any order; attention does not depend on it)."""
+    order = lc.positions.argsort(dim=-1)  # (B, H_kv, S)
+    at = order[..., None].expand_as(lc.keys)
+    return lc.positions.gather(2, order), lc.keys.gather(2, at), lc.values.gather(2, at)

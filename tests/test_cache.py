@@ -129,3 +129,16 @@ def test_attention_never_sees_pads():
     out = sdpa_attention(q, k, k, torch.tensor([[6], [6]]), pos, padded=True)
     alone = sdpa_attention(q[1:], k[1:, :, :4], k[1:, :, :4], torch.tensor([[6]]), pos[1:, :, :4])
     torch.testing.assert_close(out[1:], alone, atol=1e-6, rtol=0)
+
+
+def test_evict_one_moves_the_last_entry_into_the_slot():
+    lc = LayerCache(1, 2, 1, torch.float32, "cpu")
+    for t in range(5):
+        lc.append(torch.full((1, 2, 1, 1), float(t)), torch.full((1, 2, 1, 1), 10.0 * t), torch.tensor([[t]]))
+    lc.aux("score")[:] = torch.arange(5.0) / 10
+    lc.evict_one(torch.tensor([[1, 4]]))  # head 0 drops entry 1, head 1 drops the newest
+    assert lc.length == 4
+    assert lc.positions.tolist() == [[[0, 4, 2, 3], [0, 1, 2, 3]]]
+    assert lc.keys[..., 0].tolist() == [[[0, 4, 2, 3], [0, 1, 2, 3]]]
+    assert lc.values[..., 0].tolist() == [[[0, 40, 20, 30], [0, 10, 20, 30]]]
+    torch.testing.assert_close(lc.aux("score"), torch.tensor([[[0.0, 0.4, 0.2, 0.3], [0.0, 0.1, 0.2, 0.3]]]))

@@ -221,7 +221,7 @@ def test_d2o_budgets_follow_eq5_and_hold_during_decode():
             assert cache.lengths() == want  # one eviction (or merge) per decode step
     assert sum(policy.merged) > 0
     for lc, S_l in zip(cache.layers, want):
-        pos = lc.positions[0, 0].tolist()
+        pos = sorted(lc.positions[0, 0].tolist())
         M = (S_l - 4) // 4  # N:M = 3:1 of the non-sink budget
         assert pos[:4] == [0, 1, 2, 3] and pos[len(pos) - M :] == list(range(46 - M, 46))
 
@@ -337,7 +337,7 @@ def test_official_schedule_allocation_and_split_equal_a_literal_run(L, protected
     with torch.no_grad():
         for ids in calls:
             got.append(model(ids, cache, policy)[:, -1])
-            after.append([lc.positions.tolist() for lc in cache.layers])
+            after.append([lc.positions.sort(dim=-1).values.tolist() for lc in cache.layers])
     prot = tuple(int(x) % L for x in protected.split(",") if x)
     choose, budgets = d2o_official_literal(2, L, 16, n, 4, (1, 1), prot, 8)
     want, entering = simulate(model, calls + calls[-1:], choose)  # one more call: what the last one kept
@@ -420,3 +420,67 @@ def test_paper_merge_over_several_kv_heads_equals_loops_per_head():
         torch.testing.assert_close(lc.keys[0, h, keep[h]], torch.stack([new_k[j] for j in keep[h]]), atol=1e-5, rtol=0)
         torch.testing.assert_close(lc.values[0, h, keep[h]], torch.stack([new_v[j] for j in keep[h]]), atol=1e-5,
                                    rtol=0)
+
+
+def after_evict_one(items: list, victim: int) -> list:
+    """A buffer after `LayerCache.evict_one(victim)`, by hand: the last entry takes the victim's slot."""
+    out = list(items)
+    out[victim] = out[-1]
+    return out[:-1]
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_one_eviction_merge_equals_literal_loops_paper(seed):
+    """A decode step (`EMAMerge.one` + `evict_one`: only the nearest entry is written) equals the
+    loops of Eq. 9-12 with every other entry kept, over several steps in a mixed buffer order."""
+    gen = torch.Generator().manual_seed(seed)
+    D, beta = 4, 0.7
+    lc = LayerCache(1, 1, D, torch.float32, "cpu")
+    for t in range(8):
+        lc.append(torch.randn(1, 1, 1, D, generator=gen), torch.randn(1, 1, 1, D, generator=gen), torch.tensor([[t]]))
+    merge, tau = EMAMerge(beta), None
+    for step in range(5):
+        S = lc.length
+        victim = int(torch.randint(0, S, (1,), generator=gen))
+        cur_k, cur_v = list(lc.keys[0, 0].clone()), list(lc.values[0, 0].clone())
+        keep = [j for j in range(S) if j != victim]
+        sim = literal_merge(cur_k, cur_v, keep, float("inf"))[2][0]
+        tau = sim if tau is None else beta * sim + (1 - beta) * tau  # tau_t, compared with this step's
+        new_k, new_v, _ = literal_merge(cur_k, cur_v, keep, tau)
+        merge.one(0, lc, torch.tensor([[victim]]))
+        lc.evict_one(torch.tensor([[victim]]))
+        assert merge.tau[0].item() == pytest.approx(tau, abs=1e-6)
+        want_k = after_evict_one([new_k.get(j, cur_k[j]) for j in range(S)], victim)
+        want_v = after_evict_one([new_v.get(j, cur_v[j]) for j in range(S)], victim)
+        torch.testing.assert_close(lc.keys[0, 0], torch.stack(want_k), atol=1e-5, rtol=0)
+        torch.testing.assert_close(lc.values[0, 0], torch.stack(want_v), atol=1e-5, rtol=0)
+        lc.append(torch.randn(1, 1, 1, D, generator=gen), torch.randn(1, 1, 1, D, generator=gen),
+                  torch.tensor([[8 + step]]))
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_one_eviction_merge_equals_literal_loops_official(seed):
+    """The authors' per-layer threshold and scatter-mean, one eviction per head per step, several heads."""
+    gen = torch.Generator().manual_seed(seed)
+    H, D, beta = 3, 4, 0.5
+    lc = LayerCache(1, H, D, torch.float32, "cpu")
+    for t in range(8):
+        lc.append(torch.randn(1, H, 1, D, generator=gen), torch.randn(1, H, 1, D, generator=gen), torch.tensor([[t]]))
+    merge, tau = EMAMerge(beta, weights="official", tau="per_layer"), None
+    for step in range(4):
+        S = lc.length
+        victims = torch.randint(0, S, (H,), generator=gen).tolist()
+        keys = [list(lc.keys[0, h].clone()) for h in range(H)]
+        values = [list(lc.values[0, h].clone()) for h in range(H)]
+        keep = [[j for j in range(S) if j != victims[h]] for h in range(H)]
+        want_k, want_v, tau = literal_official_merge(keys, values, keep, tau, beta)  # (H, S-1, D) in keep order
+        merge.one(0, lc, torch.tensor([victims]))
+        lc.evict_one(torch.tensor([victims]))
+        assert merge.tau[0].item() == pytest.approx(tau, abs=1e-6)
+        for h in range(H):
+            by_index = dict(zip(keep[h], range(S - 1)))  # buffer index -> row of want
+            order = after_evict_one(list(range(S)), victims[h])
+            torch.testing.assert_close(lc.keys[0, h], want_k[h, [by_index[j] for j in order]], atol=1e-5, rtol=0)
+            torch.testing.assert_close(lc.values[0, h], want_v[h, [by_index[j] for j in order]], atol=1e-5, rtol=0)
+        lc.append(torch.randn(1, H, 1, D, generator=gen), torch.randn(1, H, 1, D, generator=gen),
+                  torch.tensor([[8 + step]]))

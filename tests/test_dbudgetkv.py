@@ -119,7 +119,7 @@ def test_whole_model_equals_the_literal_rule(options):
         torch.testing.assert_close(a, b, atol=1e-5, rtol=0)
     assert policy.budgets == [len(layer[0][0]) for layer in entering[1]]
     for l, lc in enumerate(cache.layers):
-        assert lc.positions[:, :, :-1].tolist() == entering[-1][l], f"layer {l}"
+        assert lc.positions.sort(dim=-1).values[:, :, :-1].tolist() == entering[-1][l], f"layer {l}"
     assert any(b < 24 for b in policy.budgets)  # something was pruned
 
 

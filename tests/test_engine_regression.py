@@ -36,6 +36,8 @@ SMALL = {"snapkv": {"window": 3, "kernel": 3}, "pyramidkv": {"window": 3, "kerne
          "dynamickv": {"window": 2, "kernel": 3, "interval": 1}}
 # D2O as recorded: kvmini's reading (z-scored variances) of the paper; now `variant=paper, allocation=zscore`
 KVMINI_D2O = {"variant": "paper", "allocation": "zscore"}
+# WeightedKV as recorded: Alg. 1's order within a chunk; now `chunk_merge=sequential` (the default merges runs at once)
+KVMINI_WKV = {"chunk_merge": "sequential"}
 # (label, method, budget, options): every method, and the variants the fidelity tool's specs reach
 TINY_VARIANTS = [
     ("full", "full", None, {}),
@@ -47,8 +49,8 @@ TINY_VARIANTS = [
     ("snapkv", "snapkv", 12, SMALL["snapkv"]),
     ("snapkv[pooling=max,reduce=sum]", "snapkv", 12, {**SMALL["snapkv"], "pooling": "max", "reduce": "sum"}),
     ("pyramidkv", "pyramidkv", 12, SMALL["pyramidkv"]),
-    ("weightedkv", "weightedkv", 12, {}),
-    ("weightedkv[sinks=1,window=3]", "weightedkv", 12, {"sinks": 1, "recent": 3}),
+    ("weightedkv", "weightedkv", 12, KVMINI_WKV),
+    ("weightedkv[sinks=1,window=3]", "weightedkv", 12, {**KVMINI_WKV, "sinks": 1, "recent": 3}),
     ("d2o", "d2o", 12, KVMINI_D2O),  # the labels name the options as they were when recorded
     ("d2o[allocation=uniform]", "d2o", 12, {**KVMINI_D2O, "allocation": "uniform"}),
     ("d2o[allocation=reciprocal,nm=1:1,beta=0.3]", "d2o", 12,
@@ -61,7 +63,7 @@ TINY_VARIANTS = [
      {"ranking": "cumulative", "threshold": 0.2, "k": 3, "protected_layers": ""}),
 ]
 DEFAULT_VARIANTS = [("full", "full", None, {})] + [
-    (m, m, None if m == "dbudgetkv" else 64, KVMINI_D2O if m == "d2o" else {}) for m in
+    (m, m, None if m == "dbudgetkv" else 64, {"d2o": KVMINI_D2O, "weightedkv": KVMINI_WKV}.get(m, {})) for m in
     ("streaming_llm", "h2o", "tova", "snapkv", "pyramidkv", "weightedkv", "d2o", "dynamickv", "dbudgetkv")
 ] + [("d2o[allocation=uniform]", "d2o", 64, {**KVMINI_D2O, "allocation": "uniform"}),
      ("dbudgetkv[ranking=attention]", "dbudgetkv", None, {"ranking": "cumulative"})]

@@ -99,7 +99,7 @@ def test_engine_equals_literal_masked_simulation(name, options, budget, rule, ch
     got_logits, got_kept = [], []
     with torch.no_grad():
         for ids in calls:
-            got_kept.append([[[cache[l].positions[b, h].tolist() for h in range(2)] for b in range(B)]
+            got_kept.append([[[sorted(cache[l].positions[b, h].tolist()) for h in range(2)] for b in range(B)]
                              for l in range(3)])
             got_logits.append(model(ids, cache, policy)[:, -1])
 

@@ -13,7 +13,7 @@ from kvmini.methods.registry import METHODS, chooses_budget, make_policy, method
 from kvmini.methods.selectors import keep_top
 from kvmini.parts import AFTER_PROMPT, DECODE, EVERY_CALL
 from kvmini.policy import PerSequence, resolve_budget
-from reference import random_model
+from reference import in_position_order, random_model
 
 COMPRESSING = [m for m in METHODS if m != "full" and not chooses_budget(m)]
 SMALL = {"snapkv": {"window": 3, "kernel": 3}, "pyramidkv": {"window": 3, "kernel": 3},  # fit tiny prompts
@@ -129,8 +129,8 @@ def test_invariants(name, kv_heads, group, B, n, steps, budget, chunk, seed):
             for b, l in itertools.product(range(B), range(len(cache))):
                 row = policy.rows[b] if getattr(policy, "rows", None) else base  # per-sequence: a policy per row
                 lc = cache.sequence(b)[l]
-                pos = lc.positions  # (1, H_kv, S_b): the row's entries, pads excluded
-                assert (pos[..., 1:] > pos[..., :-1]).all(), "positions unique and sorted"
+                pos = lc.positions.sort(dim=-1).values  # (1, H_kv, S_b): the row's entries, pads excluded
+                assert (pos[..., 1:] > pos[..., :-1]).all(), "positions unique"
                 assert (pos < seen).all()
                 b_l = row.budgets[l] if base.active else seen  # inactive: budget >= the sequence
                 if l in base.budgeter.protected:  # never compressed
@@ -177,9 +177,10 @@ def test_batch_of_two_equals_two_single_runs(name):
         for x, y in zip(both, alone):
             torch.testing.assert_close(x[b : b + 1], y, atol=1e-5, rtol=0)
         for l2, l1 in zip(cache2.sequence(b).layers, cache1.layers):
-            assert torch.equal(l2.positions, l1.positions)
-            torch.testing.assert_close(l2.keys, l1.keys, atol=1e-5, rtol=0)
-            torch.testing.assert_close(l2.values, l1.values, atol=1e-5, rtol=0)
+            (p2, k2, v2), (p1, k1, v1) = in_position_order(l2), in_position_order(l1)
+            assert torch.equal(p2, p1)
+            torch.testing.assert_close(k2, k1, atol=1e-5, rtol=0)
+            torch.testing.assert_close(v2, v1, atol=1e-5, rtol=0)
 
 
 @pytest.mark.parametrize("name", COMPRESSING)
@@ -267,3 +268,24 @@ def test_self_budgeted_method_back_to_back_and_threshold_zero():
     assert min(first.cache.lengths()) < 30 + 5
     nothing = generate(model, a, 6, policy=make_policy("dbudgetkv", threshold=0.0, protected_layers=""))
     assert nothing.cache.lengths() == [35] * 4 and nothing.tokens == generate(model, a, 6).tokens
+
+
+@settings(max_examples=60, deadline=None)
+@given(S=st.integers(3, 30), sinks=st.integers(0, 4), recent=st.integers(0, 6), seed=st.integers(0, 10**6))
+def test_lowest_drops_what_keep_top_drops_in_any_buffer_order(S, sinks, recent, seed):
+    """The per-step victim (`lowest`, no sort, buffer in any order) is the one entry keep_top leaves out."""
+    from kvmini.methods.selectors import keep_top, lowest
+
+    if sinks + recent >= S:
+        return
+    gen = torch.Generator().manual_seed(seed)
+    # a held set as eviction leaves it: the first `sinks` positions, the `recent` latest, gaps between
+    middle = sorted((torch.randperm(3 * S, generator=gen)[: S - sinks - recent] + sinks).tolist())
+    top = max(middle + [sinks - 1]) + 1
+    positions = torch.tensor(list(range(sinks)) + middle + list(range(top, top + recent)))  # (S,) ascending
+    score = torch.randint(0, 4, (S,), generator=gen).float()  # few values: many ties
+    kept = keep_top(score.view(1, 1, S), S - 1, sinks, recent)[0, 0].tolist()
+    dropped = positions[sorted(set(range(S)) - set(kept))].item()
+    perm = torch.cat([torch.arange(sinks), torch.randperm(S - sinks, generator=gen) + sinks])  # sinks first
+    victim = lowest(score[perm].view(1, 1, S), positions[perm].view(1, 1, S), sinks, recent)
+    assert positions[perm][victim].item() == dropped

@@ -11,13 +11,25 @@ Whenever the cache holds more than its capacity m:
 Keys are only ever dropped; values are merged convexly into the right neighbour, so no
 value vanishes outright. The paper protects no token in Alg. 1 except the newest one (j < m);
 its experiments (Sec. V-A) keep 4 initial tokens and (m - 8) // 2 recent ones, our defaults.
+Three implementations of lines 6-10, one result where they overlap:
+    convex_value_merge  Alg. 1 as written: one merge at a time, the cache kept in position order
+    merge_one           one excess entry (a decode step): the same merge, O(D) cache work
+                        (`LayerCache.evict_one`; the buffer is then no longer in position order)
+    merge_runs          many excess entries (a prefill chunk): all merges at once
 Deviation: for a prompt, Alg. 1 runs after each chunk of the prefill (chunk size 1 is Alg. 1
 literally); n counts the queries of the chunk that could see the token (causal mask).
+Deviation (`chunk_merge="runs"`, the default): within a chunk, `merge_runs` deletes the same
+entries as Alg. 1 (the lowest abar, which no merge changes) but merges a run of consecutive deleted
+entries into the surviving entry after it in one convex step, each weighted by its abar:
+    v_s \leftarrow \frac{\bar a_s v_s + \sum_{i \in run} \bar a_i v_i}{\bar a_s + \sum_{i \in run} \bar a_i}
+This is line 9 exactly for a run of one; for longer runs Alg. 1's order (lowest first, each into
+its current neighbour) weighs the run's values differently. `chunk_merge="sequential"` runs
+`convex_value_merge`; tests/test_weightedkv.py measures the difference.
 """
 import torch
 
 from kvmini.attention import StatsRequest
-from kvmini.cache import LayerCache
+from kvmini.cache import PAD, LayerCache
 from kvmini.parts import Compressor, Scorer
 
 
@@ -64,9 +76,69 @@ def convex_value_merge(lc: LayerCache, capacity: int, sinks: int, recent: int) -
     # END EXERCISE
 
 
+def merge_one(lc: LayerCache, sinks: int, recent: int) -> None:
+    """Alg. 1 lines 7-10 once, in a buffer out of position order (entries found by position, not by
+    index): j is the lowest abar after the sinks and before the recent window (ties: the earliest),
+    its right neighbour the held entry with the next position. O(S) to find them, O(D) to merge and
+    delete. Sinks and window are found as in `selectors.lowest`."""
+    pos = lc.positions  # (B, H_kv, S)
+    abar = lc.aux("a") / lc.aux("n")  # line 7
+    after_sinks = pos[..., sinks:]  # the sinks stay in the first slots (see selectors.lowest)
+    free = after_sinks <= pos.amax(-1, keepdim=True) - max(recent, 1)  # not in the window: j may be these
+    masked = abar[..., sinks:].masked_fill(~free, float("inf"))
+    low = free & (masked == masked.amin(-1, keepdim=True))  # line 8 (ties)
+    j = torch.where(low, after_sinks, PAD).argmin(-1, keepdim=True) + sinks  # (B, H_kv, 1): the earliest
+    nxt = torch.where(pos > pos.gather(2, j), pos, PAD).argmin(-1, keepdim=True)  # its right neighbour
+    w_j, w_next = abar.gather(2, j), abar.gather(2, nxt)  # (B, H_kv, 1) each
+    den = w_j + w_next
+    share = torch.where(den > 0, w_j / den, 0.5)[..., None]  # (B, H_kv, 1, 1): weight of v_j
+    D = lc.values.shape[-1]
+    at_j, at_next = j[..., None].expand(-1, -1, -1, D), nxt[..., None].expand(-1, -1, -1, D)
+    merged = share * lc.values.gather(2, at_j).float() + (1 - share) * lc.values.gather(2, at_next).float()  # line 9
+    lc.values.scatter_(2, at_next, merged.to(lc.values.dtype))
+    lc.evict_one(j[..., 0])  # line 10
+
+
+def merge_runs(lc: LayerCache, capacity: int, sinks: int, recent: int) -> None:
+    """Lines 6-10 for S - capacity excess entries at once (the module docstring's deviation).
+
+    Deleted: the S - capacity lowest abar after the sinks and before the recent window, ties to the
+    earliest (as line 8 picks them one by one). Each run of deleted entries merges into the held
+    entry after it: v_s <- (abar_s v_s + sum abar_i v_i) / (abar_s + sum abar_i) (equal weights if all are 0).
+    """
+    S, D = lc.length, lc.values.shape[-1]
+    order = lc.positions.argsort(dim=-1)  # (B, H_kv, S): position order
+    abar = (lc.aux("a") / lc.aux("n")).gather(2, order)  # (B, H_kv, S), line 7, in position order
+    last = S - max(recent, 1)
+    deleted = abar[:, :, sinks:last].argsort(dim=-1, stable=True)[..., : S - capacity] + sinks  # line 8, ranked
+    dead = torch.zeros_like(abar, dtype=torch.bool).scatter_(2, deleted, True)  # (B, H_kv, S)
+    rank = torch.arange(S, device=abar.device).expand_as(abar)
+    target = torch.where(dead, S, rank).flip(-1).cummin(-1).values.flip(-1)  # each entry's first held at or after it
+    den = torch.zeros_like(abar).scatter_add_(2, target, abar)  # (B, H_kv, S): sum of weights per held entry
+    w = torch.where(den.gather(2, target) > 0, abar, 1.0)  # all-zero groups: equal weights
+    den = torch.zeros_like(abar).scatter_add_(2, target, w)
+    at = order[..., None].expand(-1, -1, -1, D)
+    v = lc.values.gather(2, at).float()  # (B, H_kv, S, D) in position order
+    num = torch.zeros_like(v).scatter_add_(2, target[..., None].expand(-1, -1, -1, D), w[..., None] * v)  # line 9
+    merged_into = torch.zeros_like(abar).scatter_add_(2, target, dead.float()) > 0  # held entries a run ends at
+    lc.values.scatter_(2, at, torch.where(merged_into[..., None], num / den[..., None], v).to(lc.values.dtype))
+    held = dead.to(torch.int8).argsort(dim=-1, stable=True)[..., :capacity]  # (B, H_kv, capacity) ranks
+    lc.keep(order.gather(2, held))  # line 10, in position order
+
+
 class ConvexValueMerge(Compressor):
-    """The compressor: `convex_value_merge` down to the budget; every evicted token's value is merged."""
+    """The compressor: down to the budget, every evicted token's value merged (`merge_one` for one excess
+    entry, else `merge_runs`, or `convex_value_merge` for every call when chunk_merge="sequential")."""
+
+    def __init__(self, sinks: int = 0, recent=lambda b: 0, chunk_merge: str = "runs"):
+        super().__init__(sinks, recent)
+        self.sequential = chunk_merge == "sequential"
 
     def __call__(self, layer: int, lc: LayerCache, score: torch.Tensor, b: int) -> None:
         self.merged[layer] += lc.length - b
-        convex_value_merge(lc, b, self.sinks, self.recent(b))
+        if self.sequential:
+            convex_value_merge(lc, b, self.sinks, self.recent(b))
+        elif lc.length == b + 1:
+            merge_one(lc, self.sinks, self.recent(b))
+        else:
+            merge_runs(lc, b, self.sinks, self.recent(b))

@@ -49,19 +49,48 @@ class EMAMerge:
         gather = lambda x, idx: x.gather(2, idx[..., None].expand(-1, -1, -1, D)).float()  # noqa: E731
         k_keep, k_evict = gather(lc.keys, keep), gather(lc.keys, evict)  # (B, H_kv, b, D), (B, H_kv, E, D)
         best, j_star = nearest(k_evict, k_keep)  # (B, H_kv, E) each, Eq. 9
-        if self.per_layer:  # the official code: one threshold per layer, similarities averaged over heads
-            sim = best.mean(1, keepdim=True)  # (B, 1, E)
-            self.tau[layer] = ema_threshold(self.tau.get(layer), sim.mean(-1), self.beta)  # (B, 1)
-            merge = (sim >= self.tau[layer][..., None]).expand_as(best)  # (B, H_kv, E)
-        else:
-            self.tau[layer] = ema_threshold(self.tau.get(layer), best.mean(-1), self.beta)  # (B, H_kv), Eq. 10
-            merge = best >= self.tau[layer][..., None]  # (B, H_kv, E)
+        merge = self.decide(layer, best)  # (B, H_kv, E)
         combine = convex_merge if self.weights == "paper" else scatter_mean_merge
         v_keep, v_evict = gather(lc.values, keep), gather(lc.values, evict)
         for cache, x_keep, x_evict in ((lc.keys, k_keep, k_evict), (lc.values, v_keep, v_evict)):
             merged = combine(x_keep, x_evict, j_star, best, merge)  # (B, H_kv, b, D), Eq. 11-12
             cache.scatter_(2, keep[..., None].expand(-1, -1, -1, D), merged.to(cache.dtype))
         return merge.float().mean(1).sum()  # tokens merged, mean over heads
+
+    def one(self, layer: int, lc: LayerCache, victim: torch.Tensor) -> torch.Tensor:
+        """A decode step: the one entry each head evicts, `victim` (B, H_kv), is compared with every other
+        entry (Eq. 9) and, if similar enough, merged into its nearest (Eq. 11-12). The same result as
+        `__call__` with every other entry kept, but only the nearest entry's key and value are written."""
+        D = lc.keys.shape[-1]
+        at = victim[:, :, None, None].expand(-1, -1, 1, D)  # (B, H_kv, 1, D)
+        k_evict = lc.keys.gather(2, at).float()  # (B, H_kv, 1, D)
+        u = cosine(k_evict, lc.keys.float())  # (B, H_kv, 1, S)
+        best, j_star = u.scatter(3, victim[:, :, None, None], float("-inf")).max(-1)  # (B, H_kv, 1): not itself
+        merge = self.decide(layer, best)  # (B, H_kv, 1)
+        combine = convex_merge if self.weights == "paper" else scatter_mean_merge
+        near = j_star[..., None].expand(-1, -1, -1, D)  # (B, H_kv, 1, D)
+        for cache in (lc.keys, lc.values):
+            x_near, x_evict = cache.gather(2, near).float(), cache.gather(2, at).float()  # (B, H_kv, 1, D) each
+            merged = combine(x_near, x_evict, torch.zeros_like(j_star), best, merge)  # Eq. 11-12
+            cache.scatter_(2, near, merged.to(cache.dtype))
+        return merge.float().mean(1).sum()
+
+    def decide(self, layer: int, best: torch.Tensor) -> torch.Tensor:
+        """Eq. 10: update layer's threshold with the evicted tokens' best similarities `best` (B, H_kv, E)
+        and say which of them merge, (B, H_kv, E) bool."""
+        if self.per_layer:  # the official code: one threshold per layer, similarities averaged over heads
+            sim = best.mean(1, keepdim=True)  # (B, 1, E)
+            self.tau[layer] = ema_threshold(self.tau.get(layer), sim.mean(-1), self.beta)  # (B, 1)
+            return (sim >= self.tau[layer][..., None]).expand_as(best)
+        self.tau[layer] = ema_threshold(self.tau.get(layer), best.mean(-1), self.beta)  # (B, H_kv)
+        return best >= self.tau[layer][..., None]
+
+
+def cosine(a: torch.Tensor, b: torch.Tensor, eps: float = 1e-12) -> torch.Tensor:
+    """u_ij = a_i . b_j / (|a_i| |b_j|), as F.normalize computes it: a (..., E, D), b (..., S, D) -> (..., E, S).
+    Divides by the norms instead of normalizing b, so the S keys are only read."""
+    norms = a.norm(dim=-1).clamp_min(eps)[..., :, None] * b.norm(dim=-1).clamp_min(eps)[..., None, :]
+    return (a @ b.transpose(-1, -2)) / norms
 
 
 def nearest(k_evict: torch.Tensor, k_keep: torch.Tensor):

@@ -88,6 +88,8 @@ OPTIONS = {
                        "be >= 1"),
     "tail_reallocation": Option(bool, "DynamicKV: re-balance after the last layer too (the paper; not the "
                                       "authors' code)", lambda x: True, "be true or false"),
+    "chunk_merge": Option(str, "WeightedKV: a prefill chunk's merges all at once (runs) or one by one in Alg. 1's "
+                               "order (sequential)", *one_of("runs", "sequential")),
     "softmax_temperature": Option(float, "D2O: temperature of the softmax over standardized variances (zscore)",
                                   lambda x: x > 0, "be > 0"),
 }

@@ -19,9 +19,33 @@ def keep_top(score: torch.Tensor, budget: int, sinks: int, recent: int) -> torch
     return torch.cat([arange[:, :, :sinks], top.sort(-1).values, arange[:, :, S - recent :]], dim=-1)
 
 
+def lowest(score: torch.Tensor, positions: torch.Tensor, sinks: int, recent: int) -> torch.Tensor:
+    """The entry each head drops when it must drop exactly one, (B, H_kv): what `keep_top` with
+    budget S - 1 evicts, found in O(S) without sorting, in a buffer that may be out of position order.
+
+    The lowest score outside the sinks and the recent window; ties go to the later position (as
+    `keep_top` keeps the earlier). score, positions (B, H_kv, S).
+    Where they are, without sorting: the sinks stay in the first `sinks` slots (`keep` puts them
+    there, `evict_one` never moves them) and the window is the positions after newest - recent
+    (never evicted, so all of them are held).
+    Example: score [5, 1, 9, 3, 7, 2] at positions 0..5, sinks 1, recent 1 -> entry 1 (score 1).
+    """
+    pos, s = positions[..., sinks:], score[..., sinks:]  # (B, H_kv, S - sinks): after the sinks
+    free = pos <= pos.amax(-1, keepdim=True) - recent  # not in the recent window
+    masked = s.masked_fill(~free, float("inf"))
+    low = free & (masked == masked.amin(-1, keepdim=True))  # the lowest free entries (ties)
+    return torch.where(low, pos, -1).argmax(-1) + sinks  # (B, H_kv): the latest of them
+
+
 class TopK(Compressor):
     """Keep the sinks, the recent window and the best-scoring tokens between them (`keep_top`);
-    with a `merge` (e.g. D2O's EMAMerge), evicted tokens may first be merged into kept ones."""
+    with a `merge` (e.g. D2O's EMAMerge), evicted tokens may first be merged into kept ones.
+
+    Two ways to shrink a layer, with the same result: dropping one entry (a decode step) finds the
+    lowest one (`lowest`) and moves the newest entry into its slot (`LayerCache.evict_one`, O(D));
+    dropping many (after the prompt) sorts (`keep_top`) and gathers the kept ones (`keep`, O(S·D)),
+    in position order again.
+    """
 
     def __init__(self, sinks: int = 0, recent=lambda b: 0, merge=None):
         super().__init__(sinks, recent)
@@ -32,8 +56,16 @@ class TopK(Compressor):
         if self.merge is not None:
             self.merge.reset()
 
-    def __call__(self, layer, lc, score: torch.Tensor, b: int) -> torch.Tensor:
-        idx = keep_top(score, b, self.sinks, self.recent(b))  # (B, H_kv, b), ascending
+    def __call__(self, layer, lc, score: torch.Tensor, b: int) -> torch.Tensor | None:
+        if lc.length == b + 1:  # one entry to drop
+            victim = lowest(score, lc.positions, self.sinks, self.recent(b))  # (B, H_kv)
+            if self.merge is not None:
+                self.merged[layer] = self.merged[layer] + self.merge.one(layer, lc, victim)
+            lc.evict_one(victim)
+            kept = torch.arange(b + 1, device=score.device).expand_as(score).clone()  # (B, H_kv, b + 1)
+            return kept.scatter_(2, victim[..., None], b)[..., :b]  # the victim's slot now holds entry b
+        order = lc.positions.argsort(dim=-1)  # (B, H_kv, S): position order (earlier steps may have mixed the buffer)
+        idx = order.gather(2, keep_top(score.gather(2, order), b, self.sinks, self.recent(b)))  # (B, H_kv, b)
         if self.merge is not None:
             self.merged[layer] = self.merged[layer] + self.merge(layer, lc, idx)
         lc.keep(idx)

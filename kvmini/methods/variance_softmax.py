@@ -40,7 +40,10 @@ def attention_variance(column_sums: torch.Tensor, correction: int = 0) -> float:
 
 def official_variance(column_sums_heads: torch.Tensor) -> float:
     """The authors' v_l: per query head the unbiased variance of the column sums, averaged over the
-    batch, min-max normalized across the heads of the layer, then averaged. In [0, 1]."""
+    batch, min-max normalized across the heads of the layer, then averaged. In [0, 1].
+    A one-token prompt (one column) has no unbiased variance: it counts as flat (0)."""
+    if column_sums_heads.shape[-1] < 2:
+        return 0.0
     var = column_sums_heads.var(dim=-1).mean(0)  # (H,)
     return ((var - var.min()) / (var.max() - var.min() + 1e-6)).mean().item()
 

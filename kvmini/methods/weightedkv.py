@@ -7,7 +7,10 @@ A fixed capacity m (the budget) per layer. Tokens are ranked by average attentio
 weakest non-protected token's value is merged convexly into its right neighbour and its key
 dropped (kvmini.methods.convex_value_merge), after every forward call.
 Defaults (Sec. V-A): 4 sinks, recent window (m - 8) // 2 (1024 -> 508, 256 -> 124), reduction
-mean; the prompt is prefilled in chunks of 64 tokens (run.py `--chunk-size 1` is Alg. 1 token by token).
+mean. The prompt is prefilled in chunks of m tokens (at least 64), so the cache never holds more
+than 2m entries; run.py `--chunk-size 1` is Alg. 1 token by token, and `chunk_merge` says how a
+chunk's merges are done (see kvmini.methods.convex_value_merge: "runs", all at once, the default;
+"sequential", Alg. 1's order).
 """
 from kvmini.methods.allocators import Uniform
 from kvmini.methods.convex_value_merge import AverageAttention, ConvexValueMerge
@@ -17,7 +20,12 @@ from kvmini.policy import Policy
 DEFAULTS_SHOWN = {"recent": "(budget - 8) // 2"}
 
 
-def build(budget: float, sinks: int = 4, recent: int | None = None, reduce: str = "mean") -> Policy:
+CHUNK_MERGES = ("runs", "sequential")
+
+
+def build(budget: float, sinks: int = 4, recent: int | None = None, reduce: str = "mean",
+          chunk_merge: str = "runs") -> Policy:
     window = (lambda m: max((m - 8) // 2, 0)) if recent is None else (lambda m: recent)
-    return Policy("weightedkv", budget, AverageAttention(reduce), Uniform(), ConvexValueMerge(sinks, recent=window),
-                  schedule=EVERY_CALL, prefill_chunk=64)
+    return Policy("weightedkv", budget, AverageAttention(reduce), Uniform(),
+                  ConvexValueMerge(sinks, recent=window, chunk_merge=chunk_merge), schedule=EVERY_CALL,
+                  prefill_chunk=lambda m: max(m, 64))
