@@ -1,13 +1,15 @@
 """Benchmark: kvmini vs HF transformers generate() on the default model, same process, side by side.
 
-    python -m kvmini.eval.bench_hf [--prompt-tokens 2048] [--new-tokens 128] [--repeats 3]
+    python -m kvmini.eval.bench_hf [--prompt-tokens 2048] [--new-tokens 128] [--repeats 3] [--dtype bfloat16]
 
 Both libraries are measured the same way, alternating, and the median of `repeats` is kept:
     time to first token (TTFT) = wall time of generating 1 token after the prompt
     decode tokens/s            = new_tokens / (time(1 + new_tokens tokens) - time(1 token))
 Decode is memory-bound, so we also print the share of the machine's memory bandwidth that
 decoding reaches: bytes read per token (weights + KV cache) * tokens/s / measured copy bandwidth.
-Absolute times vary between runs on shared machines; compare the ratios.
+Then it profiles kvmini's decode steps: where the time per token goes (the weights' matmuls,
+attention's matmuls, every other tensor op, and Python between them), next to the floor that
+memory bandwidth sets. Absolute times vary between runs on shared machines; compare the ratios.
 """
 import argparse
 import statistics
@@ -39,7 +41,9 @@ def main(argv=None):
     p.add_argument("--prompt-tokens", type=int, default=2048)
     p.add_argument("--new-tokens", type=int, default=128)
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     args = p.parse_args(argv)
+    dtype = getattr(torch, args.dtype)
     try:
         from transformers import AutoModelForCausalLM
     except ImportError:
@@ -52,8 +56,8 @@ def main(argv=None):
     from kvmini.weights import ensure_default_model
 
     folder = ensure_default_model()
-    ours = load_model(folder, "cpu", "float32")
-    hf = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    ours = load_model(folder, "cpu", args.dtype)
+    hf = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype).eval()
     text = "\n".join(pydoc_data.topics.topics.values())
     ids = torch.tensor([load_tokenizer(folder).encode(text)[: args.prompt_tokens]])
     n = args.new_tokens
@@ -66,7 +70,7 @@ def main(argv=None):
             return hf.generate(ids, max_new_tokens=k, min_new_tokens=k, do_sample=False, eos_token_id=None,
                                pad_token_id=0)
 
-    print(f"SmolLM2-135M-Instruct, CPU fp32, {torch.get_num_threads()} threads, prompt {ids.shape[1]} tokens, "
+    print(f"SmolLM2-135M-Instruct, CPU {args.dtype}, {torch.get_num_threads()} threads, prompt {ids.shape[1]} tokens, "
           f"{n} new tokens, median of {args.repeats}")
     same = run_ours(16).tokens[0] == run_hf(16)[0, ids.shape[1]:].tolist()  # warm-up + sanity
     times = {"kvmini": {"ttft": [], "full": []}, "hf": {"ttft": [], "full": []}}
@@ -81,7 +85,7 @@ def main(argv=None):
         res[name] = (ttft, n / (full - ttft))
     bw = copy_bandwidth()
     weights = sum(p.numel() * p.element_size() for p in ours.parameters())  # tied lm_head counted once
-    kv_per_token = 2 * ours.config.num_layers * ours.config.num_kv_heads * ours.config.head_dim * 4
+    kv_per_token = 2 * ours.config.num_layers * ours.config.num_kv_heads * ours.config.head_dim * dtype.itemsize
     bytes_per_token = weights + kv_per_token * (ids.shape[1] + n / 2)  # mean cache length while decoding
     print(f"greedy tokens identical: {same}")
     print(f"{'':8} {'TTFT s':>8} {'decode tok/s':>13} {'bandwidth share':>16}")
@@ -90,6 +94,40 @@ def main(argv=None):
     print(f"ratios   TTFT kvmini/hf = {res['kvmini'][0] / res['hf'][0]:.2f} (target <= 1.0), "
           f"decode kvmini/hf = {res['kvmini'][1] / res['hf'][1]:.2f}x (target >= 1.5x)")
     print(f"bytes read per decode token {bytes_per_token / 2**20:.0f} MiB, copy bandwidth {bw / 1e9:.1f} GB/s")
+    decode_profile(ours, ids, bytes_per_token / bw)
+
+
+WEIGHTS = {"aten::mm", "aten::addmm", "aten::linear"}  # x W^T of the linear layers (one query row)
+ATTENTION = {"aten::bmm", "aten::_softmax"}  # q K^T, softmax, p V over the cache
+
+
+@torch.inference_mode()
+def decode_profile(model, ids: torch.Tensor, floor_s: float, steps: int = 16) -> None:
+    """Where kvmini's decode time per token goes, from torch.profiler's self time per op."""
+    from kvmini.generate import prefill
+
+    cache = model.new_cache(1, ids.shape[1] + 2 * steps + 1)
+    nxt = prefill(model, ids, cache).argmax(-1, keepdim=True)
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        nxt = model(nxt, cache)[:, -1].argmax(-1, keepdim=True)
+    wall = (time.perf_counter() - t0) / steps  # unprofiled
+    with torch.profiler.profile() as prof:
+        for _ in range(steps):
+            nxt = model(nxt, cache)[:, -1].argmax(-1, keepdim=True)
+    parts = {"weights (linear layers)": 0.0, "attention (q K^T, softmax, p V)": 0.0, "other tensor ops": 0.0}
+    calls = 0
+    for e in prof.key_averages():
+        key = "weights (linear layers)" if e.key in WEIGHTS else (
+            "attention (q K^T, softmax, p V)" if e.key in ATTENTION else "other tensor ops")
+        parts[key] += e.self_cpu_time_total / 1e6 / steps
+        calls += e.count / steps
+    parts["Python between ops"] = max(wall - sum(parts.values()), 0.0)
+    print(f"kvmini decode profile: {wall * 1e3:.1f} ms per token; self time per op kind (torch.profiler, which "
+          f"inflates small ops), {calls:.0f} op calls per token:")
+    for name, t in parts.items():
+        print(f"  {name:34} {t * 1e3:6.1f} ms  {t / wall:6.1%}")
+    print(f"  {'floor: bytes read / copy bandwidth':34} {floor_s * 1e3:6.1f} ms")
 
 
 if __name__ == "__main__":

@@ -5,6 +5,9 @@
     decode ratio    decode tokens/s after an n-token prompt at the budget / the full cache's, over
                     `steps` steps after the first decode step; that first step is timed apart
                     ("first step"), since a method may compress there (D2O's official variant)
+    policy time     time inside the method's hooks (scoring, budgeting, compressing): seconds per
+                    prefill, ms per decode step; the rest of a method's extra time is its attention
+                    statistics (computed in the attention pass)
     kept bytes      K/V bytes the cache holds after the prompt / the full cache's
     peak memory     growth of the process's peak resident memory during an n-token prefill,
                     measured in a fresh child process per method (the peak is reset after the
@@ -29,27 +32,55 @@ from kvmini.generate import prefill, synchronize
 from kvmini.methods.registry import policy_for
 
 
+class Timed:
+    """A method's policy whose hooks are timed: `seconds` adds up the time spent in `request` and
+    `after_attention` (scoring, budgeting, compressing). Attention statistics are computed inside
+    the attention pass, so they count as model time. CPU wall time (no CUDA synchronization)."""
+
+    def __init__(self, policy):
+        self.policy, self.seconds = policy, 0.0
+
+    def __getattr__(self, name):
+        return getattr(self.policy, name)
+
+    def request(self, layer: int):
+        t0 = time.perf_counter()
+        out = self.policy.request(layer)
+        self.seconds += time.perf_counter() - t0
+        return out
+
+    def after_attention(self, layer: int, cache, stats: dict) -> None:
+        t0 = time.perf_counter()
+        self.policy.after_attention(layer, cache, stats)
+        self.seconds += time.perf_counter() - t0
+
+
 def _policy(name: str, budget: float):
-    return policy_for(name, budget)
+    policy = policy_for(name, budget)
+    return None if policy is None else Timed(policy)
 
 
 @torch.inference_mode()
 def prefill_times(model, ids: torch.Tensor, methods: list[str], budget: float, reps: int = 1, log=print) -> dict:
     """method -> {"seconds": median prefill time, "ratio": / full's, "kept_bytes_ratio"} over `reps` turns."""
     times = {name: [] for name in ["full", *methods]}
+    hooks = {name: [] for name in times}
     kept = {}
     for rep in range(reps):
         for name in times:
             cache = model.new_cache(1, ids.shape[1])
+            policy = _policy(name, budget)
             t0 = time.perf_counter()
-            prefill(model, ids, cache, _policy(name, budget), total_len=ids.shape[1])
+            prefill(model, ids, cache, policy, total_len=ids.shape[1])
             synchronize(model.device)
             times[name].append(time.perf_counter() - t0)
+            hooks[name].append(0.0 if policy is None else policy.seconds)
             kept[name] = cache.nbytes() / cache.full_nbytes()
             log(f"prefill {ids.shape[1]} tokens, round {rep + 1}/{reps}, {name}: {times[name][-1]:.2f} s")
     full = statistics.median(times["full"])
     return {name: {"seconds": statistics.median(t), "ratio": statistics.median(t) / full,
-                   "kept_bytes_ratio": kept[name]} for name, t in times.items()}
+                   "policy_s": statistics.median(hooks[name]), "kept_bytes_ratio": kept[name]}
+            for name, t in times.items()}
 
 
 @torch.inference_mode()
@@ -65,11 +96,12 @@ def decode_speed(model, ids: torch.Tensor, methods: list[str], budget: float, st
         t0 = time.perf_counter()
         nxt = model(nxt, cache, policy)[:, -1].argmax(-1, keepdim=True)  # the first decode step
         synchronize(model.device)
-        t1 = time.perf_counter()
+        t1, hooks = time.perf_counter(), 0.0 if policy is None else policy.seconds
         for _ in range(steps):
             nxt = model(nxt, cache, policy)[:, -1].argmax(-1, keepdim=True)
         synchronize(model.device)
-        out[name] = {"tokens_per_s": steps / (time.perf_counter() - t1), "first_step_s": t1 - t0}
+        out[name] = {"tokens_per_s": steps / (time.perf_counter() - t1), "first_step_s": t1 - t0,
+                     "policy_ms_per_step": 0.0 if policy is None else (policy.seconds - hooks) / steps * 1e3}
         log(f"decode after {ids.shape[1]} tokens, {name}: {out[name]['tokens_per_s']:.1f} tokens/s "
             f"(first step {t1 - t0:.2f} s)")
     for name in out:

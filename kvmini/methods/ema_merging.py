@@ -65,7 +65,7 @@ class EMAMerge:
         at = victim[:, :, None, None].expand(-1, -1, 1, D)  # (B, H_kv, 1, D)
         k_evict = lc.keys.gather(2, at).float()  # (B, H_kv, 1, D)
         u = cosine(k_evict, lc.keys.float())  # (B, H_kv, 1, S)
-        best, j_star = u.scatter(3, victim[:, :, None, None], float("-inf")).max(-1)  # (B, H_kv, 1): not itself
+        best, j_star = u.scatter_(3, victim[:, :, None, None], float("-inf")).max(-1)  # (B, H_kv, 1): not itself
         merge = self.decide(layer, best)  # (B, H_kv, 1)
         combine = convex_merge if self.weights == "paper" else scatter_mean_merge
         near = j_star[..., None].expand(-1, -1, -1, D)  # (B, H_kv, 1, D)
