@@ -136,8 +136,8 @@ def explicit_attention(q, k, v, q_pos, k_pos, request: StatsRequest, window=None
     for c0 in range(0, T, chunk):
         c1 = min(c0 + chunk, T)
         Tc, Sc = c1 - c0, S if padded else S - T + c1  # queries in the chunk, keys it can see at most
-        q_c = qg[:, :, :, c0:c1].reshape(B, H_kv, g * Tc, D)  # the g heads' queries share K: one matmul
-        scores = (q_c @ k[:, :, :Sc].transpose(-1, -2)).float().view(B, H_kv, g, Tc, Sc).div_(D**0.5)
+        q_c = qg[:, :, :, c0:c1].reshape(B, H_kv, g * Tc, D) * D**-0.5  # g heads share K: one matmul; scaled
+        scores = (q_c @ k[:, :, :Sc].transpose(-1, -2)).float().view(B, H_kv, g, Tc, Sc)  # q k^T / sqrt(D)
         if causal_only:  # only the last Tc keys (this chunk's own tokens) can be in a query's future
             future = torch.ones(Tc, Tc, dtype=torch.bool, device=q.device).triu_(1)  # (Tc, Tc)
             scores[..., Sc - Tc :].masked_fill_(future, float("-inf"))

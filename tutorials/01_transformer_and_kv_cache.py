@@ -21,7 +21,8 @@ sys.path.insert(0, str(Path.cwd() if Path("kvmini").is_dir() else Path.cwd().par
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-from kvmini.cache import KVCache  # noqa: E402
+from kvmini.attention import sdpa_attention  # noqa: E402
+from kvmini.cache import KVCache, LayerCache  # noqa: E402
 from kvmini.config import ModelConfig  # noqa: E402
 from kvmini.model import RMSNorm, Transformer, apply_rope, rope_frequencies  # noqa: E402
 
@@ -152,6 +153,36 @@ layer.keep(torch.tensor([[0, 5, 11], [1, 2, 11]]).view(1, 2, 3))  # each KV head
 assert layer.positions.tolist() == [[[0, 5, 11], [1, 2, 11]]]
 assert layer.aux("score").tolist() == [[[0.0, 5.0, 11.0], [1.0, 2.0, 11.0]]]
 assert cache.seen_tokens == 12  # eviction does not move the next token's position
+
+# %% [markdown]
+# ## Two ways to evict: `keep(idx)` and `evict_one(slot)`
+#
+# `keep(idx)` is the readable bulk case: after a prompt, a method keeps $b$ of $n$ tokens, and
+# every kept entry is copied into place, in position order — $O(S \cdot D)$ work per layer.
+# A method that evicts at every decode step (H2O, TOVA, StreamingLLM, D2O, WeightedKV) drops one
+# token per head per step. Doing that with `keep` would copy all $S$ entries to move past one
+# hole: as much memory traffic as the attention itself, every step. `evict_one(slot)` instead
+# moves the newest entry into the evicted one's slot — $O(D)$. The buffer is then out of position
+# order, which attention does not mind: it masks by `positions`, never by buffer index, and a sum
+# over keys does not depend on their order.
+
+# %%
+layer = LayerCache(1, 1, 2, torch.float32, "cpu")
+for t in range(5):  # entries at positions 0..4, key = (t, t)
+    layer.append(torch.full((1, 1, 1, 2), float(t)), torch.zeros(1, 1, 1, 2), torch.tensor([[t]]))
+layer.evict_one(torch.tensor([[1]]))  # drop position 1: the newest entry (position 4) takes slot 1
+assert layer.positions.tolist() == [[[0, 4, 2, 3]]]
+q = torch.randn(1, 1, 1, 2)
+ordered = layer.positions.argsort(dim=-1)[..., None].expand(-1, -1, -1, 2)  # the same entries, sorted
+a = sdpa_attention(q, layer.keys, layer.values, torch.tensor([[5]]), layer.positions)
+b = sdpa_attention(q, layer.keys.gather(2, ordered), layer.values.gather(2, ordered), torch.tensor([[5]]),
+                   layer.positions.sort(dim=-1).values)
+torch.testing.assert_close(a, b)  # attention cannot tell the two buffers apart
+
+# %% [markdown]
+# A method's compressor picks between the two: `TopK` uses `evict_one` when exactly one entry
+# must go (finding it with `selectors.lowest`, a masked minimum instead of a sort) and `keep`
+# otherwise (sorting by position first). Both keep the same tokens; tests/test_policy.py checks it.
 
 # %% [markdown]
 # ## The memory formula

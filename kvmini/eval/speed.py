@@ -11,7 +11,8 @@
     kept bytes      K/V bytes the cache holds after the prompt / the full cache's
     peak memory     growth of the process's peak resident memory during an n-token prefill,
                     measured in a fresh child process per method (the peak is reset after the
-                    model is loaded and has run once), / the full cache's growth
+                    model is loaded and has run once; glibc's mmap threshold fixed, see
+                    MEASURED_ALLOCATOR), / the full cache's growth
     batch (CUDA)    the largest batch (a power of two) whose prefill + decode stays under a
                     GPU memory cap, and its decode throughput in tokens/s (D2O Table 5 style)
 
@@ -20,6 +21,7 @@ Times on a shared machine are noisy: read the ratios, not the seconds.
 """
 import argparse
 import json
+import os
 import re
 import statistics
 import subprocess
@@ -149,6 +151,12 @@ def _memory_kib() -> dict:
     return {key: int(re.search(key + r":\s+(\d+)", status).group(1)) for key in ("VmRSS", "VmHWM")}
 
 
+# glibc's malloc otherwise raises its mmap threshold after the first large free and then keeps freed
+# blocks of up to 32 MiB in its heap: the peak would measure the allocator's caching (it varied by 1.7x
+# between runs of one method). With a fixed threshold, large tensors are returned when freed.
+MEASURED_ALLOCATOR = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536"}
+
+
 def peak_memory(methods: list[str], n: int, budget: float, model_folder: str | None, log=print) -> dict:
     """method -> {"peak_growth_mib", "ratio": / full's}, each measured in its own child process (Linux)."""
     out = {}
@@ -156,7 +164,7 @@ def peak_memory(methods: list[str], n: int, budget: float, model_folder: str | N
         cmd = [sys.executable, "-m", "kvmini.eval.speed", "--peak", name, "--n", str(n), "--budget", str(budget)]
         if model_folder:
             cmd += ["--model", str(model_folder)]
-        child = subprocess.run(cmd, capture_output=True, text=True)
+        child = subprocess.run(cmd, capture_output=True, text=True, env=MEASURED_ALLOCATOR)
         if child.returncode != 0:
             raise RuntimeError(f"peak-memory child for {name} failed: {child.stderr.strip().splitlines()[-1:]}")
         out[name] = json.loads(child.stdout)

@@ -89,7 +89,8 @@ class EMAMerge:
 def cosine(a: torch.Tensor, b: torch.Tensor, eps: float = 1e-12) -> torch.Tensor:
     """u_ij = a_i . b_j / (|a_i| |b_j|), as F.normalize computes it: a (..., E, D), b (..., S, D) -> (..., E, S).
     Divides by the norms instead of normalizing b, so the S keys are only read."""
-    norms = a.norm(dim=-1).clamp_min(eps)[..., :, None] * b.norm(dim=-1).clamp_min(eps)[..., None, :]
+    norm = torch.linalg.vector_norm
+    norms = norm(a, dim=-1).clamp_min(eps)[..., :, None] * norm(b, dim=-1).clamp_min(eps)[..., None, :]
     return (a @ b.transpose(-1, -2)) / norms
 
 
