@@ -195,3 +195,17 @@ def test_smoke_profile_end_to_end(tmp_path, default_model_dir, monkeypatch):
     assert results["speed"]["peak"]["full"]["ratio"] == 1.0
     summary = (tmp_path / "summary.md").read_text()
     assert "## Passkey retrieval" in summary and "Smoke profile: these numbers mean nothing" in summary
+
+
+def test_a_partial_run_keeps_the_other_experiments_of_the_same_profile(tmp_path):
+    from kvmini.eval.suite import kept_from
+
+    path = tmp_path / "results.json"
+    path.write_text(json.dumps({"profile": "quick", "device": "cpu", "sizes": {"streaming": {"n": 1}, "speed": {"n": 2}},
+                                "streaming": ["old rows"], "speed": {"old": 1}, "seconds": {"streaming": 5.0}}))
+    new = {"profile": "quick", "device": "cpu", "sizes": {"speed": {"n": 3}}, "speed": {"new": 1}, "seconds": {"speed": 1.0}}
+    merged = kept_from(path, new, log=lambda m: None)
+    assert merged["streaming"] == ["old rows"] and merged["speed"] == {"new": 1}  # the re-run replaces its own
+    assert merged["sizes"] == {"streaming": {"n": 1}, "speed": {"n": 3}} and merged["seconds"]["streaming"] == 5.0
+    assert kept_from(path, {**new, "profile": "full"}, log=lambda m: None) == {**new, "profile": "full"}
+    assert kept_from(tmp_path / "missing.json", new) == new

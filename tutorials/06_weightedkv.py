@@ -80,9 +80,12 @@ assert err[0.1] < err[3.0]  # the less the dropped token was attended, the bette
 #     delete K[j], V[j], a[j], n[j]                (line 10)
 # ```
 #
-# For a prompt, kvmini runs this after each chunk of the prefill (default 64 tokens;
-# `--chunk-size 1` is the algorithm token by token). Then $n$ counts the chunk's queries that can
-# see each token (the causal mask):
+# For a prompt, kvmini runs this after each chunk of the prefill (default: the capacity $m$, at
+# least 64 tokens; `--chunk-size 1` is the algorithm token by token). Within a chunk the deleted
+# tokens are those Alg. 1 would delete (the lowest $\bar a$, which no merge changes); by default a
+# run of consecutive deleted tokens merges into the kept token after it in one convex step
+# (`merge_runs`), which is line 9 exactly for a run of one. Then $n$ counts the chunk's queries
+# that can see each token (the causal mask):
 
 # %%
 lc = LayerCache(1, 1, 2, torch.float32, "cpu")

@@ -12,7 +12,8 @@ Experiments (sizes per profile in PROFILES):
     layers     attention density, variance and per-layer retention (D2O Fig. 1/4, DynamicKV Fig. 2)
     speed      prefill overhead, decode speed, kept bytes and peak memory relative to the full cache
 
-Writes results.json (everything), summary.md (the tables) and PNG plots (with matplotlib).
+Writes results.json (everything), summary.md (the tables) and PNG plots (with matplotlib). Experiments
+that an earlier run of the same profile wrote to the folder and this run skips are kept.
 """
 import argparse
 import json
@@ -205,6 +206,7 @@ def main(argv=None) -> int:
         return 2
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
+    results = kept_from(out / "results.json", results, log)
     try:
         results["plots"] = plots.write_plots(results, out)
     except plots.PlotsUnavailable as e:
@@ -215,6 +217,24 @@ def main(argv=None) -> int:
     print(summary(results))
     log(f"wrote {out / 'results.json'}, {out / 'summary.md'} and {len(results.get('plots', []))} plots")
     return 0
+
+
+def kept_from(path: Path, results: dict, log=print) -> dict:
+    """`results` plus the experiments an earlier run of the same profile and device wrote to `path`
+    and this one did not re-run (so `--only speed` updates one section, not the whole folder)."""
+    try:
+        old = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return results
+    if not isinstance(old, dict) or (old.get("profile"), old.get("device")) != (results["profile"], results["device"]):
+        return results
+    kept = [name for name in EXPERIMENTS if name in old and name not in results]
+    if kept:
+        log(f"kept from the earlier {path}: {', '.join(kept)}")
+    merged = {**results, **{name: old[name] for name in kept}}
+    merged["sizes"] = {**{name: old.get("sizes", {}).get(name) for name in kept}, **results["sizes"]}
+    merged["seconds"] = {**{name: old.get("seconds", {}).get(name) for name in kept}, **results.get("seconds", {})}
+    return merged
 
 
 def run_suite(profile: str, only: list[str], model_folder: str | None, device: str, log=print) -> dict:
