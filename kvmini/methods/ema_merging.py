@@ -69,10 +69,12 @@ class EMAMerge:
         merge = self.decide(layer, best)  # (B, H_kv, 1)
         combine = convex_merge if self.weights == "paper" else scatter_mean_merge
         near = j_star[..., None].expand(-1, -1, -1, D)  # (B, H_kv, 1, D)
-        for cache in (lc.keys, lc.values):
-            x_near, x_evict = cache.gather(2, near).float(), cache.gather(2, at).float()  # (B, H_kv, 1, D) each
-            merged = combine(x_near, x_evict, torch.zeros_like(j_star), best, merge)  # Eq. 11-12
-            cache.scatter_(2, near, merged.to(cache.dtype))
+        # keys and values merge with the same weights: one call on [k | v], (B, H_kv, 1, 2D)
+        x_near = torch.cat([lc.keys.gather(2, near), lc.values.gather(2, near)], -1).float()
+        x_evict = torch.cat([k_evict, lc.values.gather(2, at).float()], -1)
+        merged = combine(x_near, x_evict, torch.zeros_like(j_star), best, merge)  # Eq. 11-12
+        lc.keys.scatter_(2, near, merged[..., :D].to(lc.keys.dtype))
+        lc.values.scatter_(2, near, merged[..., D:].to(lc.values.dtype))
         return merge.float().mean(1).sum()
 
     def decide(self, layer: int, best: torch.Tensor) -> torch.Tensor:
