@@ -378,13 +378,20 @@ def literal_official_merge(keys, values, keep, tau_prev, beta):
     return torch.stack(new_k), torch.stack(new_v), tau
 
 
+def random_cache(heads: int, D: int, n: int, gen: torch.Generator) -> LayerCache:
+    """n entries at positions 0..n-1 with random keys and values."""
+    lc = LayerCache(1, heads, D, torch.float32, "cpu")
+    for t in range(n):
+        lc.append(torch.randn(1, heads, 1, D, generator=gen), torch.randn(1, heads, 1, D, generator=gen),
+                  torch.tensor([[t]]))
+    return lc
+
+
 @pytest.mark.parametrize("seed", range(4))
 def test_official_merge_equals_literal_loops_over_several_heads_and_steps(seed):
     gen = torch.Generator().manual_seed(seed)
     H, D, beta = 3, 4, 0.5
-    lc = LayerCache(1, H, D, torch.float32, "cpu")
-    for t in range(10):
-        lc.append(torch.randn(1, H, 1, D, generator=gen), torch.randn(1, H, 1, D, generator=gen), torch.tensor([[t]]))
+    lc = random_cache(H, D, 10, gen)
     merge, tau = EMAMerge(beta, weights="official", tau="per_layer"), None
     for step in range(4):
         S = lc.length
@@ -435,9 +442,7 @@ def test_one_eviction_merge_equals_literal_loops_paper(seed):
     loops of Eq. 9-12 with every other entry kept, over several steps in a mixed buffer order."""
     gen = torch.Generator().manual_seed(seed)
     D, beta = 4, 0.7
-    lc = LayerCache(1, 1, D, torch.float32, "cpu")
-    for t in range(8):
-        lc.append(torch.randn(1, 1, 1, D, generator=gen), torch.randn(1, 1, 1, D, generator=gen), torch.tensor([[t]]))
+    lc = random_cache(1, D, 8, gen)
     merge, tau = EMAMerge(beta), None
     for step in range(5):
         S = lc.length
@@ -463,9 +468,7 @@ def test_one_eviction_merge_equals_literal_loops_official(seed):
     """The authors' per-layer threshold and scatter-mean, one eviction per head per step, several heads."""
     gen = torch.Generator().manual_seed(seed)
     H, D, beta = 3, 4, 0.5
-    lc = LayerCache(1, H, D, torch.float32, "cpu")
-    for t in range(8):
-        lc.append(torch.randn(1, H, 1, D, generator=gen), torch.randn(1, H, 1, D, generator=gen), torch.tensor([[t]]))
+    lc = random_cache(H, D, 8, gen)
     merge, tau = EMAMerge(beta, weights="official", tau="per_layer"), None
     for step in range(4):
         S = lc.length
