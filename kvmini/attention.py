@@ -133,14 +133,14 @@ def explicit_attention(q, k, v, q_pos, k_pos, request: StatsRequest, window=None
     last = None
     w_start = T - min(request.window, T)  # first query index inside the observation window
     causal_only = not padded and window is None  # every key before this call is in every query's past
+    future = torch.ones(chunk, chunk, dtype=torch.bool, device=q.device).triu_(1)  # query i's future: keys j > i
     for c0 in range(0, T, chunk):
         c1 = min(c0 + chunk, T)
         Tc, Sc = c1 - c0, S if padded else S - T + c1  # queries in the chunk, keys it can see at most
         q_c = qg[:, :, :, c0:c1].reshape(B, H_kv, g * Tc, D) * D**-0.5  # g heads share K: one matmul; scaled
         scores = (q_c @ k[:, :, :Sc].transpose(-1, -2)).float().view(B, H_kv, g, Tc, Sc)  # q k^T / sqrt(D)
         if causal_only:  # only the last Tc keys (this chunk's own tokens) can be in a query's future
-            future = torch.ones(Tc, Tc, dtype=torch.bool, device=q.device).triu_(1)  # (Tc, Tc)
-            scores[..., Sc - Tc :].masked_fill_(future, float("-inf"))
+            scores[..., Sc - Tc :].masked_fill_(future[:Tc, :Tc], float("-inf"))
         else:
             scores.masked_fill_(~visible(q_pos[:, c0:c1], k_pos[..., :Sc], window)[:, :, None], float("-inf"))
         p = scores.softmax(-1)  # (B, H_kv, g, Tc, Sc)
