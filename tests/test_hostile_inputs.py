@@ -13,7 +13,6 @@ import shutil
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -416,12 +415,29 @@ def test_ascii_terminal_gets_ascii_bars(model, prompt):
     assert "(# = 8 tokens;" in out
 
 
+# Runs run.py as `python run.py --prompt x.txt` would, but `import torch` first says so on stdout and
+# then waits: the test sends Ctrl-C only once the child is inside the imports, however busy the machine.
+IMPORT_GATE = """
+import runpy, sys, time
+class Gate:
+    def find_spec(self, name, path=None, target=None):
+        if name == "torch":
+            print("importing torch", flush=True)
+            while True:
+                time.sleep(0.01)  # Ctrl-C lands here, inside `import torch`
+sys.meta_path.insert(0, Gate())
+sys.argv = ["run.py", "--prompt", "x.txt"]
+runpy.run_path("run.py", run_name="__main__")
+"""
+
+
 def test_ctrl_c_during_the_imports():
-    proc = subprocess.Popen([sys.executable, str(ROOT / "run.py"), "--prompt", "x.txt"], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, cwd=ROOT, text=True)
-    time.sleep(0.4)  # importing torch takes longer than this
+    proc = subprocess.Popen([sys.executable, "-c", IMPORT_GATE], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            cwd=ROOT, text=True)
+    assert proc.stdout.readline() == "importing torch\n"  # blocks until the child is importing
     proc.send_signal(signal.SIGINT)
-    _, err = proc.communicate(timeout=120)
+    out, err = proc.communicate(timeout=120)
+    assert out == ""
     assert_one_line(proc.returncode, err, "interrupted (Ctrl-C)", expect_code=130)
 
 
