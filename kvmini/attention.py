@@ -24,6 +24,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from kvmini.cache import wide
+
 REDUCTIONS = ("mean", "max", "sum")
 
 
@@ -91,7 +93,7 @@ def _one_query_attention(q, k, v, with_row=False):
     B, H, _, D = q.shape
     H_kv = k.shape[1]
     qg = q.view(B, H_kv, H // H_kv, D)  # (B, H_kv, g, D): the g query heads of each KV head
-    p = ((qg @ k.transpose(-1, -2)).float() / D**0.5).softmax(-1)  # (B, H_kv, g, S)
+    p = (wide(qg @ k.transpose(-1, -2)) / D**0.5).softmax(-1)  # (B, H_kv, g, S)
     out = (p.to(v.dtype) @ v).view(B, H, 1, D)
     return (out, p) if with_row else out
 
@@ -100,7 +102,7 @@ def attend(q, k, v, q_pos, k_pos, request: StatsRequest | None, window=None, pad
     """The attention of one layer and the statistics `request` names (see the module docstring).
 
     k, v (B, H_kv, S, D) end with the T entries of this call's queries q (B, H, T, D).
-    Returns (out (B, H, T, D), stats: dict name -> (B, H_kv, S) float32).
+    Returns (out (B, H, T, D), stats: dict name -> (B, H_kv, S) float32, float64 for a float64 model).
     """
     if request is None or request.empty:
         return sdpa_attention(q, k, v, q_pos, k_pos, window, padded), {}
@@ -121,15 +123,15 @@ def explicit_attention(q, k, v, q_pos, k_pos, request: StatsRequest, window=None
 
     Unless `padded`, the last T entries of k, v are the queries' own tokens, in order, so a chunk
     of queries only scores the keys before its end (the rest are in its future).
-    Returns (out (B, H, T, D), stats: dict name -> (B, H_kv, S) float32).
+    Returns (out (B, H, T, D), stats: dict name -> (B, H_kv, S) float32, float64 for a float64 model).
     """
     B, H, T, D = q.shape
     H_kv, S = k.shape[1], k.shape[2]
     g = H // H_kv
     qg = q.view(B, H_kv, g, T, D)  # (B, H_kv, g, T, D): the g query heads of each KV head
     out = torch.empty(B, H_kv, g, T, D, dtype=q.dtype, device=q.device)
-    col = torch.zeros(B, H_kv, g, S, dtype=torch.float32, device=q.device) if request.column_sums else None
-    win = torch.zeros(B, H_kv, g, S, dtype=torch.float32, device=q.device) if request.window > 0 else None
+    col = torch.zeros(B, H_kv, g, S, dtype=wide(q).dtype, device=q.device) if request.column_sums else None
+    win = torch.zeros(B, H_kv, g, S, dtype=wide(q).dtype, device=q.device) if request.window > 0 else None
     last = None
     w_start = T - min(request.window, T)  # first query index inside the observation window
     causal_only = not padded and window is None  # every key before this call is in every query's past
@@ -138,7 +140,7 @@ def explicit_attention(q, k, v, q_pos, k_pos, request: StatsRequest, window=None
         c1 = min(c0 + chunk, T)
         Tc, Sc = c1 - c0, S if padded else S - T + c1  # queries in the chunk, keys it can see at most
         q_c = qg[:, :, :, c0:c1].reshape(B, H_kv, g * Tc, D) * D**-0.5  # g heads share K: one matmul; scaled
-        scores = (q_c @ k[:, :, :Sc].transpose(-1, -2)).float().view(B, H_kv, g, Tc, Sc)  # q k^T / sqrt(D)
+        scores = wide(q_c @ k[:, :, :Sc].transpose(-1, -2)).view(B, H_kv, g, Tc, Sc)  # q k^T / sqrt(D)
         if causal_only:  # only the last Tc keys (this chunk's own tokens) can be in a query's future
             scores[..., Sc - Tc :].masked_fill_(future[:Tc, :Tc], float("-inf"))
         else:

@@ -21,6 +21,13 @@ import torch
 
 from kvmini.config import ModelConfig
 
+
+def wide(t: torch.Tensor) -> torch.Tensor:
+    """t in the precision of statistics and merges: float32, or float64 when t already is (a float64
+    model takes every decision in float64; the recorded-behaviour tests run one, so no other CPU's
+    float32 kernels can move a near tie)."""
+    return t if t.dtype == torch.float64 else t.float()
+
 PAD = torch.iinfo(torch.long).max  # the position of a pad entry: no query is late enough to see it
 
 
@@ -64,7 +71,7 @@ class LayerCache:
     def aux(self, name: str) -> torch.Tensor:
         """Per-token statistic `name` of the held entries, (B, H_kv, S); zeros when first asked for."""
         if name not in self._aux:
-            self._aux[name] = torch.zeros(self._pos.shape, dtype=torch.float32, device=self._pos.device)
+            self._aux[name] = torch.zeros(self._pos.shape, dtype=wide(self._k).dtype, device=self._pos.device)
         return self._aux[name][:, :, : self.length]
 
     def aux_names(self) -> list[str]:

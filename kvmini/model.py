@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kvmini.attention import StatsRequest, attend
-from kvmini.cache import KVCache, LayerCache
+from kvmini.cache import KVCache, LayerCache, wide
 from kvmini.config import ModelConfig
 
 
@@ -29,7 +29,7 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x):
-        xf = x.float()
+        xf = wide(x)
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * xf.to(x.dtype)
 

@@ -33,7 +33,7 @@ cache in 17.9 s; chunks of the capacity 0.035 (runs, 0.8 s) and 0.033 (sequentia
 import torch
 
 from kvmini.attention import StatsRequest
-from kvmini.cache import PAD, LayerCache
+from kvmini.cache import PAD, LayerCache, wide
 from kvmini.parts import Compressor, Scorer
 
 
@@ -73,7 +73,7 @@ def convex_value_merge(lc: LayerCache, capacity: int, sinks: int, recent: int) -
         D = lc.values.shape[-1]
         v_j = lc.values.gather(2, j[..., None].expand(-1, -1, -1, D))  # (B, H_kv, 1, D)
         v_next = lc.values.gather(2, (j + 1)[..., None].expand(-1, -1, -1, D))
-        merged = share * v_j.float() + (1 - share) * v_next.float()  # line 9
+        merged = share * wide(v_j) + (1 - share) * wide(v_next)  # line 9
         lc.values.scatter_(2, (j + 1)[..., None].expand(-1, -1, -1, D), merged.to(lc.values.dtype))
         rest = torch.arange(S - 1, device=j.device).expand(*j.shape[:2], S - 1)  # (B, H_kv, S-1)
         lc.keep(rest + (rest >= j).long())  # line 10: every entry but j
@@ -98,7 +98,7 @@ def merge_one(lc: LayerCache, sinks: int, recent: int) -> None:
     share = torch.where(den > 0, w_j / den, 0.5)[..., None]  # (B, H_kv, 1, 1): weight of v_j
     D = lc.values.shape[-1]
     at_j, at_next = j[..., None].expand(-1, -1, -1, D), nxt[..., None].expand(-1, -1, -1, D)
-    merged = share * lc.values.gather(2, at_j).float() + (1 - share) * lc.values.gather(2, at_next).float()  # line 9
+    merged = share * wide(lc.values.gather(2, at_j)) + (1 - share) * wide(lc.values.gather(2, at_next))  # line 9
     lc.values.scatter_(2, at_next, merged.to(lc.values.dtype))
     lc.evict_one(j[..., 0])  # line 10
 
@@ -122,9 +122,9 @@ def merge_runs(lc: LayerCache, capacity: int, sinks: int, recent: int) -> None:
     w = torch.where(den.gather(2, target) > 0, abar, 1.0)  # all-zero groups: equal weights
     den = torch.zeros_like(abar).scatter_add_(2, target, w)
     at = order[..., None].expand(-1, -1, -1, D)
-    v = lc.values.gather(2, at).float()  # (B, H_kv, S, D) in position order
+    v = wide(lc.values.gather(2, at))  # (B, H_kv, S, D) in position order
     num = torch.zeros_like(v).scatter_add_(2, target[..., None].expand(-1, -1, -1, D), w[..., None] * v)  # line 9
-    merged_into = torch.zeros_like(abar).scatter_add_(2, target, dead.float()) > 0  # held entries a run ends at
+    merged_into = torch.zeros_like(abar).scatter_add_(2, target, dead.to(abar.dtype)) > 0  # held entries a run ends at
     lc.values.scatter_(2, at, torch.where(merged_into[..., None], num / den[..., None], v).to(lc.values.dtype))
     held = dead.to(torch.int8).argsort(dim=-1, stable=True)[..., :capacity]  # (B, H_kv, capacity) ranks
     lc.keep(order.gather(2, held))  # line 10, in position order

@@ -24,7 +24,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-from kvmini.cache import LayerCache
+from kvmini.cache import LayerCache, wide
 
 WEIGHTS = ("paper", "official")
 TAUS = ("per_head", "per_layer")
@@ -46,7 +46,7 @@ class EMAMerge:
         evicted = torch.ones(B, H_kv, S, dtype=torch.int8, device=keep.device).scatter_(2, keep, 0)  # 1: evicted
         evict = evicted.argsort(dim=-1, descending=True, stable=True)[..., : S - keep.shape[2]]  # (B, H_kv, E) asc.
         D = lc.keys.shape[-1]
-        gather = lambda x, idx: x.gather(2, idx[..., None].expand(-1, -1, -1, D)).float()  # noqa: E731
+        gather = lambda x, idx: wide(x.gather(2, idx[..., None].expand(-1, -1, -1, D)))  # noqa: E731
         k_keep, k_evict = gather(lc.keys, keep), gather(lc.keys, evict)  # (B, H_kv, b, D), (B, H_kv, E, D)
         best, j_star = nearest(k_evict, k_keep)  # (B, H_kv, E) each, Eq. 9
         merge = self.decide(layer, best)  # (B, H_kv, E)
@@ -63,15 +63,15 @@ class EMAMerge:
         `__call__` with every other entry kept, but only the nearest entry's key and value are written."""
         D = lc.keys.shape[-1]
         at = victim[:, :, None, None].expand(-1, -1, 1, D)  # (B, H_kv, 1, D)
-        k_evict = lc.keys.gather(2, at).float()  # (B, H_kv, 1, D)
-        u = cosine(k_evict, lc.keys.float())  # (B, H_kv, 1, S)
+        k_evict = wide(lc.keys.gather(2, at))  # (B, H_kv, 1, D)
+        u = cosine(k_evict, wide(lc.keys))  # (B, H_kv, 1, S)
         best, j_star = u.scatter_(3, victim[:, :, None, None], float("-inf")).max(-1)  # (B, H_kv, 1): not itself
         merge = self.decide(layer, best)  # (B, H_kv, 1)
         combine = convex_merge if self.weights == "paper" else scatter_mean_merge
         near = j_star[..., None].expand(-1, -1, -1, D)  # (B, H_kv, 1, D)
         # keys and values merge with the same weights: one call on [k | v], (B, H_kv, 1, 2D)
-        x_near = torch.cat([lc.keys.gather(2, near), lc.values.gather(2, near)], -1).float()
-        x_evict = torch.cat([k_evict, lc.values.gather(2, at).float()], -1)
+        x_near = wide(torch.cat([lc.keys.gather(2, near), lc.values.gather(2, near)], -1))
+        x_evict = torch.cat([k_evict, wide(lc.values.gather(2, at))], -1)
         merged = combine(x_near, x_evict, torch.zeros_like(j_star), best, merge)  # Eq. 11-12
         lc.keys.scatter_(2, near, merged[..., :D].to(lc.keys.dtype))
         lc.values.scatter_(2, near, merged[..., D:].to(lc.values.dtype))
@@ -115,7 +115,7 @@ def convex_merge(x_keep, x_evict, j_star, best, merge) -> torch.Tensor:
     """Eq. 11-12: x_j <- w_c x_j + sum_i w_i x_i, softmax weights over {j (similarity 1)} + E_j."""
     # BEGIN EXERCISE ema_merging: tutorials/04_d2o_token_level.py, "Nearest neighbour, threshold and merge (Eq. 9-12)"
     weight = torch.where(merge, best.exp(), torch.zeros_like(best))  # e^{u_ij*} of merged tokens, 0 otherwise
-    den = torch.full(x_keep.shape[:3], math.e, dtype=torch.float32, device=x_keep.device)  # (B, H_kv, b): e + ...
+    den = torch.full(x_keep.shape[:3], math.e, dtype=x_keep.dtype, device=x_keep.device)  # (B, H_kv, b): e + ...
     den.scatter_add_(2, j_star, weight)
     num = math.e * x_keep  # e * x_j ...
     num.scatter_add_(2, j_star[..., None].expand_as(x_evict), weight[..., None] * x_evict)  # + sum e^u x_i
@@ -126,8 +126,8 @@ def convex_merge(x_keep, x_evict, j_star, best, merge) -> torch.Tensor:
 def scatter_mean_merge(x_keep, x_evict, j_star, best, merge) -> torch.Tensor:
     """The authors' code: x_j <- (x_j + sum_{i in E_j} u_ij x_i) / (1 + |E_j|), raw cosine weights."""
     weight = torch.where(merge, best, torch.zeros_like(best))  # (B, H_kv, E)
-    count = torch.ones(x_keep.shape[:3], dtype=torch.float32, device=x_keep.device)  # (B, H_kv, b): j itself
-    count.scatter_add_(2, j_star, merge.float())
+    count = torch.ones(x_keep.shape[:3], dtype=x_keep.dtype, device=x_keep.device)  # (B, H_kv, b): j itself
+    count.scatter_add_(2, j_star, merge.to(x_keep.dtype))
     num = x_keep.clone()
     num.scatter_add_(2, j_star[..., None].expand_as(x_evict), weight[..., None] * x_evict)
     return num / count[..., None]

@@ -14,6 +14,7 @@ decode steps append. No statistics are asked of attention, which stays on the fa
 """
 import torch
 
+from kvmini.cache import wide
 from kvmini.methods.allocators import Uniform
 from kvmini.methods.selectors import TopK
 from kvmini.parts import PREFILL, Scorer
@@ -22,7 +23,7 @@ from kvmini.policy import Policy
 
 class KNorm(Scorer):
     def __call__(self, lc, stats: dict) -> torch.Tensor:
-        return -lc.keys.float().norm(dim=-1)  # (B, H_kv, S): the lowest norm scores highest
+        return -wide(lc.keys).norm(dim=-1)  # (B, H_kv, S): the lowest norm scores highest
 
 
 def build(budget: float) -> Policy:
