@@ -17,6 +17,7 @@ import argparse
 import errno
 import importlib
 import os
+import re
 import signal
 import sys
 
@@ -28,6 +29,21 @@ class OneLineParser(argparse.ArgumentParser):
 
     def error(self, message):
         self.exit(2, f"error: {message} (see --help)\n")
+
+
+def whole_number(text: str, low: int = 0, high: int | None = None) -> int:
+    """ASCII digits only ('²', '٣' and '1e3' are refused), within [low, high]."""
+    if not re.fullmatch(r"[+-]?[0-9]+", text.strip()):
+        raise argparse.ArgumentTypeError(f"must be a whole number, got {text!r}")
+    value = int(text)
+    if value < low or (high is not None and value > high):
+        raise argparse.ArgumentTypeError(f"must be {f'in [{low}, {high}]' if high is not None else f'>= {low}'}, got {text}")
+    return value
+
+
+def at_least(low: int):
+    """An argparse type: a whole number >= low."""
+    return lambda text: whole_number(text, low)
 
 
 def _exit_interrupted(signum, frame):
