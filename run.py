@@ -29,16 +29,6 @@ ASCII_BLOCKS = " .:-=+*#"  # the report's bars where the terminal cannot print b
 IMPORTS = ("torch", "kvmini.methods.registry", "kvmini.generate", "kvmini.loading", "kvmini.weights")
 
 
-def whole_number(text: str, low: int = 0, high: int | None = None) -> int:
-    """ASCII digits only ('²', '٣' and '1e3' are refused), within [low, high]."""
-    if not re.fullmatch(r"[+-]?[0-9]+", text.strip()):
-        raise argparse.ArgumentTypeError(f"must be a whole number, got {text!r}")
-    value = int(text)
-    if value < low or (high is not None and value > high):
-        raise argparse.ArgumentTypeError(f"must be {f'in [{low}, {high}]' if high is not None else f'>= {low}'}, got {text}")
-    return value
-
-
 def real_number(text: str) -> float:
     """A finite number written in ASCII ('inf', 'nan' and '١.٥' are refused)."""
     try:
@@ -51,15 +41,15 @@ def real_number(text: str) -> float:
 
 
 def positive_int(text):
-    return whole_number(text, low=1)
+    return cli.whole_number(text, low=1)
 
 
 def non_negative_int(text):
-    return whole_number(text, low=0)
+    return cli.whole_number(text, low=0)
 
 
 def seed(text):
-    return whole_number(text, low=0, high=2**64 - 1)  # what torch.Generator.manual_seed accepts
+    return cli.whole_number(text, low=0, high=2**64 - 1)  # what torch.Generator.manual_seed accepts
 
 
 def non_negative_float(text):
@@ -240,7 +230,18 @@ def describe(args, policy) -> str:
     if policy.budget is None:
         share = sum(budgets) / (len(budgets) * policy.prompt_len)
         return f"{args.method}, self-chosen budget {per_layer} tokens per layer = {share:.1%} of the prompt{shown}"
-    return f"{args.method}, budget {policy.budget:g} = {per_layer} tokens per layer{shown}"
+    return f"{args.method}, budget {policy.budget:g} = {per_layer} tokens per layer{protected_note(policy)}{shown}"
+
+
+def protected_note(policy) -> str:
+    """Why the cache holds more than the budget asks, when protected layers make it so (D2O's official variant)."""
+    budgeter = getattr(policy, "one", policy).budgeter  # a PerSequence batch: its first sequence's parts
+    protected, asked, budgets = sorted(budgeter.protected), getattr(budgeter, "b", None), policy.budgets
+    mean = sum(budgets) / len(budgets)
+    if not protected or asked is None or mean <= asked:
+        return ""
+    return (f"; the cache holds a mean of {mean:.1f} tokens per layer, not {asked}: layers "
+            f"{', '.join(map(str, protected))} are protected (never compressed)")
 
 
 def can_print(text: str) -> bool:
