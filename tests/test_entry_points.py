@@ -23,7 +23,10 @@ from test_hostile_inputs import ROOT, assert_one_line, chat_model_template, cli,
 
 def tool(capsys, main, *argv):
     """A tool's main(argv) in this process -> (exit code, stdout, stderr)."""
-    code = main([str(a) for a in argv])
+    try:
+        code = main([str(a) for a in argv])
+    except KeyboardInterrupt:  # would stop the whole test session
+        pytest.fail("Ctrl-C escaped the tool's main")
     out, err = capsys.readouterr()
     return code, out, err
 
