@@ -26,7 +26,8 @@ special tokens: strings such as <|im_end|> typed in the prompt are read as the c
 name (as HF tokenizers do), so a prompt can end a chat turn itself; --raw skips the chat template.
 """
 ASCII_BLOCKS = " .:-=+*#"  # the report's bars where the terminal cannot print block characters
-IMPORTS = ("torch", "kvmini.methods.registry", "kvmini.generate", "kvmini.loading", "kvmini.weights")
+IMPORTS = ("torch", "kvmini.methods.registry", "kvmini.generate", "kvmini.loading", "kvmini.weights", "kvmini.chat",
+           "kvmini.tokenizer", "kvmini.report", "kvmini.progress")  # imported before the work (see kvmini.cli)
 
 
 def real_number(text: str) -> float:

@@ -34,6 +34,8 @@ from kvmini.generate import prefill
 from kvmini.methods.registry import METHODS, chooses_budget, make_policy, parse_spec
 from kvmini.policy import PREFILL
 
+LAZY_IMPORTS = ("kvmini.loading", "kvmini.tokenizer", "kvmini.weights")  # the tools' work imports these
+
 
 def pydoc_text() -> str:
     """Python's own documentation (~110k tokens of English), present on every Python install."""
@@ -126,14 +128,17 @@ def table(rows: list[dict], n: int, k: int) -> str:
 
 
 def writable_file(path: str) -> Path:
-    """An output file that can be written, checked before any work (an empty probe file is left)."""
+    """An output file that can be written, checked before any work."""
     file = Path(path)
     if file.is_dir():
         raise KvminiError(f"{path} is a folder; give a file name for the output")
     if not file.parent.is_dir():
         raise KvminiError(f"cannot write {path}: the folder {file.parent} does not exist")
+    existed = file.exists()
     with open(file, "a"):  # PermissionError (one line) when it may not be written
         pass
+    if not existed:
+        file.unlink()
     return file
 
 
@@ -149,7 +154,7 @@ def main(argv=None) -> int:
     p.add_argument("--model", help="HF-layout folder (default: SmolLM2-135M-Instruct)")
     p.add_argument("--device", default="cpu")
     p.add_argument("--json", help="also write the rows to this JSON file (checked before the work)")
-    return cli.run(lambda: compare_methods(p.parse_args(argv)))
+    return cli.run(lambda: compare_methods(p.parse_args(argv)), imports=LAZY_IMPORTS)
 
 
 def compare_methods(args) -> int:

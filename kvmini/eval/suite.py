@@ -200,7 +200,7 @@ def main(argv=None) -> int:
     p.add_argument("--out", default="results", help="output folder (default: results/; checked before the work)")
     p.add_argument("--model", help="HF-layout folder (default: SmolLM2-135M-Instruct)")
     p.add_argument("--device", default="cpu")
-    return cli.run(lambda: evaluate(p.parse_args(argv)))
+    return cli.run(lambda: evaluate(p.parse_args(argv)), imports=(*fidelity.LAZY_IMPORTS, "kvmini.chat"))
 
 
 def writable_folder(path: str) -> Path:
