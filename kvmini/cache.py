@@ -152,6 +152,7 @@ class LayerCache:
 
     def keep_row(self, b: int, idx: torch.Tensor) -> None:
         """Row b keeps only its entries `idx` (1, H_kv, s), in that order; its other places become pads."""
+        check_row(b, self._k.shape[0])
         counts = torch.tensor(self.held(), device=self._pos.device)  # (B,)
         s, old = idx.shape[2], int(counts[b])
         row = slice(b, b + 1)

@@ -4,7 +4,7 @@ A user's mistake (KvminiError) or a refusal from the operating system (OSError) 
 stderr and exit code 2; an argparse usage error is one line too (exit code 2, `--help` for the
 rest); Ctrl-C is one line and exit code 130, at any moment including the imports. An error kvmini
 does not anticipate is still one line, naming its type; KVMINI_DEBUG=1 shows the traceback instead.
-Standard library only, so that it is in place before torch is imported.
+Standard library (and kvmini.errors) only, so that it is in place before torch is imported.
 
     from kvmini import cli
     cli.exit_on_ctrl_c(__name__)   # first, before the heavy imports
@@ -20,6 +20,10 @@ import os
 import re
 import signal
 import sys
+import tempfile
+from pathlib import Path
+
+from kvmini.errors import KvminiError
 
 INTERRUPTED = "\ninterrupted (Ctrl-C)"
 
@@ -62,8 +66,6 @@ def exit_on_ctrl_c(name: str) -> None:
 
 def one_line(e: BaseException) -> str:
     """The message for a failure: ours as written, the operating system's with the file it concerns."""
-    from kvmini.errors import KvminiError
-
     if isinstance(e, KvminiError):
         return str(e)
     if isinstance(e, OSError):
@@ -85,6 +87,31 @@ def silence_stdout() -> None:
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
     except (OSError, ValueError, AttributeError):
         pass
+
+
+def writable_file(path: str) -> Path:
+    """An output file that can be written, checked before any work (so no result is lost to it)."""
+    file = Path(path)
+    if file.is_dir():
+        raise KvminiError(f"{path} is a folder; give a file name for the output")
+    if not file.parent.is_dir():
+        raise KvminiError(f"cannot write {path}: the folder {file.parent} does not exist")
+    existed = file.exists()
+    with open(file, "a"):  # PermissionError (one line) when it may not be written
+        pass
+    if not existed:
+        file.unlink()
+    return file
+
+
+def writable_folder(path: str, flag: str) -> Path:
+    """An output folder, created if needed and probed, before any work."""
+    out = Path(path)
+    if out.exists() and not out.is_dir():
+        raise KvminiError(f"{flag} {path} is a file, not a folder")
+    out.mkdir(parents=True, exist_ok=True)  # PermissionError, FileExistsError ...: one line
+    tempfile.TemporaryFile(dir=out).close()
+    return out
 
 
 def run(work, imports: tuple[str, ...] = ()) -> int:

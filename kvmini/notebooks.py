@@ -80,9 +80,7 @@ def main(argv=None) -> int:
             import nbclient  # noqa: F401
         except ImportError as e:
             raise KvminiError(f"{e.name} is not installed (pip install -r requirements-dev.txt)") from None
-        out = Path(args.out)
-        if out.exists() and not out.is_dir():
-            raise KvminiError(f"--out {args.out} is a file, not a folder")
+        out = cli.writable_folder(args.out, "--out")
         for t in tutorials:
             print(f"executing {t.name} ...", file=sys.stderr, flush=True)
             notebook, path = build(t, out)

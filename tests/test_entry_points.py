@@ -153,6 +153,13 @@ def test_notebooks_refuse_an_unknown_tutorial(capsys, tmp_path):
     assert not any(tmp_path.iterdir())
 
 
+def test_notebooks_refuse_an_output_folder_that_is_a_file(capsys, tmp_path):
+    from kvmini import notebooks
+
+    (tmp_path / "nb").write_text("mine")
+    assert_one_line(*tool(capsys, notebooks.main, "3", "--out", tmp_path / "nb")[::2], "is a file, not a folder")
+
+
 def test_notebooks_read_3_as_03():
     from kvmini.notebooks import ROOT as NB_ROOT, select
 
@@ -348,4 +355,18 @@ def test_make_policy_and_fidelity_run_name_the_bad_argument(tiny):
         args = {"ids": ids, "n": 8, "methods": ["h2o"], "budgets": [4], **kwargs}
         with pytest.raises(KvminiError) as e:
             fidelity.run(tiny, args["ids"], args["n"], args["methods"], args["budgets"], log=lambda m: None)
+        assert fragment in str(e.value)
+
+
+def test_streaming_run_names_the_bad_argument(tiny):
+    from kvmini.eval import streaming
+
+    ids = torch.randint(0, 256, (1, 20))
+    for kwargs, fragment in [(dict(capacities=[10]), "capacities must be whole numbers >= 1"),  # 2 * 10 >= 19
+                             (dict(capacities=[0]), "capacities must be whole numbers >= 1"),
+                             (dict(capacities=4), "capacities must be a list of whole numbers"),
+                             (dict(chunk=0), "chunk must be a whole number >= 1")]:
+        args = {"capacities": [4], "chunk": 4, **kwargs}
+        with pytest.raises(KvminiError) as e:
+            streaming.run(tiny, ids, args["capacities"], ["h2o"], chunk=args["chunk"], log=lambda m: None)
         assert fragment in str(e.value)

@@ -127,21 +127,6 @@ def table(rows: list[dict], n: int, k: int) -> str:
     return "\n".join(lines)
 
 
-def writable_file(path: str) -> Path:
-    """An output file that can be written, checked before any work."""
-    file = Path(path)
-    if file.is_dir():
-        raise KvminiError(f"{path} is a folder; give a file name for the output")
-    if not file.parent.is_dir():
-        raise KvminiError(f"cannot write {path}: the folder {file.parent} does not exist")
-    existed = file.exists()
-    with open(file, "a"):  # PermissionError (one line) when it may not be written
-        pass
-    if not existed:
-        file.unlink()
-    return file
-
-
 def main(argv=None) -> int:
     p = cli.OneLineParser(description="Compare compressed caches with the full cache on real text.")
     p.add_argument("--n", type=cli.at_least(1), default=2048, help="prompt tokens (default 2048)")
@@ -166,7 +151,7 @@ def compare_methods(args) -> int:
         name, options = parse_spec(spec)
         for budget in [None] if chooses_budget(name) else args.budgets:
             make_policy(name, budget, **options)
-    json_file = writable_file(args.json) if args.json else None
+    json_file = cli.writable_file(args.json) if args.json else None
     folder = Path(args.model) if args.model else ensure_default_model(log=lambda m: print(m, file=sys.stderr))
     model = load_model(folder, args.device, "float32")
     ids = load_tokenizer(folder).encode(pydoc_text())[args.offset : args.offset + args.n + args.k]

@@ -18,7 +18,6 @@ that an earlier run of the same profile wrote to the folder and this run skips a
 import json
 import statistics
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -203,19 +202,9 @@ def main(argv=None) -> int:
     return cli.run(lambda: evaluate(p.parse_args(argv)), imports=(*fidelity.LAZY_IMPORTS, "kvmini.chat"))
 
 
-def writable_folder(path: str) -> Path:
-    """The output folder, created if needed and probed, before any experiment runs."""
-    out = Path(path)
-    if out.exists() and not out.is_dir():
-        raise KvminiError(f"--out {path} is a file, not a folder")
-    out.mkdir(parents=True, exist_ok=True)  # PermissionError, FileExistsError ...: one line
-    tempfile.TemporaryFile(dir=out).close()
-    return out
-
-
 def evaluate(args) -> int:
     log = lambda m: print(m, file=sys.stderr, flush=True)  # noqa: E731
-    out = writable_folder(args.out)
+    out = cli.writable_folder(args.out, "--out")
     results = run_suite(args.profile, args.only, args.model, args.device, log)
     results = kept_from(out / "results.json", results, log)
     try:
