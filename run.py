@@ -1,15 +1,18 @@
 """kvmini command line: generate from a prompt file with an explicit (optionally compressed) KV cache.
 
-Every failure ends in one line on stderr (`main`): exit code 2 for bad input and refusals from the
-operating system, 130 for Ctrl-C. KVMINI_DEBUG=1 shows the traceback instead.
+Every failure ends in one line on stderr (`main`, through the boundary all entry points share,
+`kvmini.cli.run`): exit code 2 for bad input and refusals from the operating system, 130 for
+Ctrl-C. KVMINI_DEBUG=1 shows the traceback instead.
 """
 import argparse
-import errno
 import math
-import os
 import re
 import sys
 from pathlib import Path
+
+from kvmini import cli
+
+cli.exit_on_ctrl_c(__name__)  # before anything imports torch
 
 EXAMPLES = """examples:
   python run.py --prompt prompt.txt                       # default model (prepared on first use)
@@ -23,23 +26,8 @@ special tokens: strings such as <|im_end|> typed in the prompt are read as the c
 name (as HF tokenizers do), so a prompt can end a chat turn itself; --raw skips the chat template.
 """
 ASCII_BLOCKS = " .:-=+*#"  # the report's bars where the terminal cannot print block characters
-
-
-class OneLineParser(argparse.ArgumentParser):
-    """argparse, but a usage error is one line on stderr (exit code 2)."""
-
-    def error(self, message):
-        self.exit(2, f"error: {message} (see --help)\n")
-
-
-def whole_number(text: str, low: int = 0, high: int | None = None) -> int:
-    """ASCII digits only ('²', '٣' and '1e3' are refused), within [low, high]."""
-    if not re.fullmatch(r"[+-]?[0-9]+", text.strip()):
-        raise argparse.ArgumentTypeError(f"must be a whole number, got {text!r}")
-    value = int(text)
-    if value < low or (high is not None and value > high):
-        raise argparse.ArgumentTypeError(f"must be {f'in [{low}, {high}]' if high is not None else f'>= {low}'}, got {text}")
-    return value
+IMPORTS = ("torch", "kvmini.methods.registry", "kvmini.generate", "kvmini.loading", "kvmini.weights", "kvmini.chat",
+           "kvmini.tokenizer", "kvmini.report", "kvmini.progress")  # imported before the work (see kvmini.cli)
 
 
 def real_number(text: str) -> float:
@@ -54,15 +42,15 @@ def real_number(text: str) -> float:
 
 
 def positive_int(text):
-    return whole_number(text, low=1)
+    return cli.whole_number(text, low=1)
 
 
 def non_negative_int(text):
-    return whole_number(text, low=0)
+    return cli.whole_number(text, low=0)
 
 
 def seed(text):
-    return whole_number(text, low=0, high=2**64 - 1)  # what torch.Generator.manual_seed accepts
+    return cli.whole_number(text, low=0, high=2**64 - 1)  # what torch.Generator.manual_seed accepts
 
 
 def non_negative_float(text):
@@ -80,8 +68,9 @@ def probability(text):
 
 
 def budget(text):
-    """'128' or '1' -> tokens per layer (int); '0.2' or '1.0' -> a ratio of the prompt (float)."""
-    if re.fullmatch(r"[0-9]+", text.strip()):
+    """'128' or '1' -> tokens per layer (int); '0.2' or '1.0' -> a ratio of the prompt (float).
+    A sign or spaces do not change the reading: '+1' and ' 1 ' are one token, like '1'."""
+    if re.fullmatch(r"\+?[0-9]+", text.strip()):
         return int(text)
     return real_number(text)
 
@@ -118,7 +107,7 @@ def methods_help() -> str:
 def parse_args(argv=None):
     from kvmini.methods.registry import DEFAULT_BUDGET, METHODS, OPTIONS
 
-    p = OneLineParser(
+    p = cli.OneLineParser(
         description="Generate text with kvmini and report speed and KV-cache size.",
         epilog=methods_help() + "\n" + EXAMPLES,
         formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -128,7 +117,7 @@ def parse_args(argv=None):
     p.add_argument("--method", default="full", choices=list(METHODS), metavar="NAME",
                    help="KV-cache method, listed below (default: full)")
     p.add_argument("--budget", type=budget, default=None,
-                   help=f"tokens kept per layer: a whole number (128) counts tokens, a fraction up to 1.0 (0.2) "
+                   help=f"tokens kept per layer: a whole number (128, +128) counts tokens, a fraction up to 1.0 (0.2) "
                         f"is a ratio of the prompt (default for compressing methods: {DEFAULT_BUDGET})")
     p.add_argument("--max-new-tokens", type=positive_int, default=128, help="tokens to generate (default: 128)")
     p.add_argument("--temperature", type=non_negative_float, default=0.0, help="0 = greedy (default)")
@@ -242,7 +231,18 @@ def describe(args, policy) -> str:
     if policy.budget is None:
         share = sum(budgets) / (len(budgets) * policy.prompt_len)
         return f"{args.method}, self-chosen budget {per_layer} tokens per layer = {share:.1%} of the prompt{shown}"
-    return f"{args.method}, budget {policy.budget:g} = {per_layer} tokens per layer{shown}"
+    return f"{args.method}, budget {policy.budget:g} = {per_layer} tokens per layer{protected_note(policy)}{shown}"
+
+
+def protected_note(policy) -> str:
+    """Why the cache holds more than the budget asks, when protected layers make it so (D2O's official variant)."""
+    budgeter = getattr(policy, "one", policy).budgeter  # a PerSequence batch: its first sequence's parts
+    protected, asked, budgets = sorted(budgeter.protected), getattr(budgeter, "b", None), policy.budgets
+    mean = sum(budgets) / len(budgets)
+    if not protected or asked is None or mean <= asked:
+        return ""
+    return (f"; the cache holds a mean of {mean:.1f} tokens per layer, not {asked}: layers "
+            f"{', '.join(map(str, protected))} are protected (never compressed)")
 
 
 def can_print(text: str) -> bool:
@@ -253,55 +253,9 @@ def can_print(text: str) -> bool:
         return False
 
 
-def one_line(e: BaseException) -> str:
-    """The message for a failure: ours as written, the operating system's with the file it concerns."""
-    from kvmini.errors import KvminiError
-
-    if isinstance(e, KvminiError):
-        return str(e)
-    if isinstance(e, OSError):
-        what = e.strerror or str(e) or type(e).__name__
-        if e.filename is not None:
-            return f"{what}: {e.filename}"
-        if e.errno in (errno.EPIPE, errno.ENOSPC, errno.EBADF, errno.EIO) or isinstance(e, BrokenPipeError):
-            return f"cannot write the output: {what}"
-        return what
-    if isinstance(e, MemoryError):
-        return "out of memory (try a shorter prompt, a smaller --chunk-size or a smaller model)"
-    text = (str(e).strip().splitlines() or [""])[0][:300]
-    return f"unexpected {type(e).__name__}: {text} (a case kvmini does not check yet; KVMINI_DEBUG=1 shows where)"
-
-
-def silence_stdout() -> None:
-    """After the output failed, point it at /dev/null so the exit's own flush cannot fail again."""
-    try:
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-    except (OSError, ValueError, AttributeError):
-        pass
-
-
 def main(argv=None) -> int:
-    """The entry point and the one error boundary: whatever goes wrong is one line on stderr."""
-    if sys.stdout is None or sys.stderr is None:  # started with stdout or stderr closed (`>&-`)
-        if sys.stderr is not None:
-            print("error: standard output is closed; nowhere to write the answer", file=sys.stderr)
-        return 2
-    sys.stdout.reconfigure(errors="replace")  # text the terminal's encoding lacks prints as '?'
-    sys.stderr.reconfigure(errors="backslashreplace")
-    try:
-        return generate_answer(parse_args(argv))
-    except KeyboardInterrupt:
-        print("\ninterrupted (Ctrl-C)", file=sys.stderr)
-        return 130
-    except SystemExit as e:  # argparse: --help (0) or a usage error (2, its line already written)
-        return e.code if isinstance(e.code, int) else 2
-    except Exception as e:
-        if os.environ.get("KVMINI_DEBUG"):
-            raise
-        if isinstance(e, OSError) and e.filename is None:
-            silence_stdout()
-        print(f"error: {one_line(e)}", file=sys.stderr)
-        return 2
+    """The entry point; `kvmini.cli.run` is the error boundary (one line on stderr, exit code 2 or 130)."""
+    return cli.run(lambda: generate_answer(parse_args(argv)), imports=IMPORTS)
 
 
 if __name__ == "__main__":

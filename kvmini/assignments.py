@@ -12,12 +12,16 @@ a student writes it. Everything else (tests, tutorials, the engine) is copied un
 
     python -m kvmini.assignments ../student-kvmini        # writes the copy, lists the exercises
 """
-import argparse
+import os
 import re
 import shutil
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
+
+from kvmini import cli
+from kvmini.errors import KvminiError
 
 BEGIN = re.compile(r"^(\s*)# BEGIN EXERCISE (\S+): (.+)$")
 END = re.compile(r"^\s*# END EXERCISE$")
@@ -59,10 +63,25 @@ def repository_files(root: Path) -> list[Path]:
         return [p for p in root.rglob("*") if p.is_file() and not SKIP & set(p.relative_to(root).parts)]
 
 
+def check_destination(dest: Path, root: Path = ROOT) -> None:
+    """Refuse, before anything is copied, a destination the copy cannot go to or must not overwrite."""
+    where = dest.resolve()
+    if where == root or root in where.parents:
+        raise KvminiError(f"{dest} is in the repository {root}; the copy must go to a folder outside it")
+    if dest.exists() and not dest.is_dir():
+        raise KvminiError(f"{dest} is a file, not a folder")
+    if dest.exists() and any(dest.iterdir()):
+        raise KvminiError(f"{dest} exists and is not empty; give a new or empty folder")
+    existing = next(p for p in [where, *where.parents] if p.exists())
+    if not existing.is_dir() or not os.access(existing, os.W_OK | os.X_OK):
+        raise KvminiError(f"cannot write {dest}: {existing} is not a folder this user may write to")
+    dest.mkdir(parents=True, exist_ok=True)
+    tempfile.TemporaryFile(dir=dest).close()  # what os.access cannot tell (a read-only file system)
+
+
 def write_student_copy(dest: Path, root: Path = ROOT) -> list[str]:
     """Copy the repository to `dest` with every exercise stripped; returns the exercise names."""
-    if dest.exists() and any(dest.iterdir()):
-        raise SystemExit(f"error: {dest} exists and is not empty")
+    check_destination(dest, root)
     names = []
     for src in repository_files(root):
         rel = src.relative_to(root)
@@ -78,12 +97,16 @@ def write_student_copy(dest: Path, root: Path = ROOT) -> list[str]:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description="Write a student copy of kvmini with the mechanisms left as exercises.")
-    p.add_argument("dest", help="folder for the copy (new or empty)")
-    args = p.parse_args(argv)
-    names = write_student_copy(Path(args.dest))
-    print(f"wrote {args.dest} with {len(names)} exercises: {', '.join(names)}")
-    return 0
+    p = cli.OneLineParser(description="Write a student copy of kvmini with the mechanisms left as exercises.")
+    p.add_argument("dest", help="folder for the copy (new or empty, outside the repository)")
+
+    def work():
+        args = p.parse_args(argv)
+        names = write_student_copy(Path(args.dest))
+        print(f"wrote {args.dest} with {len(names)} exercises: {', '.join(names)}")
+        return 0
+
+    return cli.run(work)
 
 
 if __name__ == "__main__":

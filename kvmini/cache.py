@@ -20,6 +20,7 @@ at most a quarter full.
 import torch
 
 from kvmini.config import ModelConfig
+from kvmini.errors import KvminiError
 
 
 def wide(t: torch.Tensor) -> torch.Tensor:
@@ -125,6 +126,7 @@ class LayerCache:
         """
         if self.counts is not None:
             raise ValueError("evict_one() of a layer whose rows differ in length: use keep_row()")
+        slot = self._slot(slot)
         last = self.length - 1
         at = slot[:, :, None]  # (B, H_kv, 1)
         for buf in (self._k, self._v):  # (B, H_kv, cap, D)
@@ -133,12 +135,31 @@ class LayerCache:
             buf.scatter_(2, at, buf[:, :, last : last + 1].clone())
         self.length = last
 
+    def _slot(self, slot) -> torch.Tensor:
+        """`evict_one`'s argument as a (B, H_kv) tensor of held slots: a whole number is the same slot
+        in every head; a tensor's values are checked when it is on the CPU (on a GPU that would wait
+        for the device at every decode step)."""
+        B, H = self._k.shape[:2]
+        if isinstance(slot, int) and not isinstance(slot, bool):
+            if not 0 <= slot < self.length:
+                raise KvminiError(f"evict_one: slot must be in [0, {self.length - 1}] (entries held), got {slot}")
+            return torch.full((B, H), slot, dtype=torch.long, device=self._pos.device)
+        if not isinstance(slot, torch.Tensor) or slot.shape != (B, H) or slot.dtype != torch.long:
+            shown = f"{slot.dtype} {tuple(slot.shape)}" if isinstance(slot, torch.Tensor) else repr(slot)
+            raise KvminiError(f"evict_one: slot must be a whole number or a long tensor ({B}, {H}) of slots, got {shown}")
+        if slot.device.type == "cpu":
+            low, high = torch.aminmax(slot)
+            if low < 0 or high >= self.length:
+                raise KvminiError(f"evict_one: slots must be in [0, {self.length - 1}] (entries held), got {slot.tolist()}")
+        return slot
+
     def sequence(self, b: int) -> "SequenceView":
         """Row b as a batch-1 layer cache (views of its entries; `keep` evicts from that row only)."""
-        return SequenceView(self, b)
+        return SequenceView(self, check_row(b, self._k.shape[0]))
 
     def keep_row(self, b: int, idx: torch.Tensor) -> None:
         """Row b keeps only its entries `idx` (1, H_kv, s), in that order; its other places become pads."""
+        check_row(b, self._k.shape[0])
         counts = torch.tensor(self.held(), device=self._pos.device)  # (B,)
         s, old = idx.shape[2], int(counts[b])
         row = slice(b, b + 1)
@@ -206,7 +227,7 @@ class KVCache:
 
     def sequence(self, b: int) -> "SequenceCache":
         """Sequence b of the batch as a batch-1 cache whose reads, writes and evictions act on this one."""
-        return SequenceCache(self, b)
+        return SequenceCache(self, check_row(b, self.layers[0]._k.shape[0]))
 
     def nbytes(self) -> int:
         """Exact bytes of all keys and values held."""
@@ -227,6 +248,13 @@ class KVCache:
             f"{len(n)} layers, {min(n)}/{sum(n) / len(n):.1f}/{max(n)} entries (min/mean/max), "
             f"{self.nbytes() / 2**20:.2f} MiB of K/V"
         )
+
+
+def check_row(b, batch: int) -> int:
+    """A sequence's index in a batch of `batch`, or a KvminiError."""
+    if isinstance(b, bool) or not isinstance(b, int) or not 0 <= b < batch:
+        raise KvminiError(f"sequence: b must be a whole number in [0, {batch - 1}] (the batch has {batch}), got {b!r}")
+    return b
 
 
 class SequenceView:

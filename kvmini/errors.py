@@ -1,8 +1,9 @@
 """The one exception type for mistakes a user can make (paths, options, configs).
 
-run.py turns a `KvminiError` into a single line on stderr and exit code 2. Its error boundary
-(`run.main`) also turns refusals from the operating system and anything unforeseen into one
-line; KVMINI_DEBUG=1 shows the traceback instead.
+Every entry point (run.py, the `python -m kvmini...` tools) turns a `KvminiError` into a single
+line on stderr and exit code 2. Their shared error boundary (`kvmini.cli.run`) also turns refusals
+from the operating system and anything unforeseen into one line; KVMINI_DEBUG=1 shows the
+traceback instead.
 """
 
 

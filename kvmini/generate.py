@@ -4,6 +4,7 @@
              filling the cache; only the last position's logits are computed.
     decode:  one token at a time; each step appends one entry per layer.
 """
+import math
 import time
 from dataclasses import dataclass, field
 
@@ -22,6 +23,45 @@ class Sampling:
     top_p: float = 1.0  # 1: no nucleus cut
     seed: int | None = None
     vocab: int | None = None  # only ids below this are sampled (a tokenizer smaller than the embedding table)
+
+    def __post_init__(self):
+        if not is_number(self.temperature) or self.temperature < 0:
+            raise KvminiError(f"Sampling: temperature must be a finite number >= 0 (0: greedy), got {self.temperature!r}")
+        if not is_whole(self.top_k) or self.top_k < 0:
+            raise KvminiError(f"Sampling: top_k must be a whole number >= 0 (0: off), got {self.top_k!r}")
+        if not is_number(self.top_p) or not 0 < self.top_p <= 1:
+            raise KvminiError(f"Sampling: top_p must be a number in (0, 1] (1: off), got {self.top_p!r}")
+        if self.seed is not None and (not is_whole(self.seed) or not 0 <= self.seed < 2**64):
+            raise KvminiError(f"Sampling: seed must be None or a whole number in [0, 2**64 - 1], got {self.seed!r}")
+        if self.vocab is not None and (not is_whole(self.vocab) or self.vocab < 1):
+            raise KvminiError(f"Sampling: vocab must be None or a whole number >= 1, got {self.vocab!r}")
+
+
+def is_whole(x) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def is_number(x) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+
+
+def token_ids(ids, vocab: int) -> torch.Tensor:
+    """The prompt `ids` as a (B, T) tensor of ids in [0, vocab), or a KvminiError naming what is wrong.
+    Nested lists of equal rows are accepted (a single list is one sequence)."""
+    if not isinstance(ids, torch.Tensor):
+        try:
+            ids = torch.tensor(ids if ids and isinstance(ids[0], (list, tuple)) else [ids], dtype=torch.long)
+        except (TypeError, ValueError, RuntimeError, IndexError, OverflowError):
+            raise KvminiError("ids must be a (B, T) tensor of token ids or a list of equal-length lists of ints, "
+                              f"got {type(ids).__name__} {str(ids)[:60]}") from None
+    if ids.dim() != 2 or ids.shape[0] < 1 or ids.shape[1] < 1:
+        raise KvminiError(f"ids must be a (B, T) tensor with B, T >= 1 (a batch of prompts), got shape {tuple(ids.shape)}")
+    if ids.dtype.is_floating_point or ids.dtype.is_complex or ids.dtype == torch.bool:
+        raise KvminiError(f"ids must hold integer token ids, got dtype {str(ids.dtype).removeprefix('torch.')}")
+    low, high = ids.min().item(), ids.max().item()
+    if low < 0 or high >= vocab:
+        raise KvminiError(f"ids must be token ids in [0, {vocab - 1}] (the model's vocabulary), got {low if low < 0 else high}")
+    return ids
 
 
 @dataclass
@@ -78,6 +118,9 @@ def prefill(model: Transformer, ids: torch.Tensor, cache: KVCache, policy=None, 
     known) lets it skip statistics when its budget can never be reached. `progress` hears the
     tokens done after every layer (a chunk of c tokens counts c/L per layer).
     """
+    ids = token_ids(ids, model.config.vocab_size)
+    if chunk_size is not None and (not is_whole(chunk_size) or chunk_size < 1):
+        raise KvminiError(f"chunk_size must be None or a whole number >= 1, got {chunk_size!r}")
     T, L = ids.shape[1], model.config.num_layers
     method_chunk = policy.chunk_for(T, total_len) if policy is not None else None  # e.g. WeightedKV's
     step = chunk_size or method_chunk or T
@@ -106,6 +149,11 @@ def generate(
 ) -> GenerationResult:
     """Generate up to max_new_tokens after prompt ids (B, T); on_token(id) streams sequence 0;
     `progress` reports the prefill (see `prefill`)."""
+    ids = token_ids(ids, model.config.vocab_size)
+    if not is_whole(max_new_tokens) or max_new_tokens < 0:
+        raise KvminiError(f"max_new_tokens must be a whole number >= 0, got {max_new_tokens!r}")
+    if not isinstance(sampling, Sampling):
+        raise KvminiError(f"sampling must be a Sampling(...), got {type(sampling).__name__}")
     B, T = ids.shape
     device = model.device
     ids = ids.to(device)

@@ -1,15 +1,17 @@
 """Tutorials as executed notebooks, and the one helper their figures use.
 
     python -m kvmini.notebooks            # every tutorial -> notebooks/NN_name.ipynb, executed
-    python -m kvmini.notebooks 03 06      # only these
+    python -m kvmini.notebooks 03 06      # only these (3 and 03 name the same tutorial)
 
 Needs jupytext, nbclient and ipykernel (requirements-dev.txt); the notebooks are written to
 notebooks/ (git-ignored). In a notebook, `show(fig, name)` displays a figure inline; run as a
 script, it saves it to results/tutorials/<name>.png instead (no display needed).
 """
-import argparse
 import sys
 from pathlib import Path
+
+from kvmini import cli
+from kvmini.errors import KvminiError
 
 ROOT = Path(__file__).resolve().parent.parent
 FIGURES = ROOT / "results" / "tutorials"
@@ -52,22 +54,40 @@ def images(notebook) -> int:
                for out in cell.get("outputs", []))
 
 
+def select(tutorials: list[Path], numbers: list[str]) -> list[Path]:
+    """The tutorials named by number ("3" or "03" is 03_...py); all of them when none is named."""
+    by_number = {int(t.name.split("_")[0]): t for t in tutorials}
+    chosen = []
+    for text in numbers:
+        number = int(text) if text.strip().isdigit() and text.isascii() else None
+        if number not in by_number:
+            raise KvminiError(f"no tutorial {text!r}; the tutorials are numbered "
+                              f"{', '.join(f'{n:02d}' for n in sorted(by_number))}")
+        chosen.append(by_number[number])
+    return list(dict.fromkeys(chosen)) or tutorials
+
+
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description="Build executed notebooks of the tutorials (into notebooks/).")
-    p.add_argument("only", nargs="*", help="tutorial number prefixes, e.g. 03 06 (default: all)")
+    p = cli.OneLineParser(description="Build executed notebooks of the tutorials (into notebooks/).")
+    p.add_argument("only", nargs="*", help="tutorial numbers, e.g. 03 6 (3 and 03 are the same; default: all)")
     p.add_argument("--out", default=str(ROOT / "notebooks"), help="output folder (default: notebooks/)")
-    args = p.parse_args(argv)
-    tutorials = sorted((ROOT / "tutorials").glob("[0-9]*.py"))
-    tutorials = [t for t in tutorials if not args.only or any(t.name.startswith(o) for o in args.only)]
-    try:
+
+    def work():
+        args = p.parse_args(argv)
+        tutorials = select(sorted((ROOT / "tutorials").glob("[0-9]*.py")), args.only)
+        try:
+            import jupytext  # noqa: F401  (checked before the first tutorial runs)
+            import nbclient  # noqa: F401
+        except ImportError as e:
+            raise KvminiError(f"{e.name} is not installed (pip install -r requirements-dev.txt)") from None
+        out = cli.writable_folder(args.out, "--out")
         for t in tutorials:
             print(f"executing {t.name} ...", file=sys.stderr, flush=True)
-            notebook, path = build(t, Path(args.out))
+            notebook, path = build(t, out)
             print(f"{path}: {images(notebook)} figure(s)")
-    except ImportError as e:
-        print(f"error: {e.name} is not installed (pip install -r requirements-dev.txt)", file=sys.stderr)
-        return 2
-    return 0
+        return 0
+
+    return cli.run(work)
 
 
 if __name__ == "__main__":

@@ -17,10 +17,13 @@ import tempfile
 import zipfile
 from pathlib import Path
 
-import numpy as np
-import torch
+from kvmini import cli
 
-from kvmini.errors import KvminiError
+cli.exit_on_ctrl_c(__name__)  # before the imports below
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+
+from kvmini.errors import KvminiError  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_MODEL_DIR = ROOT / "weights" / "SmolLM2-135M-Instruct"
@@ -256,22 +259,27 @@ def download_checkpoint(repo_id: str, dest: Path) -> Path:
         raise KvminiError(f"could not download {repo_id}: {type(e).__name__}: {str(e).splitlines()[0][:200]}") from None
 
 
-def main(argv=None) -> None:
-    import argparse
-
-    p = argparse.ArgumentParser(description="Prepare the default model, or download an HF checkpoint folder.")
+def main(argv=None) -> int:
+    p = cli.OneLineParser(description="Prepare the default model, or download an HF checkpoint folder.")
     p.add_argument("--hub", metavar="REPO_ID", help="download this HF repo (e.g. Qwen/Qwen2.5-0.5B-Instruct) instead")
     p.add_argument("--dest", help="target folder for --hub (default: weights/<repo name>)")
-    args = p.parse_args(argv)
-    try:
-        if args.hub:
-            print(download_checkpoint(args.hub, Path(args.dest or ROOT / "weights" / args.hub.split("/")[-1])))
-        else:
-            print(ensure_default_model())
-    except (KvminiError, OSError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(2)
+    return cli.run(lambda: prepare(p.parse_args(argv)))
+
+
+def prepare(args) -> int:
+    if args.dest is not None and args.hub is None:
+        raise KvminiError("--dest is the folder for --hub; the default model always goes to " + str(DEFAULT_MODEL_DIR))
+    if args.hub is None:
+        print(ensure_default_model())
+        return 0
+    name = args.hub.strip().strip("/").split("/")[-1]
+    if not name or args.hub != args.hub.strip():
+        raise KvminiError(f"--hub must name a repository such as Qwen/Qwen2.5-0.5B-Instruct, got {args.hub!r}")
+    if args.dest is not None and not args.dest.strip():
+        raise KvminiError("--dest must name a folder, got ''")
+    print(download_checkpoint(args.hub, Path(args.dest or ROOT / "weights" / name)))
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

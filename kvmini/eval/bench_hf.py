@@ -11,11 +11,16 @@ Then it profiles kvmini's decode steps: where the time per token goes (the weigh
 attention's matmuls, every other tensor op, and Python between them), next to the floor that
 memory bandwidth sets. Absolute times vary between runs on shared machines; compare the ratios.
 """
-import argparse
 import statistics
+import sys
 import time
 
-import torch
+from kvmini import cli
+
+cli.exit_on_ctrl_c(__name__)  # before the imports below
+import torch  # noqa: E402
+
+from kvmini.errors import KvminiError  # noqa: E402
 
 
 def copy_bandwidth(nbytes: int = 1 << 29, repeats: int = 5) -> float:
@@ -36,18 +41,21 @@ def timed(fn) -> float:
     return time.perf_counter() - t
 
 
-def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--prompt-tokens", type=int, default=2048)
-    p.add_argument("--new-tokens", type=int, default=128)
-    p.add_argument("--repeats", type=int, default=3)
+def main(argv=None) -> int:
+    p = cli.OneLineParser(description=__doc__.split("\n")[0])
+    p.add_argument("--prompt-tokens", type=cli.at_least(1), default=2048)
+    p.add_argument("--new-tokens", type=cli.at_least(1), default=128)
+    p.add_argument("--repeats", type=cli.at_least(1), default=3)
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
-    args = p.parse_args(argv)
+    return cli.run(lambda: benchmark(p.parse_args(argv)))
+
+
+def benchmark(args) -> int:
     dtype = getattr(torch, args.dtype)
     try:
         from transformers import AutoModelForCausalLM
     except ImportError:
-        raise SystemExit("error: this benchmark needs HF transformers (pip install -r requirements-dev.txt)")
+        raise KvminiError("this benchmark needs HF transformers (pip install -r requirements-dev.txt)") from None
     import pydoc_data.topics
 
     from kvmini.generate import generate
@@ -57,6 +65,10 @@ def main(argv=None):
 
     folder = ensure_default_model()
     ours = load_model(folder, "cpu", args.dtype)
+    context = ours.config.max_position_embeddings
+    if args.prompt_tokens + max(args.new_tokens, 32) + 1 > context:  # the profile decodes 32 steps
+        raise KvminiError(f"--prompt-tokens {args.prompt_tokens} with --new-tokens {args.new_tokens} exceeds the "
+                          f"model's context of {context} tokens")
     hf = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype).eval()
     text = "\n".join(pydoc_data.topics.topics.values())
     ids = torch.tensor([load_tokenizer(folder).encode(text)[: args.prompt_tokens]])
@@ -95,6 +107,7 @@ def main(argv=None):
           f"decode kvmini/hf = {res['kvmini'][1] / res['hf'][1]:.2f}x (target >= 1.5x)")
     print(f"bytes read per decode token {bytes_per_token / 2**20:.0f} MiB, copy bandwidth {bw / 1e9:.1f} GB/s")
     decode_profile(ours, ids, bytes_per_token / bw)
+    return 0
 
 
 WEIGHTS = {"aten::mm", "aten::addmm", "aten::linear"}  # x W^T of the linear layers (one query row)
@@ -131,4 +144,4 @@ def decode_profile(model, ids: torch.Tensor, floor_s: float, steps: int = 16) ->
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -18,18 +18,23 @@ A method may carry options, e.g. `d2o[allocation=uniform,nm=1:1]` (an ablation r
     python -m kvmini.eval.fidelity --n 512 --k 64 --methods h2o snapkv --budgets 0.1
     python -m kvmini.eval.fidelity --methods d2o "d2o[allocation=uniform]" --budgets 0.2
 """
-import argparse
 import json
 import sys
 import time
+from pathlib import Path
 
-import torch
-import torch.nn.functional as F
+from kvmini import cli
+
+cli.exit_on_ctrl_c(__name__)  # before the imports below
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
 
 from kvmini.errors import KvminiError
 from kvmini.generate import prefill
 from kvmini.methods.registry import METHODS, chooses_budget, make_policy, parse_spec
 from kvmini.policy import PREFILL
+
+LAZY_IMPORTS = ("kvmini.loading", "kvmini.tokenizer", "kvmini.weights")  # the tools' work imports these
 
 
 def pydoc_text() -> str:
@@ -73,6 +78,7 @@ def compare(logits: torch.Tensor, full: torch.Tensor, targets: torch.Tensor) -> 
 
 def run(model, ids: torch.Tensor, n: int, methods: list[str], budgets: list[float], log=print) -> list[dict]:
     """One row per (method spec, budget), the full cache first. ids (1, N + K)."""
+    check_arguments(ids, n, methods, budgets)
     targets = ids[0, n:]  # (K,)
     t0 = time.perf_counter()
     full, kept_full = continuation_logits(model, ids, n)
@@ -96,6 +102,19 @@ def run(model, ids: torch.Tensor, n: int, methods: list[str], budgets: list[floa
     return rows
 
 
+def check_arguments(ids, n, methods, budgets) -> None:
+    """What `run` needs, refused with the argument's name before any work."""
+    if not isinstance(ids, torch.Tensor) or ids.dim() != 2 or ids.shape[0] != 1 or ids.shape[1] < 2:
+        raise KvminiError(f"ids must be a tensor (1, N + K) of token ids with N, K >= 1, got "
+                          f"{tuple(ids.shape) if isinstance(ids, torch.Tensor) else type(ids).__name__}")
+    if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n < ids.shape[1]:
+        raise KvminiError(f"n (the prompt's tokens) must be a whole number in [1, {ids.shape[1] - 1}], got {n!r}")
+    if isinstance(methods, str) or not all(isinstance(m, str) for m in methods):
+        raise KvminiError(f"methods must be a list of method specs such as ['h2o'], got {methods!r}")
+    if isinstance(budgets, (str, int, float)):
+        raise KvminiError(f"budgets must be a list of budgets such as [0.2, 128], got {budgets!r}")
+
+
 def table(rows: list[dict], n: int, k: int) -> str:
     """A markdown table of the rows."""
     lines = [f"Fidelity on pydoc text: prompt N={n}, teacher-forced continuation K={k}", "",
@@ -109,43 +128,42 @@ def table(rows: list[dict], n: int, k: int) -> str:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description="Compare compressed caches with the full cache on real text.")
-    p.add_argument("--n", type=int, default=2048, help="prompt tokens (default 2048)")
-    p.add_argument("--k", type=int, default=256, help="continuation tokens teacher-forced and scored (default 256)")
+    p = cli.OneLineParser(description="Compare compressed caches with the full cache on real text.")
+    p.add_argument("--n", type=cli.at_least(1), default=2048, help="prompt tokens (default 2048)")
+    p.add_argument("--k", type=cli.at_least(1), default=256,
+                   help="continuation tokens teacher-forced and scored (default 256)")
     p.add_argument("--budgets", type=float, nargs="+", default=[0.2, 128], help="budgets (default: 0.2 128)")
     p.add_argument("--methods", nargs="+", default=[m for m in METHODS if m != "full"],
                    help="methods, optionally with options: name[key=value,...] (default: all)")
-    p.add_argument("--offset", type=int, default=0, help="first token of the text to use (default 0)")
+    p.add_argument("--offset", type=cli.at_least(0), default=0, help="first token of the text to use (default 0)")
     p.add_argument("--model", help="HF-layout folder (default: SmolLM2-135M-Instruct)")
     p.add_argument("--device", default="cpu")
-    p.add_argument("--json", help="also write the rows to this JSON file")
-    args = p.parse_args(argv)
-    from pathlib import Path
+    p.add_argument("--json", help="also write the rows to this JSON file (checked before the work)")
+    return cli.run(lambda: compare_methods(p.parse_args(argv)), imports=LAZY_IMPORTS)
 
+
+def compare_methods(args) -> int:
     from kvmini.loading import load_model
     from kvmini.tokenizer import load_tokenizer
     from kvmini.weights import ensure_default_model
 
-    try:
-        for spec in args.methods:
-            parse_spec(spec)
-        if args.n < 1 or args.k < 1:
-            raise KvminiError("--n and --k must be >= 1")
-        folder = Path(args.model) if args.model else ensure_default_model(log=lambda m: print(m, file=sys.stderr))
-        model = load_model(folder, args.device, "float32")
-        ids = load_tokenizer(folder).encode(pydoc_text())[args.offset : args.offset + args.n + args.k]
-        if len(ids) < args.n + args.k:
-            raise KvminiError(f"the text has only {len(ids)} tokens after --offset {args.offset}")
-        if args.n + args.k > model.config.max_position_embeddings:
-            raise KvminiError(f"N + K = {args.n + args.k} exceeds the model's context")
-        rows = run(model, torch.tensor([ids], device=model.device), args.n, args.methods, args.budgets,
-                   log=lambda m: print(m, file=sys.stderr))
-    except KvminiError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    print(table(rows, args.n, args.k))
-    if args.json:
-        Path(args.json).write_text(json.dumps(rows, indent=1))
+    for spec in args.methods:  # bad methods, options and budgets are refused before the work
+        name, options = parse_spec(spec)
+        for budget in [None] if chooses_budget(name) else args.budgets:
+            make_policy(name, budget, **options)
+    json_file = cli.writable_file(args.json) if args.json else None
+    folder = Path(args.model) if args.model else ensure_default_model(log=lambda m: print(m, file=sys.stderr))
+    model = load_model(folder, args.device, "float32")
+    ids = load_tokenizer(folder).encode(pydoc_text())[args.offset : args.offset + args.n + args.k]
+    if len(ids) < args.n + args.k:
+        raise KvminiError(f"the text has only {len(ids)} tokens after --offset {args.offset}")
+    if args.n + args.k > model.config.max_position_embeddings:
+        raise KvminiError(f"N + K = {args.n + args.k} exceeds the model's context")
+    rows = run(model, torch.tensor([ids], device=model.device), args.n, args.methods, args.budgets,
+               log=lambda m: print(m, file=sys.stderr))
+    print(table(rows, args.n, args.k), flush=True)  # on the screen before the file is written
+    if json_file:
+        json_file.write_text(json.dumps(rows, indent=1))
     return 0
 
 

@@ -18,6 +18,7 @@ import time
 import torch
 import torch.nn.functional as F
 
+from kvmini.errors import KvminiError
 from kvmini.generate import prefill
 from kvmini.methods.registry import policy_for
 
@@ -47,6 +48,15 @@ def curve(nll: torch.Tensor, points: int = 64) -> list[float]:
 
 def run(model, ids: torch.Tensor, capacities: list[int], methods=METHODS, chunk: int = 16, log=print) -> list[dict]:
     """One row per (capacity, method): perplexity after the prompt and the cumulative-NLL curve."""
+    N = ids.shape[1] if isinstance(ids, torch.Tensor) and ids.dim() == 2 else 0
+    if isinstance(capacities, (int, float, str)):
+        raise KvminiError(f"capacities must be a list of whole numbers such as [256], got {capacities!r}")
+    for capacity in capacities:
+        if isinstance(capacity, bool) or not isinstance(capacity, int) or not 1 <= capacity or 2 * capacity >= N - 1:
+            raise KvminiError(f"capacities must be whole numbers >= 1 whose prompt (2 * capacity tokens) leaves "
+                              f"tokens to score in ids (1, {N}), got {capacity!r}")
+    if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1:
+        raise KvminiError(f"chunk must be a whole number >= 1, got {chunk!r}")
     rows = []
     total = len(capacities) * len(methods)
     for capacity in capacities:

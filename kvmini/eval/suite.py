@@ -15,17 +15,19 @@ Experiments (sizes per profile in PROFILES):
 Writes results.json (everything), summary.md (the tables) and PNG plots (with matplotlib). Experiments
 that an earlier run of the same profile wrote to the folder and this run skips are kept.
 """
-import argparse
 import json
 import statistics
 import sys
 import time
 from pathlib import Path
 
-import torch
+from kvmini import cli
 
-from kvmini.errors import KvminiError
-from kvmini.eval import fidelity, layers, passkey, plots, speed, streaming
+cli.exit_on_ctrl_c(__name__)  # before the imports below
+import torch  # noqa: E402
+
+from kvmini.errors import KvminiError  # noqa: E402
+from kvmini.eval import fidelity, layers, passkey, plots, speed, streaming  # noqa: E402
 
 ALL_COMPRESSING = ["streaming_llm", "h2o", "tova", "snapkv", "pyramidkv", "weightedkv", "d2o", "d2o[variant=paper]",
                    "dynamickv"]
@@ -191,30 +193,28 @@ def _fidelity_line(rows, key) -> str:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description="Run the evaluation suite; write JSON, markdown and plots.")
+    p = cli.OneLineParser(description="Run the evaluation suite; write JSON, markdown and plots.")
     p.add_argument("--profile", choices=list(PROFILES), default="quick", help="sizes (default: quick, minutes on CPU)")
     p.add_argument("--only", nargs="+", choices=EXPERIMENTS, default=EXPERIMENTS, help="experiments to run (default: all)")
-    p.add_argument("--out", default="results", help="output folder (default: results/)")
+    p.add_argument("--out", default="results", help="output folder (default: results/; checked before the work)")
     p.add_argument("--model", help="HF-layout folder (default: SmolLM2-135M-Instruct)")
     p.add_argument("--device", default="cpu")
-    args = p.parse_args(argv)
+    return cli.run(lambda: evaluate(p.parse_args(argv)), imports=(*fidelity.LAZY_IMPORTS, "kvmini.chat"))
+
+
+def evaluate(args) -> int:
     log = lambda m: print(m, file=sys.stderr, flush=True)  # noqa: E731
-    try:
-        results = run_suite(args.profile, args.only, args.model, args.device, log)
-    except KvminiError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
+    out = cli.writable_folder(args.out, "--out")
+    results = run_suite(args.profile, args.only, args.model, args.device, log)
     results = kept_from(out / "results.json", results, log)
     try:
         results["plots"] = plots.write_plots(results, out)
-    except plots.PlotsUnavailable as e:
-        results["plots_skipped"] = str(e)
-        log(f"plots skipped: {e}")
+    except (plots.PlotsUnavailable, OSError) as e:
+        results["plots_skipped"] = cli.one_line(e)
+        log(f"plots skipped: {results['plots_skipped']}")
+    print(summary(results), flush=True)  # on the screen before the files are written
     (out / "results.json").write_text(json.dumps(results, indent=1))
     (out / "summary.md").write_text(summary(results))
-    print(summary(results))
     log(f"wrote {out / 'results.json'}, {out / 'summary.md'} and {len(results.get('plots', []))} plots")
     return 0
 
@@ -237,6 +237,25 @@ def kept_from(path: Path, results: dict, log=print) -> dict:
     return merged
 
 
+def tokens_needed(name: str, p: dict) -> int:
+    """The longest sequence (prompt and generated tokens) experiment `name` runs with sizes `p`."""
+    if name == "passkey":
+        return max(p["lengths"]) + 10  # prompts of about `length` tokens, answers of up to 10
+    if name == "fidelity":
+        return p["n"] + p["k"]
+    if name == "speed":
+        return max(p["prefill_n"], p["decode_n"] + p["steps"] + 1, p["peak_n"], p["batch_n"])
+    return p["n"]  # streaming, layers
+
+
+def check_context(P: dict, only: list[str], context: int) -> None:
+    """Refuse, before any work, an experiment whose sequences the model's context cannot hold."""
+    for name in only:
+        if tokens_needed(name, P[name]) > context:
+            raise KvminiError(f"experiment {name} needs {tokens_needed(name, P[name])} tokens, more than the model's "
+                              f"context of {context}; choose a smaller --profile or leave it out of --only")
+
+
 def run_suite(profile: str, only: list[str], model_folder: str | None, device: str, log=print) -> dict:
     from kvmini.chat import load_chat_format, stop_token_ids
     from kvmini.loading import load_model
@@ -252,6 +271,7 @@ def run_suite(profile: str, only: list[str], model_folder: str | None, device: s
     chat = load_chat_format(folder)
     stop_ids = stop_token_ids(model.config.eos_token_ids, tok, chat)
     P = PROFILES[profile]
+    check_context(P, only, model.config.max_position_embeddings)
     results = {"profile": profile, "device": str(model.device), "sizes": {k: P[k] for k in only}}
     runners = {
         "streaming": lambda: run_streaming(model, text_ids, P["streaming"], log),

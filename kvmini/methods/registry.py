@@ -51,7 +51,7 @@ OPTIONS = {
     "sinks": Option(int, "first tokens always kept", lambda x: x >= 0, "be >= 0"),
     "recent": Option(int, "most recent tokens always kept", lambda x: x >= 0, "be >= 0"),
     "window": Option(int, "observation window: the last prompt tokens whose attention scores the others; "
-                          "always kept", lambda x: x >= 0, "be >= 0"),
+                          "always kept", lambda x: x >= 1, "be >= 1 (the queries that score the prompt)"),
     "kernel": Option(int, "pooling kernel along the keys", lambda x: x >= 1 and x % 2 == 1, "be odd and >= 1"),
     "pooling": Option(str, "avg | max", *one_of("avg", "max")),
     "reduce": Option(str, "combine the query heads of a KV head: mean | max | sum", *one_of("mean", "max", "sum")),
@@ -163,7 +163,7 @@ def chooses_budget(name: str) -> bool:
 def make_policy(name: str, budget: float | None = None, **options) -> Policy | PerSequence | None:
     """A fresh policy for method `name`; clear errors for unknown names, options and values.
     Methods whose budgets follow each sequence's statistics come wrapped in PerSequence (batches)."""
-    if name not in METHODS:
+    if not isinstance(name, str) or name not in METHODS:
         raise KvminiError(f"unknown method {name!r}; choose from {', '.join(METHODS)}")
     allowed = method_options(name)
     for key, value in options.items():

@@ -1,0 +1,143 @@
+"""The one error boundary of every command-line entry point: run.py and the `python -m kvmini...` tools.
+
+A user's mistake (KvminiError) or a refusal from the operating system (OSError) is one line on
+stderr and exit code 2; an argparse usage error is one line too (exit code 2, `--help` for the
+rest); Ctrl-C is one line and exit code 130, at any moment including the imports. An error kvmini
+does not anticipate is still one line, naming its type; KVMINI_DEBUG=1 shows the traceback instead.
+Standard library (and kvmini.errors) only, so that it is in place before torch is imported.
+
+    from kvmini import cli
+    cli.exit_on_ctrl_c(__name__)   # first, before the heavy imports
+    import torch
+    ...
+    if __name__ == "__main__":
+        sys.exit(cli.run(lambda: work(parse(argv))))
+"""
+import argparse
+import errno
+import importlib
+import os
+import re
+import signal
+import sys
+import tempfile
+from pathlib import Path
+
+from kvmini.errors import KvminiError
+
+INTERRUPTED = "\ninterrupted (Ctrl-C)"
+
+
+class OneLineParser(argparse.ArgumentParser):
+    """argparse, but a usage error is one line on stderr (exit code 2)."""
+
+    def error(self, message):
+        self.exit(2, f"error: {message} (see --help)\n")
+
+
+def whole_number(text: str, low: int = 0, high: int | None = None) -> int:
+    """ASCII digits only ('²', '٣' and '1e3' are refused), within [low, high]."""
+    if not re.fullmatch(r"[+-]?[0-9]+", text.strip()):
+        raise argparse.ArgumentTypeError(f"must be a whole number, got {text!r}")
+    value = int(text)
+    if value < low or (high is not None and value > high):
+        raise argparse.ArgumentTypeError(f"must be {f'in [{low}, {high}]' if high is not None else f'>= {low}'}, got {text}")
+    return value
+
+
+def at_least(low: int):
+    """An argparse type: a whole number >= low."""
+    return lambda text: whole_number(text, low)
+
+
+def _exit_interrupted(signum, frame):
+    os.write(2, (INTERRUPTED + "\n").encode())
+    os._exit(130)
+
+
+def exit_on_ctrl_c(name: str) -> None:
+    """When module `name` runs as the program ("__main__"), Ctrl-C ends it at once (one line, 130)
+    until `run` starts the work. A KeyboardInterrupt raised inside an import can be swallowed or
+    turned into another error by the library being imported (torch: a RecursionError), so during
+    the imports nothing is unwound. Imported as a library (notebooks, tests), nothing changes."""
+    if name == "__main__":
+        signal.signal(signal.SIGINT, _exit_interrupted)
+
+
+def one_line(e: BaseException) -> str:
+    """The message for a failure: ours as written, the operating system's with the file it concerns."""
+    if isinstance(e, KvminiError):
+        return str(e)
+    if isinstance(e, OSError):
+        what = e.strerror or str(e) or type(e).__name__
+        if e.filename is not None:
+            return f"{what}: {e.filename}"
+        if e.errno in (errno.EPIPE, errno.ENOSPC, errno.EBADF, errno.EIO) or isinstance(e, BrokenPipeError):
+            return f"cannot write the output: {what}"
+        return what
+    if isinstance(e, MemoryError):
+        return "out of memory (try a shorter prompt, a smaller --chunk-size or a smaller model)"
+    text = (str(e).strip().splitlines() or [""])[0][:300]
+    return f"unexpected {type(e).__name__}: {text} (a case kvmini does not check yet; KVMINI_DEBUG=1 shows where)"
+
+
+def silence_stdout() -> None:
+    """After the output failed, point it at /dev/null so the exit's own flush cannot fail again."""
+    try:
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+    except (OSError, ValueError, AttributeError):
+        pass
+
+
+def writable_file(path: str) -> Path:
+    """An output file that can be written, checked before any work (so no result is lost to it)."""
+    file = Path(path)
+    if file.is_dir():
+        raise KvminiError(f"{path} is a folder; give a file name for the output")
+    if not file.parent.is_dir():
+        raise KvminiError(f"cannot write {path}: the folder {file.parent} does not exist")
+    existed = file.exists()
+    with open(file, "a"):  # PermissionError (one line) when it may not be written
+        pass
+    if not existed:
+        file.unlink()
+    return file
+
+
+def writable_folder(path: str, flag: str) -> Path:
+    """An output folder, created if needed and probed, before any work."""
+    out = Path(path)
+    if out.exists() and not out.is_dir():
+        raise KvminiError(f"{flag} {path} is a file, not a folder")
+    out.mkdir(parents=True, exist_ok=True)  # PermissionError, FileExistsError ...: one line
+    tempfile.TemporaryFile(dir=out).close()
+    return out
+
+
+def run(work, imports: tuple[str, ...] = ()) -> int:
+    """The error boundary: `work()` -> its exit code; whatever goes wrong is one line on stderr.
+    `imports` are imported first, still under `exit_on_ctrl_c` (modules the work imports lazily)."""
+    if sys.stdout is None or sys.stderr is None:  # started with stdout or stderr closed (`>&-`)
+        if sys.stderr is not None:
+            print("error: standard output is closed; nowhere to write the answer", file=sys.stderr)
+        return 2
+    sys.stdout.reconfigure(errors="replace")  # text the terminal's encoding lacks prints as '?'
+    sys.stderr.reconfigure(errors="backslashreplace")
+    try:
+        for module in imports:
+            importlib.import_module(module)
+        if signal.getsignal(signal.SIGINT) is _exit_interrupted:
+            signal.signal(signal.SIGINT, signal.default_int_handler)  # the work may clean up on Ctrl-C
+        return work()
+    except KeyboardInterrupt:
+        print(INTERRUPTED, file=sys.stderr)
+        return 130
+    except SystemExit as e:  # argparse: --help (0) or a usage error (2, its line already written)
+        return e.code if isinstance(e.code, int) else 2
+    except Exception as e:
+        if os.environ.get("KVMINI_DEBUG"):
+            raise
+        if isinstance(e, OSError) and e.filename is None:
+            silence_stdout()
+        print(f"error: {one_line(e)}", file=sys.stderr)
+        return 2
