@@ -244,6 +244,27 @@ def test_prompt_that_is_a_directory(capsys, model, tmp_path):
     assert_one_line(*cli(capsys, "--prompt", tmp_path, "--model", model)[::2], "is a directory")
 
 
+@pytest.mark.parametrize("where,fragment", [("missing/kept.html", "does not exist"), (".", "is a directory, not a file"),
+                                            ("locked/kept.html", "cannot be written")])
+def test_html_page_that_cannot_be_written(capsys, prompt, tmp_path, where, fragment):
+    """Refused before any work: the model folder given does not even exist, and the error is about --html."""
+    if where.startswith("locked"):
+        if os.geteuid() == 0:
+            pytest.skip("root may write into a read-only folder")
+        (tmp_path / "locked").mkdir(mode=0o500)
+    code, _, err = cli(capsys, "--prompt", prompt, "--model", tmp_path / "no-model", "--html", tmp_path / where)
+    assert_one_line(code, err, fragment)
+    assert not (tmp_path / "missing").exists()
+
+
+def test_html_page_is_written(capsys, model, prompt, tmp_path):
+    code, out, err = cli(capsys, "--prompt", prompt, "--model", model, "--method", "h2o", "--budget", 16,
+                         "--max-new-tokens", 3, "--html", tmp_path / "kept.html")
+    assert code == 0, err
+    assert f"page      {tmp_path / 'kept.html'}" in out
+    assert 'id="data">{"tokens"' in (tmp_path / "kept.html").read_text()
+
+
 # --- nothing silently wrong ------------------------------------------------------------------------
 
 def test_protected_layer_that_does_not_exist(capsys, model, prompt):
