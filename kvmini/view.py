@@ -27,6 +27,7 @@ import numpy as np
 import torch
 
 from kvmini.cache import KVCache
+from kvmini.methods.knorm import KNorm
 from kvmini.parts import PREFILL, Merged
 
 TEMPLATE = Path(__file__).with_name("view.html")
@@ -55,14 +56,14 @@ def bitset(positions: np.ndarray, n: int) -> str:
     return b64(np.packbits(bits, bitorder="little"))
 
 
-def scores_of(lc, scorer) -> tuple[str | None, torch.Tensor | None]:
+def scores_of(lc, scorer) -> tuple[str, torch.Tensor | None]:
     """(what it is, (H_kv, S) per held entry) of the score the cache keeps for row 0, or (why not, None)."""
     names = lc.aux_names()
     if "a" in names and "n" in names:
         return "average attention a/n (WeightedKV's ranking)", (lc.aux("a") / lc.aux("n"))[0]
     if "attention_sum" in names:
         return "accumulated attention (H2O's score: summed over every query so far)", lc.aux("attention_sum")[0]
-    if type(scorer).__name__ == "KNorm":
+    if isinstance(scorer, KNorm):
         return "key norm (KNorm keeps the lowest)", lc.keys[0].float().norm(dim=-1)
     if scorer is None:
         return "no scores: the full cache keeps every token", None
@@ -81,10 +82,10 @@ def panel(cache: KVCache, policy=None, trace: list[Merged] | None = None, name: 
     for m in trace or []:
         for h in range(m.evicted.shape[1]):
             merges.setdefault((m.layer, h), []).append((m.evicted[0, h], m.into[0, h], m.weight[0, h]))
-    held, merged, into, scores, note = [], [], [], [], None
+    held, merged, into, scores, notes = [], [], [], [], {}
     for layer, lc in enumerate(cache.layers):
         label, score = scores_of(lc, scorer)
-        note = note or label
+        notes.setdefault(score is not None, label)
         rows = {"held": [], "merged": [], "into": [], "score": []}
         for h, pos in enumerate(lc.positions[0]):  # pos (S,)
             order = pos.argsort()
@@ -101,8 +102,9 @@ def panel(cache: KVCache, policy=None, trace: list[Merged] | None = None, name: 
                 target[at], weight[at] = q + 1, np.round(w * 10000)  # into + 1: 0 is "dropped"
             rows["merged"].append(bitset(gone[target > 0], n))
             rows["into"].append(b64(target) + "," + b64(weight))
-        for key, out in (("held", held), ("merged", merged), ("into", into), ("score", scores)):
+        for key, out in (("held", held), ("merged", merged), ("into", into)):
             out.append(rows[key])
+        scores.append(rows["score"] if score is not None else None)  # None: no score in this layer
     windows = []
     for layer in range(L):
         if policy is None or not policy.active or layer in protected:
@@ -121,8 +123,8 @@ def panel(cache: KVCache, policy=None, trace: list[Merged] | None = None, name: 
         "held": held,
         "merged": merged if trace is not None else None,
         "into": into if trace is not None else None,
-        "scores": scores if score is not None else None,
-        "score_note": note,
+        "scores": scores if True in notes else None,
+        "score_note": notes.get(True, notes.get(False)),
     }
 
 
@@ -177,7 +179,8 @@ def main(argv=None) -> int:
     p.add_argument("--prompt", required=True, help="UTF-8 text file")
     p.add_argument("--out", required=True, help="the HTML file to write")
     p.add_argument("--model", help="HF-layout checkpoint folder (default: SmolLM2-135M-Instruct)")
-    p.add_argument("--budget", type=lambda t: int(t) if t.isdigit() else float(t), default=0.2, help="ratio of the prompt (<= 1) or tokens per layer (default: 0.2)")
+    p.add_argument("--budget", type=lambda t: int(t) if t.isdigit() else float(t), default=0.2,
+                   help="a ratio of the prompt (up to 1.0) or tokens per layer (default: 0.2)")
     p.add_argument("--max-new-tokens", type=int, default=8, help="tokens generated after the prompt (default: 8)")
     p.add_argument("--raw", action="store_true", help="no chat template")
     args = p.parse_args(argv)

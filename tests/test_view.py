@@ -186,7 +186,16 @@ def shade(classes: str) -> int:
 @needs_browser
 def test_the_page_in_a_browser_shows_the_cache(runs):
     prompt, out, page = runs
-    everything, layer1, layer0 = (panels(dom(page, f)) for f in ("", "layer=1&head=0", "layer=0&head=0"))
+    d2o_merges = merged_into(out["d2o"][2], 1, 0)
+    pin = min(d2o_merges)  # a token D2O merged in layer 1, head 0: its details are pinned by the URL
+    pages = [dom(page, f) for f in ("", f"layer=1&head=0&token={pin}", "layer=0&head=0")]
+    everything, layer1, layer0 = (panels(html) for html in pages)
+    details = re.findall(r'<div class="details">(.*?)</div>', pages[1], re.S)  # one per method
+    q, w = d2o_merges[pin]
+    assert f"layer 1 head 0: evicted, merged into {q} " in details[1]
+    assert f"with weight {round(w * 10000) / 10000:.3f}" in details[1]
+    h2o_fate = "kept, score " if pin in held(out["h2o"][0], 1, 0) else "evicted\n"
+    assert f"layer 1 head 0: {h2o_fate}" in details[0] + "\n"
     assert list(everything) == list(out)
     kept = {name: {(l, h): set(held(run[0], l, h)) for l in range(3) for h in range(2)} for name, run in out.items()}
     for name, (cache, policy, trace, *_) in out.items():
@@ -207,3 +216,17 @@ def test_the_page_in_a_browser_shows_the_cache(runs):
         only = [p for p in range(len(prompt)) if p in kept[name][1, 0]
                 and any(p not in kept[other][1, 0] for other in out if other != name)]
         assert [p for p, c in enumerate(classes) if " only" in c] == only
+
+
+def test_a_layer_that_never_compresses_keeps_no_score():
+    """DBudgetKV (cumulative ranking) never scores its protected layers 0 and 1: the page says so for them
+    and shows the accumulated attention of layer 2."""
+    from kvmini.view import panel
+
+    policy = make_policy("dbudgetkv", ranking="cumulative")
+    ids = torch.randint(0, 61, (1, 40), generator=torch.Generator().manual_seed(1))
+    result = generate(random_model(), ids, 4, policy=policy)
+    data = panel(result.cache, policy)
+    assert data["protected"] == [0, 1] and data["windows"][:2] == [None, None]
+    assert data["scores"][0] is None and data["scores"][1] is None and len(data["scores"][2]) == 2
+    assert data["score_note"].startswith("accumulated attention")
