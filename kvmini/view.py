@@ -13,8 +13,9 @@ and from the merge trace the compressors record when asked (`record_merges`).
 
 Encoding (the page decodes it; shading is computed in the browser): per layer and head, a bitset
 of the positions held (bit p % 8 of byte p // 8), a bitset of the evicted positions that were
-merged, and, for the evicted positions in order, the position each was merged into + 1 (0: dropped)
-and its weight in 1/10000; scores of the held tokens as float32 in position order. Base64 each.
+merged, and for those, in position order, the position each was merged into (uint16, or uint32
+past 65,536 tokens) and its weight in 1/10000 (int16); scores of the held tokens as float32 in
+position order. Base64 each.
 """
 import argparse
 import base64
@@ -83,6 +84,7 @@ def panel(cache: KVCache, policy=None, trace: list[Merged] | None = None, name: 
         for h in range(m.evicted.shape[1]):
             merges.setdefault((m.layer, h), []).append((m.evicted[0, h], m.into[0, h], m.weight[0, h]))
     held, merged, into, scores, notes = [], [], [], [], {}
+    width = "<u2" if n <= 2**16 else "<u4"  # merge targets: positions < n
     for layer, lc in enumerate(cache.layers):
         label, score = scores_of(lc, scorer)
         notes.setdefault(score is not None, label)
@@ -95,13 +97,14 @@ def panel(cache: KVCache, policy=None, trace: list[Merged] | None = None, name: 
             if score is not None:
                 rows["score"].append(b64(score[h][order].numpy().astype("<f4")))
             gone = np.setdiff1d(np.arange(n), kept)  # evicted positions, ascending
-            target, weight = np.zeros(len(gone), "<u4"), np.zeros(len(gone), "<i2")
+            target, weight = np.full(len(gone), -1), np.zeros(len(gone))
             if (layer, h) in merges:
                 e, q, w = (torch.cat(x).numpy() for x in zip(*merges[(layer, h)]))
                 at = np.searchsorted(gone, e)
-                target[at], weight[at] = q + 1, np.round(w * 10000)  # into + 1: 0 is "dropped"
-            rows["merged"].append(bitset(gone[target > 0], n))
-            rows["into"].append(b64(target) + "," + b64(weight))
+                target[at], weight[at] = q, w  # -1: dropped, not merged
+            done = target >= 0
+            rows["merged"].append(bitset(gone[done], n))
+            rows["into"].append(b64(target[done].astype(width)) + "," + b64(np.round(weight[done] * 10000).astype("<i2")))
         for key, out in (("held", held), ("merged", merged), ("into", into)):
             out.append(rows[key])
         scores.append(rows["score"] if score is not None else None)  # None: no score in this layer
@@ -123,6 +126,7 @@ def panel(cache: KVCache, policy=None, trace: list[Merged] | None = None, name: 
         "held": held,
         "merged": merged if trace is not None else None,
         "into": into if trace is not None else None,
+        "into_bytes": int(width[-1]),
         "scores": scores if True in notes else None,
         "score_note": notes.get(True, notes.get(False)),
     }
