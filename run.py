@@ -168,19 +168,6 @@ def read_prompt(path: str) -> str:
     return text
 
 
-def check_writable(path: str) -> None:
-    """Refuse an output file that cannot be written, before any work is done (nothing is created)."""
-    from kvmini.errors import KvminiError
-
-    file = Path(path)
-    if file.is_dir():
-        raise KvminiError(f"--html {path} is a directory, not a file")
-    if not file.parent.is_dir():
-        raise KvminiError(f"--html {path}: the folder {file.parent} does not exist")
-    if not os.access(file.parent, os.W_OK) or (file.exists() and not os.access(file, os.W_OK)):
-        raise KvminiError(f"--html {path} cannot be written (permission denied)")
-
-
 def generate_answer(args) -> int:
     import torch
 
@@ -192,13 +179,13 @@ def generate_answer(args) -> int:
     from kvmini.progress import Progress
     from kvmini.report import BLOCKS, cache_report
     from kvmini.tokenizer import StreamDecoder, load_tokenizer
-    from kvmini.view import record_merges, write_html
+    from kvmini.view import check_writable, record_merges, write_html
     from kvmini.weights import ensure_default_model
 
     policy = make_policy(args.method, args.budget, **args.options)
     text = read_prompt(args.prompt)
     if args.html is not None:
-        check_writable(args.html)
+        check_writable(args.html, "--html")
     log = (lambda m: None) if args.quiet else (lambda m: print(m, file=sys.stderr))
     folder = Path(args.model) if args.model else ensure_default_model(log=log)
     model = load_model(folder, args.device, args.dtype)

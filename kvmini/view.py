@@ -21,6 +21,7 @@ import argparse
 import base64
 import html
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -45,6 +46,19 @@ def record_merges(policy) -> list[Merged] | None:
         return None
     merger.trace = []
     return merger.trace
+
+
+def check_writable(path, flag: str) -> None:
+    """Refuse an output file that cannot be written, before any work is done (nothing is created)."""
+    from kvmini.errors import KvminiError
+
+    file = Path(path)
+    if file.is_dir():
+        raise KvminiError(f"{flag} {path} is a directory, not a file")
+    if not file.parent.is_dir():
+        raise KvminiError(f"{flag} {path}: the folder {file.parent} does not exist")
+    if not os.access(file.parent, os.W_OK) or (file.exists() and not os.access(file, os.W_OK)):
+        raise KvminiError(f"{flag} {path} cannot be written (permission denied)")
 
 
 def b64(array: np.ndarray) -> str:
@@ -190,7 +204,7 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     try:
         return compare(args)
-    except (KvminiError, OSError) as e:
+    except (KvminiError, OSError, UnicodeDecodeError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
 
@@ -205,9 +219,8 @@ def compare(args) -> int:
     for spec in args.methods:
         if spec != "full":
             parse_spec(spec)  # unknown names and options fail before the model loads
-    out = Path(args.out)
-    out.write_text("", encoding="utf-8")  # unwritable: fail now, not after the runs
-    text = Path(args.prompt).read_text(encoding="utf-8")
+    check_writable(args.out, "--out")
+    out, text = Path(args.out), Path(args.prompt).read_text(encoding="utf-8")
     folder = Path(args.model) if args.model else ensure_default_model()
     model, tok = load_model(folder, "cpu", "float32"), load_tokenizer(folder)
     chat = None if args.raw else load_chat_format(folder)
