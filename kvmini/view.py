@@ -30,6 +30,7 @@ import torch
 
 from kvmini.cache import KVCache
 from kvmini.methods.knorm import KNorm
+from kvmini.methods.scorers import Position
 from kvmini.parts import PREFILL, Merged
 
 TEMPLATE = Path(__file__).with_name("view.html")
@@ -82,8 +83,10 @@ def scores_of(lc, scorer) -> tuple[str, torch.Tensor | None]:
         return "key norm (KNorm keeps the lowest)", lc.keys[0].float().norm(dim=-1)
     if scorer is None:
         return "no scores: the full cache keeps every token", None
-    return (f"no score shown: {type(scorer).__name__} computes its scores from one call's attention and the "
-            "cache does not keep them"), None
+    if isinstance(scorer, Position):
+        return "the position itself (the later, the more important)", None
+    return (f"not kept in the cache ({type(scorer).__name__} scores the tokens from one call's attention when "
+            "the method compresses, then discards them)"), None
 
 
 def panel(cache: KVCache, policy=None, trace: list[Merged] | None = None, name: str | None = None,
