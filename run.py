@@ -21,6 +21,7 @@ EXAMPLES = """examples:
   python run.py --model path/to/hf-folder --prompt prompt.txt --device cuda --dtype bfloat16
   python run.py --prompt doc.txt --method snapkv --budget 128 --window 16 --pooling max
   python run.py --prompt doc.txt --method h2o --budget 0.1      # keep 10% of the prompt per layer
+  python run.py --prompt doc.txt --method d2o --html kept.html  # a web page of what each layer and head kept
 
 special tokens: strings such as <|im_end|> typed in the prompt are read as the control tokens they
 name (as HF tokenizers do), so a prompt can end a chat turn itself; --raw skips the chat template.
@@ -126,6 +127,8 @@ def parse_args(argv=None):
     p.add_argument("--seed", type=seed, default=None, help="random seed for sampling (0 to 2**64-1)")
     p.add_argument("--chunk-size", type=positive_int, default=None, help="prefill the prompt in chunks of this many tokens")
     p.add_argument("--raw", action="store_true", help="feed the prompt as is, without the chat template")
+    p.add_argument("--html", metavar="FILE", help="also write a web page of what each layer and KV head kept, "
+                                                  "token by token (one self-contained file)")
     p.add_argument("--quiet", action="store_true", help="no progress on stderr (it shows only on a terminal, for long work)")
     p.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N (default: auto)")
     p.add_argument("--dtype", default="auto", help="auto | float32 | bfloat16 | float16 (auto: fp32 on CPU, bf16 on CUDA)")
@@ -165,10 +168,13 @@ def generate_answer(args) -> int:
     from kvmini.progress import Progress
     from kvmini.report import BLOCKS, cache_report
     from kvmini.tokenizer import StreamDecoder, load_tokenizer
+    from kvmini.view import check_writable, record_merges, write_html
     from kvmini.weights import ensure_default_model
 
     policy = make_policy(args.method, args.budget, **args.options)
     text = read_prompt(args.prompt)
+    if args.html is not None:
+        check_writable(args.html, "--html")
     log = (lambda m: None) if args.quiet else (lambda m: print(m, file=sys.stderr))
     folder = Path(args.model) if args.model else ensure_default_model(log=log)
     model = load_model(folder, args.device, args.dtype)
@@ -195,6 +201,7 @@ def generate_answer(args) -> int:
     write = lambda i: (sys.stdout.write(stream.push(i)), sys.stdout.flush())  # noqa: E731
     sampling = Sampling(args.temperature, args.top_k, args.top_p, args.seed, vocab=min(tok.vocab_size, vocab))
     progress = Progress("prefill", len(ids), enabled=False if args.quiet else None)  # on a terminal only
+    trace = record_merges(policy) if args.html is not None else None
     result = generate(model, torch.tensor([ids]), args.max_new_tokens, sampling, stop, policy,
                       chunk_size=args.chunk_size, on_token=write, progress=progress)
     print(stream.flush())
@@ -214,6 +221,9 @@ def generate_answer(args) -> int:
     print(f"decode    {result.new_tokens} new tokens, {rate:.1f} tokens/s")
     blocks = BLOCKS if can_print(BLOCKS) else ASCII_BLOCKS
     print("\n".join(cache_report(result.cache, policy, blocks)))
+    if args.html is not None:
+        page = write_html(args.html, result.cache, tok, ids, result.tokens[0], policy, trace, args.method)
+        print(f"page      {page} ({page.stat().st_size / 2**20:.2f} MiB): what each layer and KV head kept")
     sys.stdout.flush()
     return 0
 

@@ -5,7 +5,8 @@
 
 Needs jupytext, nbclient and ipykernel (requirements-dev.txt); the notebooks are written to
 notebooks/ (git-ignored). In a notebook, `show(fig, name)` displays a figure inline; run as a
-script, it saves it to results/tutorials/<name>.png instead (no display needed).
+script, it saves it to results/tutorials/<name>.png instead (no display needed). `show_page(path)` shows
+a kvmini.view page inline (in an iframe); as a script it prints where the page is.
 """
 import sys
 from pathlib import Path
@@ -32,6 +33,20 @@ def show(fig, name: str) -> None:
     fig.savefig(FIGURES / f"{name}.png", dpi=110, bbox_inches="tight")
     plt.close(fig)
     print(f"(figure saved to {(FIGURES / f'{name}.png').relative_to(ROOT)})")
+
+
+def show_page(path: Path, height: int = 560) -> None:
+    """A kvmini.view page inline in a notebook (the whole file in an iframe's srcdoc: no server needed)."""
+    if not in_notebook():
+        print(f"(page written to {path}; open it in a browser)")
+        return
+    import html
+
+    from IPython.display import HTML, display
+
+    page = html.escape(Path(path).read_text(encoding="utf-8"), quote=True)
+    frame = f'<iframe srcdoc="{page}" style="width: 100%; height: {height}px; border: 1px solid #ddd"></iframe>'
+    display(HTML(f"<div>{frame}</div>"))  # (a bare iframe makes IPython warn)
 
 
 def build(tutorial: Path, out_dir: Path, timeout: int = 1200):

@@ -12,6 +12,8 @@ no method. The base classes below hold the shared defaults; a part overrides wha
 Shapes: lc is a LayerCache (kvmini.cache); stats maps names to (B, H_kv, S) attention statistics
 (kvmini.attention); scores are (B, H_kv, S), higher = keep.
 """
+from typing import NamedTuple
+
 import torch
 
 from kvmini.attention import StatsRequest
@@ -99,3 +101,15 @@ class Compressor:
 
     def __call__(self, layer: int, lc, score: torch.Tensor, b: int) -> torch.Tensor | None:
         raise NotImplementedError
+
+
+class Merged(NamedTuple):
+    """One compression's merges, as a merging compressor records them when its `trace` is a list
+    (None, the default: nothing is recorded). All (B, H_kv, E), E the tokens evicted in that call:
+    `evicted` their positions, `into` the position of the kept token each was merged into (-1: dropped,
+    not merged), `weight` its weight in that token's merged value (0 when dropped)."""
+
+    layer: int
+    evicted: torch.Tensor
+    into: torch.Tensor
+    weight: torch.Tensor

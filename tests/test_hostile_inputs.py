@@ -243,6 +243,49 @@ def test_prompt_that_is_a_directory(capsys, model, tmp_path):
     assert_one_line(*cli(capsys, "--prompt", tmp_path, "--model", model)[::2], "is a directory")
 
 
+@pytest.mark.parametrize("where,fragment", [("missing/kept.html", "does not exist"), (".", "is a directory, not a file"),
+                                            ("locked/kept.html", "cannot be written")])
+def test_html_page_that_cannot_be_written(capsys, prompt, tmp_path, where, fragment):
+    """Refused before any work: the model folder given does not even exist, and the error is about --html."""
+    if where.startswith("locked"):
+        if os.geteuid() == 0:
+            pytest.skip("root may write into a read-only folder")
+        (tmp_path / "locked").mkdir(mode=0o500)
+    code, _, err = cli(capsys, "--prompt", prompt, "--model", tmp_path / "no-model", "--html", tmp_path / where)
+    assert_one_line(code, err, fragment)
+    assert not (tmp_path / "missing").exists()
+
+
+def test_html_page_is_written(capsys, model, prompt, tmp_path):
+    code, out, err = cli(capsys, "--prompt", prompt, "--model", model, "--method", "h2o", "--budget", 16,
+                         "--max-new-tokens", 3, "--html", tmp_path / "kept.html")
+    assert code == 0, err
+    assert f"page      {tmp_path / 'kept.html'}" in out
+    assert 'id="data">{"tokens"' in (tmp_path / "kept.html").read_text()
+
+
+def test_comparison_page_of_several_methods(capsys, model, prompt, tmp_path):
+    from kvmini import view
+
+    out = tmp_path / "compare.html"
+    code = view.main(["--methods", "h2o", "d2o[variant=paper]", "--prompt", str(prompt), "--out", str(out),
+                      "--model", str(model), "--budget", "16", "--max-new-tokens", "3"])
+    assert code == 0, capsys.readouterr().err
+    data = json.loads(out.read_text().split('id="data">')[1].split("</script>")[0])
+    assert [p["name"] for p in data["panels"]] == ["h2o", "d2o[variant=paper]"] and data["panels"][1]["merged"]
+
+
+@pytest.mark.parametrize("args,fragment", [(["--methods", "h2o", "nope"], "unknown method 'nope'"),
+                                           (["--methods", "h2o", "--out", "missing/x.html"], "does not exist")])
+def test_comparison_page_refuses_bad_input_before_any_work(capsys, prompt, tmp_path, args, fragment):
+    from kvmini import view
+
+    argv = ["--prompt", str(prompt), "--model", str(tmp_path / "no-model"), "--out", str(tmp_path / "x.html"), *args]
+    argv = [str(tmp_path / a) if a.startswith("missing/") else a for a in argv]
+    code = view.main(argv)
+    assert_one_line(code, capsys.readouterr().err, fragment)
+
+
 # --- nothing silently wrong ------------------------------------------------------------------------
 
 def test_protected_layer_that_does_not_exist(capsys, model, prompt):

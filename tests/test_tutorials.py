@@ -26,6 +26,8 @@ def test_tutorial_runs_as_a_notebook_and_shows_its_figures(path, default_model_d
     for cell in figure_cells:
         assert any("image/png" in out.get("data", {}) for out in cell.outputs), cell.source[:80]
     assert images(notebook) >= len(figure_cells)
+    for cell in (c for c in notebook.cells if c.cell_type == "code" and "show_page(" in c.source):  # kvmini.view
+        assert any("<iframe srcdoc=" in out.get("data", {}).get("text/html", "") for out in cell.outputs), cell.source[:80]
 
 
 @pytest.mark.slow

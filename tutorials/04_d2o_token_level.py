@@ -115,6 +115,45 @@ assert sum(budgets) == 3 * 20
 print("S_l:", budgets, " merged per layer:", [round(m) for m in policy.merged])
 
 # %% [markdown]
+# ## Seeing it: what each layer kept, and where the rest went
+#
+# Asked before a run, the merging compressor records every merge (`record_merges`: off by default,
+# nothing is recorded then): the evicted token's position, the kept token it went into and its weight
+# $w_i$ of Eq. 12. `kvmini.view` draws the prompt with what each layer and KV head holds; hover a token
+# with an orange underline to see where it was merged. The records agree with the counts the
+# compressor keeps (`policy.merged`, a mean over the KV heads).
+
+# %%
+import tempfile  # noqa: E402
+
+from kvmini.notebooks import show_page  # noqa: E402
+from kvmini.view import record_merges, write_html  # noqa: E402
+
+
+class Letters:
+    """A stand-in tokenizer for the random model: token i reads as a letter."""
+
+    def token_bytes(self, i):
+        return chr(ord("a") + i % 26).encode() + (b" " if i % 3 == 0 else b"")
+
+
+policy = make_policy("d2o", 0.5, variant="paper", allocation="zscore")
+trace = record_merges(policy)
+prompt = torch.randint(0, 50, (1, 40))
+cache = model.new_cache()
+policy.start(40, 46)
+with torch.no_grad():
+    model(prompt, cache, policy)
+    for t in range(6):
+        model(torch.tensor([[t]]), cache, policy)
+for layer in range(3):
+    recorded = sum(int((m.into >= 0).sum()) for m in trace if m.layer == layer) / 2  # mean over the 2 KV heads
+    assert recorded == float(policy.merged[layer])
+page = write_html(Path(tempfile.gettempdir()) / "04_kept.html", cache, Letters(), prompt[0].tolist(), list(range(6)),
+                  policy, trace)
+show_page(page, height=420)
+
+# %% [markdown]
 # ## What the authors' code does differently
 #
 # The official code merges with the raw cosines and a mean that counts tokens,

@@ -161,6 +161,45 @@ compressor = policy.compressor  # ConvexValueMerge(sinks, recent)
 assert compressor.sinks == 4 and compressor.recent(1024) == 508 and compressor.recent(256) == 124
 
 # %% [markdown]
+# ## Seeing the merges on a whole model
+#
+# On a small random model with capacity 16, every evicted token's value went somewhere: the merging
+# compressor records each merge when asked (`record_merges`), and `kvmini.view` draws the prompt with
+# what each layer and KV head holds. Every grey token has an orange underline (WeightedKV never just
+# drops a value); hover it to see the neighbour it went into and its weight
+# $\bar a_j / (\bar a_j + \bar a_{j+1})$.
+
+# %%
+import tempfile  # noqa: E402
+
+from kvmini.config import ModelConfig  # noqa: E402
+from kvmini.generate import generate  # noqa: E402
+from kvmini.model import Transformer  # noqa: E402
+from kvmini.notebooks import show_page  # noqa: E402
+from kvmini.view import record_merges, write_html  # noqa: E402
+
+
+class Letters:
+    """A stand-in tokenizer for the random model: token i reads as a letter."""
+
+    def token_bytes(self, i):
+        return chr(ord("a") + i % 26).encode() + (b" " if i % 3 == 0 else b"")
+
+
+torch.manual_seed(0)
+model = Transformer(ModelConfig("llama", 50, 32, 64, 3, 4, 2, 8, rope_theta=1000.0)).eval()
+policy = make_policy("weightedkv", 16)
+trace = record_merges(policy)
+prompt = torch.randint(0, 50, (1, 48))
+result = generate(model, prompt, 6, policy=policy)
+evicted = {(m.layer, h, p) for m in trace for h in range(2) for p in m.evicted[0, h].tolist()}
+assert len(evicted) == 3 * 2 * (result.cache.seen_tokens - 16)  # each layer and head evicted all but 16
+assert all((m.into >= 0).all() for m in trace)  # and merged every one
+page = write_html(Path(tempfile.gettempdir()) / "06_kept.html", result.cache, Letters(), prompt[0].tolist(),
+                  result.tokens[0], policy, trace)
+show_page(page, height=420)
+
+# %% [markdown]
 # ## What the authors' code does differently
 #
 # WeightedKV has no public code, so there is nothing to compare: kvmini follows Alg. 1, and the

@@ -3,7 +3,8 @@
 #
 # One fidelity table for every method in kvmini, and a picture of how each layer-adaptive method
 # spreads its budget over SmolLM2's 30 layers. The prompt here is short (512 tokens, 64
-# continuation tokens) so the tutorial runs in under a minute (29 s as a notebook on a quiet 2-core machine); the README has the N = 2048,
+# continuation tokens) so the tutorial runs in under a minute (29 s as a notebook on a quiet 2-core machine, before the
+# page of what each method keeps was added: four more 256-token runs); the README has the N = 2048,
 # K = 256 table from `python -m kvmini.eval.fidelity`.
 # Open it as an executed notebook: `python -m kvmini.notebooks 08` (into notebooks/).
 
@@ -83,6 +84,33 @@ ax.set_ylabel("tokens kept")
 ax.legend()
 fig.tight_layout()
 show(fig, "08_allocations")
+
+# %% [markdown]
+# ## What each method keeps, token by token
+#
+# The counts above say how much each layer keeps, not *what*. `kvmini.view` draws the text itself,
+# every token shaded by the share of (layer, KV head) pairs whose cache still holds it, for four
+# methods on the first 256 tokens of the prompt (8 tokens generated). Pick a layer and a head at the
+# top; a token outlined in red is kept by that method and dropped by another; an orange underline is
+# an evicted token whose value D2O or WeightedKV merged into a kept one (hover it: into which, with
+# what weight). The same page comes from `python run.py --method d2o --prompt FILE --html kept.html`
+# or, for several methods, `python -m kvmini.view --methods h2o snapkv d2o --prompt FILE --out kept.html`.
+
+# %%
+import tempfile  # noqa: E402
+
+from kvmini.notebooks import show_page  # noqa: E402
+from kvmini.view import run_method, write_comparison  # noqa: E402
+
+prompt = ids[:, :256]
+runs = [run_method(model, prompt, spec, 0.2, max_new_tokens=8)
+        for spec in ("h2o", "snapkv", "d2o", "weightedkv")]
+page = write_comparison(Path(tempfile.gettempdir()) / "08_kept.html", runs, load_tokenizer(folder), prompt[0].tolist())
+for cache, policy, trace, spec, generated in runs:  # what the page encodes: each layer and head's held positions
+    held = [len(set(cache[layer].positions[0, head].tolist())) for layer in range(30) for head in range(3)]
+    print(f"{spec:<20} held per (layer, head): {min(held)}-{max(held)}, merges recorded: {trace is not None}")
+    assert held == [cache[layer].length for layer in range(30) for head in range(3)]  # no position held twice
+show_page(page)
 
 # %% [markdown]
 # ## Exercises

@@ -34,7 +34,7 @@ import torch
 
 from kvmini.attention import StatsRequest
 from kvmini.cache import PAD, LayerCache, wide
-from kvmini.parts import Compressor, Scorer
+from kvmini.parts import Compressor, Merged, Scorer
 
 
 class AverageAttention(Scorer):
@@ -80,11 +80,25 @@ def convex_value_merge(lc: LayerCache, capacity: int, sinks: int, recent: int) -
     # END EXERCISE
 
 
-def merge_one(lc: LayerCache, sinks: int, recent: int) -> None:
+def merge_one(lc: LayerCache, sinks: int, recent: int, note=None) -> None:
     """Alg. 1 lines 7-10 once, in a buffer out of position order (entries found by position, not by
     index): j is the lowest abar after the sinks and before the recent window (ties: the earliest),
     its right neighbour the held entry with the next position. O(S) to find them, O(D) to merge and
-    delete. Sinks and window are found as in `selectors.lowest`."""
+    delete. Sinks and window are found as in `selectors.lowest`. `note(evicted, into, weight)`, if
+    given, hears the positions of j and its neighbour and the weight of v_j, each (B, H_kv, 1)."""
+    j, nxt, share = next_merge(lc, sinks, recent)
+    if note is not None:
+        note(lc.positions.gather(2, j), lc.positions.gather(2, nxt), share)
+    D = lc.values.shape[-1]
+    at_j, at_next = j[..., None].expand(-1, -1, -1, D), nxt[..., None].expand(-1, -1, -1, D)
+    w = share[..., None]  # (B, H_kv, 1, 1)
+    merged = w * wide(lc.values.gather(2, at_j)) + (1 - w) * wide(lc.values.gather(2, at_next))  # line 9
+    lc.values.scatter_(2, at_next, merged.to(lc.values.dtype))
+    lc.evict_one(j[..., 0])  # line 10
+
+
+def next_merge(lc: LayerCache, sinks: int, recent: int):
+    """Alg. 1 lines 7-8 in any buffer order: (j, its right neighbour, the weight of v_j), each (B, H_kv, 1)."""
     pos = lc.positions  # (B, H_kv, S)
     abar = lc.aux("a") / lc.aux("n")  # line 7
     after_sinks = pos[..., sinks:]  # the sinks stay in the first slots (see selectors.lowest)
@@ -95,20 +109,17 @@ def merge_one(lc: LayerCache, sinks: int, recent: int) -> None:
     nxt = torch.where(pos > pos.gather(2, j), pos, PAD).argmin(-1, keepdim=True)  # its right neighbour
     w_j, w_next = abar.gather(2, j), abar.gather(2, nxt)  # (B, H_kv, 1) each
     den = w_j + w_next
-    share = torch.where(den > 0, w_j / den, 0.5)[..., None]  # (B, H_kv, 1, 1): weight of v_j
-    D = lc.values.shape[-1]
-    at_j, at_next = j[..., None].expand(-1, -1, -1, D), nxt[..., None].expand(-1, -1, -1, D)
-    merged = share * wide(lc.values.gather(2, at_j)) + (1 - share) * wide(lc.values.gather(2, at_next))  # line 9
-    lc.values.scatter_(2, at_next, merged.to(lc.values.dtype))
-    lc.evict_one(j[..., 0])  # line 10
+    return j, nxt, torch.where(den > 0, w_j / den, 0.5)
 
 
-def merge_runs(lc: LayerCache, capacity: int, sinks: int, recent: int) -> None:
+def merge_runs(lc: LayerCache, capacity: int, sinks: int, recent: int, note=None) -> None:
     """Lines 6-10 for S - capacity excess entries at once (the module docstring's deviation).
 
     Deleted: the S - capacity lowest abar after the sinks and before the recent window, ties to the
     earliest (as line 8 picks them one by one). Each run of deleted entries merges into the held
     entry after it: v_s <- (abar_s v_s + sum abar_i v_i) / (abar_s + sum abar_i) (equal weights if all are 0).
+    `note(evicted, into, weight)`, if given, hears each deleted entry's position, the position it merges
+    into and its weight there, each (B, H_kv, S - capacity).
     """
     S, D = lc.length, lc.values.shape[-1]
     order = lc.positions.argsort(dim=-1)  # (B, H_kv, S): position order
@@ -124,6 +135,10 @@ def merge_runs(lc: LayerCache, capacity: int, sinks: int, recent: int) -> None:
     at = order[..., None].expand(-1, -1, -1, D)
     v = wide(lc.values.gather(2, at))  # (B, H_kv, S, D) in position order
     num = torch.zeros_like(v).scatter_add_(2, target[..., None].expand(-1, -1, -1, D), w[..., None] * v)  # line 9
+    if note is not None:
+        pos = lc.positions.gather(2, order)  # (B, H_kv, S) in position order
+        into = target.gather(2, deleted)  # (B, H_kv, E) ranks
+        note(pos.gather(2, deleted), pos.gather(2, into), w.gather(2, deleted) / den.gather(2, into))
     merged_into = torch.zeros_like(abar).scatter_add_(2, target, dead.to(abar.dtype)) > 0  # held entries a run ends at
     lc.values.scatter_(2, at, torch.where(merged_into[..., None], num / den[..., None], v).to(lc.values.dtype))
     held = dead.to(torch.int8).argsort(dim=-1, stable=True)[..., :capacity]  # (B, H_kv, capacity) ranks
@@ -132,17 +147,30 @@ def merge_runs(lc: LayerCache, capacity: int, sinks: int, recent: int) -> None:
 
 class ConvexValueMerge(Compressor):
     """The compressor: down to the budget, every evicted token's value merged (`merge_one` for one excess
-    entry, else `merge_runs`, or `convex_value_merge` for every call when chunk_merge="sequential")."""
+    entry, else `merge_runs`, or `convex_value_merge` for every call when chunk_merge="sequential").
+    `trace`: None (default, no cost), or a list that each merge extends with a `Merged` record."""
 
     def __init__(self, sinks: int = 0, recent=lambda b: 0, chunk_merge: str = "runs"):
         super().__init__(sinks, recent)
         self.sequential = chunk_merge == "sequential"
+        self.trace: list[Merged] | None = None
+
+    def start(self, L: int) -> None:
+        super().start(L)
+        if self.trace is not None:
+            self.trace.clear()  # a new run
 
     def __call__(self, layer: int, lc: LayerCache, score: torch.Tensor, b: int) -> None:
         self.merged[layer] += lc.length - b
-        if self.sequential:
+        note = None if self.trace is None else lambda *record: self.trace.append(Merged(layer, *record))
+        if self.sequential and note is not None:  # Alg. 1 one merge at a time, each one recorded
+            while lc.length > b:
+                j, nxt, share = next_merge(lc, self.sinks, self.recent(b))
+                note(lc.positions.gather(2, j), lc.positions.gather(2, nxt), share)
+                convex_value_merge(lc, lc.length - 1, self.sinks, self.recent(b))
+        elif self.sequential:
             convex_value_merge(lc, b, self.sinks, self.recent(b))
         elif lc.length == b + 1:
-            merge_one(lc, self.sinks, self.recent(b))
+            merge_one(lc, self.sinks, self.recent(b), note)
         else:
-            merge_runs(lc, b, self.sinks, self.recent(b))
+            merge_runs(lc, b, self.sinks, self.recent(b), note)

@@ -25,6 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from kvmini.cache import LayerCache, wide
+from kvmini.parts import Merged
 
 WEIGHTS = ("paper", "official")
 TAUS = ("per_head", "per_layer")
@@ -32,14 +33,18 @@ TAUS = ("per_head", "per_layer")
 
 class EMAMerge:
     """The merge step of a TopK compressor: called with the indices a layer keeps, before they are
-    gathered. Returns how many evicted tokens were merged (mean over KV heads), a 0-d tensor."""
+    gathered. Returns how many evicted tokens were merged (mean over KV heads), a 0-d tensor.
+    `trace`: None (default, no cost), or a list that each call extends with a `Merged` record."""
 
     def __init__(self, beta: float = 0.7, weights: str = "paper", tau: str = "per_head"):
         self.beta, self.weights, self.per_layer = beta, weights, tau == "per_layer"
+        self.trace: list[Merged] | None = None
         self.reset()
 
     def reset(self) -> None:
         self.tau: dict[int, torch.Tensor] = {}  # layer -> (B, H_kv), or (B, 1) per layer
+        if self.trace is not None:
+            self.trace.clear()  # a new run
 
     def __call__(self, layer: int, lc: LayerCache, keep: torch.Tensor) -> torch.Tensor:
         B, H_kv, S = lc.positions.shape
@@ -50,6 +55,8 @@ class EMAMerge:
         k_keep, k_evict = gather(lc.keys, keep), gather(lc.keys, evict)  # (B, H_kv, b, D), (B, H_kv, E, D)
         best, j_star = nearest(k_evict, k_keep)  # (B, H_kv, E) each, Eq. 9
         merge = self.decide(layer, best)  # (B, H_kv, E)
+        if self.trace is not None:
+            self.record(layer, lc.positions, evict, keep.gather(2, j_star), best, merge, S)
         combine = convex_merge if self.weights == "paper" else scatter_mean_merge
         v_keep, v_evict = gather(lc.values, keep), gather(lc.values, evict)
         for cache, x_keep, x_evict in ((lc.keys, k_keep, k_evict), (lc.values, v_keep, v_evict)):
@@ -67,6 +74,8 @@ class EMAMerge:
         u = cosine(k_evict, wide(lc.keys))  # (B, H_kv, 1, S)
         best, j_star = u.scatter_(3, victim[:, :, None, None], float("-inf")).max(-1)  # (B, H_kv, 1): not itself
         merge = self.decide(layer, best)  # (B, H_kv, 1)
+        if self.trace is not None:
+            self.record(layer, lc.positions, victim[..., None], j_star, best, merge, lc.length)
         combine = convex_merge if self.weights == "paper" else scatter_mean_merge
         near = j_star[..., None].expand(-1, -1, -1, D)  # (B, H_kv, 1, D)
         # keys and values merge with the same weights: one call on [k | v], (B, H_kv, 1, 2D)
@@ -76,6 +85,19 @@ class EMAMerge:
         lc.keys.scatter_(2, near, merged[..., :D].to(lc.keys.dtype))
         lc.values.scatter_(2, near, merged[..., D:].to(lc.values.dtype))
         return merge.float().mean(1).sum()
+
+    def record(self, layer: int, pos, evict, into, best, merge, S: int) -> None:
+        """Append to the trace: evicted entries `evict` (B, H_kv, E) and the entries `into` they are
+        nearest to (indices into `pos`, (B, H_kv, S)), with each one's weight in Eq. 11-12 (or the
+        official scatter-mean)."""
+        if self.weights == "paper":  # w_i = e^u / (e + sum over the tokens merged into the same j of e^u)
+            mass = torch.where(merge, best.exp(), 0.0)
+            den = torch.full(pos.shape[:2] + (S,), math.e, dtype=mass.dtype, device=pos.device).scatter_add_(2, into, mass)
+        else:  # u / (1 + |E_j|)
+            mass = torch.where(merge, best, 0.0)
+            den = torch.ones(pos.shape[:2] + (S,), dtype=mass.dtype, device=pos.device).scatter_add_(2, into, merge.to(mass.dtype))
+        self.trace.append(Merged(layer, pos.gather(2, evict), torch.where(merge, pos.gather(2, into), -1),
+                                 mass / den.gather(2, into)))
 
     def decide(self, layer: int, best: torch.Tensor) -> torch.Tensor:
         """Eq. 10: update layer's threshold with the evicted tokens' best similarities `best` (B, H_kv, E)

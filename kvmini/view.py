@@ -1,0 +1,242 @@
+"""See what each method keeps: one self-contained web page of the prompt, token by token.
+
+    python run.py --method d2o --prompt prompt.txt --html kept.html
+    python -m kvmini.view --methods h2o snapkv d2o --prompt prompt.txt --out kept.html
+
+Every token of the text is shaded by the share of (layer, KV head) pairs whose cache still holds it;
+a layer and a head can be selected; hovering a token shows its position, where it survived, its
+score where the cache keeps one, and for merging methods (D2O, WeightedKV) the kept token it was
+merged into and with what weight. Several methods on one prompt give one text each, with the tokens
+one keeps and another drops outlined. The page is one HTML file (inline CSS and JavaScript, no
+network); its numbers come from the cache itself (`LayerCache.positions` of every layer and head)
+and from the merge trace the compressors record when asked (`record_merges`).
+
+Encoding (the page decodes it; shading is computed in the browser): per layer and head, a bitset
+of the positions held (bit p % 8 of byte p // 8), a bitset of the evicted positions that were
+merged, and for those, in position order, the position each was merged into (uint16, or uint32
+past 65,536 tokens) and its weight in 1/10000 (int16); scores of the held tokens as float32 in
+position order. Base64 each.
+"""
+import argparse
+import base64
+import html
+import json
+import os
+import sys
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from kvmini.cache import KVCache
+from kvmini.methods.knorm import KNorm
+from kvmini.methods.scorers import Position
+from kvmini.parts import PREFILL, Merged
+
+TEMPLATE = Path(__file__).with_name("view.html")
+
+
+def record_merges(policy) -> list[Merged] | None:
+    """Ask the policy's merging compressor (D2O's EMAMerge, WeightedKV's ConvexValueMerge) to record its
+    merges in a list, returned (None: the method does not merge). Call before the run."""
+    if policy is None:
+        return None
+    compressor = policy.parts[2]
+    merger = getattr(compressor, "merge", compressor)  # TopK holds D2O's EMAMerge; WeightedKV merges itself
+    if merger is None or not hasattr(merger, "trace"):
+        return None
+    merger.trace = []
+    return merger.trace
+
+
+def check_writable(path, flag: str) -> None:
+    """Refuse an output file that cannot be written, before any work is done (nothing is created)."""
+    from kvmini.errors import KvminiError
+
+    file = Path(path)
+    if file.is_dir():
+        raise KvminiError(f"{flag} {path} is a directory, not a file")
+    if not file.parent.is_dir():
+        raise KvminiError(f"{flag} {path}: the folder {file.parent} does not exist")
+    if not os.access(file.parent, os.W_OK) or (file.exists() and not os.access(file, os.W_OK)):
+        raise KvminiError(f"{flag} {path} cannot be written (permission denied)")
+
+
+def b64(array: np.ndarray) -> str:
+    return base64.b64encode(np.ascontiguousarray(array).tobytes()).decode("ascii")
+
+
+def bitset(positions: np.ndarray, n: int) -> str:
+    bits = np.zeros(n, dtype=bool)
+    bits[positions] = True
+    return b64(np.packbits(bits, bitorder="little"))
+
+
+def scores_of(lc, scorer) -> tuple[str, torch.Tensor | None]:
+    """(what it is, (H_kv, S) per held entry) of the score the cache keeps for row 0, or (why not, None)."""
+    names = lc.aux_names()
+    if "a" in names and "n" in names:
+        return "average attention a/n (WeightedKV's ranking)", (lc.aux("a") / lc.aux("n"))[0]
+    if "attention_sum" in names:
+        return "accumulated attention (H2O's score: summed over every query so far)", lc.aux("attention_sum")[0]
+    if isinstance(scorer, KNorm):
+        return "key norm (KNorm keeps the lowest)", lc.keys[0].float().norm(dim=-1)
+    if scorer is None:
+        return "no scores: the full cache keeps every token", None
+    if isinstance(scorer, Position):
+        return "the position itself (the later, the more important)", None
+    return (f"not kept in the cache ({type(scorer).__name__} scores the tokens from one call's attention when "
+            "the method compresses, then discards them)"), None
+
+
+def panel(cache: KVCache, policy=None, trace: list[Merged] | None = None, name: str | None = None,
+          generated: list[str] = ()) -> dict:
+    """What the page shows of one finished run (row 0 of the batch), JSON-ready; `generated`: the texts
+    of the tokens it generated that its cache saw (positions prompt_len...)."""
+    n, L = cache.seen_tokens, len(cache)
+    scorer, budgeter, compressor = policy.parts if policy is not None else (None, None, None)
+    protected = set(budgeter.protected) if budgeter is not None else set()
+    merges = {}  # (layer, head) -> [(evicted, into, weight) arrays of each record]
+    for m in trace or []:
+        for h in range(m.evicted.shape[1]):
+            merges.setdefault((m.layer, h), []).append((m.evicted[0, h], m.into[0, h], m.weight[0, h]))
+    held, merged, into, scores, notes = [], [], [], [], {}
+    width = "<u2" if n <= 2**16 else "<u4"  # merge targets: positions < n
+    for layer, lc in enumerate(cache.layers):
+        label, score = scores_of(lc, scorer)
+        notes.setdefault(score is not None, label)
+        rows = {"held": [], "merged": [], "into": [], "score": []}
+        for h, pos in enumerate(lc.positions[0]):  # pos (S,)
+            order = pos.argsort()
+            order = order[pos[order] < n]  # row 0's real entries in position order (pads sit at position PAD)
+            kept = pos[order].numpy()
+            rows["held"].append(bitset(kept, n))
+            if score is not None:
+                rows["score"].append(b64(score[h][order].numpy().astype("<f4")))
+            gone = np.setdiff1d(np.arange(n), kept)  # evicted positions, ascending
+            target, weight = np.full(len(gone), -1), np.zeros(len(gone))
+            if (layer, h) in merges:
+                e, q, w = (torch.cat(x).numpy() for x in zip(*merges[(layer, h)]))
+                at = np.searchsorted(gone, e)
+                target[at], weight[at] = q, w  # -1: dropped, not merged
+            done = target >= 0
+            rows["merged"].append(bitset(gone[done], n))
+            rows["into"].append(b64(target[done].astype(width)) + "," + b64(np.round(weight[done] * 10000).astype("<i2")))
+        for key, out in (("held", held), ("merged", merged), ("into", into)):
+            out.append(rows[key])
+        scores.append(rows["score"] if score is not None else None)  # None: no score in this layer
+    windows = []
+    for layer in range(L):
+        if policy is None or not policy.active or layer in protected:
+            windows.append(None)
+            continue
+        end = policy.prompt_len if policy.schedule == PREFILL else n
+        windows.append([compressor.sinks, end - compressor.recent(policy.budgets[layer]), end])
+    return {
+        "name": name or (policy.name if policy is not None else "full"),
+        "heads": cache[0].positions.shape[1],
+        "seen": n,
+        "generated": list(generated),
+        "budgets": policy.budgets if policy is not None else None,
+        "protected": sorted(protected),
+        "windows": windows,  # per layer [sinks, window start, window end) or None (not compressed)
+        "held": held,
+        "merged": merged if trace is not None else None,
+        "into": into if trace is not None else None,
+        "into_bytes": int(width[-1]),
+        "scores": scores if True in notes else None,
+        "score_note": notes.get(True, notes.get(False)),
+    }
+
+
+def token_texts(tokenizer, ids: list[int]) -> list[str]:
+    """Each token's text; a character split across tokens shows with the token that completes it."""
+    from kvmini.tokenizer import StreamDecoder
+
+    stream = StreamDecoder(tokenizer)
+    return [stream.push(i) for i in ids]
+
+
+def page(prompt: list[str], panels: list[dict], title: str) -> str:
+    """The HTML of the page: the template with its data inlined (`</script>` cannot occur in it)."""
+    blob = json.dumps({"tokens": prompt, "panels": panels}, separators=(",", ":")).replace("<", "\\u003c")
+    return TEMPLATE.read_text(encoding="utf-8").replace("{{TITLE}}", html.escape(title)).replace("{{DATA}}", blob)
+
+
+def write_html(path, cache: KVCache, tokenizer, prompt: list[int], generated: list[int] = (), policy=None, trace=None,
+               name: str | None = None) -> Path:
+    """Write the page of one finished run: its cache, the prompt's ids and the generated ones (those the
+    cache saw are shown), the policy that ran and its merge trace (`record_merges`, else None)."""
+    return write_comparison(path, [(cache, policy, trace, name, list(generated))], tokenizer, prompt)
+
+
+def write_comparison(path, runs: list[tuple], tokenizer, prompt: list[int]) -> Path:
+    """One page, one text per run of the same prompt: runs are (cache, policy, trace, name, generated ids)."""
+    panels = [panel(cache, policy, trace, name, token_texts(tokenizer, new[: cache.seen_tokens - len(prompt)]))
+              for cache, policy, trace, name, new in runs]
+    title = "kvmini: what " + ", ".join(p["name"] for p in panels) + " kept"
+    path = Path(path)
+    path.write_text(page(token_texts(tokenizer, prompt), panels, title), encoding="utf-8")
+    return path
+
+
+def run_method(model, ids: torch.Tensor, spec: str, budget: float | None, max_new_tokens: int = 1) -> tuple:
+    """Generate greedily with one method (a fidelity-style spec, e.g. "d2o[variant=paper]"), its merges
+    recorded: (cache, policy, trace, name, generated ids)."""
+    from kvmini.generate import generate
+    from kvmini.methods.registry import policy_for
+
+    policy = policy_for(spec, budget)
+    trace = record_merges(policy)
+    result = generate(model, ids, max_new_tokens, policy=policy)
+    return result.cache, policy, trace, spec, result.tokens[0]
+
+
+def main(argv=None) -> int:
+    from kvmini.errors import KvminiError
+
+    p = argparse.ArgumentParser(description="One web page of what several methods keep of the same prompt.")
+    p.add_argument("--methods", nargs="+", required=True, help="method names or specs, e.g. h2o snapkv d2o[variant=paper]")
+    p.add_argument("--prompt", required=True, help="UTF-8 text file")
+    p.add_argument("--out", required=True, help="the HTML file to write")
+    p.add_argument("--model", help="HF-layout checkpoint folder (default: SmolLM2-135M-Instruct)")
+    p.add_argument("--budget", type=lambda t: int(t) if t.isdigit() else float(t), default=0.2,
+                   help="a ratio of the prompt (up to 1.0) or tokens per layer (default: 0.2)")
+    p.add_argument("--max-new-tokens", type=int, default=8, help="tokens generated after the prompt (default: 8)")
+    p.add_argument("--raw", action="store_true", help="no chat template")
+    args = p.parse_args(argv)
+    try:
+        return compare(args)
+    except (KvminiError, OSError, UnicodeDecodeError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+
+def compare(args) -> int:
+    from kvmini.chat import load_chat_format
+    from kvmini.loading import load_model
+    from kvmini.methods.registry import parse_spec
+    from kvmini.tokenizer import load_tokenizer
+    from kvmini.weights import ensure_default_model
+
+    for spec in args.methods:
+        if spec != "full":
+            parse_spec(spec)  # unknown names and options fail before the model loads
+    check_writable(args.out, "--out")
+    out, text = Path(args.out), Path(args.prompt).read_text(encoding="utf-8")
+    folder = Path(args.model) if args.model else ensure_default_model()
+    model, tok = load_model(folder, "cpu", "float32"), load_tokenizer(folder)
+    chat = None if args.raw else load_chat_format(folder)
+    prompt = tok.encode(chat.render([{"role": "user", "content": text}]) if chat else text)
+    ids = torch.tensor([prompt])
+    runs = []
+    for spec in args.methods:
+        runs.append(run_method(model, ids, spec, args.budget, args.max_new_tokens))
+        print(f"{spec}: {runs[-1][0].summary()}", file=sys.stderr)
+    write_comparison(out, runs, tok, prompt)
+    print(f"wrote {out} ({out.stat().st_size / 2**20:.2f} MiB)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,230 @@
+"""The page of what each method keeps (kvmini.view): the merge trace by hand, the page's data equal
+to the cache, and the page itself in a real headless browser (Debian's chromium): no JavaScript
+error, the kept counts and the shading of a known small run, and a layer selection that re-shades.
+Expected values come from `LayerCache.positions` and the trace, never from the view's own code."""
+import base64
+import json
+import math
+import re
+import shutil
+import subprocess
+import tempfile
+
+import numpy as np
+import pytest
+import torch
+
+from kvmini.cache import LayerCache
+from kvmini.generate import generate
+from kvmini.methods.convex_value_merge import ConvexValueMerge
+from kvmini.methods.ema_merging import EMAMerge
+from kvmini.methods.registry import METHODS, make_policy
+from kvmini.view import record_merges, write_comparison
+from reference import random_model
+from test_d2o import toy_cache
+
+BROWSER = shutil.which("chromium") or shutil.which("chromium-browser")
+needs_browser = pytest.mark.skipif(BROWSER is None, reason="no chromium binary on this machine (apt-get install chromium)")
+
+
+class Words:
+    """A tokenizer stub: token i reads 'w{i} '."""
+
+    def token_bytes(self, i: int) -> bytes:
+        return f"w{i} ".encode()
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """Three methods on one 40-token prompt of a tiny random model (3 layers, 2 KV heads), 6 new tokens,
+    written to one comparison page: (prompt ids, {name: (cache, policy, trace, name, generated)}, page)."""
+    model = random_model()
+    ids = torch.randint(0, 61, (1, 40), generator=torch.Generator().manual_seed(0))
+    out = {}
+    for name, options in (("h2o", {}), ("d2o", {"variant": "paper"}), ("weightedkv", {})):
+        policy = make_policy(name, 12, **options)
+        trace = record_merges(policy)
+        result = generate(model, ids, 6, policy=policy)
+        out[name] = (result.cache, policy, trace, name, result.tokens[0])
+    prompt = ids[0].tolist()
+    page = write_comparison(tmp_path_factory.mktemp("view") / "kept.html", list(out.values()), Words(), prompt)
+    return prompt, out, page
+
+
+def held(cache, layer: int, head: int) -> list[int]:
+    """Positions layer `layer`, head `head` holds (row 0), read from the cache."""
+    return sorted(p for p in cache[layer].positions[0, head].tolist() if p < cache.seen_tokens)
+
+
+def merged_into(trace, layer: int, head: int) -> dict[int, tuple[int, float]]:
+    """Evicted position -> (position merged into, weight), from the trace."""
+    return {e: (q, w) for m in trace if m.layer == layer
+            for e, q, w in zip(m.evicted[0, head].tolist(), m.into[0, head].tolist(), m.weight[0, head].tolist())
+            if q >= 0}
+
+
+def test_the_trace_is_off_unless_asked():
+    for name in METHODS:
+        policy = make_policy(name, 0.5) if name not in ("full", "dbudgetkv") else make_policy(name)
+        if policy is not None:
+            compressor = policy.parts[2]
+            assert getattr(getattr(compressor, "merge", None), "trace", None) is None
+            assert getattr(compressor, "trace", None) is None
+    assert record_merges(make_policy("h2o", 0.5)) is None and record_merges(None) is None
+
+
+def test_d2o_trace_by_hand():
+    """tests/test_d2o.py's merge by hand: k2 merges into k0 with w_2 = e^u / (e + e^u), u = 1/sqrt(1.01);
+    k3 is dropped."""
+    lc = toy_cache([(1, 0), (0, 1), (1, 0.1), (-1, 0)], [(1, 2), (5, 6), (3, 4), (7, 8)])
+    merge = EMAMerge(beta=0.7)
+    merge.trace = []
+    merge(5, lc, torch.tensor([[[0, 1]]]))
+    u = 1 / math.sqrt(1.01)
+    (record,) = merge.trace
+    assert record.layer == 5
+    assert record.evicted.tolist() == [[[2, 3]]] and record.into.tolist() == [[[0, -1]]]
+    assert record.weight[0, 0].tolist() == pytest.approx([math.exp(u) / (math.e + math.exp(u)), 0.0])
+
+
+def abar_cache(abar: list[float]) -> LayerCache:
+    """One head, positions 0..len-1, a = abar and n = 1 (so a / n = abar)."""
+    lc = LayerCache(1, 1, 2, torch.float32, "cpu", capacity=8)
+    for t in range(len(abar)):
+        lc.append(torch.zeros(1, 1, 1, 2), torch.zeros(1, 1, 1, 2), torch.tensor([[t]]))
+    lc.aux("a")[:] = torch.tensor(abar)
+    lc.aux("n")[:] = 1
+    return lc
+
+
+@pytest.mark.parametrize("chunk_merge,budget,expected", [
+    ("runs", 5, [(1, 2, 1 / 3)]),  # one excess entry: merge_one, v_1 into v_2 with abar_1 / (abar_1 + abar_2)
+    ("runs", 4, [(1, 3, 1 / 11), (2, 3, 2 / 11)]),  # the run 1, 2 into 3: weights abar_i / (1 + 2 + 8)
+    ("sequential", 4, [(1, 2, 1 / 3), (2, 3, 2 / 10)]),  # Alg. 1: 1 into 2, then 2 (its own abar) into 3
+])
+def test_weightedkv_trace_by_hand(chunk_merge, budget, expected):
+    """abar = 9 1 2 8 5 7 at positions 0..5, one sink, a window of one: the lowest free entries go first."""
+    lc = abar_cache([9, 1, 2, 8, 5, 7])
+    compressor = ConvexValueMerge(sinks=1, recent=lambda b: 1, chunk_merge=chunk_merge)
+    compressor.start(1)
+    compressor.trace = []
+    compressor(0, lc, None, budget)
+    got = [(e, q, w) for m in compressor.trace
+           for e, q, w in zip(m.evicted[0, 0].tolist(), m.into[0, 0].tolist(), m.weight[0, 0].tolist())]
+    assert [(e, q) for e, q, _ in got] == [(e, q) for e, q, _ in expected]
+    assert [w for *_, w in got] == pytest.approx([w for *_, w in expected])
+
+
+def page_data(page) -> dict:
+    text = page.read_text(encoding="utf-8")
+    blob = re.search(r'<script type="application/json" id="data">(.*?)</script>', text, re.S).group(1)
+    return json.loads(blob)
+
+
+def bits(encoded: str, n: int) -> list[int]:
+    return np.flatnonzero(np.unpackbits(np.frombuffer(base64.b64decode(encoded), np.uint8), bitorder="little")[:n]).tolist()
+
+
+def test_the_pages_numbers_equal_the_cache(runs):
+    prompt, out, page = runs
+    text = page.read_text(encoding="utf-8")
+    assert "<script src" not in text and "http://" not in text and "https://" not in text  # nothing to fetch
+    data = page_data(page)
+    assert len(data["tokens"]) == len(prompt) and data["tokens"][0] == f"w{prompt[0]} "
+    for panel, (cache, policy, trace, name, new) in zip(data["panels"], out.values()):
+        n = cache.seen_tokens
+        assert panel["name"] == name and panel["seen"] == n and len(panel["generated"]) == n - len(prompt)
+        assert panel["budgets"] == policy.budgets
+        for layer in range(len(cache)):
+            for head in range(2):
+                assert bits(panel["held"][layer][head], n) == held(cache, layer, head)
+                if trace is None:
+                    continue
+                merges = merged_into(trace, layer, head)
+                assert bits(panel["merged"][layer][head], n) == sorted(merges)
+                into, weight = (base64.b64decode(x) for x in panel["into"][layer][head].split(","))
+                into, weight = np.frombuffer(into, "<u2"), np.frombuffer(weight, "<i2")  # n < 65,536: uint16
+                assert into.tolist() == [merges[p][0] for p in sorted(merges)]
+                assert weight.tolist() == [round(merges[p][1] * 10000) for p in sorted(merges)]
+    h2o_cache, h2o_panel = out["h2o"][0], data["panels"][0]
+    lc = h2o_cache[1]
+    order = lc.positions[0, 0].argsort()
+    score = np.frombuffer(base64.b64decode(h2o_panel["scores"][1][0]), "<f4")
+    assert score.tolist() == lc.aux("attention_sum")[0, 0][order].tolist()
+
+
+def dom(page, fragment: str) -> str:
+    """The page's DOM after its scripts ran, in headless chromium, opened with URL hash `fragment`."""
+    with tempfile.TemporaryDirectory() as profile:
+        proc = subprocess.run([BROWSER, "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+                               "--disable-background-networking", "--disable-component-update", "--disable-sync",
+                               f"--user-data-dir={profile}", "--dump-dom", page.as_uri() + "#" + fragment],
+                              capture_output=True, text=True, timeout=180)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    root = re.search(r"<html[^>]*>", proc.stdout).group(0)
+    assert "data-js-error" not in root, root
+    assert 'data-ready="1"' in root, "the page's script did not finish"
+    return proc.stdout
+
+
+def panels(html: str) -> dict[str, tuple[list[str], list[list[int]]]]:
+    """method -> (each token span's classes, each layer's held counts per head from its bar)."""
+    out = {}
+    for name, body in re.findall(r'<section class="panel" data-method="([^"]+)">(.*?)</section>', html, re.S):
+        classes = re.findall(r'<span class="(t [^"]*)"', body)
+        bars = [[int(x) for x in h.split()] for h in re.findall(r'<div class="row[^"]*"[^>]*data-held="([^"]*)"', body)]
+        out[name] = (classes, bars)
+    return out
+
+
+def shade(classes: str) -> int:
+    return int(re.search(r"\bs(\d+)\b", classes).group(1))
+
+
+@needs_browser
+def test_the_page_in_a_browser_shows_the_cache(runs):
+    prompt, out, page = runs
+    d2o_merges = merged_into(out["d2o"][2], 1, 0)
+    pin = min(d2o_merges)  # a token D2O merged in layer 1, head 0: its details are pinned by the URL
+    pages = [dom(page, f) for f in ("", f"layer=1&head=0&token={pin}", "layer=0&head=0")]
+    everything, layer1, layer0 = (panels(html) for html in pages)
+    details = re.findall(r'<div class="details">(.*?)</div>', pages[1], re.S)  # one per method
+    q, w = d2o_merges[pin]
+    assert f"layer 1 head 0: evicted, merged into {q} " in details[1]
+    assert f"with weight {round(w * 10000) / 10000:.3f}" in details[1]
+    h2o_fate = "kept, score " if pin in held(out["h2o"][0], 1, 0) else "evicted\n"
+    assert f"layer 1 head 0: {h2o_fate}" in details[0] + "\n"
+    assert list(everything) == list(out)
+    kept = {name: {(l, h): set(held(run[0], l, h)) for l in range(3) for h in range(2)} for name, run in out.items()}
+    for name, (cache, policy, trace, *_) in out.items():
+        n = cache.seen_tokens
+        classes, bars = everything[name]
+        assert len(classes) == n
+        assert bars == [[len(kept[name][l, h]) for h in range(2)] for l in range(3)]
+        for p, c in enumerate(classes):  # all layers and heads: the share of the 6 pairs holding p, in tenths
+            count = sum(p in s for s in kept[name].values())
+            assert shade(c) == (0 if count == 0 else max(1, math.floor(10 * count / 6 + 0.5))), (name, p, c)
+            assert (" gen" in c) == (p >= len(prompt))
+        classes = layer1[name][0]  # layer 1, head 0: held or not
+        assert [p for p, c in enumerate(classes) if shade(c) == 10] == sorted(kept[name][1, 0])
+        assert all(shade(c) in (0, 10) for c in classes)
+        assert [shade(c) for c in classes] != [shade(c) for c in layer0[name][0]]  # another layer, another shading
+        if trace is not None:
+            assert [p for p, c in enumerate(classes) if " m" in c] == sorted(merged_into(trace, 1, 0))
+        only = [p for p in range(len(prompt)) if p in kept[name][1, 0]
+                and any(p not in kept[other][1, 0] for other in out if other != name)]
+        assert [p for p, c in enumerate(classes) if " only" in c] == only
+
+
+def test_a_layer_that_never_compresses_keeps_no_score():
+    """DBudgetKV (cumulative ranking) never scores its protected layers 0 and 1: the page says so for them
+    and shows the accumulated attention of layer 2."""
+    from kvmini.view import panel
+
+    policy = make_policy("dbudgetkv", ranking="cumulative")
+    ids = torch.randint(0, 61, (1, 40), generator=torch.Generator().manual_seed(1))
+    result = generate(random_model(), ids, 4, policy=policy)
+    data = panel(result.cache, policy)
+    assert data["protected"] == [0, 1] and data["windows"][:2] == [None, None]
+    assert data["scores"][0] is None and data["scores"][1] is None and len(data["scores"][2]) == 2
+    assert data["score_note"].startswith("accumulated attention")
