@@ -5,8 +5,6 @@ Every failure ends in one line on stderr (`main`, through the boundary all entry
 Ctrl-C. KVMINI_DEBUG=1 shows the traceback instead.
 """
 import argparse
-import math
-import re
 import sys
 from pathlib import Path
 
@@ -31,17 +29,6 @@ IMPORTS = ("torch", "kvmini.methods.registry", "kvmini.generate", "kvmini.loadin
            "kvmini.tokenizer", "kvmini.report", "kvmini.progress")  # imported before the work (see kvmini.cli)
 
 
-def real_number(text: str) -> float:
-    """A finite number written in ASCII ('inf', 'nan' and '١.٥' are refused)."""
-    try:
-        value = float(text) if text.isascii() else math.nan
-    except ValueError:
-        value = math.nan
-    if not math.isfinite(value):
-        raise argparse.ArgumentTypeError(f"must be a finite number, got {text!r}")
-    return value
-
-
 def positive_int(text):
     return cli.whole_number(text, low=1)
 
@@ -55,25 +42,17 @@ def seed(text):
 
 
 def non_negative_float(text):
-    value = real_number(text)
+    value = cli.real_number(text)
     if value < 0:
         raise argparse.ArgumentTypeError(f"must be >= 0, got {text}")
     return value
 
 
 def probability(text):
-    value = real_number(text)
+    value = cli.real_number(text)
     if not 0 < value <= 1:
         raise argparse.ArgumentTypeError(f"must be in (0, 1], got {text}")
     return value
-
-
-def budget(text):
-    """'128' or '1' -> tokens per layer (int); '0.2' or '1.0' -> a ratio of the prompt (float).
-    A sign or spaces do not change the reading: '+1' and ' 1 ' are one token, like '1'."""
-    if re.fullmatch(r"\+?[0-9]+", text.strip()):
-        return int(text)
-    return real_number(text)
 
 
 def option_text(text):
@@ -91,7 +70,7 @@ def truth(text):
     return value[text.strip().lower()]
 
 
-PARSERS = {int: non_negative_int, float: real_number, str: option_text, bool: truth}
+PARSERS = {int: non_negative_int, float: cli.real_number, str: option_text, bool: truth}
 
 
 def methods_help() -> str:
@@ -117,7 +96,7 @@ def parse_args(argv=None):
     p.add_argument("--model", help="HF-layout checkpoint folder (default: SmolLM2-135M-Instruct, prepared under weights/)")
     p.add_argument("--method", default="full", choices=list(METHODS), metavar="NAME",
                    help="KV-cache method, listed below (default: full)")
-    p.add_argument("--budget", type=budget, default=None,
+    p.add_argument("--budget", type=cli.budget, default=None,
                    help=f"tokens kept per layer: a whole number (128, +128) counts tokens, a fraction up to 1.0 (0.2) "
                         f"is a ratio of the prompt (default for compressing methods: {DEFAULT_BUDGET})")
     p.add_argument("--max-new-tokens", type=positive_int, default=128, help="tokens to generate (default: 128)")
@@ -168,13 +147,13 @@ def generate_answer(args) -> int:
     from kvmini.progress import Progress
     from kvmini.report import BLOCKS, cache_report
     from kvmini.tokenizer import StreamDecoder, load_tokenizer
-    from kvmini.view import check_writable, record_merges, write_html
+    from kvmini.view import record_merges, write_html
     from kvmini.weights import ensure_default_model
 
     policy = make_policy(args.method, args.budget, **args.options)
     text = read_prompt(args.prompt)
     if args.html is not None:
-        check_writable(args.html, "--html")
+        cli.writable_file(args.html, "--html")
     log = (lambda m: None) if args.quiet else (lambda m: print(m, file=sys.stderr))
     folder = Path(args.model) if args.model else ensure_default_model(log=log)
     model = load_model(folder, args.device, args.dtype)

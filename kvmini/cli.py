@@ -16,6 +16,7 @@ Standard library (and kvmini.errors) only, so that it is in place before torch i
 import argparse
 import errno
 import importlib
+import math
 import os
 import re
 import signal
@@ -48,6 +49,25 @@ def whole_number(text: str, low: int = 0, high: int | None = None) -> int:
 def at_least(low: int):
     """An argparse type: a whole number >= low."""
     return lambda text: whole_number(text, low)
+
+
+def real_number(text: str) -> float:
+    """A finite number written in ASCII ('inf', 'nan' and '١.٥' are refused)."""
+    try:
+        value = float(text) if text.isascii() else math.nan
+    except ValueError:
+        value = math.nan
+    if not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"must be a finite number, got {text!r}")
+    return value
+
+
+def budget(text):
+    """'128' or '1' -> tokens per layer (int); '0.2' or '1.0' -> a ratio of the prompt (float).
+    A sign or spaces do not change the reading: '+1' and ' 1 ' are one token, like '1'."""
+    if re.fullmatch(r"\+?[0-9]+", text.strip()):
+        return int(text)
+    return real_number(text)
 
 
 def _exit_interrupted(signum, frame):
@@ -89,13 +109,14 @@ def silence_stdout() -> None:
         pass
 
 
-def writable_file(path: str) -> Path:
-    """An output file that can be written, checked before any work (so no result is lost to it)."""
-    file = Path(path)
+def writable_file(path: str, flag: str = "") -> Path:
+    """An output file that can be written, checked before any work (so no result is lost to it);
+    `flag` names the option in the message. Nothing is left behind."""
+    file, name = Path(path), f"{flag} {path}".strip()
     if file.is_dir():
-        raise KvminiError(f"{path} is a folder; give a file name for the output")
+        raise KvminiError(f"{name} is a folder, not a file")
     if not file.parent.is_dir():
-        raise KvminiError(f"cannot write {path}: the folder {file.parent} does not exist")
+        raise KvminiError(f"cannot write {name}: the folder {file.parent} does not exist")
     existed = file.exists()
     with open(file, "a"):  # PermissionError (one line) when it may not be written
         pass

@@ -17,21 +17,25 @@ merged, and for those, in position order, the position each was merged into (uin
 past 65,536 tokens) and its weight in 1/10000 (int16); scores of the held tokens as float32 in
 position order. Base64 each.
 """
-import argparse
 import base64
 import html
 import json
-import os
 import sys
 from pathlib import Path
 
-import numpy as np
-import torch
+from kvmini import cli
 
-from kvmini.cache import KVCache
-from kvmini.methods.knorm import KNorm
-from kvmini.methods.scorers import Position
-from kvmini.parts import PREFILL, Merged
+cli.exit_on_ctrl_c(__name__)  # before the imports below
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+
+from kvmini.cache import KVCache  # noqa: E402
+from kvmini.methods.knorm import KNorm  # noqa: E402
+from kvmini.methods.scorers import Position  # noqa: E402
+from kvmini.parts import PREFILL, Merged  # noqa: E402
+
+LAZY_IMPORTS = ("kvmini.chat", "kvmini.generate", "kvmini.loading", "kvmini.methods.registry", "kvmini.tokenizer",
+                "kvmini.weights")  # the comparison's work imports these
 
 TEMPLATE = Path(__file__).with_name("view.html")
 
@@ -47,19 +51,6 @@ def record_merges(policy) -> list[Merged] | None:
         return None
     merger.trace = []
     return merger.trace
-
-
-def check_writable(path, flag: str) -> None:
-    """Refuse an output file that cannot be written, before any work is done (nothing is created)."""
-    from kvmini.errors import KvminiError
-
-    file = Path(path)
-    if file.is_dir():
-        raise KvminiError(f"{flag} {path} is a directory, not a file")
-    if not file.parent.is_dir():
-        raise KvminiError(f"{flag} {path}: the folder {file.parent} does not exist")
-    if not os.access(file.parent, os.W_OK) or (file.exists() and not os.access(file, os.W_OK)):
-        raise KvminiError(f"{flag} {path} cannot be written (permission denied)")
 
 
 def b64(array: np.ndarray) -> str:
@@ -193,23 +184,16 @@ def run_method(model, ids: torch.Tensor, spec: str, budget: float | None, max_ne
 
 
 def main(argv=None) -> int:
-    from kvmini.errors import KvminiError
-
-    p = argparse.ArgumentParser(description="One web page of what several methods keep of the same prompt.")
+    p = cli.OneLineParser(description="One web page of what several methods keep of the same prompt.")
     p.add_argument("--methods", nargs="+", required=True, help="method names or specs, e.g. h2o snapkv d2o[variant=paper]")
     p.add_argument("--prompt", required=True, help="UTF-8 text file")
-    p.add_argument("--out", required=True, help="the HTML file to write")
+    p.add_argument("--out", required=True, help="the HTML file to write (checked before the work)")
     p.add_argument("--model", help="HF-layout checkpoint folder (default: SmolLM2-135M-Instruct)")
-    p.add_argument("--budget", type=lambda t: int(t) if t.isdigit() else float(t), default=0.2,
-                   help="a ratio of the prompt (up to 1.0) or tokens per layer (default: 0.2)")
-    p.add_argument("--max-new-tokens", type=int, default=8, help="tokens generated after the prompt (default: 8)")
+    p.add_argument("--budget", type=cli.budget, default=0.2,
+                   help="a ratio of the prompt (0.2, 1.0) or whole tokens per layer (128) (default: 0.2)")
+    p.add_argument("--max-new-tokens", type=cli.at_least(1), default=8, help="tokens generated after the prompt (default: 8)")
     p.add_argument("--raw", action="store_true", help="no chat template")
-    args = p.parse_args(argv)
-    try:
-        return compare(args)
-    except (KvminiError, OSError, UnicodeDecodeError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+    return cli.run(lambda: compare(p.parse_args(argv)), imports=LAZY_IMPORTS)
 
 
 def compare(args) -> int:
@@ -222,7 +206,7 @@ def compare(args) -> int:
     for spec in args.methods:
         if spec != "full":
             parse_spec(spec)  # unknown names and options fail before the model loads
-    check_writable(args.out, "--out")
+    cli.writable_file(args.out, "--out")
     out, text = Path(args.out), Path(args.prompt).read_text(encoding="utf-8")
     folder = Path(args.model) if args.model else ensure_default_model()
     model, tok = load_model(folder, "cpu", "float32"), load_tokenizer(folder)

@@ -8,11 +8,9 @@ during the imports and file permissions need a child process.
 """
 import json
 import math
-import os
 import signal
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -186,6 +184,22 @@ def test_weights_bad_arguments(capsys, argv, fragment):
     assert out == ""  # the default model was not prepared in their place
 
 
+# --- the page of what each method keeps -----------------------------------------------------------
+
+@pytest.mark.parametrize("argv,fragment", [
+    (["--methods", "h2o", "nosuch"], "unknown method 'nosuch'"),
+    (["--methods", "h2o", "--budget", "abc"], "argument --budget: must be a finite number, got 'abc' (see --help)"),
+    (["--methods", "h2o", "--max-new-tokens", "0"], "argument --max-new-tokens: must be >= 1, got 0 (see --help)"),
+])
+def test_view_bad_arguments_are_one_line(capsys, tmp_path, prompt, argv, fragment):
+    from kvmini import view
+
+    code, out, err = tool(capsys, view.main, *argv, "--prompt", prompt, "--out", tmp_path / "kept.html",
+                          "--model", tmp_path / "no-model")
+    assert_one_line(code, err, fragment)
+    assert out == "" and not (tmp_path / "kept.html").exists()
+
+
 # --- run.py ----------------------------------------------------------------------------------------
 
 def test_budget_with_a_plus_sign_is_read_as_without(capsys, model, prompt):
@@ -237,7 +251,7 @@ else:
 
 
 @pytest.mark.parametrize("entry", ["run.py", "kvmini.eval.fidelity", "kvmini.eval.suite", "kvmini.eval.bench_hf",
-                                   "kvmini.weights"])
+                                   "kvmini.weights", "kvmini.view"])
 def test_ctrl_c_while_importing(entry):
     proc = subprocess.Popen([sys.executable, "-c", IMPORTING, entry, "--help"], stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, cwd=ROOT, text=True)
