@@ -160,14 +160,14 @@ def _statistics(request: StatsRequest, col, win, last) -> dict:
     col = col if request.column_sums else None
     for name, t in (("column_sums", col), ("window_sums", win), ("last_row", last)):
         if t is not None:
-            stats[name] = _reduce_group(t, request.reduce)  # (B, H_kv, S)
+            stats[name] = reduce_group(t, request.reduce)  # (B, H_kv, S)
     if request.heads and col is not None:
         B, H_kv, g, S = col.shape
         stats["column_sums_heads"] = col.reshape(B, H_kv * g, S)  # (B, H, S): query head h = kv_head * g + i
     return stats
 
 
-def _reduce_group(t: torch.Tensor, how: str) -> torch.Tensor:
+def reduce_group(t: torch.Tensor, how: str) -> torch.Tensor:
     """(B, H_kv, g, S) -> (B, H_kv, S): combine the g query heads that share a KV head."""
     if how == "mean":
         return t.mean(2)
