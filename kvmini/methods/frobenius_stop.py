@@ -72,7 +72,7 @@ class FrobeniusStop(Budgeter):
         S = pos.shape[-1]
         if self.k == 1:
             s = stats["last_row"]  # Eq. (1) with k = 1: (B, H_kv, S)
-        else:  # (with a chunked prefill, k must not exceed the last chunk: the window sums cover only that)
+        else:  # the window sums of the prompt's last k queries, however many calls the prompt came in
             n = int(pos.max()) + 1  # the prompt length: this runs in the call that completes the prompt
             seen_by = (n - pos).clamp(max=self.k).float()  # queries among the last k that see each key
             s = stats["window_sums"] / seen_by  # Eq. (1): (B, H_kv, S)
