@@ -55,6 +55,24 @@ def test_allocation_clamps_and_redistributes_by_hand():
     assert proportional([0.5, 0.5], 10, low=8, high=[100] * 2) == [8, 8]  # infeasible total: every layer at its floor
 
 
+def test_unclamped_allocation_is_eq5_as_written():
+    """clamp_budgets=false: S_l = softmax(-F_v)_l * L * b, rounded to the total, no bounds.
+    F_v = [0, 1, 2], b = 10, L = 3: 30 * [1, e^-1, e^-2] / 1.5032 = [19.96, 7.34, 2.70] -> [20, 7, 3];
+    clamped to [8, 12] the first layer stops at 12, the third at 8, the second takes the rest."""
+    unclamped, clamped = (VarianceSoftmax("paper", low=8, clamp=c) for c in (False, True))
+    assert unclamped.allocate(10, 3, [0.0, 1.0, 2.0], 12) == [20, 7, 3]
+    assert clamped.allocate(10, 3, [0.0, 1.0, 2.0], 12) == [12, 10, 8]
+
+
+def test_unclamped_eq5_that_starves_a_layer_is_a_clear_error():
+    """On a prompt whose raw variances differ, Eq. 5 (z-scored) leaves a layer fewer tokens than its 4 sinks."""
+    model = random_model(L=4)
+    policy = make_policy("d2o", 16, variant="paper", allocation="zscore", clamp_budgets=False)
+    with pytest.raises(KvminiError, match=r"d2o: a budget of \d+ tokens \(layer \d\) is too small for 4 sinks"):
+        with torch.no_grad():
+            model(torch.randint(0, 61, (1, 40), generator=torch.Generator().manual_seed(0)), model.new_cache(), policy)
+
+
 def exact_clamped_split(weights, total, low, high):
     """The real-valued answer, found without bisection: sum_l clamp(lam * w_l, low, high) is piecewise
     linear in lam with breakpoints low / w_l and high / w_l; find the segment holding `total`, solve it."""

@@ -93,6 +93,8 @@ OPTIONS = {
                             "(the authors' int() floors, remainder to the last layer)", *one_of("exact", "floor")),
     "chunk_merge": Option(str, "WeightedKV: a prefill chunk's merges all at once (runs) or one by one in Alg. 1's "
                                "order (sequential)", *one_of("runs", "sequential")),
+    "clamp_budgets": Option(bool, "D2O: clamp each layer's budget to [sinks + 4, n] and give the excess to the "
+                                  "others (kvmini's; false: Eq. 5 as written)", lambda x: True, "be true or false"),
     "softmax_temperature": Option(float, "D2O: temperature of the softmax over standardized variances (zscore)",
                                   lambda x: x > 0, "be > 0"),
 }
