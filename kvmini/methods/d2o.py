@@ -34,6 +34,15 @@ and, except `allocation=official` (whose only bound is its 1% floor, which on a 
 less than the sinks), at most n, handing the excess to the other layers; Eq. 5 does neither.
 `clamp_budgets=false` runs Eq. 5 literally: a budget too small for a layer's sinks and recent
 tokens is then a KvminiError.
+Deviation: the authors' code never resets its EMA threshold between prompts (`_clean_scores`
+clears only the scores), so from the second prompt on its tau_0 mixes in the previous prompt's;
+kvmini starts every run afresh (Policy.start), in both variants.
+Deviation: the authors' code leaves a layer untouched while it holds no more than its cache size
+(`if seq_len <= self.cache_size`), so at the first decode step a layer budgeted n - 1 or more
+(reachable at rho >= 0.4) is never compressed; kvmini compresses every layer to its budget.
+With `start=first_decode` (official) nothing is compressed before the first decode step: a
+prefill-only call leaves the prompt whole, as the authors' code does.
+A prompt in chunks (kvmini.policy) gives the same F_v, scores and budgets as the prompt in one call.
 """
 from kvmini.methods.dbudgetkv import parse_layers
 from kvmini.methods.ema_merging import EMAMerge

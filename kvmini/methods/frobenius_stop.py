@@ -18,6 +18,8 @@ so all heads of a layer keep the same count. Layers 0 and 1 are never pruned (Se
 `norm_excludes_kept`: the authors' code zeroes the always-kept tokens (the sinks, or the window)
 out of s before both norms; the paper (and the `paper` variant) keeps them in.
 Deviation: the official code cuts every query head (after repeat_kv); kvmini every KV head.
+Deviation: the paper does not say how one cut per layer combines the heads' norms; both variants
+use the authors' code's ratio of head-averaged norms, (mean_h ||A'_h|| - mean_h R_h) / mean_h ||A'_h||.
 """
 import torch
 
