@@ -341,14 +341,15 @@ def d2o_official_literal(g, L, b, n, sinks, parts, protected, low):
     return choose, budgets
 
 
-@pytest.mark.parametrize("L,protected", [(4, "0,1,-1"), (3, "")])
-def test_official_schedule_allocation_and_split_equal_a_literal_run(L, protected):
+@pytest.mark.parametrize("L,protected,clamp", [(4, "0,1,-1", True), (3, "", True), (3, "", False)])
+def test_official_schedule_allocation_and_split_equal_a_literal_run(L, protected, clamp):
+    """clamp=False: the authors' budgets with only their own int() floors and 1% floor (no sinks + 4)."""
     model = random_model(L=L, H=4, H_kv=2, seed=3, sharp=2.0)
     gen = torch.Generator().manual_seed(2)
     n = 40
     calls = [torch.randint(0, 61, (1, n), generator=gen)] + [torch.randint(0, 61, (1, 1), generator=gen)
                                                             for _ in range(4)]
-    policy = make_policy("d2o", 16, variant="official", merge="off", protected_layers=protected)
+    policy = make_policy("d2o", 16, variant="official", merge="off", protected_layers=protected, clamp_budgets=clamp)
     cache = model.new_cache(1, 4)
     policy.start(n, n + 4)
     got, after = [], []
@@ -357,7 +358,7 @@ def test_official_schedule_allocation_and_split_equal_a_literal_run(L, protected
             got.append(model(ids, cache, policy)[:, -1])
             after.append([lc.positions.sort(dim=-1).values.tolist() for lc in cache.layers])
     prot = tuple(int(x) % L for x in protected.split(",") if x)
-    choose, budgets = d2o_official_literal(2, L, 16, n, 4, (1, 1), prot, 8)
+    choose, budgets = d2o_official_literal(2, L, 16, n, 4, (1, 1), prot, 8 if clamp else 0)
     want, entering = simulate(model, calls + calls[-1:], choose)  # one more call: what the last one kept
     for a, w in zip(got, want):  # evict == mask, the prompt uncompressed, then every step
         torch.testing.assert_close(a, w, atol=1e-5, rtol=0)
