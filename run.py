@@ -85,7 +85,7 @@ def methods_help() -> str:
 
 
 def parse_args(argv=None):
-    from kvmini.methods.registry import DEFAULT_BUDGET, METHODS, OPTIONS
+    from kvmini.methods.registry import DEFAULT_BUDGET, METHODS, OPTIONS, compress_every_call
 
     p = cli.OneLineParser(
         description="Generate text with kvmini and report speed and KV-cache size.",
@@ -104,7 +104,10 @@ def parse_args(argv=None):
     p.add_argument("--top-k", type=non_negative_int, default=0, help="sample from the k most likely tokens (0: off)")
     p.add_argument("--top-p", type=probability, default=1.0, help="nucleus sampling mass (1: off)")
     p.add_argument("--seed", type=seed, default=None, help="random seed for sampling (0 to 2**64-1)")
-    p.add_argument("--chunk-size", type=positive_int, default=None, help="prefill the prompt in chunks of this many tokens")
+    p.add_argument("--chunk-size", type=positive_int, default=None,
+                   help="prefill the prompt in chunks of this many tokens (methods that compress once the prompt is "
+                        f"complete keep what one call keeps; {', '.join(compress_every_call())} compress after every "
+                        "chunk by design, so the size changes what they keep)")
     p.add_argument("--raw", action="store_true", help="feed the prompt as is, without the chat template")
     p.add_argument("--html", metavar="FILE", help="also write a web page of what each layer and KV head kept, "
                                                   "token by token (one self-contained file)")

@@ -37,7 +37,7 @@ class StatsRequest:
     window: int = 0  # > 0: the same sum over only the last `window` new queries
     last_row: bool = False  # the attention row of the last new query
     reduce: str = "mean"  # how the g query heads of one KV head are combined: mean | max | sum
-    heads: bool = False  # with column_sums: also every query head's own, (B, H, S), as "column_sums_heads"
+    heads: bool = False  # also every query head's own column / window sums, (B, H, S), as "<name>_heads"
 
     def __post_init__(self):
         if self.reduce not in REDUCTIONS:
@@ -162,14 +162,15 @@ def _statistics(request: StatsRequest, col, win, last) -> dict:
     col = col if request.column_sums else None
     for name, t in (("column_sums", col), ("window_sums", win), ("last_row", last)):
         if t is not None:
-            stats[name] = _reduce_group(t, request.reduce)  # (B, H_kv, S)
-    if request.heads and col is not None:
-        B, H_kv, g, S = col.shape
-        stats["column_sums_heads"] = col.reshape(B, H_kv * g, S)  # (B, H, S): query head h = kv_head * g + i
+            stats[name] = reduce_group(t, request.reduce)  # (B, H_kv, S)
+    for name, t in (("column_sums_heads", col), ("window_sums_heads", win)):
+        if request.heads and t is not None:
+            B, H_kv, g, S = t.shape
+            stats[name] = t.reshape(B, H_kv * g, S)  # (B, H, S): query head h = kv_head * g + i
     return stats
 
 
-def _reduce_group(t: torch.Tensor, how: str) -> torch.Tensor:
+def reduce_group(t: torch.Tensor, how: str) -> torch.Tensor:
     """(B, H_kv, g, S) -> (B, H_kv, S): combine the g query heads that share a KV head."""
     if how == "mean":
         return t.mean(2)

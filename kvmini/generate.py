@@ -162,7 +162,8 @@ def generate(
         generator = torch.Generator(device=device).manual_seed(sampling.seed)
     cache = model.new_cache(B, capacity=T + max_new_tokens)
     t0 = time.perf_counter()
-    logits = prefill(model, ids, cache, policy, chunk_size, T + max_new_tokens - 1, progress)  # (B, V)
+    longest = T + max(max_new_tokens - 1, 0)  # the last new token is sampled, never appended
+    logits = prefill(model, ids, cache, policy, chunk_size, longest, progress)  # (B, V)
     synchronize(device)
     t1 = time.perf_counter()
     tokens: list[list[int]] = [[] for _ in range(B)]

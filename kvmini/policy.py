@@ -9,11 +9,21 @@ In a call the schedule says compresses, after layer l attended over its full cac
     score = scorer(cache[l], stats);  for i, b in budgeter.decide(l, ...): compressor(i, cache[i], score_i, b)
 Only later layers and later calls see what was kept. `start()` (called by `generate`) resets a
 run; a fresh cache (seen_tokens == 0) without it starts one whose first call is the whole prompt.
+A prompt is a prompt, however it arrives: when it comes in several calls (a chunked prefill), a
+method that compresses once the prompt is complete (every schedule but EVERY_CALL) gathers the
+statistics its parts ask for over the prompt's calls, per query head, and its parts see them in
+the call that completes the prompt as if the prompt had come in that one call (`_gather`). Nothing
+is compressed before that call, so the cache only grows, and by causality each query's attention
+is the one it has in a single call: the kept sets are the one-shot ones. EVERY_CALL methods (H2O,
+TOVA, StreamingLLM, WeightedKV) compress after each chunk by design.
 Methods whose budgets follow each sequence's statistics run a batch through `PerSequence`.
 """
+import dataclasses
 import math
 
-from kvmini.attention import StatsRequest, merge_requests
+import torch.nn.functional as F
+
+from kvmini.attention import StatsRequest, merge_requests, reduce_group
 from kvmini.cache import KVCache
 from kvmini.errors import KvminiError
 from kvmini.parts import AFTER_PROMPT, DECODE, EVERY_CALL, PREFILL
@@ -51,6 +61,7 @@ class Policy:
         """Fresh state for a run whose prompt has prompt_len tokens (total_len: prompt + new tokens, if known)."""
         self.prompt_len, self.total_len = prompt_len, total_len
         self.started, self.evicted, self.active, self.note = False, [], False, None  # parts start on the first call
+        self.gathered: dict[int, dict] = {}  # layer -> per-query-head sums over the prompt's calls so far
         self._fresh = prompt_len is not None
 
     def chunk_for(self, prompt_len: int, total_len: int | None) -> int | None:
@@ -79,6 +90,7 @@ class Policy:
         self.in_prompt = end <= n
         when = {PREFILL: end == n, AFTER_PROMPT: end >= n, DECODE: end > n, EVERY_CALL: True}  # the schedule
         self.compress_now = self.active and when[self.schedule]
+        self.gathering = self.schedule != EVERY_CALL and self.in_prompt and T < n  # a prompt in several calls
 
     def _start_parts(self, L: int) -> None:
         if any(not -L <= layer < L for layer in self.budgeter.protected_spec):
@@ -126,6 +138,8 @@ class Policy:
     def request(self, layer: int) -> StatsRequest | None:
         if not self.active or self.budgeter.skips(layer):
             return None
+        if self.gathering:
+            return self._prompt_request()
         wanted = [self.scorer.request] if self.accumulating() else []
         if self.budgeter.accumulates and self.in_prompt:
             wanted.append(self.budgeter.request)
@@ -137,10 +151,44 @@ class Policy:
                 wanted.append(self.scorer.request)
         return merge_requests(wanted)
 
+    def _prompt_request(self) -> StatsRequest | None:
+        """What one call of a prompt in several calls contributes to the statistics of the whole prompt:
+        the parts' requests per query head, the observation window cut to this call's queries in it
+        (the prompt's last w queries are the last ones of every call that holds any), the last row
+        only in the call that completes the prompt."""
+        wanted = merge_requests([self.scorer.request, self.budgeter.request])
+        if wanted is None:
+            return None
+        end, n = self.call_start + self.T, self.prompt_len
+        window = max(0, end - max(self.call_start, n - wanted.window)) if wanted.window else 0
+        request = dataclasses.replace(wanted, window=window, last_row=wanted.last_row and end == n, heads=True)
+        return None if request.empty else request
+
+    def _gather(self, layer: int, lc, stats: dict) -> dict | None:
+        """Add this call's per-query-head sums to the prompt's; in the call that completes the prompt,
+        the whole prompt's statistics (reduced over each KV head's query heads as the parts asked),
+        else None. Sums over a layer's keys so far, (B, H, S); the cache only grows during the prompt."""
+        sums = self.gathered.setdefault(layer, {})
+        for name in ("column_sums_heads", "window_sums_heads"):
+            if name in stats:
+                old = sums.get(name)
+                sums[name] = stats[name] if old is None else F.pad(old, (0, lc.length - old.shape[-1])) + stats[name]
+        if self.call_start + self.T < self.prompt_len:
+            return None
+        whole = dict(stats)  # the last row: the last query is in this call
+        for name, t in self.gathered.pop(layer).items():  # none when the parts ask for no statistics
+            reduce = merge_requests([self.scorer.request, self.budgeter.request]).reduce
+            B, H, S = t.shape
+            whole[name] = t
+            whole[name.removesuffix("_heads")] = reduce_group(t.view(B, lc.keys.shape[1], -1, S), reduce)  # (B, H_kv, S)
+        return whole
+
     def after_attention(self, layer: int, cache: KVCache, stats: dict) -> None:
         if not self.active or self.budgeter.skips(layer):
             return
         lc = cache[layer]
+        if self.gathering and (stats := self._gather(layer, lc, stats)) is None:
+            return  # the prompt is not complete yet: its parts see it when it is
         if self.accumulating():
             self.scorer.update(lc, stats, self.call_start, self.T)
         if self.budgeter.accumulates and self.in_prompt:

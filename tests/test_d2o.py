@@ -55,6 +55,24 @@ def test_allocation_clamps_and_redistributes_by_hand():
     assert proportional([0.5, 0.5], 10, low=8, high=[100] * 2) == [8, 8]  # infeasible total: every layer at its floor
 
 
+def test_unclamped_allocation_is_eq5_as_written():
+    """clamp_budgets=false: S_l = softmax(-F_v)_l * L * b, rounded to the total, no bounds.
+    F_v = [0, 1, 2], b = 10, L = 3: 30 * [1, e^-1, e^-2] / 1.5032 = [19.96, 7.34, 2.70] -> [20, 7, 3];
+    clamped to [8, 12] the first layer stops at 12, the third at 8, the second takes the rest."""
+    unclamped, clamped = (VarianceSoftmax("paper", low=8, clamp=c) for c in (False, True))
+    assert unclamped.allocate(10, 3, [0.0, 1.0, 2.0], 12) == [20, 7, 3]
+    assert clamped.allocate(10, 3, [0.0, 1.0, 2.0], 12) == [12, 10, 8]
+
+
+def test_unclamped_eq5_that_starves_a_layer_is_a_clear_error():
+    """On a prompt whose raw variances differ, Eq. 5 (z-scored) leaves a layer fewer tokens than its 4 sinks."""
+    model = random_model(L=4)
+    policy = make_policy("d2o", 16, variant="paper", allocation="zscore", clamp_budgets=False)
+    with pytest.raises(KvminiError, match=r"d2o: a budget of \d+ tokens \(layer \d\) is too small for 4 sinks"):
+        with torch.no_grad():
+            model(torch.randint(0, 61, (1, 40), generator=torch.Generator().manual_seed(0)), model.new_cache(), policy)
+
+
 def exact_clamped_split(weights, total, low, high):
     """The real-valued answer, found without bisection: sum_l clamp(lam * w_l, low, high) is piecewise
     linear in lam with breakpoints low / w_l and high / w_l; find the segment holding `total`, solve it."""
@@ -323,14 +341,15 @@ def d2o_official_literal(g, L, b, n, sinks, parts, protected, low):
     return choose, budgets
 
 
-@pytest.mark.parametrize("L,protected", [(4, "0,1,-1"), (3, "")])
-def test_official_schedule_allocation_and_split_equal_a_literal_run(L, protected):
+@pytest.mark.parametrize("L,protected,clamp", [(4, "0,1,-1", True), (3, "", True), (3, "", False)])
+def test_official_schedule_allocation_and_split_equal_a_literal_run(L, protected, clamp):
+    """clamp=False: the authors' budgets with only their own int() floors and 1% floor (no sinks + 4)."""
     model = random_model(L=L, H=4, H_kv=2, seed=3, sharp=2.0)
     gen = torch.Generator().manual_seed(2)
     n = 40
     calls = [torch.randint(0, 61, (1, n), generator=gen)] + [torch.randint(0, 61, (1, 1), generator=gen)
                                                             for _ in range(4)]
-    policy = make_policy("d2o", 16, variant="official", merge="off", protected_layers=protected)
+    policy = make_policy("d2o", 16, variant="official", merge="off", protected_layers=protected, clamp_budgets=clamp)
     cache = model.new_cache(1, 4)
     policy.start(n, n + 4)
     got, after = [], []
@@ -339,7 +358,7 @@ def test_official_schedule_allocation_and_split_equal_a_literal_run(L, protected
             got.append(model(ids, cache, policy)[:, -1])
             after.append([lc.positions.sort(dim=-1).values.tolist() for lc in cache.layers])
     prot = tuple(int(x) % L for x in protected.split(",") if x)
-    choose, budgets = d2o_official_literal(2, L, 16, n, 4, (1, 1), prot, 8)
+    choose, budgets = d2o_official_literal(2, L, 16, n, 4, (1, 1), prot, 8 if clamp else 0)
     want, entering = simulate(model, calls + calls[-1:], choose)  # one more call: what the last one kept
     for a, w in zip(got, want):  # evict == mask, the prompt uncompressed, then every step
         torch.testing.assert_close(a, w, atol=1e-5, rtol=0)

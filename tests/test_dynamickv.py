@@ -109,3 +109,61 @@ def test_budget_must_exceed_the_window():
     with pytest.raises(KvminiError, match="must exceed the window of 8"):
         with torch.no_grad():
             model(torch.zeros(1, 40, dtype=torch.long), model.new_cache(1), make_policy("dynamickv", 8))
+
+
+def authors_dynamickv(probs: list[torch.Tensor], ws: int, kernel: int, r_max: float, base: int, m: int):
+    """DreamMr/DynamicKV (dynamic_v11.py) in the shape of its code, per query head, on the prompt's
+    attention probs[l] (1, H, n, n) of each layer: budget_compute_per_layer keeps the attn_cache topk
+    (descending) + the window; update_and_reset_budget every m layers floors with int(), tops up the
+    last count after the last layer, gives the remainder to the last layer, caps at n - ws and slices
+    each buffer's first fix_length entries (into the window, duplicating it, if fix_length is larger).
+    Returns per layer and head the set of kept positions."""
+    L, (_, H, n, _) = len(probs), probs[0].shape
+    budget_size = min(int(r_max * base), n - ws)
+    attn, buffers = [], []  # per layer: attn_cache (1, H, n - ws); per head the buffer's positions in order
+    for l in range(1, L + 1):
+        attn_sum = probs[l - 1][:, :, -ws:, :-ws].sum(dim=-2)
+        attn_cache = torch.nn.functional.avg_pool1d(attn_sum, kernel_size=kernel, padding=kernel // 2, stride=1)
+        indices = attn_cache.topk(budget_size, dim=-1).indices  # (1, H, budget_size), best first
+        attn.append(attn_cache)
+        buffers.append([indices[0, h].tolist() + list(range(n - ws, n)) for h in range(H)])
+        if l % m:
+            continue
+        gather_attn = torch.cat([t.unsqueeze(0) for t in attn], dim=0)  # (l, 1, H, n - ws)
+        tk = base * H * gather_attn.shape[0]
+        _, topk_indices = torch.topk(gather_attn.view(-1), k=min(tk, gather_attn.numel()))
+        dim1 = gather_attn.shape[1] * gather_attn.shape[2] * gather_attn.shape[3]
+        counts = torch.zeros(gather_attn.shape[0], dtype=torch.long).scatter_add_(
+            0, topk_indices // dim1, torch.ones_like(topk_indices)) // gather_attn.shape[0]
+        if torch.sum(counts).item() != dim1 and l == L:
+            counts[-1] += tk // L - torch.sum(counts)
+        norm = [t / torch.sum(counts).item() for t in counts]
+        fix = [int((budget_size * t).item()) for t in norm]
+        ss_radio = sum(fix) / (base * L)
+        fix = [int(k // ss_radio) for k in fix]
+        fix[-1] += base * L - sum(fix)
+        for i, fix_length in enumerate(fix):
+            fix_length = min(fix_length, gather_attn.shape[3])
+            buffers[i] = [row[:fix_length] + row[-ws:] for row in buffers[i]]
+    return [[sorted(set(row)) for row in layer] for layer in buffers]
+
+
+@pytest.mark.parametrize("L,m,w_t,r_max", [(4, 2, 10, 3), (6, 2, 12, 2), (4, 4, 10, 3), (6, 4, 9, 10)])
+def test_rounding_floor_keeps_what_the_authors_code_keeps(L, m, w_t, r_max):
+    """One KV head per query head (g = 1), so the authors' per-query-head cache is kvmini's per-KV-head one."""
+    n, ws, kernel = 40, 4, 3
+    model = random_model(L=L, H=2, H_kv=2, seed=L * m, sharp=2.0)
+    ids = torch.randint(0, 61, (1, n), generator=torch.Generator().manual_seed(m))
+    probs = {}
+
+    def record(layer, c, p, kept, new):
+        probs[layer] = p
+        return [[sorted(s + new) for s in row] for row in kept]
+
+    simulate(model, [ids], record)
+    want = authors_dynamickv([probs[l] for l in range(L)], ws, kernel, r_max, w_t - ws, m)
+    policy = make_policy("dynamickv", w_t, variant="official", window=ws, kernel=kernel, r_max=r_max, interval=m)
+    cache = model.new_cache(1, n)
+    with torch.no_grad():
+        model(ids, cache, policy)
+    assert [lc.positions[0].sort(-1).values.tolist() for lc in cache.layers] == want

@@ -247,7 +247,8 @@ def test_registry_errors_are_clear():
 
     assert resolved_options("d2o", {"variant": "paper"})["nm"] == "3:1"
     assert resolved_options("d2o", {"nm": "2:1"})["nm"] == "2:1" and resolved_options("d2o", {})["merge"] == "official"
-    assert resolved_options("dynamickv", {"variant": "official"})["tail_reallocation"] is False
+    assert resolved_options("dynamickv", {"variant": "official"})["rounding"] == "floor"
+    assert resolved_options("dynamickv", {})["tail_reallocation"] is False  # Alg. 1 line 24: every m layers only
 
 
 @pytest.mark.parametrize("name,options,budget", [("streaming_llm", {}, 4), ("snapkv", {}, 20), ("h2o", {"recent": 9}, 8)])

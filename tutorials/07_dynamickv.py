@@ -57,9 +57,10 @@ assert torch.allclose(pooled[0, 0, :6], F.avg_pool1d(window_sums[:, :, :6], 3, 1
 #
 # so $\sum Z = (w_t - w_s)\,L$, and every finished layer is trimmed to its best $Z_i$ keys plus the window.
 # A layer can only shrink — what it dropped earlier is gone — so kvmini caps $Z_i$ at what the layer
-# holds and gives the excess to the others by their counts. The official code forgets the final
-# re-allocation when $L$ is not a multiple of $m$; kvmini always runs it after the last layer, so the
-# total is exactly $(w_t - w_s) L + w_s L$.
+# holds and gives the excess to the others by their counts. Alg. 1 (line 24: `if l % m == 0`) and
+# the official code re-allocate only every $m$ layers, so when $L$ is not a multiple of $m$ the last
+# $L \bmod m$ layers keep $b_s + w_s$; kvmini's option `tail_reallocation=true` re-allocates after
+# the last layer too, so that the total is exactly $(w_t - w_s) L + w_s L$.
 
 # %%
 counts = [30, 10, 5, 5]  # C_i: hits of the global top-k per layer
@@ -115,11 +116,10 @@ show(fig, "07_progressive_budgets")
 # %% [markdown]
 # ## What the authors' code does differently
 #
-# The official code (DreamMr/DynamicKV) re-allocates only when the layer index is a multiple of
-# $m$; with $L = 30$ and $m = 4$ the last two layers keep their first budget $b_s + w_s$
-# (`tail_reallocation=false`, the `official` variant). It also floors every share with `int()`.
-# Measured (N = 1,024, K = 128, 20%): paper 20.0% kept, KL 0.075; official 26.6% kept, KL 0.071
-# — a little better, for a third more memory than asked.
+# The official code (DreamMr/DynamicKV), like Alg. 1, re-allocates only when the layer index is a
+# multiple of $m$; with $L = 30$ and $m = 4$ the last two layers keep their first budget $b_s + w_s$.
+# It floors every share with `int()`, gives the remainder to the last finished layer and caps a
+# layer at $n - w_s$ rather than at what it holds (`rounding=floor`, the `official` variant).
 
 # %%
 for variant in ("paper", "official"):

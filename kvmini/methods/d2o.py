@@ -29,8 +29,20 @@ reduction mean. In a batch, every sequence gets its own budgets (kvmini.policy.P
 Deviation: the authors' code keeps one cache per query head (after repeat_kv), so each query
 head evicts and merges its own tokens; kvmini does this per KV head (query heads of a group
 reduced by mean), in both variants.
-Deviation: every allocation gives a layer at least sinks + 4 tokens (the official one has only
-its 1% floor, which on a short prompt leaves less than the sinks).
+Deviation: `clamp_budgets` (default true, both variants) gives a layer at least sinks + 4 tokens
+and, except `allocation=official` (whose only bound is its 1% floor, which on a short prompt leaves
+less than the sinks), at most n, handing the excess to the other layers; Eq. 5 does neither.
+`clamp_budgets=false` runs Eq. 5 literally: a budget too small for a layer's sinks and recent
+tokens is then a KvminiError.
+Deviation: the authors' code never resets its EMA threshold between prompts (`_clean_scores`
+clears only the scores), so from the second prompt on its tau_0 mixes in the previous prompt's;
+kvmini starts every run afresh (Policy.start), in both variants.
+Deviation: the authors' code leaves a layer untouched while it holds no more than its cache size
+(`if seq_len <= self.cache_size`), so at the first decode step a layer budgeted n - 1 or more
+(reachable at rho >= 0.4) is never compressed; kvmini compresses every layer to its budget.
+With `start=first_decode` (official) nothing is compressed before the first decode step: a
+prefill-only call leaves the prompt whole, as the authors' code does.
+A prompt in chunks (kvmini.policy) gives the same F_v, scores and budgets as the prompt in one call.
 """
 from kvmini.methods.dbudgetkv import parse_layers
 from kvmini.methods.ema_merging import EMAMerge
@@ -52,7 +64,7 @@ DEFAULTS_SHOWN = {name: "by variant" for name in VARIANTS["paper"]}
 def build(budget: float, variant: str = "official", allocation: str | None = None, protected_layers: str | None = None,
           nm: str | None = None, split: str | None = None, merge: str | None = None, tau: str | None = None,
           beta: float | None = None, start: str | None = None, sinks: int = 4, softmax_temperature: float = 1.0,
-          reduce: str = "mean") -> Policy:
+          clamp_budgets: bool = True, reduce: str = "mean") -> Policy:
     given = dict(allocation=allocation, protected_layers=protected_layers, nm=nm, split=split, merge=merge, tau=tau,
                  beta=beta, start=start)
     o = {**VARIANTS[variant], **{k: v for k, v in given.items() if v is not None}}
@@ -63,7 +75,7 @@ def build(budget: float, variant: str = "official", allocation: str | None = Non
         recent = lambda S_l: S_l * M // (N + M)  # noqa: E731
     first_decode = o["start"] == "first_decode"
     budgeter = VarianceSoftmax(o["allocation"], softmax_temperature, sinks + 4, reduce, parse_layers(o["protected_layers"]),
-                               parts=(N, M), measure_in_prompt=first_decode)
+                               parts=(N, M), measure_in_prompt=first_decode, clamp=clamp_budgets)
     merging = None if o["merge"] == "off" else EMAMerge(o["beta"], weights=o["merge"], tau=o["tau"])
     return Policy("d2o", budget, CumulativeAttention(reduce), budgeter, TopK(sinks, recent, merge=merging),
                   schedule=DECODE if first_decode else AFTER_PROMPT)

@@ -18,6 +18,8 @@ so all heads of a layer keep the same count. Layers 0 and 1 are never pruned (Se
 `norm_excludes_kept`: the authors' code zeroes the always-kept tokens (the sinks, or the window)
 out of s before both norms; the paper (and the `paper` variant) keeps them in.
 Deviation: the official code cuts every query head (after repeat_kv); kvmini every KV head.
+Deviation: the paper does not say how one cut per layer combines the heads' norms; both variants
+use the authors' code's ratio of head-averaged norms, (mean_h ||A'_h|| - mean_h R_h) / mean_h ||A'_h||.
 """
 import torch
 
@@ -72,7 +74,7 @@ class FrobeniusStop(Budgeter):
         S = pos.shape[-1]
         if self.k == 1:
             s = stats["last_row"]  # Eq. (1) with k = 1: (B, H_kv, S)
-        else:  # (with a chunked prefill, k must not exceed the last chunk: the window sums cover only that)
+        else:  # the window sums of the prompt's last k queries, however many calls the prompt came in
             n = int(pos.max()) + 1  # the prompt length: this runs in the call that completes the prompt
             seen_by = (n - pos).clamp(max=self.k).float()  # queries among the last k that see each key
             s = stats["window_sums"] / seen_by  # Eq. (1): (B, H_kv, S)

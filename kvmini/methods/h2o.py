@@ -1,4 +1,4 @@
-"""H2O (Zhang et al. 2023): heavy hitters by accumulated attention + a recent window, every step.
+"""H2O (Zhang et al. 2023): heavy hitters by accumulated attention + a recent window, after every call.
 
 Paper: "H2O: Heavy-Hitter Oracle for Efficient Generative Inference of Large Language Models".
 
@@ -7,6 +7,10 @@ sums, then + each decode step's row), per KV head. Keep the heavy hitters and a 
 (default: half of the budget each). The cache is trimmed after the prompt, then one token (the
 lowest-scoring one outside the window) is evicted per decode step.
 Defaults: recent = budget // 2, sinks 0, group reduction mean.
+Chunked prefill: compressed after every call by design (each prefill chunk, each decode step), so
+a prompt in chunks of c is trimmed to the budget after each chunk: later chunks attend to the
+trimmed cache and a token's score sums only the attention it received while it stayed, so the
+kept set depends on c (c = 1 is H2O's token-by-token eviction during the prompt).
 """
 from kvmini.methods.allocators import Uniform
 from kvmini.methods.scorers import CumulativeAttention

@@ -4,16 +4,24 @@ Inside the prefill forward, layer by layer:
     A_l = \mathrm{pool}(\mathrm{mean}_{i \in \text{last } w_s} \mathrm{softmax}(q_i K^\top))   (Eq. 1, per head)
     b_s = \min(r_{max} (w_t - w_s), n - w_s)                                                  (Eq. 2)
     keep the top b_s keys of A_l and the window                                               (Eq. 3-4)
-and every m layers (and after the last one), over the l layers finished so far:
+and every m layers (Alg. 1 line 24: l % m == 0), over the l layers finished so far:
     I = \mathrm{TopK}_{indices}(A_{1..l}, (w_t - w_s) H l),  C_i = |I \cap \text{layer } i|    (Eq. 5-6)
     Z_i = b_s C_i / \max C,  rescaled so that \sum Z = (w_t - w_s) L                          (Eq. 7-8)
     trim each finished layer to its Z_i best keys + the window
-Layers only shrink: what a layer dropped earlier cannot come back, so Z_i is capped at what it
-holds and the cap's excess goes to the other layers by their counts.
-The official code forgets the tail re-allocation when L % m != 0, so its last L % m layers keep
-b_s + w_s each: `tail_reallocation=False` does the same; Alg. 1 (and the default) re-allocates.
-Deviation: Z is rounded to integers with an exact total (largest remainder) instead of int()
-floors, so the final total is exactly (w_t - w_s) L + w_s L.
+Alg. 1 (and the authors' code) re-allocates only when l % m == 0, so when L % m != 0 the last
+L % m layers keep b_s + w_s each. `tail_reallocation=True` is kvmini's option (not the paper's
+algorithm, nor its prose, which says "every m layers") that re-allocates after the last layer too.
+`rounding` says how Z becomes whole numbers:
+    exact   kvmini's: Z in proportion to C with the exact total (w_t - w_s) L (largest remainder);
+            layers only shrink (what a layer dropped cannot come back), so Z_i is capped at what it
+            holds and the cap's excess goes to the other layers by their counts
+    floor   the authors' code (DreamMr/DynamicKV, update_and_reset_budget): C_i // l,
+            Z_i = int(int(b_s C_i / \sum C) / r) (Alg. 1 lines 8-10 floor with int() too, with max C),
+            the remainder to the last finished layer, each capped at n - w_s and never redistributed
+Deviation: with `exact`, Z is not floored with int() as Alg. 1 lines 8 and 10 are.
+Deviation: with `floor`, a layer given more than it holds keeps what it holds; the authors' code
+slices its buffer past the kept keys into the window and then appends the window again, so it
+holds some window entries twice (kvmini holds each once).
 """
 import torch
 
@@ -29,9 +37,11 @@ class ProgressiveBudgets(Budgeter):
     per_sequence = True
     revisits = True
 
-    def __init__(self, window: int = 8, r_max: float = 10, interval: int = 4, tail_reallocation: bool = True):
+    def __init__(self, window: int = 8, r_max: float = 10, interval: int = 4, tail_reallocation: bool = False,
+                 rounding: str = "exact"):
         super().__init__()
         self.window, self.r_max, self.interval, self.tail = window, r_max, interval, tail_reallocation
+        self.rounding = rounding
 
     def start(self, b, L, n) -> None:
         self.scores, self.held = [], []  # per finished layer: A_l over the prefix keys (B, H_kv, n - ws); entries held
@@ -54,7 +64,7 @@ class ProgressiveBudgets(Budgeter):
         self.held.append(min(lc.length, self.budgets[layer]))
         keep = {layer: self.budgets[layer]}
         L, l = self.L, layer + 1
-        if l % self.interval == 0 or (l == L and self.tail):  # tail: the paper; the official code skips it
+        if l % self.interval == 0 or (l == L and self.tail):  # Alg. 1 line 24; the tail is kvmini's option
             # BEGIN EXERCISE progressive_budgets: tutorials/07_dynamickv.py, "Progressive re-allocation (Eq. 5-8)"
             A = torch.cat(self.scores, dim=-1)  # (B, H_kv, l * (n - ws)): all finished layers side by side
             k = min((w_t - w) * A.shape[1] * l, A.shape[-1] * A.shape[1])
@@ -63,9 +73,30 @@ class ProgressiveBudgets(Budgeter):
             held = [h - w for h in self.held]
             Z = proportional(C, (w_t - w) * L, 0, held)  # Eq. 7-8, capped: layers only shrink
             # END EXERCISE
+            if self.rounding == "floor":
+                Z = floor_budgets(C, min(int(self.r_max * (w_t - w)), n - w), w_t - w, L, n - w, A.shape[1])
             keep.update({i: Z[i] + w for i in range(l) if Z[i] < held[i]})
         for i, b in keep.items():
             self.held[i] = min(self.held[i], b)
         for i in range(l):
             self.budgets[i] = min(self.budgets[i], self.held[i])
         return keep
+
+
+def floor_budgets(C: list[int], b_s: int, base: int, L: int, cap: int, heads: int) -> list[int]:
+    """Z of the l finished layers as the authors' code computes it (Eq. 7-8 with int() floors):
+    counts C_i // l (after the last layer, the last count topped up to base * heads in all),
+    Z_i = int(int(b_s C_i / \sum C) / r) with r = \sum_i int(b_s C_i / \sum C) / (base L),
+    the remainder of base L to the last layer, each capped at cap = n - w_s.
+    Example: C = [30, 10], b_s = 40, base = 8, L = 4: counts [15, 5], int(40 * [.75, .25]) = [30, 10],
+    r = 40 / 32 = 1.25, Z = [24, 8] (sum 32: nothing left over)."""
+    l = len(C)
+    counts = [c // l for c in C]
+    if l == L:
+        counts[-1] += base * heads - sum(counts)
+    total = sum(counts)
+    fix = [int(b_s * c / total) for c in counts] if total else [0] * l
+    r = sum(fix) / (base * L)
+    fix = [int(k // r) for k in fix] if r else fix
+    fix[-1] += base * L - sum(fix)
+    return [min(z, cap) for z in fix]

@@ -14,6 +14,7 @@ from functools import partial
 from kvmini.errors import KvminiError
 from kvmini.methods import (d2o, dbudgetkv, dynamickv, h2o, knorm, pyramidkv, snapkv, snapkv_d2o, streaming_llm, tova,
                             weightedkv)
+from kvmini.parts import EVERY_CALL
 from kvmini.policy import PerSequence, Policy, resolve_budget
 
 METHODS = {
@@ -86,10 +87,14 @@ OPTIONS = {
                     lambda x: x >= 1, "be >= 1"),
     "interval": Option(int, "DynamicKV: re-balance the finished layers every this many layers", lambda x: x >= 1,
                        "be >= 1"),
-    "tail_reallocation": Option(bool, "DynamicKV: re-balance after the last layer too (the paper; not the "
-                                      "authors' code)", lambda x: True, "be true or false"),
+    "tail_reallocation": Option(bool, "DynamicKV: re-balance after the last layer too when L is not a "
+                                      "multiple of m (kvmini's option; Alg. 1 and the authors' code do not)", lambda x: True, "be true or false"),
+    "rounding": Option(str, "DynamicKV: exact (kvmini: largest remainder, capped at what a layer holds) | floor "
+                            "(the authors' int() floors, remainder to the last layer)", *one_of("exact", "floor")),
     "chunk_merge": Option(str, "WeightedKV: a prefill chunk's merges all at once (runs) or one by one in Alg. 1's "
                                "order (sequential)", *one_of("runs", "sequential")),
+    "clamp_budgets": Option(bool, "D2O: clamp each layer's budget to [sinks + 4, n] and give the excess to the "
+                                  "others (kvmini's; false: Eq. 5 as written)", lambda x: True, "be true or false"),
     "softmax_temperature": Option(float, "D2O: temperature of the softmax over standardized variances (zscore)",
                                   lambda x: x > 0, "be > 0"),
 }
@@ -153,6 +158,13 @@ def resolved_options(name: str, given: dict) -> dict[str, object]:
     options = {**method_options(name), **given}
     variant = getattr(module, "VARIANTS", {}).get(options.get("variant"), {})
     return {k: given.get(k, variant.get(k, v)) for k, v in options.items()}
+
+
+def compress_every_call() -> list[str]:
+    """Methods that compress after every forward call by design, so a prefill's chunk size changes
+    what they keep; every other method keeps, from a prompt in chunks, what one call keeps."""
+    return [name for name, module in METHODS.items()
+            if module is not None and module.build(0.5).schedule == EVERY_CALL]
 
 
 def chooses_budget(name: str) -> bool:

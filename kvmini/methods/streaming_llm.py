@@ -1,9 +1,11 @@
-"""StreamingLLM (Xiao et al. 2023): attention sinks + the most recent tokens, trimmed every step.
+"""StreamingLLM (Xiao et al. 2023): attention sinks + the most recent tokens, trimmed after every call.
 
 Paper: "Efficient Streaming Language Models with Attention Sinks".
 
 Keep the first `sinks` tokens (attention sinks, default 4) and the most recent
-budget - sinks tokens; the cache is trimmed after the prompt and after every decode step.
+budget - sinks tokens; the cache is trimmed after every call (each prefill chunk, each decode step).
+Chunked prefill: the kept positions do not depend on the chunk size, but later chunks attend to
+the trimmed cache (as a stream does), so their keys, values and logits do.
 No attention statistics are needed, so attention stays on the fast SDPA path.
 Deviation: keys keep the RoPE rotation of their original positions; the paper re-numbers
 positions inside the cache (0..S-1), which we do not do (positions are never rewritten here).

@@ -1,10 +1,13 @@
-"""TOVA (Oren et al. 2024): evict the token the latest query attends to least, every step.
+"""TOVA (Oren et al. 2024): evict the token the latest query attends to least, after every call.
 
 Paper: "Transformers are Multi-State RNNs".
 
 Score = the latest query's attention row only. After the prompt the cache keeps the budget's
 best tokens by the last prompt token's attention; afterwards each step evicts the lowest one.
 Defaults: no sinks, no protected window, group reduction mean.
+Chunked prefill: compressed after every call by design, so a prompt in chunks of c is trimmed
+after each chunk by that chunk's last query (c = 1 is the paper's token-by-token TOVA); the kept
+set depends on c.
 Deviation: scores are per KV head (the g query heads of a group averaged); the paper averages
 over all heads of a layer, so one layer evicts the same token in every head.
 """

@@ -18,9 +18,13 @@ so \sum_l S_l = L \rho n. The `allocation` option chooses how F_v becomes shares
                 Deviation: F_v here is the variance of the column sums per KV head (the g query
                 heads of a group reduced by --reduce first), averaged over the KV heads.
     reciprocal  (1/F_v) / \sum 1/F_v (Table 4); uniform: 1/L (Table 4).
-Except for `official`, each S_l is clamped to [low, n] and what the clamp removes or adds is
-given to the other layers in proportion to their weights, so the total stays L \rho n (largest
-remainder rounding); protected layers are left out of the split.
+With `clamp` (kvmini's default), each S_l is clamped to [low, n] (except `official`: only at
+least low) and what the clamp removes or adds is given to the other layers in proportion to
+their weights, so the total stays L \rho n (largest remainder rounding); protected layers are left
+out of the split. Without it, S_l is Eq. 5 as written, rounded to the same total: a layer given
+more than it holds keeps everything, and one given fewer tokens than its sinks and recent window
+is an error (kvmini.policy), as the raw-variance softmax of Eq. 5 does on real prompts.
+Deviation: `clamp` (the default) bounds S_l to [low, n] and redistributes the excess; Eq. 5 does not.
 """
 import sys
 
@@ -57,9 +61,9 @@ class VarianceSoftmax(Budgeter):
     per_sequence = True
 
     def __init__(self, how: str = "zscore", temperature: float = 1.0, low: int = 8, reduce: str = "mean",
-                 protected: tuple = (), parts: tuple = (1, 1), measure_in_prompt: bool = False):
+                 protected: tuple = (), parts: tuple = (1, 1), measure_in_prompt: bool = False, clamp: bool = True):
         super().__init__(protected)
-        self.how, self.temperature, self.low, self.parts = how, temperature, low, parts
+        self.how, self.temperature, self.low, self.parts, self.clamp = how, temperature, low, parts, clamp
         self.request = StatsRequest(column_sums=True, reduce=reduce, heads=how in ("official", "paper"))
         self.accumulates = measure_in_prompt  # F_v is recorded by update() during the prompt
 
@@ -105,7 +109,8 @@ class VarianceSoftmax(Budgeter):
         F_v = [self.F_v[l] for l in range(self.L)]
         if self.how == "official":  # at least `low` per layer (a Deviation: the official floor is 1%)
             S = official_budgets(F_v, self.b / self.n, length, self.parts)
-            self.budgets = [length if l in self.protected else max(S_l, min(self.low, length)) for l, S_l in enumerate(S)]
+            low = min(self.low, length) if self.clamp else 0
+            self.budgets = [length if l in self.protected else max(S_l, low) for l, S_l in enumerate(S)]
         else:
             free = [l for l in range(self.L) if l not in self.protected]
             S = self.allocate(self.b, len(free), [F_v[l] for l in free], self.n)
@@ -117,7 +122,9 @@ class VarianceSoftmax(Budgeter):
         """S_l per layer (Eq. 5), b = rho * n: layers get between min(low, b) and max(n, b) tokens
         (b > n: room for decoding), L * b in all."""
         share = layer_weights(F_v, self.how, self.temperature)  # softmax(-F_v)_l, summing to 1
-        # S_l = alpha_l * n = share_l * L * rho * n = share_l * (L * b): a split of L * b, clamped
+        # S_l = alpha_l * n = share_l * L * rho * n = share_l * (L * b): a split of L * b, clamped or not
+        if not self.clamp:
+            return proportional(share, b * L, 0, [b * L] * L)
         return proportional(share, b * L, min(self.low, b), [max(n, b)] * L)
 
 

@@ -1,4 +1,4 @@
-"""WeightedKV (Yuan et al. 2025): drop the key, merge the value into its neighbour, every step.
+"""WeightedKV (Yuan et al. 2025): drop the key, merge the value into its neighbour, after every call.
 
 Paper: "WeightedKV: Attention Scores Weighted Key-Value Cache Merging for Large Language Models" (Jian Yuan
 et al., 2025; arXiv 2503.01330).
@@ -11,6 +11,9 @@ mean. The prompt is prefilled in chunks of m tokens (at least 64), so the cache 
 than 2m entries; run.py `--chunk-size 1` is Alg. 1 token by token, and `chunk_merge` says how a
 chunk's merges are done (see kvmini.methods.convex_value_merge: "runs", all at once, the default;
 "sequential", Alg. 1's order).
+Chunked prefill: merged after every call by design (Alg. 1 merges at every step), so the chunk
+size changes what is kept and merged: c = 1 is Alg. 1 exactly; larger chunks first attend with
+up to c extra entries, then merge them down.
 """
 from kvmini.methods.allocators import Uniform
 from kvmini.methods.convex_value_merge import AverageAttention, ConvexValueMerge
