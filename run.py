@@ -223,18 +223,18 @@ def describe(args, policy) -> str:
     if policy.budget is None:
         share = sum(budgets) / (len(budgets) * policy.prompt_len)
         return f"{args.method}, self-chosen budget {per_layer} tokens per layer = {share:.1%} of the prompt{shown}"
-    return f"{args.method}, budget {policy.budget:g} = {per_layer} tokens per layer{protected_note(policy)}{shown}"
+    return f"{args.method}, budget {policy.budget:g} = {per_layer} tokens per layer{budget_note(policy)}{shown}"
 
 
-def protected_note(policy) -> str:
-    """Why the cache holds more than the budget asks, when protected layers make it so (D2O's official variant)."""
+def budget_note(policy) -> str:
+    """Why the cache holds more than the budget asks (D2O's official protected layers, DynamicKV's
+    last L % m layers), when it does."""
     budgeter = getattr(policy, "one", policy).budgeter  # a PerSequence batch: its first sequence's parts
-    protected, asked, budgets = sorted(budgeter.protected), getattr(budgeter, "b", None), policy.budgets
+    asked, budgets, why = getattr(budgeter, "b", None), policy.budgets, budgeter.holds_more_because()
     mean = sum(budgets) / len(budgets)
-    if not protected or asked is None or mean <= asked:
+    if not why or asked is None or mean <= asked:
         return ""
-    return (f"; the cache holds a mean of {mean:.1f} tokens per layer, not {asked}: layers "
-            f"{', '.join(map(str, protected))} are protected (never compressed)")
+    return f"; the cache holds a mean of {mean:.1f} tokens per layer, not {asked}: {why}"
 
 
 def can_print(text: str) -> bool:

@@ -229,6 +229,17 @@ def test_report_says_why_protected_layers_hold_more_than_the_budget(capsys, mode
         in method
 
 
+def test_report_says_why_dynamickvs_last_layers_hold_more_than_the_budget(capsys, model, prompt):
+    """2 layers, re-allocation every 4 (Alg. 1 line 24): no layer is ever re-budgeted, each keeps
+    b_s + w_s = r_max (b - w_s) + w_s = 2 (10 - 2) + 2 = 18 entries of the prompt."""
+    code, out, err = cli(capsys, "--prompt", prompt, "--model", model, "--method", "dynamickv", "--budget", 10,
+                         "--window", 2, "--r-max", 2, "--max-new-tokens", 1)
+    assert code == 0, err
+    method = next(line for line in out.splitlines() if line.startswith("method"))
+    assert "budget 10 = 18 tokens per layer; the cache holds a mean of 18.0 tokens per layer, not 10: the last 2 " \
+           "layers come after the last re-allocation (every 4 layers, Alg. 1 line 24)" in method
+
+
 # --- Ctrl-C while the imports run (a child that says when it is importing, then waits) --------------
 
 IMPORTING = """

@@ -54,6 +54,13 @@ class ProgressiveBudgets(Budgeter):
                               f"{self.window}; raise --budget or lower --window")
         return [int(self.r_max * (self.b - self.window)) + self.window] * self.L
 
+    def holds_more_because(self) -> str:
+        tail = self.L % self.interval
+        if not tail or self.tail:
+            return super().holds_more_because()
+        return (f"the last {tail} layers come after the last re-allocation (every {self.interval} layers, "
+                "Alg. 1 line 24) and keep b_s + w_s; --tail-reallocation true re-budgets them")
+
     def known(self, layer: int) -> None:
         return None  # every layer is scored, to re-balance the finished ones
 
