@@ -49,7 +49,7 @@ assert torch.allclose(pooled[0, 0, :6], F.avg_pool1d(window_sums[:, :, :6], 3, 1
 #
 # ## Progressive re-allocation (Eq. 5-8)
 #
-# Every $m = 4$ layers, and after the last layer, the scores of all $l$ finished layers are pooled
+# Every $m = 4$ layers (Alg. 1 line 24), the scores of all $l$ finished layers are pooled
 # together and the global top $(w_t - w_s) \cdot H \cdot l$ are counted per layer, $C_i$. Budgets follow
 # the counts,
 #
@@ -84,12 +84,18 @@ from kvmini.weights import ensure_default_model  # noqa: E402
 folder = ensure_default_model()
 model = load_model(folder, "cpu", "float32")
 ids = torch.tensor([load_tokenizer(folder).encode(pydoc_text())[:512]])
-policy = make_policy("dynamickv", 64)
-cache = model.new_cache()
-with torch.no_grad():
-    model(ids, cache, policy)
-print("kept per layer:", cache.lengths())
-assert sum(cache.lengths()) == 64 * 30  # (w_t - w_s) L + w_s L
+w_t, w_s, n = 64, 8, ids.shape[1]
+b_s = min(10 * (w_t - w_s), n - w_s)  # Eq. 2: 504
+for tail in (False, True):
+    cache = model.new_cache()
+    with torch.no_grad():
+        model(ids, cache, make_policy("dynamickv", w_t, tail_reallocation=tail))
+    lengths = cache.lengths()
+    print(f"tail_reallocation={tail}: kept per layer {lengths}, total {sum(lengths)}")
+    if tail:  # re-allocated after the last layer too: exactly (w_t - w_s) L + w_s L
+        assert sum(lengths) == w_t * 30
+    else:  # Alg. 1: the last re-allocation (layer 28) shares (w_t - w_s) L among 28 layers; 28 and 29 keep b_s + w_s
+        assert lengths[-2:] == [b_s + w_s] * 2 and sum(lengths[:-2]) == (w_t - w_s) * 30 + w_s * 28
 
 # %% [markdown]
 # The budgets as the prefill goes: after each layer, what every layer may keep (a layer's line

@@ -53,7 +53,8 @@ assert len(rows) == 1 + len(methods) and all(r["kl"] > 0 for r in rows[1:])
 # %%
 allocations = {}
 for name in ("snapkv", "pyramidkv", "d2o", "dynamickv", "dbudgetkv"):  # D2O: kvmini's reading, compressing at the prompt
-    options = {"variant": "paper", "allocation": "zscore"} if name == "d2o" else {}
+    options = {"d2o": {"variant": "paper", "allocation": "zscore"},  # re-budget DynamicKV's last L % m layers too
+               "dynamickv": {"tail_reallocation": True}}.get(name, {})
     policy = make_policy(name, None if name == "dbudgetkv" else 0.2, **options)
     cache = model.new_cache()
     policy.start(N, N)
