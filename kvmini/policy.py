@@ -30,7 +30,7 @@ from kvmini.parts import AFTER_PROMPT, DECODE, EVERY_CALL, PREFILL
 
 
 def resolve_budget(budget: float, prompt_len: int) -> int:
-    """DESIGN.md "Budgets": a fraction 0 < x <= 1 is a ratio of the prompt length; a whole number
+    """README.md, "Budgets": a fraction 0 < x <= 1 is a ratio of the prompt length; a whole number
     (an int, or a float above 1) is tokens per layer.
 
     0.25 with a 400-token prompt -> 100;  1.0 -> the whole prompt;  1 -> 1 token;  128 -> 128.
