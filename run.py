@@ -75,11 +75,12 @@ PARSERS = {int: non_negative_int, float: cli.real_number, str: option_text, bool
 
 def methods_help() -> str:
     """The --help section listing every method, what it does and its options with defaults."""
-    from kvmini.methods.registry import METHODS, method_options, summary
+    from kvmini.methods.registry import METHODS, evicts_while_decoding, method_options, summary
 
     lines = ["methods (--method NAME; options as flags, defaults in brackets):"]
     for name in METHODS:
-        opts = ", ".join(f"--{k.replace('_', '-')} [{v}]" for k, v in method_options(name).items())
+        options = method_options(name) | ({"evict_every": 1} if evicts_while_decoding(name) else {})
+        opts = ", ".join(f"--{k.replace('_', '-')} [{v}]" for k, v in options.items())
         lines.append(f"  {name:<14} {summary(name)}" + (f"\n  {'':<14} options: {opts}" if opts else ""))
     return "\n".join(lines) + "\n"
 
@@ -223,7 +224,10 @@ def describe(args, policy) -> str:
     if policy.budget is None:
         share = sum(budgets) / (len(budgets) * policy.prompt_len)
         return f"{args.method}, self-chosen budget {per_layer} tokens per layer = {share:.1%} of the prompt{shown}"
-    return f"{args.method}, budget {policy.budget:g} = {per_layer} tokens per layer{budget_note(policy)}{shown}"
+    every = getattr(policy, "one", policy).evict_every
+    amortised = (f"; evicting {every} entries every {every} decode steps, so a layer holds up to {every - 1} "
+                 "more than its budget between evictions") if every > 1 else ""
+    return f"{args.method}, budget {policy.budget:g} = {per_layer} tokens per layer{budget_note(policy)}{amortised}{shown}"
 
 
 def budget_note(policy) -> str:

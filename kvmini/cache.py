@@ -123,17 +123,31 @@ class LayerCache:
         The per-step case of `keep` (a decode step drops one entry per head): `keep` of every
         other entry would move S entries, this moves one. Buffer order means nothing to attention,
         which masks by positions, so after this the entries are no longer in position order.
+        In a cache whose rows hold different counts (the layers of `KVCache.join`), each row's own
+        last entry moves, and the place it leaves becomes a pad.
         """
-        if self.counts is not None:
-            raise ValueError("evict_one() of a layer whose rows differ in length: use keep_row()")
         slot = self._slot(slot)
-        last = self.length - 1
         at = slot[:, :, None]  # (B, H_kv, 1)
+        if self.counts is None:
+            last = self.length - 1
+            moved = lambda buf: buf[:, :, last : last + 1].clone()  # noqa: E731  (B, H_kv, 1, ...)
+        else:
+            last = (self.counts - 1)[:, None, None].expand_as(at)  # (B, H_kv, 1): each row's last entry
+            moved = lambda buf: buf.gather(2, last if buf.dim() == 3 else last[..., None].expand(-1, -1, -1, buf.shape[3]))  # noqa: E731
         for buf in (self._k, self._v):  # (B, H_kv, cap, D)
-            buf.scatter_(2, at[..., None].expand(-1, -1, -1, buf.shape[3]), buf[:, :, last : last + 1].clone())
+            buf.scatter_(2, at[..., None].expand(-1, -1, -1, buf.shape[3]), moved(buf))
         for buf in (self._pos, *self._aux.values()):  # (B, H_kv, cap)
-            buf.scatter_(2, at, buf[:, :, last : last + 1].clone())
-        self.length = last
+            buf.scatter_(2, at, moved(buf))
+        if self.counts is None:
+            self.length = last
+            return
+        for buf in (self._k, self._v):  # the place the last entry left becomes a pad
+            buf.scatter_(2, last[..., None].expand(-1, -1, -1, buf.shape[3]), 0)
+        for buf in self._aux.values():
+            buf.scatter_(2, last, 0)
+        self._pos.scatter_(2, last, PAD)
+        self.counts = self.counts - 1
+        self.length = int(self.counts.max())
 
     def _slot(self, slot) -> torch.Tensor:
         """`evict_one`'s argument as a (B, H_kv) tensor of held slots: a whole number is the same slot
@@ -148,8 +162,8 @@ class LayerCache:
             shown = f"{slot.dtype} {tuple(slot.shape)}" if isinstance(slot, torch.Tensor) else repr(slot)
             raise KvminiError(f"evict_one: slot must be a whole number or a long tensor ({B}, {H}) of slots, got {shown}")
         if slot.device.type == "cpu":
-            low, high = torch.aminmax(slot)
-            if low < 0 or high >= self.length:
+            held = self.length if self.counts is None else self.counts[:, None]  # each row's entries
+            if bool(((slot < 0) | (slot >= held)).any()):
                 raise KvminiError(f"evict_one: slots must be in [0, {self.length - 1}] (entries held), got {slot.tolist()}")
         return slot
 
@@ -214,6 +228,7 @@ class KVCache:
             for _ in range(config.num_layers)
         ]
         self.seen_tokens = 0  # position of the next token (not the cache length: eviction shrinks that)
+        self.joined: tuple[tuple[int, ...], LayerCache] | None = None  # (layers, their shared buffers): see join
 
     def __getitem__(self, layer: int) -> LayerCache:
         return self.layers[layer]
@@ -224,6 +239,60 @@ class KVCache:
     def lengths(self) -> list[int]:
         """Entries held per layer (by the longest row, when the rows of a batch differ)."""
         return [layer.length for layer in self.layers]
+
+    def join(self, layers: tuple[int, ...], room: int = 1) -> LayerCache:
+        """The given layers as one LayerCache whose batch rows are theirs, layer after layer
+        (len(layers) * B rows): their buffers become views of its buffers, so one operation on it acts
+        on all of them (a decode step's evictions, kvmini.policy). Rows of layers that hold different
+        counts are padded after their entries, as the rows of a batch are (`counts`).
+
+        Built with `room` free places per row beyond the longest layer, by copying the layers in
+        (O(S·D) per layer, once); afterwards each call only reads the layers' lengths, until a layer
+        leaves (it outgrew its room and was resized, or gained a statistic the others lack): then the
+        layers are copied into new shared buffers. The layers must not be padded batches themselves.
+        """
+        if self.joined is None or self.joined[0] != layers or not all(self._is_view(l) for l in layers):
+            self.joined = (layers, self._share([self.layers[l] for l in layers], room))
+        joint = self.joined[1]
+        held = [self.layers[l].length for l in layers]
+        joint.length = max(held)
+        if min(held) == joint.length:
+            joint.counts = None
+            return joint
+        B = joint._k.shape[0] // len(layers)
+        joint.counts = torch.tensor(held, device=joint._pos.device).repeat_interleave(B)  # (len(layers) * B,)
+        places = torch.arange(joint.capacity, device=joint._pos.device)  # (cap,)
+        joint._pos.masked_fill_(places >= joint.counts[:, None, None], PAD)  # a row's places after its entries
+        return joint
+
+    def _is_view(self, layer: int) -> bool:
+        """Are layer's buffers still views of the joined ones (see join)?"""
+        lc, joint = self.layers[layer], self.joined[1]
+        shared = lc._k.untyped_storage().data_ptr() == joint._k.untyped_storage().data_ptr()
+        return shared and lc._aux.keys() == joint._aux.keys()
+
+    @staticmethod
+    def _share(members: list[LayerCache], room: int) -> LayerCache:
+        """One LayerCache holding `members`' entries as its rows; each member's buffers become views of it."""
+        first = members[0]
+        B, H_kv, _, D = first._k.shape
+        cap = max(lc.length for lc in members) + room
+        joint = LayerCache(B * len(members), H_kv, D, first._k.dtype, first._k.device, cap)
+        joint._k = first._k.new_zeros(B * len(members), H_kv, cap, D)  # (len(layers) * B, H_kv, cap, D)
+        joint._v = torch.zeros_like(joint._k)
+        joint._pos = first._pos.new_full((B * len(members), H_kv, cap), PAD)  # (len(layers) * B, H_kv, cap)
+        names = dict.fromkeys(name for lc in members for name in lc._aux)  # every statistic any member keeps
+        joint._aux = {name: joint._pos.new_zeros(joint._pos.shape, dtype=wide(first._k).dtype) for name in names}
+        for i, lc in enumerate(members):
+            rows, S = slice(i * B, (i + 1) * B), lc.length
+            for name, buf in (("_k", lc._k), ("_v", lc._v), ("_pos", lc._pos)):
+                getattr(joint, name)[rows, :, :S] = buf[:, :, :S]
+                setattr(lc, name, getattr(joint, name)[rows])
+            for name in names:
+                if name in lc._aux:
+                    joint._aux[name][rows, :, :S] = lc._aux[name][:, :, :S]
+                lc._aux[name] = joint._aux[name][rows]
+        return joint
 
     def sequence(self, b: int) -> "SequenceCache":
         """Sequence b of the batch as a batch-1 cache whose reads, writes and evictions act on this one."""
@@ -263,6 +332,8 @@ class SequenceView:
 
     def __init__(self, lc: LayerCache, b: int):
         self.lc, self.b = lc, b
+
+    padded = False  # one row holds its own entries only
 
     @property
     def length(self) -> int:

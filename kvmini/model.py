@@ -167,7 +167,8 @@ class Transformer(nn.Module):
         ids (B, T). Returns logits (B, T, V) if all_logits else (B, 1, V) for the last token.
         `policy` (optional, see kvmini.policy) hears `begin(cache, T)`, is asked per layer for a
         StatsRequest (`request(layer)`) and told after each layer's attention
-        (`after_attention(layer, cache, stats)`); it may then shrink that layer's cache.
+        (`after_attention(layer, cache, stats)`); it may then shrink that layer's cache, or wait for
+        `end(cache)` after the last layer to shrink several layers at once.
         The attention of this call is computed before that. on_layer(i), if given, hears that
         layer i is done (progress reports).
         """
@@ -187,6 +188,8 @@ class Transformer(nn.Module):
                 policy.after_attention(i, cache, stats)
             if on_layer is not None:
                 on_layer(i)
+        if policy is not None:
+            policy.end(cache)
         cache.seen_tokens += T
         x = x if all_logits else x[:, -1:]
         return self.lm_head(self.model.norm(x))  # (B, T or 1, V)

@@ -90,13 +90,44 @@ class Compressor:
     """Shrinks one layer to its budget: `__call__(layer, lc, score, b)`. The first `sinks` tokens and
     the last `recent(b)` (by position) are always kept. Returns the kept indices (B, H_kv, b) in their
     new buffer order, or None when entries were merged rather than selected. `merged[layer]` counts
-    evicted tokens merged into kept ones."""
+    evicted tokens merged into kept ones.
+
+    A compressor with `one_each` also has `evict_one_each(layers, lc, score, budgets, newest)`: a decode
+    step of many layers at once, each one entry over its budget, held as the rows of one LayerCache
+    (`KVCache.join`); it must do per row exactly what `__call__` does per layer (tests/test_together.py).
+    """
+
+    one_each = False  # has evict_one_each
 
     def __init__(self, sinks: int = 0, recent=lambda b: 0):
         self.sinks, self.recent = sinks, recent
 
     def start(self, L: int) -> None:
         self.merged = [0.0] * L  # per layer, mean over KV heads (floats or 0-d tensors)
+        self.merged_together: dict[tuple, torch.Tensor] = {}  # layers -> merges counted by evict_one_each
+
+    def count_merged(self, layers: tuple, per_row: torch.Tensor) -> None:
+        """Add evict_one_each's merges, per row (len(layers) * B,), to each layer's count."""
+        per_layer = per_row.view(len(layers), -1).sum(1)  # (len(layers),)
+        old = self.merged_together.get(layers)
+        self.merged_together[layers] = per_layer if old is None else old + per_layer
+
+    def merged_per_layer(self) -> list[float]:
+        """merged, with what evict_one_each counted."""
+        merged = [float(m) for m in self.merged]
+        for layers, counts in self.merged_together.items():
+            for layer, m in zip(layers, counts.tolist()):
+                merged[layer] += m
+        return merged
+
+    def recent_rows(self, budgets: list[int], lc) -> int | torch.Tensor:
+        """recent(b) of each layer's budget, for the rows of `KVCache.join`: one int when they agree,
+        else (len(budgets) * B, 1, 1)."""
+        recent = [self.recent(b) for b in budgets]
+        if min(recent) == max(recent):
+            return recent[0]
+        rows = torch.tensor(recent, device=lc.positions.device).repeat_interleave(lc.positions.shape[0] // len(recent))
+        return rows[:, None, None]
 
     def problem(self, b: int) -> str | None:
         """Why a layer budget of b tokens cannot work, or None."""

@@ -20,7 +20,9 @@ Methods whose budgets follow each sequence's statistics run a batch through `Per
 """
 import dataclasses
 import math
+from collections.abc import Mapping
 
+import torch
 import torch.nn.functional as F
 
 from kvmini.attention import StatsRequest, merge_requests, reduce_group
@@ -55,6 +57,8 @@ class Policy:
         (an int, or a function of the per-layer budget in tokens)."""
         self.name, self.budget, self.schedule, self.prefill_chunk = name, budget, schedule, prefill_chunk
         self.scorer, self.budgeter, self.compressor = scorer, budgeter, compressor
+        self.evict_every = 1  # N: during decoding, let a layer hold budget + N - 1 and evict N at once
+        self.together = True  # a decode step's one-entry evictions run for all layers at once (see `end`)
         self.start(None)
 
     def start(self, prompt_len: int | None, total_len: int | None = None) -> None:
@@ -91,6 +95,9 @@ class Policy:
         when = {PREFILL: end == n, AFTER_PROMPT: end >= n, DECODE: end > n, EVERY_CALL: True}  # the schedule
         self.compress_now = self.active and when[self.schedule]
         self.gathering = self.schedule != EVERY_CALL and self.in_prompt and T < n  # a prompt in several calls
+        self.deferred: list[tuple[int, dict]] = []  # (layer, stats) whose one-entry eviction waits for `end`
+        self.one_each = (self.together and self.compress_now and T == 1 and not self.in_prompt
+                         and self.evict_every == 1 and self.compressor.one_each and isinstance(cache, KVCache))
 
     def _start_parts(self, L: int) -> None:
         if any(not -L <= layer < L for layer in self.budgeter.protected_spec):
@@ -194,7 +201,11 @@ class Policy:
         if self.budgeter.accumulates and self.in_prompt:
             self.budgeter.update(layer, lc, stats, self.call_start, self.T)
         known = self.budgeter.known(layer) if self.compress_now else None
-        if not self.compress_now or (known is not None and lc.length <= known):
+        slack = 0 if self.in_prompt else self.evict_every - 1  # held beyond the budget between evictions
+        if not self.compress_now or (known is not None and lc.length <= known + slack):
+            return
+        if self.one_each and known is not None and lc.length == known + 1:
+            self.deferred.append((layer, stats))  # evicted with the other layers in `end`
             return
         self.scores[layer] = self.scorer(lc, stats)  # (B, H_kv, S), scored once per layer and call
         decided = self.budgeter.decide(layer, lc, stats, self.scores[layer])
@@ -206,6 +217,26 @@ class Policy:
                 kept = self.compressor(i, cache[i], self.scores[i], b)
                 if self.budgeter.revisits and kept is not None:  # keep the score aligned with what is left
                     self.scores[i] = self.scores[i].gather(2, kept)
+
+    def end(self, cache: KVCache) -> None:
+        """After the last layer. A decode step's one-entry evictions, deferred by `after_attention`, run
+        here for all those layers at once: each layer's eviction changes only its own cache, which no
+        later layer of the same call reads, so waiting changes nothing; the layers, held as the rows of
+        one LayerCache (`KVCache.join`), are scored, evicted and merged in one op per step instead of
+        one per layer. `together = False` evicts layer by layer instead (the readable specification;
+        tests/test_together.py proves both equal)."""
+        if not self.deferred:
+            return
+        layers = tuple(layer for layer, _ in self.deferred)
+        joint = cache.join(layers)
+        score = self.scorer(joint, Stacked([stats for _, stats in self.deferred], joint))  # (R, H_kv, S)
+        budgets = [self.budgeter.known(layer) for layer in layers]
+        self.compressor.evict_one_each(layers, joint, score, budgets, self.call_start + self.T - 1)
+        held = joint.held()[:: len(joint.held()) // len(layers)]  # one row per layer
+        for layer, S in zip(layers, held):
+            cache[layer].length = S
+            self.evicted[layer] += 1
+        self.deferred = []
 
     @property
     def parts(self) -> tuple:
@@ -219,7 +250,28 @@ class Policy:
     @property
     def merged(self) -> list[float]:
         """Evicted tokens merged into kept ones, per layer (mean over KV heads)."""
-        return [float(m) for m in self.compressor.merged]
+        return self.compressor.merged_per_layer()
+
+
+class Stacked(Mapping):
+    """The statistics of the layers `Policy.end` evicts together, as the rows of the joined cache
+    (len(layers) * B, H_kv, S): each is stacked when first read (only TOVA's scorer reads one), the
+    rows of shorter layers padded with zeros."""
+
+    def __init__(self, per_layer: list[dict], joint):
+        self.per_layer, self.S, self.stacked = per_layer, joint.length, {}
+
+    def __getitem__(self, name: str):
+        if name not in self.stacked:
+            self.stacked[name] = torch.cat([F.pad(stats[name], (0, self.S - stats[name].shape[-1]))
+                                            for stats in self.per_layer])
+        return self.stacked[name]
+
+    def __iter__(self):
+        return iter(self.per_layer[0])
+
+    def __len__(self) -> int:
+        return len(self.per_layer[0])
 
 
 class PerSequence:
@@ -258,6 +310,10 @@ class PerSequence:
         if self.rows is None:
             return self.one.request(layer)
         return next((r for r in (row.request(layer) for row in self.rows) if r is not None), None)
+
+    def end(self, cache: KVCache) -> None:
+        for policy in self.rows or [self.one]:
+            policy.end(policy.cache)
 
     def after_attention(self, layer: int, cache: KVCache, stats: dict) -> None:
         if self.rows is None:

@@ -112,6 +112,9 @@ class AskEverything:
     def after_attention(self, layer, cache, stats):
         self.seen.append((layer, stats["column_sums"].shape))
 
+    def end(self, cache):
+        pass
+
 
 def test_model_explicit_path_equals_sdpa_path(tiny):
     from kvmini.loading import load_model

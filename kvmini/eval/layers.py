@@ -36,6 +36,9 @@ class ColumnSums:
     def after_attention(self, layer, cache, stats):
         self.sums.append(stats["column_sums"])
 
+    def end(self, cache):
+        pass
+
 
 @torch.inference_mode()
 def layer_statistics(model, ids: torch.Tensor, sinks: int = 4) -> list[dict]:

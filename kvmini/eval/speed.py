@@ -56,6 +56,11 @@ class Timed:
         self.policy.after_attention(layer, cache, stats)
         self.seconds += time.perf_counter() - t0
 
+    def end(self, cache) -> None:
+        t0 = time.perf_counter()
+        self.policy.end(cache)
+        self.seconds += time.perf_counter() - t0
+
 
 def _policy(name: str, budget: float):
     policy = policy_for(name, budget)

@@ -80,13 +80,14 @@ def convex_value_merge(lc: LayerCache, capacity: int, sinks: int, recent: int) -
     # END EXERCISE
 
 
-def merge_one(lc: LayerCache, sinks: int, recent: int, note=None) -> None:
+def merge_one(lc: LayerCache, sinks: int, recent, note=None, newest=None) -> None:
     """Alg. 1 lines 7-10 once, in a buffer out of position order (entries found by position, not by
     index): j is the lowest abar after the sinks and before the recent window (ties: the earliest),
     its right neighbour the held entry with the next position. O(S) to find them, O(D) to merge and
-    delete. Sinks and window are found as in `selectors.lowest`. `note(evicted, into, weight)`, if
-    given, hears the positions of j and its neighbour and the weight of v_j, each (B, H_kv, 1)."""
-    j, nxt, share = next_merge(lc, sinks, recent)
+    delete. Sinks and window are found as in `selectors.lowest` (`recent` and `newest` too: rows of
+    `KVCache.join` may differ in both). `note(evicted, into, weight)`, if given, hears the positions
+    of j and its neighbour and the weight of v_j, each (B, H_kv, 1)."""
+    j, nxt, share = next_merge(lc, sinks, recent, newest)
     if note is not None:
         note(lc.positions.gather(2, j), lc.positions.gather(2, nxt), share)
     D = lc.values.shape[-1]
@@ -97,12 +98,14 @@ def merge_one(lc: LayerCache, sinks: int, recent: int, note=None) -> None:
     lc.evict_one(j[..., 0])  # line 10
 
 
-def next_merge(lc: LayerCache, sinks: int, recent: int):
+def next_merge(lc: LayerCache, sinks: int, recent, newest=None):
     """Alg. 1 lines 7-8 in any buffer order: (j, its right neighbour, the weight of v_j), each (B, H_kv, 1)."""
     pos = lc.positions  # (B, H_kv, S)
     abar = lc.aux("a") / lc.aux("n")  # line 7
     after_sinks = pos[..., sinks:]  # the sinks stay in the first slots (see selectors.lowest)
-    free = after_sinks <= pos.amax(-1, keepdim=True) - max(recent, 1)  # not in the window: j may be these
+    newest = pos.amax(-1, keepdim=True) if newest is None else newest
+    window = recent.clamp(min=1) if isinstance(recent, torch.Tensor) else max(recent, 1)
+    free = after_sinks <= newest - window  # not in the window: j may be these
     masked = abar[..., sinks:].masked_fill(~free, float("inf"))
     low = free & (masked == masked.amin(-1, keepdim=True))  # line 8 (ties)
     j = torch.where(low, after_sinks, PAD).argmin(-1, keepdim=True) + sinks  # (B, H_kv, 1): the earliest
@@ -153,6 +156,7 @@ class ConvexValueMerge(Compressor):
     def __init__(self, sinks: int = 0, recent=lambda b: 0, chunk_merge: str = "runs"):
         super().__init__(sinks, recent)
         self.sequential = chunk_merge == "sequential"
+        self.one_each = not self.sequential  # sequential: Alg. 1's position-ordered buffer, layer by layer
         self.trace: list[Merged] | None = None
 
     def start(self, L: int) -> None:
@@ -174,3 +178,15 @@ class ConvexValueMerge(Compressor):
             merge_one(lc, self.sinks, self.recent(b), note)
         else:
             merge_runs(lc, b, self.sinks, self.recent(b), note)
+
+    def evict_one_each(self, layers: tuple, lc: LayerCache, score: torch.Tensor, budgets: list[int], newest: int) -> None:
+        """One decode step of many layers at once (kvmini.policy): `lc` holds them as rows
+        (`KVCache.join`), each one entry over its budget: per row, `merge_one` as `__call__` does it."""
+        for layer in layers:
+            self.merged[layer] += 1
+        note = None
+        if self.trace is not None:
+            def note(*record):
+                for i, layer in enumerate(layers):
+                    self.trace.append(Merged(layer, *(t.chunk(len(layers))[i] for t in record)))
+        merge_one(lc, self.sinks, self.recent_rows(budgets, lc), note, newest)

@@ -24,7 +24,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-from kvmini.cache import LayerCache, wide
+from kvmini.cache import PAD, LayerCache, wide
 from kvmini.parts import Merged
 
 WEIGHTS = ("paper", "official")
@@ -64,14 +64,18 @@ class EMAMerge:
             cache.scatter_(2, keep[..., None].expand(-1, -1, -1, D), merged.to(cache.dtype))
         return merge.float().mean(1).sum()  # tokens merged, mean over heads
 
-    def one(self, layer: int, lc: LayerCache, victim: torch.Tensor) -> torch.Tensor:
+    def one(self, layer, lc: LayerCache, victim: torch.Tensor) -> torch.Tensor:
         """A decode step: the one entry each head evicts, `victim` (B, H_kv), is compared with every other
         entry (Eq. 9) and, if similar enough, merged into its nearest (Eq. 11-12). The same result as
-        `__call__` with every other entry kept, but only the nearest entry's key and value are written."""
+        `__call__` with every other entry kept, but only the nearest entry's key and value are written.
+        Returns the merges per row (B,), mean over heads. `layer` may be a tuple of layers whose rows `lc`
+        holds (`KVCache.join`; pads are never a nearest entry): each row keeps its own layer's threshold."""
         D = lc.keys.shape[-1]
         at = victim[:, :, None, None].expand(-1, -1, 1, D)  # (B, H_kv, 1, D)
         k_evict = wide(lc.keys.gather(2, at))  # (B, H_kv, 1, D)
         u = cosine(k_evict, wide(lc.keys))  # (B, H_kv, 1, S)
+        if lc.padded:
+            u.masked_fill_((lc.positions == PAD)[:, :, None], float("-inf"))
         best, j_star = u.scatter_(3, victim[:, :, None, None], float("-inf")).max(-1)  # (B, H_kv, 1): not itself
         merge = self.decide(layer, best)  # (B, H_kv, 1)
         if self.trace is not None:
@@ -84,30 +88,40 @@ class EMAMerge:
         merged = combine(x_near, x_evict, torch.zeros_like(j_star), best, merge)  # Eq. 11-12
         lc.keys.scatter_(2, near, merged[..., :D].to(lc.keys.dtype))
         lc.values.scatter_(2, near, merged[..., D:].to(lc.values.dtype))
-        return merge.float().mean(1).sum()
+        return merge.float().mean(1)[:, 0]  # (B,)
 
-    def record(self, layer: int, pos, evict, into, best, merge, S: int) -> None:
+    def record(self, layer, pos, evict, into, best, merge, S: int) -> None:
         """Append to the trace: evicted entries `evict` (B, H_kv, E) and the entries `into` they are
         nearest to (indices into `pos`, (B, H_kv, S)), with each one's weight in Eq. 11-12 (or the
-        official scatter-mean)."""
+        official scatter-mean). A tuple of layers: one record per layer, of its rows."""
         if self.weights == "paper":  # w_i = e^u / (e + sum over the tokens merged into the same j of e^u)
             mass = torch.where(merge, best.exp(), 0.0)
             den = torch.full(pos.shape[:2] + (S,), math.e, dtype=mass.dtype, device=pos.device).scatter_add_(2, into, mass)
         else:  # u / (1 + |E_j|)
             mass = torch.where(merge, best, 0.0)
             den = torch.ones(pos.shape[:2] + (S,), dtype=mass.dtype, device=pos.device).scatter_add_(2, into, merge.to(mass.dtype))
-        self.trace.append(Merged(layer, pos.gather(2, evict), torch.where(merge, pos.gather(2, into), -1),
-                                 mass / den.gather(2, into)))
+        record = (pos.gather(2, evict), torch.where(merge, pos.gather(2, into), -1), mass / den.gather(2, into))
+        layers = layer if isinstance(layer, tuple) else (layer,)
+        for i, one in enumerate(layers):
+            self.trace.append(Merged(one, *(t.chunk(len(layers))[i] for t in record)))
 
-    def decide(self, layer: int, best: torch.Tensor) -> torch.Tensor:
+    def decide(self, layer, best: torch.Tensor) -> torch.Tensor:
         """Eq. 10: update layer's threshold with the evicted tokens' best similarities `best` (B, H_kv, E)
-        and say which of them merge, (B, H_kv, E) bool."""
-        if self.per_layer:  # the official code: one threshold per layer, similarities averaged over heads
-            sim = best.mean(1, keepdim=True)  # (B, 1, E)
-            self.tau[layer] = ema_threshold(self.tau.get(layer), sim.mean(-1), self.beta)  # (B, 1)
-            return (sim >= self.tau[layer][..., None]).expand_as(best)
-        self.tau[layer] = ema_threshold(self.tau.get(layer), best.mean(-1), self.beta)  # (B, H_kv)
-        return best >= self.tau[layer][..., None]
+        and say which of them merge, (B, H_kv, E) bool. A tuple of layers: `best` holds their rows, and
+        each layer keeps its own threshold."""
+        sim = best.mean(1, keepdim=True) if self.per_layer else best  # official: one threshold per layer,
+        new = sim.mean(-1)  # (B, H_kv) or (B, 1)                    # similarities averaged over heads
+        layers = layer if isinstance(layer, tuple) else (layer,)
+        prev, rows = [self.tau.get(one) for one in layers], new.chunk(len(layers))
+        if all(p is None for p in prev):
+            tau = new  # tau_0
+        else:
+            tau = ema_threshold(torch.cat([rows[i] if p is None else p for i, p in enumerate(prev)]), new, self.beta)
+            if any(p is None for p in prev):  # a layer without a threshold yet starts at tau_0
+                fresh = torch.tensor([p is None for p in prev], device=new.device).repeat_interleave(rows[0].shape[0])
+                tau = torch.where(fresh[:, None], new, tau)
+        self.tau.update(zip(layers, tau.chunk(len(layers))))  # layer -> (B, H_kv), or (B, 1) per layer
+        return (sim >= tau[..., None]).expand_as(best)
 
 
 def cosine(a: torch.Tensor, b: torch.Tensor, eps: float = 1e-12) -> torch.Tensor:

@@ -9,12 +9,11 @@ import math
 import re
 from collections.abc import Callable
 from dataclasses import dataclass
-from functools import partial
 
 from kvmini.errors import KvminiError
 from kvmini.methods import (d2o, dbudgetkv, dynamickv, h2o, knorm, pyramidkv, snapkv, snapkv_d2o, streaming_llm, tova,
                             weightedkv)
-from kvmini.parts import EVERY_CALL
+from kvmini.parts import EVERY_CALL, PREFILL
 from kvmini.policy import PerSequence, Policy, resolve_budget
 
 METHODS = {
@@ -95,6 +94,9 @@ OPTIONS = {
                                "order (sequential)", *one_of("runs", "sequential")),
     "clamp_budgets": Option(bool, "D2O: clamp each layer's budget to [sinks + 4, n] and give the excess to the "
                                   "others (kvmini's; false: Eq. 5 as written)", lambda x: True, "be true or false"),
+    "evict_every": Option(int, "methods that evict while decoding: let each layer hold budget + N - 1 entries "
+                               "and evict N at once every N steps (1: every step, as the papers do)",
+                          lambda x: x >= 1, "be a whole number >= 1"),
     "softmax_temperature": Option(float, "D2O: temperature of the softmax over standardized variances (zscore)",
                                   lambda x: x > 0, "be > 0"),
 }
@@ -172,12 +174,19 @@ def chooses_budget(name: str) -> bool:
     return getattr(METHODS[name], "CHOOSES_BUDGET", False)
 
 
+def evicts_while_decoding(name: str) -> bool:
+    """Does the method evict during decoding (the engine option evict_every applies), or only the prompt?"""
+    return METHODS[name] is not None and METHODS[name].build(0.5).schedule != PREFILL
+
+
 def make_policy(name: str, budget: float | None = None, **options) -> Policy | PerSequence | None:
     """A fresh policy for method `name`; clear errors for unknown names, options and values.
-    Methods whose budgets follow each sequence's statistics come wrapped in PerSequence (batches)."""
+    Methods whose budgets follow each sequence's statistics come wrapped in PerSequence (batches).
+    `evict_every=N` is an option of the engine (Policy.evict_every) that every method evicting while
+    decoding takes."""
     if not isinstance(name, str) or name not in METHODS:
         raise KvminiError(f"unknown method {name!r}; choose from {', '.join(METHODS)}")
-    allowed = method_options(name)
+    allowed = method_options(name) | ({"evict_every": 1} if evicts_while_decoding(name) else {})
     for key, value in options.items():
         flag = "--" + key.replace("_", "-")
         if key not in allowed:
@@ -200,6 +209,12 @@ def make_policy(name: str, budget: float | None = None, **options) -> Policy | P
             raise KvminiError(f"--budget does not apply to method {name}: it chooses each layer's budget itself")
     else:
         budget = DEFAULT_BUDGET if budget is None else budget
-    build = partial(METHODS[name].build, budget, **options)
+    every = options.pop("evict_every", 1)
+
+    def build() -> Policy:
+        policy = METHODS[name].build(budget, **options)
+        policy.evict_every = every
+        return policy
+
     policy = build()
     return PerSequence(build, policy) if policy.budgeter.per_sequence else policy

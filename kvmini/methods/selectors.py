@@ -19,7 +19,7 @@ def keep_top(score: torch.Tensor, budget: int, sinks: int, recent: int) -> torch
     return torch.cat([arange[:, :, :sinks], top.sort(-1).values, arange[:, :, S - recent :]], dim=-1)
 
 
-def lowest(score: torch.Tensor, positions: torch.Tensor, sinks: int, recent: int) -> torch.Tensor:
+def lowest(score: torch.Tensor, positions: torch.Tensor, sinks: int, recent, newest=None) -> torch.Tensor:
     """The entry each head drops when it must drop exactly one, (B, H_kv): what `keep_top` with
     budget S - 1 evicts, found in O(S) without sorting, in a buffer that may be out of position order.
 
@@ -27,11 +27,14 @@ def lowest(score: torch.Tensor, positions: torch.Tensor, sinks: int, recent: int
     `keep_top` keeps the earlier). score, positions (B, H_kv, S).
     Where they are, without sorting: the sinks stay in the first `sinks` slots (`keep` puts them
     there, `evict_one` never moves them) and the window is the positions after newest - recent
-    (never evicted, so all of them are held).
+    (never evicted, so all of them are held). `newest`: the newest position (default: the latest
+    held); `recent`: an int, or one per row (B, 1, 1). Given both, pads (position PAD, later than
+    newest) are never chosen: the rows of `KVCache.join` may hold different counts.
     Example: score [5, 1, 9, 3, 7, 2] at positions 0..5, sinks 1, recent 1 -> entry 1 (score 1).
     """
     pos, s = positions[..., sinks:], score[..., sinks:]  # (B, H_kv, S - sinks): after the sinks
-    free = pos <= pos.amax(-1, keepdim=True) - recent  # not in the recent window
+    newest = pos.amax(-1, keepdim=True) if newest is None else newest
+    free = pos <= newest - recent  # not in the recent window
     masked = s.masked_fill(~free, float("inf"))
     low = free & (masked == masked.amin(-1, keepdim=True))  # the lowest free entries (ties)
     return torch.where(low, pos, -1).argmax(-1) + sinks  # (B, H_kv): the latest of them
@@ -47,6 +50,8 @@ class TopK(Compressor):
     in position order again.
     """
 
+    one_each = True
+
     def __init__(self, sinks: int = 0, recent=lambda b: 0, merge=None):
         super().__init__(sinks, recent)
         self.merge = merge
@@ -60,7 +65,7 @@ class TopK(Compressor):
         if lc.length == b + 1:  # one entry to drop
             victim = lowest(score, lc.positions, self.sinks, self.recent(b))  # (B, H_kv)
             if self.merge is not None:
-                self.merged[layer] = self.merged[layer] + self.merge.one(layer, lc, victim)
+                self.merged[layer] = self.merged[layer] + self.merge.one(layer, lc, victim).sum()
             lc.evict_one(victim)
             kept = torch.arange(b + 1, device=score.device).expand_as(score).clone()  # (B, H_kv, b + 1)
             return kept.scatter_(2, victim[..., None], b)[..., :b]  # the victim's slot now holds entry b
@@ -70,3 +75,13 @@ class TopK(Compressor):
             self.merged[layer] = self.merged[layer] + self.merge(layer, lc, idx)
         lc.keep(idx)
         return idx
+
+    def evict_one_each(self, layers: tuple, lc, score: torch.Tensor, budgets: list[int], newest: int) -> None:
+        """One decode step of many layers at once (kvmini.policy): `lc` holds them as rows
+        (`KVCache.join`), each one entry over its budget. Per row, the same victim, merge and move as
+        `__call__` with one entry to drop; one op per buffer for all layers instead of one per layer."""
+        recent = self.recent_rows(budgets, lc)
+        victim = lowest(score, lc.positions, self.sinks, recent, newest)  # (R, H_kv), R = len(layers) * B
+        if self.merge is not None:
+            self.count_merged(layers, self.merge.one(layers, lc, victim))
+        lc.evict_one(victim)
