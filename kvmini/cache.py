@@ -146,8 +146,8 @@ class LayerCache:
         for buf in self._aux.values():
             buf.scatter_(2, last, 0)
         self._pos.scatter_(2, last, PAD)
-        self.counts = self.counts - 1
-        self.length = int(self.counts.max())
+        self.counts = self.counts - 1  # every row held one more: the longest is one shorter (no device sync)
+        self.length -= 1
 
     def _slot(self, slot) -> torch.Tensor:
         """`evict_one`'s argument as a (B, H_kv) tensor of held slots: a whole number is the same slot
@@ -228,7 +228,7 @@ class KVCache:
             for _ in range(config.num_layers)
         ]
         self.seen_tokens = 0  # position of the next token (not the cache length: eviction shrinks that)
-        self.joined: tuple[tuple[int, ...], LayerCache] | None = None  # (layers, their shared buffers): see join
+        self.joined: tuple | None = None  # (layers, their shared buffers, lengths, counts, pad mask): see join
 
     def __getitem__(self, layer: int) -> LayerCache:
         return self.layers[layer]
@@ -251,18 +251,21 @@ class KVCache:
         leaves (it outgrew its room and was resized, or gained a statistic the others lack): then the
         layers are copied into new shared buffers. The layers must not be padded batches themselves.
         """
+        held = tuple(self.layers[l].length for l in layers)
         if self.joined is None or self.joined[0] != layers or not all(self._is_view(l) for l in layers):
-            self.joined = (layers, self._share([self.layers[l] for l in layers], room))
-        joint = self.joined[1]
-        held = [self.layers[l].length for l in layers]
+            self.joined = (layers, self._share([self.layers[l] for l in layers], room), None, None, None)
+        _, joint, last_held, counts, after = self.joined
         joint.length = max(held)
         if min(held) == joint.length:
             joint.counts = None
             return joint
-        B = joint._k.shape[0] // len(layers)
-        joint.counts = torch.tensor(held, device=joint._pos.device).repeat_interleave(B)  # (len(layers) * B,)
-        places = torch.arange(joint.capacity, device=joint._pos.device)  # (cap,)
-        joint._pos.masked_fill_(places >= joint.counts[:, None, None], PAD)  # a row's places after its entries
+        if held != last_held:  # made once per set of lengths (no copy to the device per step)
+            B = joint._k.shape[0] // len(layers)
+            counts = torch.tensor(held, device=joint._pos.device).repeat_interleave(B)  # (len(layers) * B,)
+            after = torch.arange(joint.capacity, device=joint._pos.device) >= counts[:, None, None]  # (rows, 1, cap)
+            self.joined = (layers, joint, held, counts, after)
+        joint.counts = counts
+        joint._pos.masked_fill_(after, PAD)  # a row's places after its entries are pads
         return joint
 
     def _is_view(self, layer: int) -> bool:

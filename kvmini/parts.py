@@ -105,6 +105,7 @@ class Compressor:
     def start(self, L: int) -> None:
         self.merged = [0.0] * L  # per layer, mean over KV heads (floats or 0-d tensors)
         self.merged_together: dict[tuple, torch.Tensor] = {}  # layers -> merges counted by evict_one_each
+        self._rows = (None, None)  # recent_rows: (the last recent windows, their rows)
 
     def count_merged(self, layers: tuple, per_row: torch.Tensor) -> None:
         """Add evict_one_each's merges, per row (len(layers) * B,), to each layer's count."""
@@ -123,11 +124,13 @@ class Compressor:
     def recent_rows(self, budgets: list[int], lc) -> int | torch.Tensor:
         """recent(b) of each layer's budget, for the rows of `KVCache.join`: one int when they agree,
         else (len(budgets) * B, 1, 1)."""
-        recent = [self.recent(b) for b in budgets]
+        recent = tuple(self.recent(b) for b in budgets)
         if min(recent) == max(recent):
             return recent[0]
-        rows = torch.tensor(recent, device=lc.positions.device).repeat_interleave(lc.positions.shape[0] // len(recent))
-        return rows[:, None, None]
+        if self._rows[0] != recent:  # made once per set of budgets (no copy to the device per step)
+            rows = torch.tensor(recent, device=lc.positions.device).repeat_interleave(lc.positions.shape[0] // len(recent))
+            self._rows = (recent, rows[:, None, None])
+        return self._rows[1]
 
     def problem(self, b: int) -> str | None:
         """Why a layer budget of b tokens cannot work, or None."""

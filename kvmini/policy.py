@@ -19,6 +19,7 @@ TOVA, StreamingLLM, WeightedKV) compress after each chunk by design.
 Methods whose budgets follow each sequence's statistics run a batch through `PerSequence`.
 """
 import dataclasses
+import functools
 import math
 from collections.abc import Mapping
 
@@ -96,8 +97,8 @@ class Policy:
         self.compress_now = self.active and when[self.schedule]
         self.gathering = self.schedule != EVERY_CALL and self.in_prompt and T < n  # a prompt in several calls
         self.deferred: list[tuple[int, dict]] = []  # (layer, stats) whose one-entry eviction waits for `end`
-        self.one_each = (self.together and self.compress_now and T == 1 and not self.in_prompt
-                         and self.evict_every == 1 and self.compressor.one_each and isinstance(cache, KVCache))
+        self.one_each = (self.together and self.compress_now and T == 1 and not self.in_prompt and self.evict_every == 1
+                         and self.compressor.one_each and isinstance(cache, KVCache) and self.budgeter.known(0) is not None)
 
     def _start_parts(self, L: int) -> None:
         if any(not -L <= layer < L for layer in self.budgeter.protected_spec):
@@ -196,6 +197,9 @@ class Policy:
         lc = cache[layer]
         if self.gathering and (stats := self._gather(layer, lc, stats)) is None:
             return  # the prompt is not complete yet: its parts see it when it is
+        if self.one_each and lc.length - 1 == self.budgeter.known(layer):
+            self.deferred.append((layer, stats))  # updated, scored and evicted with the other layers in `end`
+            return
         if self.accumulating():
             self.scorer.update(lc, stats, self.call_start, self.T)
         if self.budgeter.accumulates and self.in_prompt:
@@ -203,9 +207,6 @@ class Policy:
         known = self.budgeter.known(layer) if self.compress_now else None
         slack = 0 if self.in_prompt else self.evict_every - 1  # held beyond the budget between evictions
         if not self.compress_now or (known is not None and lc.length <= known + slack):
-            return
-        if self.one_each and known is not None and lc.length == known + 1:
-            self.deferred.append((layer, stats))  # evicted with the other layers in `end`
             return
         self.scores[layer] = self.scorer(lc, stats)  # (B, H_kv, S), scored once per layer and call
         decided = self.budgeter.decide(layer, lc, stats, self.scores[layer])
@@ -229,12 +230,14 @@ class Policy:
             return
         layers = tuple(layer for layer, _ in self.deferred)
         joint = cache.join(layers)
-        score = self.scorer(joint, Stacked([stats for _, stats in self.deferred], joint))  # (R, H_kv, S)
+        stats = Stacked([stats for _, stats in self.deferred], joint)
+        if self.accumulating():
+            self.scorer.update(joint, stats, self.call_start, self.T)
+        score = self.scorer(joint, stats)  # (R, H_kv, S), R = len(layers) * B
         budgets = [self.budgeter.known(layer) for layer in layers]
         self.compressor.evict_one_each(layers, joint, score, budgets, self.call_start + self.T - 1)
-        held = joint.held()[:: len(joint.held()) // len(layers)]  # one row per layer
-        for layer, S in zip(layers, held):
-            cache[layer].length = S
+        for layer in layers:  # each dropped one entry
+            cache[layer].length -= 1
             self.evicted[layer] += 1
         self.deferred = []
 
@@ -255,16 +258,21 @@ class Policy:
 
 class Stacked(Mapping):
     """The statistics of the layers `Policy.end` evicts together, as the rows of the joined cache
-    (len(layers) * B, H_kv, S): each is stacked when first read (only TOVA's scorer reads one), the
-    rows of shorter layers padded with zeros."""
+    (len(layers) * B, H_kv, S): each is stacked when first read, the rows of shorter layers padded
+    with zeros."""
 
     def __init__(self, per_layer: list[dict], joint):
         self.per_layer, self.S, self.stacked = per_layer, joint.length, {}
 
     def __getitem__(self, name: str):
         if name not in self.stacked:
-            self.stacked[name] = torch.cat([F.pad(stats[name], (0, self.S - stats[name].shape[-1]))
-                                            for stats in self.per_layer])
+            rows = [stats[name] for stats in self.per_layer]  # (B, H_kv, S_l) each
+            if all(t.shape[-1] == self.S for t in rows):
+                self.stacked[name] = torch.cat(rows)  # (len(layers) * B, H_kv, S)
+            else:  # one copy of all rows side by side, then each layer's part read out, zero-padded
+                side = F.pad(torch.cat(rows, -1), (0, 1))  # (B, H_kv, sum S_l + 1): the last column is 0
+                at = padded_index(tuple(t.shape[-1] for t in rows), self.S, side.device)  # (len(layers), S)
+                self.stacked[name] = side[:, :, at].permute(2, 0, 1, 3).reshape(-1, side.shape[1], self.S)
         return self.stacked[name]
 
     def __iter__(self):
@@ -272,6 +280,15 @@ class Stacked(Mapping):
 
     def __len__(self) -> int:
         return len(self.per_layer[0])
+
+
+@functools.lru_cache(maxsize=16)
+def padded_index(lengths: tuple[int, ...], S: int, device) -> torch.Tensor:
+    """Where row l's place j is in rows of these lengths laid side by side (plus one zero column at the
+    end, for the places past a row's length): (len(lengths), S). Made once per set of lengths."""
+    S_l = torch.tensor(lengths, device=device)  # (len(lengths),)
+    j = torch.arange(S, device=device)  # (S,)
+    return torch.where(j < S_l[:, None], (S_l.cumsum(0) - S_l)[:, None] + j, int(sum(lengths)))
 
 
 class PerSequence:

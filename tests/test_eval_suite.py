@@ -152,7 +152,8 @@ FAKE = {
               "prefill": {"full": {"seconds": 1.0, "ratio": 1.0, "kept_bytes_ratio": 1.0},
                           "h2o": {"seconds": 1.2, "ratio": 1.2, "policy_s": 0.05, "kept_bytes_ratio": 0.2}},
               "decode": {"full": {"tokens_per_s": 10.0, "ratio": 1.0},
-                         "h2o": {"tokens_per_s": 15.0, "ratio": 1.5, "policy_ms_per_step": 2.5, "first_step_s": 0.25}},
+                         "h2o": {"tokens_per_s": 15.0, "ratio": 1.5, "policy_ms_per_step": 2.5, "first_step_s": 0.25,
+                                 "policy_share": 0.0375, "ops_per_step": 91}},
               "peak": {"full": {"peak_growth_mib": 100.0, "ratio": 1.0}}},
 }
 
@@ -164,8 +165,8 @@ def test_summary_tables():
     # perplexity / full averaged over prompts: (10/9 + 11/10) / 2
     assert f"| dbudgetkv | self-chosen | 40.0% | {(10 / 9 + 11 / 10) / 2:.3f} | 0.300 [0.300–0.300] | 0.900 |" in md
     assert "| 0 | 0.5 | 0.30 | 0.20 | 8 |" in md
-    assert "| full | 1.00 (1.0 s) | 0.00 s | 1.00 (10.0/s) | — | — | 1.000 | 1.00 (100 MiB) |" in md  # older results
-    assert "| h2o | 1.20 (1.2 s) | 0.05 s | 1.50 (15.0/s) | 2.5 ms | 0.25 s | 0.200 | — |" in md
+    assert "| full | 1.00 (1.0 s) | 0.00 s | 1.00 (10.0/s) | — | — | — | — | 1.000 | 1.00 (100 MiB) |" in md  # older results
+    assert "| h2o | 1.20 (1.2 s) | 0.05 s | 1.50 (15.0/s) | 2.50 ms | 3.8% | 91 | 0.25 s | 0.200 | — |" in md
     gpu = dict(FAKE, speed=dict(FAKE["speed"], batch={"full": {"batch": 4, "tokens_per_s": 800.0, "peak_gib": 1.5},
                                                      "h2o": None}, batch_n=16, cap_gib=2))
     md = suite.summary(gpu)

@@ -6,8 +6,9 @@
                     `steps` steps after the first decode step; that first step is timed apart
                     ("first step"), since a method may compress there (D2O's official variant)
     policy time     time inside the method's hooks (scoring, budgeting, compressing): seconds per
-                    prefill, ms per decode step; the rest of a method's extra time is its attention
-                    statistics (computed in the attention pass)
+                    prefill, ms per decode step and its share of the step; the rest of a method's extra
+                    time is its attention statistics (computed in the attention pass)
+    policy ops      tensor operations the hooks run in one decode step (a torch.profiler count)
     kept bytes      K/V bytes the cache holds after the prompt / the full cache's
     peak memory     growth of the process's peak resident memory during an n-token prefill,
                     measured in a fresh child process per method (the peak is reset after the
@@ -34,32 +35,49 @@ from kvmini.generate import prefill, synchronize
 from kvmini.methods.registry import policy_for
 
 
+POLICY = "kvmini.policy"  # the profiler label of the policy's hooks (ops_per_step)
+
+
 class Timed:
-    """A method's policy whose hooks are timed: `seconds` adds up the time spent in `request` and
-    `after_attention` (scoring, budgeting, compressing). Attention statistics are computed inside
-    the attention pass, so they count as model time. CPU wall time (no CUDA synchronization)."""
+    """A method's policy whose hooks are timed: `seconds` adds up the time spent in `request`,
+    `after_attention` and `end` (scoring, budgeting, compressing). Attention statistics are computed
+    inside the attention pass, so they count as model time. CPU wall time (no CUDA synchronization).
+    `marked`: the hooks also run under a profiler label (see ops_per_step)."""
 
     def __init__(self, policy):
-        self.policy, self.seconds = policy, 0.0
+        self.policy, self.seconds, self.marked = policy, 0.0, False
 
     def __getattr__(self, name):
         return getattr(self.policy, name)
 
-    def request(self, layer: int):
+    def _timed(self, hook, *args):
         t0 = time.perf_counter()
-        out = self.policy.request(layer)
+        if self.marked:
+            with torch.profiler.record_function(POLICY):
+                out = hook(*args)
+        else:
+            out = hook(*args)
         self.seconds += time.perf_counter() - t0
         return out
 
+    def request(self, layer: int):
+        return self._timed(self.policy.request, layer)
+
     def after_attention(self, layer: int, cache, stats: dict) -> None:
-        t0 = time.perf_counter()
-        self.policy.after_attention(layer, cache, stats)
-        self.seconds += time.perf_counter() - t0
+        self._timed(self.policy.after_attention, layer, cache, stats)
 
     def end(self, cache) -> None:
-        t0 = time.perf_counter()
-        self.policy.end(cache)
-        self.seconds += time.perf_counter() - t0
+        self._timed(self.policy.end, cache)
+
+
+def ops_per_step(model, nxt: torch.Tensor, cache, policy: Timed) -> int:
+    """How many tensor operations the policy runs in one decode step of `nxt` (1, 1): the aten ops called
+    directly inside its hooks (views included), counted by torch.profiler, not estimated."""
+    policy.marked = True
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        model(nxt, cache, policy)
+    policy.marked = False
+    return sum(1 for e in prof.events() if e.name.startswith("aten::") and e.cpu_parent is not None and e.cpu_parent.name == POLICY)
 
 
 def _policy(name: str, budget: float):
@@ -107,10 +125,14 @@ def decode_speed(model, ids: torch.Tensor, methods: list[str], budget: float, st
         for _ in range(steps):
             nxt = model(nxt, cache, policy)[:, -1].argmax(-1, keepdim=True)
         synchronize(model.device)
-        out[name] = {"tokens_per_s": steps / (time.perf_counter() - t1), "first_step_s": t1 - t0,
-                     "policy_ms_per_step": 0.0 if policy is None else (policy.seconds - hooks) / steps * 1e3}
+        seconds = time.perf_counter() - t1
+        policy_s = 0.0 if policy is None else policy.seconds - hooks
+        out[name] = {"tokens_per_s": steps / seconds, "first_step_s": t1 - t0, "policy_ms_per_step": policy_s / steps * 1e3,
+                     "policy_share": policy_s / seconds,
+                     "ops_per_step": 0 if policy is None else ops_per_step(model, nxt, cache, policy)}
         log(f"decode after {ids.shape[1]} tokens, {name}: {out[name]['tokens_per_s']:.1f} tokens/s "
-            f"(first step {t1 - t0:.2f} s)")
+            f"(first step {t1 - t0:.2f} s; policy {out[name]['policy_share']:.1%} of a step, "
+            f"{out[name]['ops_per_step']} ops)")
     for name in out:
         out[name]["ratio"] = out[name]["tokens_per_s"] / out["full"]["tokens_per_s"]
     return out

@@ -155,19 +155,21 @@ def summary(results: dict) -> str:
         sp = results["speed"]
         out += [f"## Speed and memory (budget {sp['budget']:g})", "",
                 f"| method | prefill time / full ({sp['prefill_n']} tokens) | of which policy | decode tokens/s / full "
-                f"(after {sp['decode_n']}) | policy per step | first step | kept bytes / full | "
-                f"peak memory growth / full ({sp['peak_n']}-token prefill) |",
-                "|---|---|---|---|---|---|---|---|"]
+                f"(after {sp['decode_n']}) | policy per step | policy share of a step | policy ops per step | "
+                f"first step | kept bytes / full | peak memory growth / full ({sp['peak_n']}-token prefill) |",
+                "|---|---|---|---|---|---|---|---|---|---|"]
         for name, pre in sp["prefill"].items():
             peak, dec = sp.get("peak", {}).get(name), sp["decode"][name]
             peak_txt = f"{peak['ratio']:.2f} ({peak['peak_growth_mib']:.0f} MiB)" if peak else "—"
             step = lambda key, fmt: fmt.format(dec[key]) if key in dec else "—"  # noqa: E731 (older results)
             out.append(f"| {name} | {pre['ratio']:.2f} ({pre['seconds']:.1f} s) | {pre.get('policy_s', 0):.2f} s | "
-                       f"{dec['ratio']:.2f} ({dec['tokens_per_s']:.1f}/s) | {step('policy_ms_per_step', '{:.1f} ms')} | "
+                       f"{dec['ratio']:.2f} ({dec['tokens_per_s']:.1f}/s) | {step('policy_ms_per_step', '{:.2f} ms')} | "
+                       f"{step('policy_share', '{:.1%}')} | {step('ops_per_step', '{}')} | "
                        f"{step('first_step_s', '{:.2f} s')} | {pre['kept_bytes_ratio']:.3f} | {peak_txt} |")
         out += ["", "Decode is timed after the first decode step (shown apart: D2O's official variant compresses "
                 "there); policy time is spent in the method's hooks (scoring, budgeting, compressing), the rest of "
-                "a method's extra prefill time is its attention statistics."]
+                "a method's extra prefill time is its attention statistics; policy ops are the tensor operations its "
+                "hooks run in one decode step (torch.profiler's count, views included)."]
         if "peak_skipped" in sp:
             out.append(f"\n{sp['peak_skipped']}")
         if "batch" in sp:
