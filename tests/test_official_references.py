@@ -25,10 +25,11 @@ models here have num_heads == num_kv_heads unless a test says otherwise. Everyth
 so that no near tie can flip on another CPU; positions and budgets are compared exactly, keys,
 values and logits within float tolerance.
 
-With g = 1 both official variants equal the authors' code on the configurations tested. The
-difference the D2O reference finds beyond the documented ones is in the tests on a layer
-budgeted n - 1 or more: the authors' code compresses a layer budgeted n at every step with the
-prompt's column sums added again (marked xfail) and fails on a layer budgeted n - 1.
+With g = 1 both official variants equal the authors' code on the configurations tested. Beyond
+that, the D2O reference shows how the authors' code treats a layer budgeted n - 1 or more (a
+`Deviation:` line of kvmini/methods/d2o.py): it never compresses one budgeted n + 1, compresses one
+budgeted n at every step with the prompt's column sums added again (the strict xfail below: kvmini
+keeps other tokens) and fails on one budgeted n - 1.
 """
 import math
 
@@ -313,8 +314,8 @@ def test_d2o_official_budgets_agree_with_the_authors_for_g_above_1():
 
 # A layer budgeted n - 1 or more (a share near 1, rho >= ~0.4). With nm 1:1, S_l = 2 int(x_l / 2),
 # x_l <= n + 1: n + 1 (n odd, share 1), n (n even) or n - 1 (n odd). The authors' two branches
-# (`LlamaAttention3_D2O.forward`) then behave three ways; only the first is what the README and
-# kvmini/methods/d2o.py describe ("a layer holding <= its cache size ... is never compressed").
+# (`LlamaAttention3_D2O.forward`) then behave three ways, each a `Deviation:` line of
+# kvmini/methods/d2o.py and a row of the README's D2O table.
 
 def test_authors_d2o_never_compresses_a_layer_budgeted_n_plus_1():
     """Documented: n = 41, layer 2 budgeted 42. At the first decode step it holds 42 <= 42 (left as
@@ -330,7 +331,7 @@ def test_authors_d2o_never_compresses_a_layer_budgeted_n_plus_1():
 
 
 @pytest.mark.xfail(strict=True, raises=AssertionError, reason=(
-    "not in README.md nor kvmini/methods/d2o.py: while a layer budgeted n holds n tokens, the authors' "
+    "a documented deviation (kvmini/methods/d2o.py): while a layer budgeted n holds n tokens, the authors' "
     "first-decode-step branch (key_states.shape[-2] - prfill_size == 1) fires again at every step and "
     "adds the prompt's column sums (prefill_score, by buffer slot, no longer by position) to the "
     "accumulated scores once more; kvmini accumulates each query's attention once, so the evicted "
@@ -349,7 +350,7 @@ def test_d2o_official_equals_the_authors_for_a_layer_budgeted_n():
 
 
 def test_authors_d2o_fails_on_a_layer_budgeted_n_minus_1():
-    """Not in README.md nor kvmini/methods/d2o.py: n = 41, layer 3 budgeted 40 = n - 1. The second
+    """A documented deviation (kvmini/methods/d2o.py): n = 41, layer 3 budgeted 40 = n - 1. The second
     decode step leaves it at 41 (neither branch fires, so its scores are not updated either); at the
     third it holds n + 1 and the first-decode-step branch adds scores of 41 entries to the 40 it
     kept: the authors' `_update_hh_score` raises a size mismatch. kvmini holds 40 throughout."""

@@ -37,9 +37,12 @@ tokens is then a KvminiError.
 Deviation: the authors' code never resets its EMA threshold between prompts (`_clean_scores`
 clears only the scores), so from the second prompt on its tau_0 mixes in the previous prompt's;
 kvmini starts every run afresh (Policy.start), in both variants.
-Deviation: the authors' code leaves a layer untouched while it holds no more than its cache size
-(`if seq_len <= self.cache_size`), so at the first decode step a layer budgeted n - 1 or more
-(reachable at rho >= 0.4) is never compressed; kvmini compresses every layer to its budget.
+Deviation: the authors' code treats a layer budgeted n - 1 or more (reachable at rho >= 0.4) in three
+ways, by its two branches in `LlamaAttention3_D2O.forward`: budgeted n + 1, it is never compressed and
+grows; budgeted n, it is compressed at every step but the prompt's column sums are added to its scores
+again at each one (by buffer slot), so it keeps other tokens from the second decode step on; budgeted
+n - 1, the code fails with a size mismatch at the third decode step. kvmini holds every layer at its
+budget and counts each query's attention once (tests/test_official_references.py).
 With `start=first_decode` (official) nothing is compressed before the first decode step: a
 prefill-only call leaves the prompt whole, as the authors' code does.
 A prompt in chunks (kvmini.policy) gives the same F_v, scores and budgets as the prompt in one call.
