@@ -15,7 +15,8 @@ a pad's position is PAD, later than any query, so attention never sees it; `coun
 how many real entries each row holds. `sequence(b)` views one row as a batch-1 cache.
 Buffers are allocated on a layer's first append (so a prefill that compresses layer by layer
 never holds every layer in full), grow geometrically, and shrink when eviction leaves them
-at most a quarter full.
+at most a quarter full. `KVCache.join` holds several layers as the rows of one LayerCache, so a
+decode step evicts from all of them at once (docs/design.md, "A decode step: every layer at once").
 """
 import torch
 

@@ -1,4 +1,4 @@
-"""The four parts a compression method is made of, one signature each (README.md, "Compression methods").
+"""The four parts a compression method is made of, one signature each (docs/design.md, "The four parts").
 
     scorer      score = scorer(lc, stats)                  how important is each cached token?
     budgeter    {layer: budget} = budgeter.decide(layer, lc, stats, score)

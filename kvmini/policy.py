@@ -17,6 +17,7 @@ is compressed before that call, so the cache only grows, and by causality each q
 is the one it has in a single call: the kept sets are the one-shot ones. EVERY_CALL methods (H2O,
 TOVA, StreamingLLM, WeightedKV) compress after each chunk by design.
 Methods whose budgets follow each sequence's statistics run a batch through `PerSequence`.
+The data flow, the schedules and every switch of the engine: docs/design.md.
 """
 import dataclasses
 import functools
@@ -33,7 +34,7 @@ from kvmini.parts import AFTER_PROMPT, DECODE, EVERY_CALL, PREFILL
 
 
 def resolve_budget(budget: float, prompt_len: int) -> int:
-    """README.md, "Budgets": a fraction 0 < x <= 1 is a ratio of the prompt length; a whole number
+    """docs/design.md, "Budgets": a fraction 0 < x <= 1 is a ratio of the prompt length; a whole number
     (an int, or a float above 1) is tokens per layer.
 
     0.25 with a 400-token prompt -> 100;  1.0 -> the whole prompt;  1 -> 1 token;  128 -> 128.
