@@ -9,3 +9,11 @@ traceback instead.
 
 class KvminiError(Exception):
     """A user-facing error: the message must say what was wrong and, if possible, what to do."""
+
+
+def one_of(what: str, value, choices: tuple):
+    """`value` if it is one of `choices`, else a KvminiError naming `what`: no part of kvmini falls back
+    silently on a mode it does not know. one_of("pooling", "avg", ("avg", "max")) -> "avg"."""
+    if value not in choices:
+        raise KvminiError(f"{what} must be one of {', '.join(map(str, choices))}, got {value!r}")
+    return value

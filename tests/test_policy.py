@@ -290,3 +290,19 @@ def test_lowest_drops_what_keep_top_drops_in_any_buffer_order(S, sinks, recent, 
     perm = torch.cat([torch.arange(sinks), torch.randperm(S - sinks, generator=gen) + sinks])  # sinks first
     victim = lowest(score[perm].view(1, 1, S), positions[perm].view(1, 1, S), sinks, recent)
     assert positions[perm][victim].item() == dropped
+
+
+def test_every_part_refuses_a_mode_it_does_not_know():
+    from kvmini.methods.convex_value_merge import ConvexValueMerge
+    from kvmini.methods.ema_merging import EMAMerge
+    from kvmini.methods.frobenius_stop import FrobeniusStop
+    from kvmini.methods.progressive_budgets import ProgressiveBudgets
+    from kvmini.methods.scorers import WindowAttention
+    from kvmini.methods.variance_softmax import VarianceSoftmax, layer_weights
+
+    for make in (lambda: EMAMerge(weights="papr"), lambda: EMAMerge(tau="per_token"),
+                 lambda: WindowAttention(pooling="mean"), lambda: ProgressiveBudgets(rounding="round"),
+                 lambda: ConvexValueMerge(chunk_merge="run"), lambda: FrobeniusStop(ranking="attention"),
+                 lambda: VarianceSoftmax("softmax"), lambda: layer_weights([1.0, 2.0], "softmax")):
+        with pytest.raises(KvminiError, match="must be one of"):
+            make()

@@ -34,6 +34,7 @@ import torch
 
 from kvmini.attention import StatsRequest
 from kvmini.cache import PAD, LayerCache, wide
+from kvmini.errors import one_of
 from kvmini.parts import Compressor, Merged, Scorer
 
 
@@ -155,7 +156,7 @@ class ConvexValueMerge(Compressor):
 
     def __init__(self, sinks: int = 0, recent=lambda b: 0, chunk_merge: str = "runs"):
         super().__init__(sinks, recent)
-        self.sequential = chunk_merge == "sequential"
+        self.sequential = one_of("ConvexValueMerge chunk_merge", chunk_merge, ("runs", "sequential")) == "sequential"
         self.one_each = not self.sequential  # sequential: Alg. 1's position-ordered buffer, layer by layer
         self.trace: list[Merged] | None = None
 

@@ -25,6 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from kvmini.cache import PAD, LayerCache, wide
+from kvmini.errors import one_of
 from kvmini.parts import Merged
 
 WEIGHTS = ("paper", "official")
@@ -37,7 +38,8 @@ class EMAMerge:
     `trace`: None (default, no cost), or a list that each call extends with a `Merged` record."""
 
     def __init__(self, beta: float = 0.7, weights: str = "paper", tau: str = "per_head"):
-        self.beta, self.weights, self.per_layer = beta, weights, tau == "per_layer"
+        self.beta, self.weights = beta, one_of("EMAMerge weights", weights, WEIGHTS)
+        self.per_layer = one_of("EMAMerge tau", tau, TAUS) == "per_layer"
         self.trace: list[Merged] | None = None
         self.reset()
 

@@ -25,6 +25,7 @@ import torch
 
 from kvmini.attention import StatsRequest
 from kvmini.cache import LayerCache
+from kvmini.errors import one_of
 from kvmini.parts import Budgeter
 
 
@@ -54,7 +55,8 @@ class FrobeniusStop(Budgeter):
     def __init__(self, threshold: float = 0.01, k: int = 1, ranking: str = "position", sinks: int = 4,
                  reduce: str = "mean", protected: tuple = (0, 1), window: int = 8, norm_excludes_kept: bool = False):
         super().__init__(protected)
-        self.threshold, self.k, self.ranking, self.sinks, self.window = threshold, k, ranking, sinks, window
+        self.threshold, self.k, self.sinks, self.window = threshold, k, sinks, window
+        self.ranking = one_of("FrobeniusStop ranking", ranking, ("position", "cumulative", "window_attention"))
         self.excludes_kept = norm_excludes_kept
         # the last row itself when k = 1 (a window of k queries would merge with a ranking window)
         self.request = StatsRequest(last_row=True, reduce=reduce) if k == 1 else StatsRequest(window=k, reduce=reduce)
@@ -67,7 +69,8 @@ class FrobeniusStop(Budgeter):
 
     def always_kept(self, S: int) -> tuple[int, int]:
         """(first, last): how many leading entries (sinks) and trailing ones (the window) are always kept."""
-        return {"position": (min(self.sinks, S), 0), "window_attention": (0, min(self.window, S))}.get(self.ranking, (0, 0))
+        return {"position": (min(self.sinks, S), 0), "window_attention": (0, min(self.window, S)),
+                "cumulative": (0, 0)}[self.ranking]
 
     def decide(self, layer: int, lc: LayerCache, stats: dict, score: torch.Tensor) -> dict[int, int]:
         pos = lc.positions  # (B, H_kv, S)

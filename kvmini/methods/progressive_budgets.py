@@ -25,7 +25,7 @@ holds some window entries twice (kvmini holds each once).
 """
 import torch
 
-from kvmini.errors import KvminiError
+from kvmini.errors import KvminiError, one_of
 from kvmini.methods.allocators import proportional
 from kvmini.parts import Budgeter
 
@@ -41,7 +41,7 @@ class ProgressiveBudgets(Budgeter):
                  rounding: str = "exact"):
         super().__init__()
         self.window, self.r_max, self.interval, self.tail = window, r_max, interval, tail_reallocation
-        self.rounding = rounding
+        self.rounding = one_of("ProgressiveBudgets rounding", rounding, ("exact", "floor"))
 
     def start(self, b, L, n) -> None:
         self.scores, self.held = [], []  # per finished layer: A_l over the prefix keys (B, H_kv, n - ws); entries held

@@ -10,6 +10,7 @@ import torch.nn.functional as F
 
 from kvmini.attention import StatsRequest
 from kvmini.cache import LayerCache
+from kvmini.errors import one_of
 from kvmini.parts import Scorer
 
 
@@ -55,7 +56,7 @@ class WindowAttention(Scorer):
     """
 
     def __init__(self, window: int = 32, kernel: int = 7, pooling: str = "avg", reduce: str = "mean"):
-        self.window, self.kernel, self.pooling = window, kernel, pooling
+        self.window, self.kernel, self.pooling = window, kernel, one_of("WindowAttention pooling", pooling, ("avg", "max"))
         self.request = StatsRequest(window=window, reduce=reduce)
 
     def __call__(self, lc: LayerCache, stats: dict) -> torch.Tensor:

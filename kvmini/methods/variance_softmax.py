@@ -31,6 +31,7 @@ import sys
 import torch
 
 from kvmini.attention import StatsRequest
+from kvmini.errors import one_of
 from kvmini.methods.allocators import proportional
 from kvmini.parts import Budgeter
 
@@ -63,7 +64,8 @@ class VarianceSoftmax(Budgeter):
     def __init__(self, how: str = "zscore", temperature: float = 1.0, low: int = 8, reduce: str = "mean",
                  protected: tuple = (), parts: tuple = (1, 1), measure_in_prompt: bool = False, clamp: bool = True):
         super().__init__(protected)
-        self.how, self.temperature, self.low, self.parts, self.clamp = how, temperature, low, parts, clamp
+        self.how = one_of("VarianceSoftmax allocation", how, ALLOCATIONS)
+        self.temperature, self.low, self.parts, self.clamp = temperature, low, parts, clamp
         self.request = StatsRequest(column_sums=True, reduce=reduce, heads=how in ("official", "paper"))
         self.accumulates = measure_in_prompt  # F_v is recorded by update() during the prompt
 
@@ -143,6 +145,7 @@ def layer_weights(F_v: list[float], how: str = "zscore", temperature: float = 1.
     uniform: 1/L.
     Example: F_v = [1, 2, 3] -> z = [-1.22, 0, 1.22] -> softmax(-z) = [0.72, 0.21, 0.06].
     """
+    one_of("layer_weights how", how, ("zscore", "paper", "reciprocal", "uniform"))
     F = torch.tensor(F_v, dtype=torch.float64)  # (L,)
     if how == "uniform":
         return [1 / len(F_v)] * len(F_v)
