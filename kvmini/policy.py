@@ -147,6 +147,9 @@ class Policy:
     def request(self, layer: int) -> StatsRequest | None:
         if not self.active or self.budgeter.skips(layer):
             return None
+        if self.one_each:  # a decode step's usual case, without building a request: the scorer's, or none
+            wanted = self.accumulating() or self.cache[layer].length + 1 > self.budgeter.known(layer)
+            return self.scorer.request if wanted else None
         if self.gathering:
             return self._prompt_request()
         wanted = [self.scorer.request] if self.accumulating() else []

@@ -91,6 +91,7 @@ def prefill_times(model, ids: torch.Tensor, methods: list[str], budget: float, r
     times = {name: [] for name in ["full", *methods]}
     hooks = {name: [] for name in times}
     kept = {}
+    prefill(model, ids, model.new_cache(1, ids.shape[1]), None)  # warm up the kernels: the first timed method is full
     for rep in range(reps):
         for name in times:
             cache = model.new_cache(1, ids.shape[1])
@@ -109,29 +110,45 @@ def prefill_times(model, ids: torch.Tensor, methods: list[str], budget: float, r
 
 
 @torch.inference_mode()
-def decode_speed(model, ids: torch.Tensor, methods: list[str], budget: float, steps: int = 32, log=print) -> dict:
-    """method -> {"tokens_per_s", "ratio": / full's} for `steps` decode steps after the prompt ids (1, n)."""
-    out = {}
+def decode_speed(model, ids: torch.Tensor, methods: list[str], budget: float, steps: int = 32, rounds: int = 1,
+                 log=print) -> dict:
+    """method -> {"tokens_per_s", "ratio": / full's, ...} for decode steps after the prompt ids (1, n).
+
+    Every method prefills and takes its first decode step (timed apart), then the methods take turns:
+    `rounds` rounds of `steps` timed steps each, so a slow moment of a shared machine hits them all
+    alike; each method keeps its median round. The policy's time and share are of the same rounds."""
+    total = ids.shape[1] + 1 + steps * rounds
+    runs = {}
     for name in ["full", *methods]:
         policy = _policy(name, budget)
-        cache = model.new_cache(1, ids.shape[1] + steps)
-        logits = prefill(model, ids, cache, policy, total_len=ids.shape[1] + steps)
-        nxt = logits.argmax(-1, keepdim=True)  # (1, 1)
+        cache = model.new_cache(1, total)
+        nxt = prefill(model, ids, cache, policy, total_len=total).argmax(-1, keepdim=True)  # (1, 1)
         synchronize(model.device)
         t0 = time.perf_counter()
         nxt = model(nxt, cache, policy)[:, -1].argmax(-1, keepdim=True)  # the first decode step
         synchronize(model.device)
-        t1, hooks = time.perf_counter(), 0.0 if policy is None else policy.seconds
-        for _ in range(steps):
-            nxt = model(nxt, cache, policy)[:, -1].argmax(-1, keepdim=True)
-        synchronize(model.device)
-        seconds = time.perf_counter() - t1
-        policy_s = 0.0 if policy is None else policy.seconds - hooks
-        out[name] = {"tokens_per_s": steps / seconds, "first_step_s": t1 - t0, "policy_ms_per_step": policy_s / steps * 1e3,
-                     "policy_share": policy_s / seconds,
-                     "ops_per_step": 0 if policy is None else ops_per_step(model, nxt, cache, policy)}
+        runs[name] = {"policy": policy, "cache": cache, "next": nxt, "first_step_s": time.perf_counter() - t0,
+                      "seconds": [], "policy_s": []}
+    for r in range(rounds):
+        for name, run in runs.items():
+            policy, hooks = run["policy"], 0.0 if run["policy"] is None else run["policy"].seconds
+            t1 = time.perf_counter()
+            for _ in range(steps):
+                run["next"] = model(run["next"], run["cache"], policy)[:, -1].argmax(-1, keepdim=True)
+            synchronize(model.device)
+            run["seconds"].append(time.perf_counter() - t1)
+            run["policy_s"].append(0.0 if policy is None else policy.seconds - hooks)
+        log(f"decode after {ids.shape[1]} tokens, round {r + 1}/{rounds}: "
+            + ", ".join(f"{name} {steps / run['seconds'][-1]:.1f}" for name, run in runs.items()) + " tokens/s")
+    out = {}
+    for name, run in runs.items():
+        seconds, policy_s = statistics.median(run["seconds"]), statistics.median(run["policy_s"])
+        policy = run["policy"]
+        out[name] = {"tokens_per_s": steps / seconds, "first_step_s": run["first_step_s"],
+                     "policy_ms_per_step": policy_s / steps * 1e3, "policy_share": policy_s / seconds,
+                     "ops_per_step": 0 if policy is None else ops_per_step(model, run["next"], run["cache"], policy)}
         log(f"decode after {ids.shape[1]} tokens, {name}: {out[name]['tokens_per_s']:.1f} tokens/s "
-            f"(first step {t1 - t0:.2f} s; policy {out[name]['policy_share']:.1%} of a step, "
+            f"(first step {run['first_step_s']:.2f} s; policy {out[name]['policy_share']:.1%} of a step, "
             f"{out[name]['ops_per_step']} ops)")
     for name in out:
         out[name]["ratio"] = out[name]["tokens_per_s"] / out["full"]["tokens_per_s"]

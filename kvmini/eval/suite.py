@@ -39,14 +39,15 @@ PROFILES = {
         "passkey": dict(lengths=[256], depths=[0.5], budgets=[64]),
         "fidelity": dict(n=128, k=16, prompts=2, budgets=[0.5], methods=["h2o", "dbudgetkv"]),
         "layers": dict(n=128, budget=0.5, bins=16),
-        "speed": dict(prefill_n=256, reps=1, decode_n=256, steps=2, peak_n=256, budget=0.5, batch_n=256, cap_gib=2),
+        "speed": dict(prefill_n=256, reps=1, decode_n=256, steps=2, rounds=1, peak_n=256, budget=0.5, batch_n=256,
+                      cap_gib=2),
     },
     "quick": {
         "streaming": dict(n=2048, capacities=[256], chunk=16),
         "passkey": dict(lengths=[1024, 2048], depths=[0.1, 0.5, 0.9], budgets=[128, 0.2]),
         "fidelity": dict(n=1024, k=128, prompts=3, budgets=[0.2], methods=["h2o", "snapkv", "pyramidkv"] + VARIANTS),
         "layers": dict(n=1024, budget=0.2, bins=32),
-        "speed": dict(prefill_n=2048, reps=1, decode_n=2048, steps=16, peak_n=2048, budget=0.2, batch_n=2048,
+        "speed": dict(prefill_n=2048, reps=1, decode_n=2048, steps=16, rounds=3, peak_n=2048, budget=0.2, batch_n=2048,
                       cap_gib=8),
     },
     "full": {
@@ -54,7 +55,7 @@ PROFILES = {
         "passkey": dict(lengths=[1024, 2048, 4096, 8000], depths=[0.0, 0.25, 0.5, 0.75, 1.0], budgets=[64, 128, 0.2]),
         "fidelity": dict(n=2048, k=256, prompts=5, budgets=[0.2, 128], methods=["h2o", "snapkv", "pyramidkv"] + VARIANTS),
         "layers": dict(n=2048, budget=0.2, bins=64),
-        "speed": dict(prefill_n=4096, reps=3, decode_n=8128, steps=32, peak_n=8192, budget=0.2, batch_n=4096,
+        "speed": dict(prefill_n=4096, reps=3, decode_n=8128, steps=16, rounds=3, peak_n=8192, budget=0.2, batch_n=4096,
                       cap_gib=16),
     },
 }
@@ -96,8 +97,9 @@ def run_speed(model, text_ids, p, model_folder, log):
     methods = ALL_COMPRESSING + ["dbudgetkv"]
     ids = lambda n: torch.tensor([text_ids[:n]], device=model.device)  # noqa: E731
     out = {"budget": p["budget"], "prefill_n": p["prefill_n"], "decode_n": p["decode_n"], "peak_n": p["peak_n"],
+           "steps": p["steps"], "rounds": p["rounds"],
            "prefill": speed.prefill_times(model, ids(p["prefill_n"]), methods, p["budget"], p["reps"], log),
-           "decode": speed.decode_speed(model, ids(p["decode_n"]), methods, p["budget"], p["steps"], log)}
+           "decode": speed.decode_speed(model, ids(p["decode_n"]), methods, p["budget"], p["steps"], p["rounds"], log)}
     if model.device.type == "cpu" and sys.platform.startswith("linux"):
         out["peak"] = speed.peak_memory(methods, p["peak_n"], p["budget"], model_folder, log)
     else:
@@ -167,7 +169,8 @@ def summary(results: dict) -> str:
                        f"{step('policy_share', '{:.1%}')} | {step('ops_per_step', '{}')} | "
                        f"{step('first_step_s', '{:.2f} s')} | {pre['kept_bytes_ratio']:.3f} | {peak_txt} |")
         out += ["", "Decode is timed after the first decode step (shown apart: D2O's official variant compresses "
-                "there); policy time is spent in the method's hooks (scoring, budgeting, compressing), the rest of "
+                f"there), the methods taking turns, {sp.get('rounds', 1)} round(s) of {sp.get('steps', '?')} steps, "
+                "each method's median round; policy time is spent in the method's hooks (scoring, budgeting, compressing), the rest of "
                 "a method's extra prefill time is its attention statistics; policy ops are the tensor operations its "
                 "hooks run in one decode step (torch.profiler's count, views included)."]
         if "peak_skipped" in sp:
@@ -246,7 +249,7 @@ def tokens_needed(name: str, p: dict) -> int:
     if name == "fidelity":
         return p["n"] + p["k"]
     if name == "speed":
-        return max(p["prefill_n"], p["decode_n"] + p["steps"] + 1, p["peak_n"], p["batch_n"])
+        return max(p["prefill_n"], p["decode_n"] + p["steps"] * p["rounds"] + 1, p["peak_n"], p["batch_n"])
     return p["n"]  # streaming, layers
 
 
