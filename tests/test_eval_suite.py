@@ -130,8 +130,11 @@ def test_speed_ratios_are_relative_to_the_full_cache():
     pre = speed.prefill_times(model, ids, ["h2o", "dbudgetkv"], 0.25, reps=2, log=lambda m: None)
     assert pre["full"]["ratio"] == 1.0 and pre["full"]["kept_bytes_ratio"] == 1.0
     assert pre["h2o"]["kept_bytes_ratio"] == 0.25 and pre["h2o"]["ratio"] > 0
-    dec = speed.decode_speed(model, ids, ["h2o"], 0.25, steps=3, log=lambda m: None)
+    dec = speed.decode_speed(model, ids, ["h2o", "snapkv"], 0.25, steps=3, rounds=2, log=lambda m: None)
     assert dec["full"]["ratio"] == 1.0 and dec["h2o"]["tokens_per_s"] > 0
+    # H2O evicts while decoding: both paths measured, the joint one running fewer ops (3 layers here)
+    assert dec["h2o"]["layer_by_layer_tokens_per_s"] > 0 and "joint_speedup" not in dec["snapkv"]
+    assert 0 < dec["h2o"]["ops_per_step"] < dec["h2o"]["layer_by_layer_ops_per_step"]
 
 
 # --- outputs --------------------------------------------------------------------------------------
@@ -153,7 +156,9 @@ FAKE = {
                           "h2o": {"seconds": 1.2, "ratio": 1.2, "policy_s": 0.05, "kept_bytes_ratio": 0.2}},
               "decode": {"full": {"tokens_per_s": 10.0, "ratio": 1.0},
                          "h2o": {"tokens_per_s": 15.0, "ratio": 1.5, "policy_ms_per_step": 2.5, "first_step_s": 0.25,
-                                 "policy_share": 0.0375, "ops_per_step": 91}},
+                                 "policy_share": 0.0375, "ops_per_step": 91, "layer_by_layer_tokens_per_s": 12.0,
+                                 "layer_by_layer_policy_ms_per_step": 5.0, "layer_by_layer_ops_per_step": 1350,
+                                 "joint_speedup": 1.25}},
               "peak": {"full": {"peak_growth_mib": 100.0, "ratio": 1.0}}},
 }
 
@@ -167,6 +172,7 @@ def test_summary_tables():
     assert "| 0 | 0.5 | 0.30 | 0.20 | 8 |" in md
     assert "| full | 1.00 (1.0 s) | 0.00 s | 1.00 (10.0/s) | — | — | — | — | 1.000 | 1.00 (100 MiB) |" in md  # older results
     assert "| h2o | 1.20 (1.2 s) | 0.05 s | 1.50 (15.0/s) | 2.50 ms | 3.8% | 91 | 0.25 s | 0.200 | — |" in md
+    assert "| h2o | 15.0 | 12.0 | 1.25 | 2.50 ms | 5.00 ms | 91 | 1350 |" in md
     gpu = dict(FAKE, speed=dict(FAKE["speed"], batch={"full": {"batch": 4, "tokens_per_s": 800.0, "peak_gib": 1.5},
                                                      "h2o": None}, batch_n=16, cap_gib=2))
     md = suite.summary(gpu)

@@ -33,6 +33,7 @@ import torch
 
 from kvmini.generate import prefill, synchronize
 from kvmini.methods.registry import policy_for
+from kvmini.parts import PREFILL
 
 
 POLICY = "kvmini.policy"  # the profiler label of the policy's hooks (ops_per_step)
@@ -68,6 +69,18 @@ class Timed:
 
     def end(self, cache) -> None:
         self._timed(self.policy.end, cache)
+
+
+def evicts_while_decoding(policy) -> bool:
+    return policy is not None and policy.schedule != PREFILL
+
+
+def set_together(policy, together: bool) -> None:
+    """All layers at once (True) or layer by layer (False), for the policy and any per-sequence copies."""
+    policy = policy.policy if isinstance(policy, Timed) else policy
+    if policy is not None:
+        for p in [getattr(policy, "one", policy), *(getattr(policy, "rows", None) or [])]:
+            p.together = together
 
 
 def ops_per_step(model, nxt: torch.Tensor, cache, policy: Timed) -> int:
@@ -116,7 +129,10 @@ def decode_speed(model, ids: torch.Tensor, methods: list[str], budget: float, st
 
     Every method prefills and takes its first decode step (timed apart), then the methods take turns:
     `rounds` rounds of `steps` timed steps each, so a slow moment of a shared machine hits them all
-    alike; each method keeps its median round. The policy's time and share are of the same rounds."""
+    alike; each method keeps its median round. The policy's time and share are of the same rounds.
+    A method that evicts while decoding also runs, in each round, `steps` steps layer by layer
+    (`Policy.together = False`, the same evictions: tests/test_together.py) on the same cache:
+    "layer_by_layer_*", and "joint_speedup", its tokens/s with all layers at once over layer by layer."""
     total = ids.shape[1] + 1 + steps * rounds
     runs = {}
     for name in ["full", *methods]:
@@ -131,13 +147,17 @@ def decode_speed(model, ids: torch.Tensor, methods: list[str], budget: float, st
                       "seconds": [], "policy_s": []}
     for r in range(rounds):
         for name, run in runs.items():
-            policy, hooks = run["policy"], 0.0 if run["policy"] is None else run["policy"].seconds
-            t1 = time.perf_counter()
-            for _ in range(steps):
-                run["next"] = model(run["next"], run["cache"], policy)[:, -1].argmax(-1, keepdim=True)
-            synchronize(model.device)
-            run["seconds"].append(time.perf_counter() - t1)
-            run["policy_s"].append(0.0 if policy is None else policy.seconds - hooks)
+            for together in (True, False) if evicts_while_decoding(run["policy"]) else (True,):
+                policy, hooks = run["policy"], 0.0 if run["policy"] is None else run["policy"].seconds
+                set_together(policy, together)
+                t1 = time.perf_counter()
+                for _ in range(steps):
+                    run["next"] = model(run["next"], run["cache"], policy)[:, -1].argmax(-1, keepdim=True)
+                synchronize(model.device)
+                key = "" if together else "layer_by_layer_"
+                run.setdefault(key + "seconds", []).append(time.perf_counter() - t1)
+                run.setdefault(key + "policy_s", []).append(0.0 if policy is None else policy.seconds - hooks)
+            set_together(run["policy"], True)
         log(f"decode after {ids.shape[1]} tokens, round {r + 1}/{rounds}: "
             + ", ".join(f"{name} {steps / run['seconds'][-1]:.1f}" for name, run in runs.items()) + " tokens/s")
     out = {}
@@ -147,6 +167,13 @@ def decode_speed(model, ids: torch.Tensor, methods: list[str], budget: float, st
         out[name] = {"tokens_per_s": steps / seconds, "first_step_s": run["first_step_s"],
                      "policy_ms_per_step": policy_s / steps * 1e3, "policy_share": policy_s / seconds,
                      "ops_per_step": 0 if policy is None else ops_per_step(model, run["next"], run["cache"], policy)}
+        if "layer_by_layer_seconds" in run:
+            lbl, lbl_policy = statistics.median(run["layer_by_layer_seconds"]), statistics.median(run["layer_by_layer_policy_s"])
+            set_together(policy, False)
+            lbl_ops = ops_per_step(model, run["next"], run["cache"], policy)
+            set_together(policy, True)
+            out[name].update(layer_by_layer_tokens_per_s=steps / lbl, layer_by_layer_policy_ms_per_step=lbl_policy / steps * 1e3,
+                             layer_by_layer_ops_per_step=lbl_ops, joint_speedup=lbl / seconds)
         log(f"decode after {ids.shape[1]} tokens, {name}: {out[name]['tokens_per_s']:.1f} tokens/s "
             f"(first step {run['first_step_s']:.2f} s; policy {out[name]['policy_share']:.1%} of a step, "
             f"{out[name]['ops_per_step']} ops)")

@@ -47,7 +47,7 @@ PROFILES = {
         "passkey": dict(lengths=[1024, 2048], depths=[0.1, 0.5, 0.9], budgets=[128, 0.2]),
         "fidelity": dict(n=1024, k=128, prompts=3, budgets=[0.2], methods=["h2o", "snapkv", "pyramidkv"] + VARIANTS),
         "layers": dict(n=1024, budget=0.2, bins=32),
-        "speed": dict(prefill_n=2048, reps=1, decode_n=2048, steps=16, rounds=3, peak_n=2048, budget=0.2, batch_n=2048,
+        "speed": dict(prefill_n=2048, reps=1, decode_n=2048, steps=16, rounds=5, peak_n=2048, budget=0.2, batch_n=2048,
                       cap_gib=8),
     },
     "full": {
@@ -173,6 +173,18 @@ def summary(results: dict) -> str:
                 "each method's median round; policy time is spent in the method's hooks (scoring, budgeting, compressing), the rest of "
                 "a method's extra prefill time is its attention statistics; policy ops are the tensor operations its "
                 "hooks run in one decode step (torch.profiler's count, views included)."]
+        together = {name: dec for name, dec in sp["decode"].items() if "joint_speedup" in dec}
+        if together:
+            out += ["", "A decode step's evictions for all layers at once (the default) against layer by layer "
+                    "(`Policy.together = False`, the same evictions), in the same rounds on the same caches:", "",
+                    "| method | decode tokens/s: at once | layer by layer | at once / layer by layer | policy per step: "
+                    "at once | layer by layer | policy ops per step: at once | layer by layer |",
+                    "|---|---|---|---|---|---|---|---|"]
+            for name, dec in together.items():
+                out.append(f"| {name} | {dec['tokens_per_s']:.1f} | {dec['layer_by_layer_tokens_per_s']:.1f} | "
+                           f"{dec['joint_speedup']:.2f} | {dec['policy_ms_per_step']:.2f} ms | "
+                           f"{dec['layer_by_layer_policy_ms_per_step']:.2f} ms | {dec['ops_per_step']} | "
+                           f"{dec['layer_by_layer_ops_per_step']} |")
         if "peak_skipped" in sp:
             out.append(f"\n{sp['peak_skipped']}")
         if "batch" in sp:
