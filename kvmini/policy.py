@@ -22,6 +22,7 @@ The data flow, the schedules and every switch of the engine: docs/design.md.
 import dataclasses
 import functools
 import math
+import sys
 from collections.abc import Mapping
 
 import torch
@@ -68,6 +69,7 @@ class Policy:
         self.prompt_len, self.total_len = prompt_len, total_len
         self.started, self.evicted, self.active, self.note = False, [], False, None  # parts start on the first call
         self.gathered: dict[int, dict] = {}  # layer -> per-query-head sums over the prompt's calls so far
+        self.join_limit: int | None = None  # the longest budget a layer may have to be evicted with the others
         self._fresh = prompt_len is not None
 
     def chunk_for(self, prompt_len: int, total_len: int | None) -> int | None:
@@ -201,7 +203,7 @@ class Policy:
         lc = cache[layer]
         if self.gathering and (stats := self._gather(layer, lc, stats)) is None:
             return  # the prompt is not complete yet: its parts see it when it is
-        if self.one_each and lc.length - 1 == self.budgeter.known(layer):
+        if self.one_each and lc.length - 1 == self.budgeter.known(layer) <= self.joinable():
             self.deferred.append((layer, stats))  # updated, scored and evicted with the other layers in `end`
             return
         if self.accumulating():
@@ -222,6 +224,15 @@ class Policy:
                 kept = self.compressor(i, cache[i], self.scores[i], b)
                 if self.budgeter.revisits and kept is not None:  # keep the score aligned with what is left
                     self.scores[i] = self.scores[i].gather(2, kept)
+
+    def joinable(self) -> int:
+        """The longest budget of a layer evicted with the others: twice the median budget. The joined rows
+        are as long as the longest of them, so a layer far longer than the rest (D2O's paper allocation
+        gives one layer the whole prompt) would make every row that long; it is evicted on its own."""
+        if self.join_limit is None:
+            budgets = sorted(b for b in (self.budgeter.known(l) for l in range(len(self.cache))) if b < sys.maxsize)
+            self.join_limit = 2 * budgets[len(budgets) // 2] if budgets else 0
+        return self.join_limit
 
     def end(self, cache: KVCache) -> None:
         """After the last layer. A decode step's one-entry evictions, deferred by `after_attention`, run

@@ -18,6 +18,7 @@ from kvmini.view import record_merges
 from reference import random_model
 
 TOL = dict(rtol=1e-12, atol=1e-12)
+SKEWED = {"variant": "paper", "allocation": "zscore", "softmax_temperature": 0.2}  # one layer gets far more
 DECODE_TIME = [  # every method and variant that evicts while decoding
     ("streaming_llm", 12, {}),
     ("h2o", 12, {}),
@@ -34,6 +35,8 @@ DECODE_TIME = [  # every method and variant that evicts while decoding
     ("d2o", 12, {"variant": "paper", "merge": "official", "tau": "per_layer", "beta": 0.3}),
     ("d2o", 12, {"variant": "paper", "allocation": "uniform", "merge": "off"}),
     ("d2o", 12, {"variant": "official", "split": "paper", "nm": "3:1", "protected_layers": "1"}),
+    ("d2o", 12, SKEWED),  # budgets [24, 8, 8, 8]: layer 0, over twice the median, is evicted on its own
+    ("d2o", 0.4, SKEWED),  # [40, 8, 8, 8]: layer 0 holds the whole prompt, its first eviction a decode step's
 ]
 
 
@@ -110,6 +113,17 @@ def test_the_joint_path_runs(model, name, monkeypatch):
     assert joins == []
     run(model, name, 12, {"protected_layers": ""} if name == "d2o" else {}, True)
     assert len(joins) >= 7 and all(layers == (0, 1, 2, 3) for layers in joins)
+
+
+def test_a_layer_far_longer_than_the_others_is_evicted_on_its_own(model, monkeypatch):
+    """Joined rows are as long as the longest: a layer budgeted over twice the median budget would make
+    every row that long, so it goes layer by layer (the equality above covers this run too)."""
+    joins = []
+    real = KVCache.join
+    monkeypatch.setattr(KVCache, "join", lambda self, layers, room=1: joins.append(layers) or real(self, layers, room))
+    _, policy, _, _ = run(model, "d2o", 12, SKEWED, True)
+    assert policy.budgets == [24, 8, 8, 8] and policy.one.join_limit == 16
+    assert len(joins) == 8 and all(layers == (1, 2, 3) for layers in joins)
 
 
 def test_joined_layers_are_views_and_leave_when_they_outgrow_it():
