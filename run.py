@@ -55,38 +55,41 @@ def probability(text):
     return value
 
 
-def option_text(text):
-    """Method options written as text (e.g. --nm 3:1) are checked by the registry; only ASCII here."""
-    if not text.isascii():
-        raise argparse.ArgumentTypeError(f"must be ASCII, got {text!r}")
-    return text
+def method_option(kind):
+    """An argparse type for a method option of this declared type (kvmini.methods.options.read):
+    the flag's text becomes a typed value; the method's own checks follow in make_policy."""
+    from kvmini.methods import options
 
+    def read(text):
+        try:
+            return options.read(kind, text)
+        except ValueError as e:
+            raise argparse.ArgumentTypeError(f"must {e}, got {text!r}") from None
 
-def truth(text):
-    """true/false, yes/no, on/off, 1/0."""
-    value = {"true": True, "yes": True, "on": True, "1": True, "false": False, "no": False, "off": False, "0": False}
-    if text.strip().lower() not in value:
-        raise argparse.ArgumentTypeError(f"must be true or false, got {text!r}")
-    return value[text.strip().lower()]
-
-
-PARSERS = {int: non_negative_int, float: cli.real_number, str: option_text, bool: truth}
+    return read
 
 
 def methods_help() -> str:
-    """The --help section listing every method, what it does and its options with defaults."""
-    from kvmini.methods.registry import METHODS, evicts_while_decoding, method_options, summary
+    """The --help section listing every method, what it does and its options with defaults (read
+    from each method's declaration; an option its variants set differently shows each variant's)."""
+    from kvmini.methods.options import show
+    from kvmini.methods.registry import METHODS, declarations, summary
+
+    def default(d):
+        if not d.by_variant:
+            return show(d.default, d.kind)
+        return ", ".join(f"{v}: {show(x, d.kind)}" for v, x in d.by_variant.items())
 
     lines = ["methods (--method NAME; options as flags, defaults in brackets):"]
     for name in METHODS:
-        options = method_options(name) | ({"evict_every": 1} if evicts_while_decoding(name) else {})
-        opts = ", ".join(f"--{k.replace('_', '-')} [{v}]" for k, v in options.items())
+        opts = ", ".join(f"--{d.name.replace('_', '-')} [{default(d)}]" for d in declarations(name))
         lines.append(f"  {name:<14} {summary(name)}" + (f"\n  {'':<14} options: {opts}" if opts else ""))
     return "\n".join(lines) + "\n"
 
 
 def parse_args(argv=None):
-    from kvmini.methods.registry import DEFAULT_BUDGET, METHODS, OPTIONS, compress_every_call
+    from kvmini.methods.options import metavar
+    from kvmini.methods.registry import DEFAULT_BUDGET, METHODS, compress_every_call, every_option
 
     p = cli.OneLineParser(
         description="Generate text with kvmini and report speed and KV-cache size.",
@@ -116,10 +119,12 @@ def parse_args(argv=None):
     p.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N (default: auto)")
     p.add_argument("--dtype", default="auto", help="auto | float32 | bfloat16 | float16 (auto: fp32 on CPU, bf16 on CUDA)")
     group = p.add_argument_group("method options (which method takes which: see the list below)")
-    for name, opt in OPTIONS.items():
-        group.add_argument("--" + name.replace("_", "-"), type=PARSERS[opt.type], default=None, help=opt.help)
+    flags = every_option()
+    for name, (d, methods) in flags.items():
+        group.add_argument("--" + name.replace("_", "-"), type=method_option(d.kind), default=None,
+                           metavar=metavar(d.kind), help=f"{d.help} ({', '.join(methods)})")
     args = p.parse_args(argv)
-    args.options = {name: getattr(args, name) for name in OPTIONS if getattr(args, name) is not None}
+    args.options = {name: getattr(args, name) for name in flags if getattr(args, name) is not None}
     return args
 
 
@@ -213,12 +218,13 @@ def generate_answer(args) -> int:
 
 def describe(args, policy) -> str:
     """`h2o, budget 0.2 = 123 tokens per layer (window budget // 2, reduce mean)`."""
-    from kvmini.methods.registry import resolved_options
+    from kvmini.methods.options import show
+    from kvmini.methods.registry import declarations, resolved_options
 
     if policy is None:
         return args.method
-    options = resolved_options(args.method, args.options)
-    shown = f" ({', '.join(f'{k} {v}' for k, v in options.items())})" if options else ""
+    options, kinds = resolved_options(args.method, args.options), {d.name: d.kind for d in declarations(args.method)}
+    shown = f" ({', '.join(f'{k} {show(v, kinds[k])}' for k, v in options.items())})" if options else ""
     budgets = policy.budgets
     per_layer = f"{budgets[0]}" if len(set(budgets)) == 1 else f"{min(budgets)}-{max(budgets)} (mean {sum(budgets) / len(budgets):.1f})"
     if policy.budget is None:

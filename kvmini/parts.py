@@ -6,22 +6,57 @@
     compressor  compressor(layer, lc, score, budget)       shrink one layer to its budget (select, merge)
     schedule    PREFILL | AFTER_PROMPT | EVERY_CALL        when the three above run
 
-A method is one of each, e.g. H2O = CumulativeAttention() + Uniform() + TopK(recent=b // 2) on
+A method is one of each, e.g. H2O = CumulativeAttention() + Uniform() + TopK(recent=HALF) on
 EVERY_CALL (kvmini.methods.h2o). The engine that runs them is kvmini.policy.Policy; it imports
 no method. The base classes below hold the shared defaults; a part overrides what it changes.
 Shapes: lc is a LayerCache (kvmini.cache); stats maps names to (B, H_kv, S) attention statistics
 (kvmini.attention); scores are (B, H_kv, S), higher = keep.
 """
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import NamedTuple
 
 import torch
 
 from kvmini.attention import StatsRequest
+from kvmini.errors import KvminiError
 
 PREFILL = "prefill"  # once, layer by layer, in the forward call that completes the prompt
 AFTER_PROMPT = "after_prompt"  # in the call that completes the prompt, then after every later call
 EVERY_CALL = "every_call"  # after every forward call (each prefill chunk, each decode step)
 DECODE = "decode"  # after every call past the prompt: the first compression at the first decode step
+
+
+@dataclass(frozen=True, repr=False)
+class Rule:
+    """A count that follows a layer's budget b, named so that it prints itself:
+    Rule("budget // 2", lambda b: b // 2)(10) == 5; str(...) == "budget // 2"."""
+
+    text: str
+    of: Callable[[int], int]
+
+    def __call__(self, b: int) -> int:
+        return self.of(b)
+
+    def __str__(self) -> str:
+        return self.text
+
+    def __repr__(self) -> str:
+        return f"Rule({self.text!r})"
+
+    @staticmethod
+    def fixed(n: int) -> "Rule":
+        """The same count n for every budget."""
+        return Rule(str(n), lambda b: n)
+
+    @staticmethod
+    def of_(value: "int | Rule", what: str) -> "Rule":
+        """An int or a Rule as a Rule; anything else (an unnamed function) is refused."""
+        if isinstance(value, Rule):
+            return value
+        if isinstance(value, int) and not isinstance(value, bool):
+            return Rule.fixed(value)
+        raise KvminiError(f"{what} must be a whole number or a Rule (a named function of the budget), got {value!r}")
 
 
 class Scorer:
@@ -99,8 +134,8 @@ class Compressor:
 
     one_each = False  # has evict_one_each
 
-    def __init__(self, sinks: int = 0, recent=lambda b: 0):
-        self.sinks, self.recent = sinks, recent
+    def __init__(self, sinks: int = 0, recent: int | Rule = 0):
+        self.sinks, self.recent = sinks, Rule.of_(recent, "recent")
 
     def start(self, L: int) -> None:
         self.merged = [0.0] * L  # per layer, mean over KV heads (floats or 0-d tensors)

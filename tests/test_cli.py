@@ -100,12 +100,12 @@ def test_prompt_longer_than_context(default_model_dir, tmp_path, real_text):
     (["--method", "tova", "--budget", "12.5"], "must be a whole number"),
     (["--method", "h2o", "--kernel", "3"], "--kernel does not apply to method h2o"),
     (["--method", "snapkv", "--kernel", "4"], "--kernel must be odd"),
-    (["--method", "h2o", "--reduce", "median"], "--reduce must be mean, max or sum"),
-    (["--method", "streaming_llm", "--sinks", "-1"], "argument --sinks: must be >= 0"),
+    (["--method", "h2o", "--reduce", "median"], "argument --reduce: must be mean, max or sum"),
+    (["--method", "streaming_llm", "--sinks", "-1"], "--sinks must be >= 0, got -1"),
     (["--method", "dbudgetkv", "--budget", "0.3"], "--budget does not apply to method dbudgetkv"),
-    (["--method", "dbudgetkv", "--protected-layers", "0,x"], "--protected-layers must be comma-separated"),
-    (["--method", "d2o", "--nm", "3-1"], "--nm must look like N:M"),
-    (["--method", "d2o", "--allocation", "random"], "--allocation must be official, paper, zscore, reciprocal or uniform"),
+    (["--method", "dbudgetkv", "--protected-layers", "0,x"], "argument --protected-layers: must be layer numbers separated by commas"),
+    (["--method", "d2o", "--nm", "3-1"], "argument --nm: must look like N:M"),
+    (["--method", "d2o", "--allocation", "random"], "argument --allocation: must be official, paper, zscore, reciprocal or uniform"),
     (["--method", "d2o", "--beta", "1.5"], "--beta must be in [0, 1]"),
 ])
 def test_bad_options(prompt, tiny_llama, args, fragment):

@@ -15,7 +15,7 @@ from kvmini.methods.scorers import CumulativeAttention, WindowAttention
 from kvmini.methods.selectors import TopK
 from kvmini.methods.allocators import proportional
 from kvmini.methods.variance_softmax import VarianceSoftmax, layer_weights
-from kvmini.parts import PREFILL
+from kvmini.parts import PREFILL, Rule
 from kvmini.policy import Policy
 from reference import group_mean, random_model, simulate
 
@@ -272,7 +272,7 @@ def test_deferred_allocation_completes_with_protected_layers():
     model = random_model(L=4, H=4, H_kv=2, seed=3, sharp=2.0)
     ids = torch.randint(0, 61, (1, 40), generator=torch.Generator().manual_seed(2))
     policy = Policy("d2o-protected", 0.5, CumulativeAttention(), VarianceSoftmax(low=8, protected=(0, 3)),
-                    TopK(4, recent=lambda b: (b - 4) // 4), schedule=PREFILL)
+                    TopK(4, recent=Rule("(budget - 4) // 4", lambda b: (b - 4) // 4)), schedule=PREFILL)
     cache = model.new_cache(1)
     with torch.no_grad():
         model(ids, cache, policy)
@@ -286,7 +286,7 @@ def test_variance_softmax_composes_with_snapkv_scoring():
     model = random_model(L=4, H=4, H_kv=2, seed=5, sharp=2.0)
     ids = torch.randint(0, 61, (1, 48), generator=torch.Generator().manual_seed(4))
     policy = Policy("snapkv+variance", 16, WindowAttention(window=4, kernel=3), VarianceSoftmax(low=8),
-                    TopK(recent=lambda b: 4), schedule=PREFILL)
+                    TopK(recent=4), schedule=PREFILL)
     cache = model.new_cache(1)
     with torch.no_grad():
         model(ids, cache, policy)

@@ -50,9 +50,16 @@ def test_rows_and_table():
 
 def test_method_specs():
     assert parse_spec("d2o[allocation=uniform,nm=1:1,beta=0.5]") == (
-        "d2o", {"allocation": "uniform", "nm": "1:1", "beta": 0.5})
+        "d2o", {"allocation": "uniform", "nm": (1, 1), "beta": 0.5})
     assert parse_spec("h2o") == ("h2o", {})
-    for bad, msg in [("h3o", "unknown method 'h3o'"), ("d2o[beta]", "bad option"), ("d2o[beta=x]", "bad value")]:
+    # a list: a comma not followed by name= continues it; semicolons separate its items too
+    assert parse_spec("d2o[protected_layers=0,1,merge=off]") == ("d2o", {"protected_layers": (0, 1), "merge": "off"})
+    assert parse_spec("d2o[merge=off,protected_layers=0;-1]") == ("d2o", {"merge": "off", "protected_layers": (0, -1)})
+    assert parse_spec("d2o[protected_layers=]") == ("d2o", {"protected_layers": ()})
+    assert parse_spec("dbudgetkv[norm_excludes_kept=yes]") == ("dbudgetkv", {"norm_excludes_kept": True})
+    for bad, msg in [("h3o", "unknown method 'h3o'"), ("d2o[beta]", "bad option"), ("d2o[beta=x]", "bad value"),
+                     ("d2o[beta=1.5]", "--beta must be in"), ("d2o[protected_layers=0,x]", "bad value '0,x'"),
+                     ("h2o[kernel=3]", "bad option 'kernel=3'")]:
         with pytest.raises(KvminiError, match=msg):
             parse_spec(bad)
 

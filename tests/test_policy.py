@@ -245,8 +245,8 @@ def test_registry_errors_are_clear():
     assert method_options("snapkv") == {"window": 32, "kernel": 7, "pooling": "avg", "reduce": "mean"}
     from kvmini.methods.registry import resolved_options  # what run.py's report shows
 
-    assert resolved_options("d2o", {"variant": "paper"})["nm"] == "3:1"
-    assert resolved_options("d2o", {"nm": "2:1"})["nm"] == "2:1" and resolved_options("d2o", {})["merge"] == "official"
+    assert resolved_options("d2o", {"variant": "paper"})["nm"] == (3, 1)
+    assert resolved_options("d2o", {"nm": (2, 1)})["nm"] == (2, 1) and resolved_options("d2o", {})["merge"] == "official"
     assert resolved_options("dynamickv", {"variant": "official"})["rounding"] == "floor"
     assert resolved_options("dynamickv", {})["tail_reallocation"] is False  # Alg. 1 line 24: every m layers only
 

@@ -50,7 +50,7 @@ def test_without_its_merge_eviction_equals_masking(setting):
     applied with the literal budgets, at every call."""
     model, calls, budgets = setting
     policy = Policy("snapkv+variance", BUDGET, WindowAttention(WINDOW, KERNEL), VarianceSoftmax(low=WINDOW + 4),
-                    TopK(recent=lambda b: WINDOW), schedule=PREFILL)
+                    TopK(recent=WINDOW), schedule=PREFILL)
     got_logits, got_kept, _ = run(model, calls, policy)
     choose = literal_snapkv(BUDGET, g=2, prefill_calls=1, window=WINDOW, kernel=KERNEL, budgets=budgets)
     want_logits, want_kept = simulate(model, calls, choose)

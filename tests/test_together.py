@@ -12,7 +12,7 @@ import torch
 
 from kvmini.cache import PAD, KVCache, LayerCache
 from kvmini.methods.ema_merging import EMAMerge
-from kvmini.methods.registry import make_policy
+from kvmini.methods.registry import METHODS, evicts_while_decoding, make_policy
 from kvmini.methods.selectors import lowest
 from kvmini.view import record_merges
 from reference import random_model
@@ -38,6 +38,8 @@ DECODE_TIME = [  # every method and variant that evicts while decoding
     ("d2o", 12, SKEWED),  # budgets [24, 8, 8, 8]: layer 0, over twice the median, is evicted on its own
     ("d2o", 0.4, SKEWED),  # [40, 8, 8, 8]: layer 0 holds the whole prompt, its first eviction a decode step's
 ]
+DECODE_TIME += [(name, 12, {}) for name in METHODS  # a method added later is checked with its defaults
+                if evicts_while_decoding(name) and name not in {case[0] for case in DECODE_TIME}]
 
 
 def run(model, name, budget, options, together: bool, batch: int = 1, steps: int = 8, seed: int = 0):

@@ -105,7 +105,7 @@ def abar_cache(abar: list[float]) -> LayerCache:
 def test_weightedkv_trace_by_hand(chunk_merge, budget, expected):
     """abar = 9 1 2 8 5 7 at positions 0..5, one sink, a window of one: the lowest free entries go first."""
     lc = abar_cache([9, 1, 2, 8, 5, 7])
-    compressor = ConvexValueMerge(sinks=1, recent=lambda b: 1, chunk_merge=chunk_merge)
+    compressor = ConvexValueMerge(sinks=1, recent=1, chunk_merge=chunk_merge)
     compressor.start(1)
     compressor.trace = []
     compressor(0, lc, None, budget)

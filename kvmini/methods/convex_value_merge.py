@@ -35,7 +35,7 @@ import torch
 from kvmini.attention import StatsRequest
 from kvmini.cache import PAD, LayerCache, wide
 from kvmini.errors import one_of
-from kvmini.parts import Compressor, Merged, Scorer
+from kvmini.parts import Compressor, Merged, Rule, Scorer
 
 
 class AverageAttention(Scorer):
@@ -154,7 +154,7 @@ class ConvexValueMerge(Compressor):
     entry, else `merge_runs`, or `convex_value_merge` for every call when chunk_merge="sequential").
     `trace`: None (default, no cost), or a list that each merge extends with a `Merged` record."""
 
-    def __init__(self, sinks: int = 0, recent=lambda b: 0, chunk_merge: str = "runs"):
+    def __init__(self, sinks: int = 0, recent: int | Rule = 0, chunk_merge: str = "runs"):
         super().__init__(sinks, recent)
         self.sequential = one_of("ConvexValueMerge chunk_merge", chunk_merge, ("runs", "sequential")) == "sequential"
         self.one_each = not self.sequential  # sequential: Alg. 1's position-ordered buffer, layer by layer

@@ -47,38 +47,54 @@ With `start=first_decode` (official) nothing is compressed before the first deco
 prefill-only call leaves the prompt whole, as the authors' code does.
 A prompt in chunks (kvmini.policy) gives the same F_v, scores and budgets as the prompt in one call.
 """
-from kvmini.methods.dbudgetkv import parse_layers
+from dataclasses import dataclass
+from typing import Literal
+
+from kvmini.methods import options
 from kvmini.methods.ema_merging import EMAMerge
 from kvmini.methods.scorers import CumulativeAttention
 from kvmini.methods.selectors import TopK
 from kvmini.methods.variance_softmax import VarianceSoftmax
-from kvmini.parts import AFTER_PROMPT, DECODE
+from kvmini.parts import AFTER_PROMPT, DECODE, Rule
 from kvmini.policy import Policy
 
-VARIANTS = {
-    "paper": dict(allocation="paper", protected_layers="", nm="3:1", split="paper", merge="paper", tau="per_head",
-                  beta=0.7, start="prompt"),
-    "official": dict(allocation="official", protected_layers="0,1,-1", nm="1:1", split="official", merge="official",
-                     tau="per_layer", beta=0.5, start="first_decode"),
-}
-DEFAULTS_SHOWN = {name: "by variant" for name in VARIANTS["paper"]}
+
+@dataclass(frozen=True)
+class Options:
+    allocation: options.Allocation = options.allocation("official")
+    protected_layers: options.Layers = options.protected_layers((0, 1, -1))
+    nm: options.Ratio = options.option((1, 1), "heavy:recent split of the budget, e.g. 3:1",
+                                       lambda x: sum(x) > 0, "have N + M > 0")
+    split: Literal["paper", "official"] = options.option(
+        "official", "paper (sinks + N + M = budget) | official (the sinks inside the N heavy)")
+    merge: Literal["paper", "official", "off"] = options.option(
+        "official", "paper (convex, Eq. 11-12) | official (raw-cosine scatter-mean) | off")
+    tau: Literal["per_head", "per_layer"] = options.option("per_layer", "merge threshold per_head | per_layer")
+    beta: float = options.beta(0.5)
+    start: Literal["prompt", "first_decode"] = options.option(
+        "first_decode", "compress when the prompt ends (prompt) or at the first decode step (first_decode)")
+    sinks: int = options.sinks(4)
+    softmax_temperature: float = options.softmax_temperature(1.0)
+    clamp_budgets: bool = options.option(True, "clamp each layer's budget to [sinks + 4, n] and give the excess to "
+                                               "the others (kvmini's; false: Eq. 5 as written)")
+    reduce: options.Reduce = options.reduce()
 
 
-def build(budget: float, variant: str = "official", allocation: str | None = None, protected_layers: str | None = None,
-          nm: str | None = None, split: str | None = None, merge: str | None = None, tau: str | None = None,
-          beta: float | None = None, start: str | None = None, sinks: int = 4, softmax_temperature: float = 1.0,
-          clamp_budgets: bool = True, reduce: str = "mean") -> Policy:
-    given = dict(allocation=allocation, protected_layers=protected_layers, nm=nm, split=split, merge=merge, tau=tau,
-                 beta=beta, start=start)
-    o = {**VARIANTS[variant], **{k: v for k, v in given.items() if v is not None}}
-    N, M = (int(x) for x in o["nm"].split(":"))
-    if o["split"] == "paper":  # Eq. 8: S_l = T + N + M, N:M of what is not a sink
-        recent = lambda S_l: (S_l - sinks) * M // (N + M)  # noqa: E731
+VARIANTS = {"paper": Options(allocation="paper", protected_layers=(), nm=(3, 1), split="paper", merge="paper",
+                             tau="per_head", beta=0.7, start="prompt"),
+            "official": Options()}
+DEFAULT_VARIANT = "official"
+
+
+def build(budget: float, o: Options = Options()) -> Policy:
+    N, M = o.nm
+    if o.split == "paper":  # Eq. 8: S_l = T + N + M, N:M of what is not a sink
+        recent = Rule(f"(budget - {o.sinks}) * {M} // {N + M}", lambda S_l: (S_l - o.sinks) * M // (N + M))
     else:  # the official code: N:M of S_l, the sinks inside the heavy part
-        recent = lambda S_l: S_l * M // (N + M)  # noqa: E731
-    first_decode = o["start"] == "first_decode"
-    budgeter = VarianceSoftmax(o["allocation"], softmax_temperature, sinks + 4, reduce, parse_layers(o["protected_layers"]),
-                               parts=(N, M), measure_in_prompt=first_decode, clamp=clamp_budgets)
-    merging = None if o["merge"] == "off" else EMAMerge(o["beta"], weights=o["merge"], tau=o["tau"])
-    return Policy("d2o", budget, CumulativeAttention(reduce), budgeter, TopK(sinks, recent, merge=merging),
+        recent = Rule(f"budget * {M} // {N + M}", lambda S_l: S_l * M // (N + M))
+    first_decode = o.start == "first_decode"
+    budgeter = VarianceSoftmax(o.allocation, o.softmax_temperature, o.sinks + 4, o.reduce, o.protected_layers,
+                               parts=(N, M), measure_in_prompt=first_decode, clamp=o.clamp_budgets)
+    merging = None if o.merge == "off" else EMAMerge(o.beta, weights=o.merge, tau=o.tau)
+    return Policy("d2o", budget, CumulativeAttention(o.reduce), budgeter, TopK(o.sinks, recent, merge=merging),
                   schedule=DECODE if first_decode else AFTER_PROMPT)

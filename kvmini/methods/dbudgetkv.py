@@ -17,7 +17,11 @@ Two variants; every option overrides its part of the chosen one:
 DBudgetKV table has the measured comparison). In a batch, every sequence gets its own budgets
 (kvmini.policy.PerSequence).
 """
+from dataclasses import dataclass
+from typing import Literal
+
 from kvmini.errors import KvminiError
+from kvmini.methods import options
 from kvmini.methods.frobenius_stop import FrobeniusStop
 from kvmini.methods.scorers import CumulativeAttention, Position, WindowAttention
 from kvmini.methods.selectors import TopK
@@ -25,32 +29,36 @@ from kvmini.parts import PREFILL
 from kvmini.policy import Policy
 
 CHOOSES_BUDGET = True  # the registry rejects --budget for this method
-VARIANTS = {
-    "paper": dict(ranking="position", threshold=0.01, protected_layers="0,1", norm_excludes_kept=False),
-    "official": dict(ranking="window_attention", threshold=0.05, protected_layers="", norm_excludes_kept=True),
-}
-DEFAULTS_SHOWN = {name: "by variant" for name in VARIANTS["paper"]}
 
 
-def build(budget: None, variant: str = "paper", ranking: str | None = None, threshold: float | None = None,
-          protected_layers: str | None = None, norm_excludes_kept: bool | None = None, k: int = 1, sinks: int = 4,
-          window: int = 8, reduce: str = "mean") -> Policy:
-    given = dict(ranking=ranking, threshold=threshold, protected_layers=protected_layers,
-                 norm_excludes_kept=norm_excludes_kept)
-    o = {**VARIANTS[variant], **{key: v for key, v in given.items() if v is not None}}
-    if k > 1 and o["ranking"] == "window_attention":
+@dataclass(frozen=True)
+class Options:
+    ranking: Literal["position", "cumulative", "window_attention"] = options.option(
+        "position", "DBudgetKV's ranking: position | cumulative (column sums) | window_attention (authors' code)")
+    threshold: float = options.option(0.01, "allowed relative drop of the attention norm",
+                                      lambda x: 0 <= x < 1, "be in [0, 1)")
+    protected_layers: options.Layers = options.protected_layers((0, 1))
+    norm_excludes_kept: bool = options.option(False, "zero the always-kept tokens out of the norm (authors' code)")
+    k: int = options.option(1, "last prompt rows averaged into the attention row (Eq. 1)", **options.at_least(1))
+    sinks: int = options.sinks(4)
+    window: int = options.window(8)
+    reduce: options.Reduce = options.reduce()
+
+
+VARIANTS = {"paper": Options(),
+            "official": Options(ranking="window_attention", threshold=0.05, protected_layers=(), norm_excludes_kept=True)}
+DEFAULT_VARIANT = "paper"
+
+
+def build(budget: None, o: Options = Options()) -> Policy:
+    if o.k > 1 and o.ranking == "window_attention":
         raise KvminiError("dbudgetkv: --k above 1 needs --ranking position or cumulative (the window ranking "
                           "takes the attention statistics of the last --window queries)")
     scorer, compressor = {
-        "position": (Position(), TopK(sinks)),
-        "cumulative": (CumulativeAttention(reduce), TopK()),
-        "window_attention": (WindowAttention(window, kernel=1, reduce=reduce), TopK(recent=lambda b: window)),
-    }[o["ranking"]]
-    rule = FrobeniusStop(o["threshold"], k, o["ranking"], sinks, reduce, parse_layers(o["protected_layers"]), window,
-                         o["norm_excludes_kept"])
+        "position": (Position(), TopK(o.sinks)),
+        "cumulative": (CumulativeAttention(o.reduce), TopK()),
+        "window_attention": (WindowAttention(o.window, kernel=1, reduce=o.reduce), TopK(recent=o.window)),
+    }[o.ranking]
+    rule = FrobeniusStop(o.threshold, o.k, o.ranking, o.sinks, o.reduce, o.protected_layers, o.window,
+                         o.norm_excludes_kept)
     return Policy("dbudgetkv", None, scorer, rule, compressor, schedule=PREFILL)
-
-
-def parse_layers(text: str) -> tuple[int, ...]:
-    """"0,1" -> (0, 1); "0,1,-1" -> (0, 1, -1) (-1: the last layer); "" -> ()."""
-    return tuple(int(x) for x in text.split(",") if x.strip())

@@ -22,6 +22,10 @@ whole model's budget among the finished layers in both).
 Deviation: the `paper` variant rounds with `exact`, not Alg. 1's int() floors (lines 8 and 10).
 Deviation: the authors' code computes A per query head after repeat_kv; kvmini per KV head.
 """
+from dataclasses import dataclass
+from typing import Literal
+
+from kvmini.methods import options
 from kvmini.methods.progressive_budgets import ProgressiveBudgets
 from kvmini.methods.scorers import WindowAttention
 from kvmini.methods.selectors import TopK
@@ -29,14 +33,28 @@ from kvmini.parts import PREFILL
 from kvmini.policy import Policy
 
 
-VARIANTS = {"paper": dict(rounding="exact"), "official": dict(rounding="floor")}
-DEFAULTS_SHOWN = {"rounding": "by variant"}
+@dataclass(frozen=True)
+class Options:
+    window: int = options.window(8)
+    kernel: int = options.kernel(7)
+    pooling: options.Pooling = options.pooling("avg")
+    r_max: float = options.option(10.0, "a layer keeps at most r_max times the mean budget before re-balancing",
+                                  **options.at_least(1))
+    interval: int = options.option(4, "re-balance the finished layers every this many layers (m)",
+                                   **options.at_least(1))
+    tail_reallocation: bool = options.option(False, "re-balance after the last layer too when L is not a multiple "
+                                                    "of m (kvmini's; Alg. 1 and the authors' code do not)")
+    rounding: Literal["exact", "floor"] = options.option(
+        "exact", "exact (kvmini: largest remainder, capped at what a layer holds) | floor (the authors' int() "
+                 "floors, remainder to the last layer)")
+    reduce: options.Reduce = options.reduce()
 
 
-def build(budget: float, variant: str = "paper", window: int = 8, kernel: int = 7, pooling: str = "avg",
-          r_max: float = 10, interval: int = 4, tail_reallocation: bool = False, rounding: str | None = None,
-          reduce: str = "mean") -> Policy:
-    rounding = VARIANTS[variant]["rounding"] if rounding is None else rounding
-    return Policy("dynamickv", budget, WindowAttention(window, kernel, pooling, reduce),
-                  ProgressiveBudgets(window, r_max, interval, tail_reallocation, rounding), TopK(recent=lambda b: window),
-                  schedule=PREFILL)
+VARIANTS = {"paper": Options(), "official": Options(rounding="floor")}
+DEFAULT_VARIANT = "paper"
+
+
+def build(budget: float, o: Options = Options()) -> Policy:
+    return Policy("dynamickv", budget, WindowAttention(o.window, o.kernel, o.pooling, o.reduce),
+                  ProgressiveBudgets(o.window, o.r_max, o.interval, o.tail_reallocation, o.rounding),
+                  TopK(recent=o.window), schedule=PREFILL)

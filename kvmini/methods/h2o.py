@@ -12,15 +12,23 @@ a prompt in chunks of c is trimmed to the budget after each chunk: later chunks 
 trimmed cache and a token's score sums only the attention it received while it stayed, so the
 kept set depends on c (c = 1 is H2O's token-by-token eviction during the prompt).
 """
+from dataclasses import dataclass
+
+from kvmini.methods import options
 from kvmini.methods.allocators import Uniform
 from kvmini.methods.scorers import CumulativeAttention
 from kvmini.methods.selectors import TopK
-from kvmini.parts import EVERY_CALL
+from kvmini.parts import EVERY_CALL, Rule
 from kvmini.policy import Policy
 
-DEFAULTS_SHOWN = {"recent": "budget // 2"}
+HALF = Rule("budget // 2", lambda b: b // 2)
 
 
-def build(budget: float, recent: int | None = None, reduce: str = "mean") -> Policy:
-    window = (lambda b: b // 2) if recent is None else (lambda b: recent)
-    return Policy("h2o", budget, CumulativeAttention(reduce), Uniform(), TopK(recent=window), schedule=EVERY_CALL)
+@dataclass(frozen=True)
+class Options:
+    recent: int | Rule = options.recent(HALF)
+    reduce: options.Reduce = options.reduce()
+
+
+def build(budget: float, o: Options = Options()) -> Policy:
+    return Policy("h2o", budget, CumulativeAttention(o.reduce), Uniform(), TopK(recent=o.recent), schedule=EVERY_CALL)

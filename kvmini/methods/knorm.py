@@ -12,6 +12,8 @@ Keys are stored after RoPE, a rotation, so the norm is that of the key before Ro
 prompt is compressed once, layer by layer, when it is complete (as kvpress's KnormPress does);
 decode steps append. No statistics are asked of attention, which stays on the fast SDPA path.
 """
+from dataclasses import dataclass
+
 import torch
 
 from kvmini.cache import wide
@@ -26,5 +28,10 @@ class KNorm(Scorer):
         return -wide(lc.keys).norm(dim=-1)  # (B, H_kv, S): the lowest norm scores highest
 
 
-def build(budget: float) -> Policy:
+@dataclass(frozen=True)
+class Options:
+    """KNorm has no options."""
+
+
+def build(budget: float, o: Options = Options()) -> Policy:
     return Policy("knorm", budget, KNorm(), Uniform(), TopK(), schedule=PREFILL)

@@ -7,6 +7,9 @@ layer to the top with the same total as a uniform budget (kvmini.methods.allocat
 top layer window + (b - window) / beta, bottom layer window + 2 (b - window) - that).
 Defaults: window 32, kernel 7, pooling avg, beta 20 (the official code's), group reduction mean.
 """
+from dataclasses import dataclass
+
+from kvmini.methods import options
 from kvmini.methods.allocators import Pyramid
 from kvmini.methods.scorers import WindowAttention
 from kvmini.methods.selectors import TopK
@@ -14,7 +17,16 @@ from kvmini.parts import PREFILL
 from kvmini.policy import Policy
 
 
-def build(budget: float, window: int = 32, kernel: int = 7, pooling: str = "avg", reduce: str = "mean",
-          pyramid_beta: float = 20) -> Policy:
-    return Policy("pyramidkv", budget, WindowAttention(window, kernel, pooling, reduce), Pyramid(window, pyramid_beta),
-                  TopK(recent=lambda b: window), schedule=PREFILL)
+@dataclass(frozen=True)
+class Options:
+    window: int = options.window(32)
+    kernel: int = options.kernel(7)
+    pooling: options.Pooling = options.pooling("avg")
+    reduce: options.Reduce = options.reduce()
+    pyramid_beta: float = options.option(20.0, "the top layer keeps 1/beta of the bottom layer's budget above the "
+                                               "window", **options.at_least(1))
+
+
+def build(budget: float, o: Options = Options()) -> Policy:
+    return Policy("pyramidkv", budget, WindowAttention(o.window, o.kernel, o.pooling, o.reduce),
+                  Pyramid(o.window, o.pyramid_beta), TopK(recent=o.window), schedule=PREFILL)

@@ -1,7 +1,7 @@
 """Selectors: given per-token scores and a budget, which cache entries stay? (`TopK`, a Compressor)."""
 import torch
 
-from kvmini.parts import Compressor
+from kvmini.parts import Compressor, Rule
 
 
 def keep_top(score: torch.Tensor, budget: int, sinks: int, recent: int) -> torch.Tensor:
@@ -52,7 +52,7 @@ class TopK(Compressor):
 
     one_each = True
 
-    def __init__(self, sinks: int = 0, recent=lambda b: 0, merge=None):
+    def __init__(self, sinks: int = 0, recent: int | Rule = 0, merge=None):
         super().__init__(sinks, recent)
         self.merge = merge
 

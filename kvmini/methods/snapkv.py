@@ -8,6 +8,9 @@ keys are kept together with the window itself. Decode steps append without compr
 Defaults: window 32, kernel 7, pooling avg (the official code's default; max is an option),
 group reduction mean. Compression happens layer by layer inside the prefill forward.
 """
+from dataclasses import dataclass
+
+from kvmini.methods import options
 from kvmini.methods.allocators import Uniform
 from kvmini.methods.scorers import WindowAttention
 from kvmini.methods.selectors import TopK
@@ -15,6 +18,14 @@ from kvmini.parts import PREFILL
 from kvmini.policy import Policy
 
 
-def build(budget: float, window: int = 32, kernel: int = 7, pooling: str = "avg", reduce: str = "mean") -> Policy:
-    return Policy("snapkv", budget, WindowAttention(window, kernel, pooling, reduce), Uniform(),
-                  TopK(recent=lambda b: window), schedule=PREFILL)
+@dataclass(frozen=True)
+class Options:
+    window: int = options.window(32)
+    kernel: int = options.kernel(7)
+    pooling: options.Pooling = options.pooling("avg")
+    reduce: options.Reduce = options.reduce()
+
+
+def build(budget: float, o: Options = Options()) -> Policy:
+    return Policy("snapkv", budget, WindowAttention(o.window, o.kernel, o.pooling, o.reduce), Uniform(),
+                  TopK(recent=o.window), schedule=PREFILL)

@@ -8,6 +8,9 @@
 Defaults: SnapKV's (window 32, kernel 7, avg pooling) and kvmini's reading of D2O (beta 0.7,
 allocation zscore, temperature 1); a layer keeps at least window + 4 tokens.
 """
+from dataclasses import dataclass
+
+from kvmini.methods import options
 from kvmini.methods.ema_merging import EMAMerge
 from kvmini.methods.scorers import WindowAttention
 from kvmini.methods.selectors import TopK
@@ -16,8 +19,18 @@ from kvmini.parts import PREFILL
 from kvmini.policy import Policy
 
 
-def build(budget: float, window: int = 32, kernel: int = 7, pooling: str = "avg", beta: float = 0.7,
-          allocation: str = "zscore", softmax_temperature: float = 1.0, reduce: str = "mean") -> Policy:
-    return Policy("snapkv_d2o", budget, WindowAttention(window, kernel, pooling, reduce),
-                  VarianceSoftmax(allocation, softmax_temperature, window + 4, reduce),
-                  TopK(recent=lambda b: window, merge=EMAMerge(beta)), schedule=PREFILL)
+@dataclass(frozen=True)
+class Options:
+    window: int = options.window(32)
+    kernel: int = options.kernel(7)
+    pooling: options.Pooling = options.pooling("avg")
+    beta: float = options.beta(0.7)
+    allocation: options.Allocation = options.allocation("zscore")
+    softmax_temperature: float = options.softmax_temperature(1.0)
+    reduce: options.Reduce = options.reduce()
+
+
+def build(budget: float, o: Options = Options()) -> Policy:
+    return Policy("snapkv_d2o", budget, WindowAttention(o.window, o.kernel, o.pooling, o.reduce),
+                  VarianceSoftmax(o.allocation, o.softmax_temperature, o.window + 4, o.reduce),
+                  TopK(recent=o.window, merge=EMAMerge(o.beta)), schedule=PREFILL)

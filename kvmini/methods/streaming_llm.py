@@ -10,13 +10,21 @@ No attention statistics are needed, so attention stays on the fast SDPA path.
 Deviation: keys keep the RoPE rotation of their original positions; the paper re-numbers
 positions inside the cache (0..S-1), which we do not do (positions are never rewritten here).
 """
+from dataclasses import dataclass
+
+from kvmini.methods import options
 from kvmini.methods.allocators import Uniform
 from kvmini.methods.scorers import Position
 from kvmini.methods.selectors import TopK
-from kvmini.parts import EVERY_CALL
+from kvmini.parts import EVERY_CALL, Rule
 from kvmini.policy import Policy
 
 
-def build(budget: float, sinks: int = 4) -> Policy:
-    return Policy("streaming_llm", budget, Position(), Uniform(), TopK(sinks, recent=lambda b: b - sinks),
-                  schedule=EVERY_CALL)
+@dataclass(frozen=True)
+class Options:
+    sinks: int = options.sinks(4)
+
+
+def build(budget: float, o: Options = Options()) -> Policy:
+    recent = Rule(f"budget - {o.sinks}", lambda b: b - o.sinks)
+    return Policy("streaming_llm", budget, Position(), Uniform(), TopK(o.sinks, recent), schedule=EVERY_CALL)

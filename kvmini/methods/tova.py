@@ -11,13 +11,22 @@ set depends on c.
 Deviation: scores are per KV head (the g query heads of a group averaged); the paper averages
 over all heads of a layer, so one layer evicts the same token in every head.
 """
+from dataclasses import dataclass
+
+from kvmini.methods import options
 from kvmini.methods.allocators import Uniform
 from kvmini.methods.scorers import LastRowAttention
 from kvmini.methods.selectors import TopK
-from kvmini.parts import EVERY_CALL
+from kvmini.parts import EVERY_CALL, Rule
 from kvmini.policy import Policy
 
 
-def build(budget: float, sinks: int = 0, recent: int = 0, reduce: str = "mean") -> Policy:
-    return Policy("tova", budget, LastRowAttention(reduce), Uniform(), TopK(sinks, recent=lambda b: recent),
-                  schedule=EVERY_CALL)
+@dataclass(frozen=True)
+class Options:
+    sinks: int = options.sinks(0)
+    recent: int | Rule = options.recent(0)
+    reduce: options.Reduce = options.reduce()
+
+
+def build(budget: float, o: Options = Options()) -> Policy:
+    return Policy("tova", budget, LastRowAttention(o.reduce), Uniform(), TopK(o.sinks, o.recent), schedule=EVERY_CALL)

@@ -15,20 +15,28 @@ Chunked prefill: merged after every call by design (Alg. 1 merges at every step)
 size changes what is kept and merged: c = 1 is Alg. 1 exactly; larger chunks first attend with
 up to c extra entries, then merge them down.
 """
+from dataclasses import dataclass
+from typing import Literal
+
+from kvmini.methods import options
 from kvmini.methods.allocators import Uniform
 from kvmini.methods.convex_value_merge import AverageAttention, ConvexValueMerge
-from kvmini.parts import EVERY_CALL
+from kvmini.parts import EVERY_CALL, Rule
 from kvmini.policy import Policy
 
-DEFAULTS_SHOWN = {"recent": "(budget - 8) // 2"}
+HALF_BEYOND_8 = Rule("(budget - 8) // 2", lambda m: max((m - 8) // 2, 0))  # Sec. V-A: 1024 -> 508, 256 -> 124
+CHUNK = Rule("max(budget, 64)", lambda m: max(m, 64))  # the prompt's chunks: the cache holds at most 2m
 
 
-CHUNK_MERGES = ("runs", "sequential")
+@dataclass(frozen=True)
+class Options:
+    sinks: int = options.sinks(4)
+    recent: int | Rule = options.recent(HALF_BEYOND_8)
+    reduce: options.Reduce = options.reduce()
+    chunk_merge: Literal["runs", "sequential"] = options.option(
+        "runs", "a prefill chunk's merges all at once (runs) or one by one in Alg. 1's order (sequential)")
 
 
-def build(budget: float, sinks: int = 4, recent: int | None = None, reduce: str = "mean",
-          chunk_merge: str = "runs") -> Policy:
-    window = (lambda m: max((m - 8) // 2, 0)) if recent is None else (lambda m: recent)
-    return Policy("weightedkv", budget, AverageAttention(reduce), Uniform(),
-                  ConvexValueMerge(sinks, recent=window, chunk_merge=chunk_merge), schedule=EVERY_CALL,
-                  prefill_chunk=lambda m: max(m, 64))
+def build(budget: float, o: Options = Options()) -> Policy:
+    return Policy("weightedkv", budget, AverageAttention(o.reduce), Uniform(),
+                  ConvexValueMerge(o.sinks, o.recent, o.chunk_merge), schedule=EVERY_CALL, prefill_chunk=CHUNK)

@@ -1,0 +1,209 @@
+"""A method's options, declared once beside its `build`: a frozen dataclass `Options` whose fields
+carry a type, a default and one line of help (`option`). run.py's flags, --help and report, the
+registry's checks and the evaluation tools' specs ("d2o[nm=3:1,protected_layers=0,1]") are all
+read from these declarations; `build(budget, options)` receives typed values and parses nothing.
+
+A field's type says how its value is written as text (`read`, the one reader of the command line,
+the specs and text given to `make_policy`) and printed (`show`):
+
+    bool                 true/false, yes/no, on/off, 1/0
+    int                  ASCII digits with an optional sign
+    float                a finite number in ASCII
+    Literal["a", "b"]    one of the names
+    Layers               layer numbers separated by commas or semicolons, -1 the last; empty: none
+    Ratio                N:M
+    int | Rule           a whole number; the default may be a Rule of the budget, which prints itself
+
+Options that several methods share (sinks, window, reduce, ...) are declared once below, so a name
+means one thing everywhere (tests/test_options.py checks this over every method).
+The design: docs/design.md ("Options").
+"""
+import math
+import re
+import types
+import typing
+from collections.abc import Callable
+from dataclasses import dataclass, field, fields
+from typing import Literal
+
+from kvmini.parts import Rule
+
+Layers = tuple[int, ...]  # layer numbers, -1 the last
+Ratio = tuple[int, int]  # N:M
+Reduce = Literal["mean", "max", "sum"]
+Pooling = Literal["avg", "max"]
+Allocation = Literal["official", "paper", "zscore", "reciprocal", "uniform"]
+
+
+def option(default, help: str, check: Callable[[object], bool] | None = None, must: str = ""):
+    """A field of a method's Options: its default, one line of help, and for a number the check
+    its values must pass with what the check demands (for the error message)."""
+    return field(default=default, metadata={"help": help, "check": check, "must": must})
+
+
+def at_least(low) -> dict:
+    return dict(check=lambda x: x >= low, must=f"be >= {low}")
+
+
+# --- options several methods share --------------------------------------------------------------
+
+def sinks(default: int = 4):
+    return option(default, "first tokens always kept", **at_least(0))
+
+
+def recent(default):
+    return option(default, "most recent tokens always kept", **at_least(0))
+
+
+def window(default: int = 32):
+    return option(default, "observation window: the last prompt tokens whose attention scores the others; always "
+                           "kept", **at_least(1))
+
+
+def kernel(default: int = 7):
+    return option(default, "pooling kernel along the keys", lambda x: x >= 1 and x % 2 == 1, "be odd and >= 1")
+
+
+def pooling(default: str = "avg"):
+    return option(default, "pooling of the window's scores along the keys")
+
+
+def reduce(default: str = "mean"):
+    return option(default, "how the query heads of a KV head are combined")
+
+
+def protected_layers(default: Layers):
+    return option(default, "layers never compressed, -1 the last, e.g. 0,1 (empty: none)")
+
+
+def allocation(default: str):
+    return option(default, "D2O's layer allocation: official (min-max) | paper (softmax(-F_v)) | zscore (kvmini's) "
+                           "| reciprocal | uniform (Table 4)")
+
+
+def beta(default: float):
+    return option(default, "EMA weight of the newest similarity in D2O's merge threshold (Eq. 10)",
+                  lambda x: 0 <= x <= 1, "be in [0, 1]")
+
+
+def softmax_temperature(default: float = 1.0):
+    return option(default, "temperature of D2O's softmax over standardized variances (allocation=zscore)",
+                  lambda x: x > 0, "be > 0")
+
+
+# --- reading and printing -----------------------------------------------------------------------
+
+TRUTH = {"true": True, "yes": True, "on": True, "1": True, "false": False, "no": False, "off": False, "0": False}
+
+
+def read(kind, text: str):
+    """A value of type `kind` written as text; ValueError (with what was expected) if it is not one."""
+    text = text.strip()
+    if kind is bool:
+        if text.lower() not in TRUTH:
+            raise ValueError("be true or false")
+        return TRUTH[text.lower()]
+    if kind is int or is_rule_or_int(kind):
+        if not re.fullmatch(r"[+-]?[0-9]+", text):
+            raise ValueError("be a whole number")
+        return int(text)
+    if kind is float:
+        value = float(text) if text.isascii() and re.fullmatch(r"[0-9eE.+-]+", text) else math.nan
+        if not math.isfinite(value):
+            raise ValueError("be a finite number")
+        return value
+    if kind == Layers:
+        parts = [p.strip() for p in re.split(r"[,;]", text) if p.strip()]
+        if not all(re.fullmatch(r"-?[0-9]+", p) for p in parts):
+            raise ValueError("be layer numbers separated by commas, e.g. 0,1,-1 (empty: none)")
+        return tuple(int(p) for p in parts)
+    if kind == Ratio:
+        m = re.fullmatch(r"([0-9]+):([0-9]+)", text)
+        if not m:
+            raise ValueError("look like N:M, e.g. 3:1")
+        return int(m[1]), int(m[2])
+    if typing.get_origin(kind) is Literal:
+        if text not in typing.get_args(kind):
+            raise ValueError(choices(kind))
+        return text
+    raise TypeError(f"no reader for {kind}")
+
+
+def show(value, kind=None) -> str:
+    """A value as it is written: 3:1 (a Ratio), 0,1,-1 or none (Layers), true, budget // 2 (a Rule)."""
+    if isinstance(value, bool):
+        return str(value).lower()
+    if isinstance(value, float):
+        return f"{value:g}"
+    if kind == Ratio:
+        return ":".join(map(str, value))
+    if isinstance(value, tuple):
+        return ",".join(map(str, value)) if value else "none"
+    return str(value)
+
+
+def choices(kind) -> str:
+    names = typing.get_args(kind)
+    return "be " + ", ".join(names[:-1]) + " or " + names[-1]
+
+
+def is_rule_or_int(kind) -> bool:
+    return isinstance(kind, types.UnionType) and set(typing.get_args(kind)) == {int, Rule}
+
+
+def fits(kind, value) -> bool:
+    """Is `value` (a Python value, not text) of type `kind`?"""
+    if kind is bool:
+        return isinstance(value, bool)
+    if kind is int or is_rule_or_int(kind):
+        return (isinstance(value, int) and not isinstance(value, bool)) or (kind is not int and isinstance(value, Rule))
+    if kind is float:
+        return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    if kind == Layers:
+        return isinstance(value, tuple) and all(isinstance(v, int) and not isinstance(v, bool) for v in value)
+    if kind == Ratio:
+        return isinstance(value, tuple) and len(value) == 2 and all(
+            isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in value)
+    if typing.get_origin(kind) is Literal:
+        return value in typing.get_args(kind)
+    raise TypeError(f"no check for {kind}")
+
+
+def metavar(kind) -> str:
+    """How a flag's value is written, for --help: avg|max, N:M, LAYERS, BOOL, N, X."""
+    if typing.get_origin(kind) is Literal:
+        return "|".join(typing.get_args(kind))
+    return {bool: "BOOL", float: "X", Layers: "LAYERS", Ratio: "N:M"}.get(kind, "N")
+
+
+def kind_name(kind) -> str:
+    """What a value of `kind` is, for an error message."""
+    if typing.get_origin(kind) is Literal:
+        return "one of " + " | ".join(typing.get_args(kind))
+    return {bool: "true or false", int: "whole number", float: "finite number", Layers: "tuple of layer numbers",
+            Ratio: "pair of whole numbers (N, M)"}.get(kind, "whole number")
+
+
+@dataclass(frozen=True)
+class Declared:
+    """One option of one method, as the registry and run.py see it."""
+
+    name: str
+    kind: object  # the field's type
+    default: object
+    help: str
+    check: Callable[[object], bool] | None
+    must: str
+    by_variant: dict  # variant -> its value, when the variants differ in this option
+
+
+def declared(Options, variants: dict | None = None) -> list[Declared]:
+    """The fields of a method's Options, with the value each variant gives them."""
+    hints = typing.get_type_hints(Options)
+    out = []
+    for f in fields(Options):
+        values = {name: getattr(v, f.name) for name, v in (variants or {}).items()}
+        differ = len({repr(v) for v in values.values()}) > 1
+        out.append(Declared(f.name, hints[f.name], f.default, f.metadata["help"], f.metadata["check"],
+                            f.metadata["must"], values if differ else {}))
+    return out
