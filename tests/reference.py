@@ -25,14 +25,16 @@ def random_model(L=3, H=4, H_kv=2, D=8, vocab=61, seed=0, sharp=3.0) -> Transfor
 
 
 @torch.no_grad()
-def simulate(model: Transformer, calls: list[torch.Tensor], choose, after_layer=None, with_keys=False):
+def simulate(model: Transformer, calls: list[torch.Tensor], choose, after_layer=None, with_keys=False,
+             with_values=False):
     """Run `calls` (each ids (B, T)) in order. Returns (last-position logits per call,
     kept-position sets entering each call: kept[c][layer][b][h] = sorted list of positions).
 
     choose(layer, c, probs, kept, new) -> the kept sets after call c, where probs (B, H, T, N)
     is the masked attention of call c's queries over all N positions so far, kept[b][h] the
     positions entering the call and new the positions of its tokens (with_keys: a sixth argument,
-    the layer's keys after RoPE at every position so far, (B, H_kv, N, D)). after_layer(layer, c,
+    the layer's keys after RoPE at every position so far, (B, H_kv, N, D); with_values: then its
+    values at every position so far, (B, H_kv, N, D)). after_layer(layer, c,
     kept), if given, may then change the kept sets of any layer (kept[layer][b][h]) in place.
     """
     cfg = model.config
@@ -74,7 +76,7 @@ def simulate(model: Transformer, calls: list[torch.Tensor], choose, after_layer=
                         out[b, hq, i] = probs[b, hq, i] @ V[layer][b, hk]
             x = x + attn.o_proj(out.transpose(1, 2).reshape(B, T, -1))
             x = x + block.mlp(block.post_attention_layernorm(x))
-            extra = (K[layer],) if with_keys else ()
+            extra = ((K[layer],) if with_keys else ()) + ((V[layer],) if with_values else ())
             kept[layer] = choose(layer, c, probs, kept[layer], new, *extra)
             if after_layer is not None:
                 after_layer(layer, c, kept)

@@ -9,7 +9,7 @@ from kvmini.assignments import strip, write_student_copy
 
 ROOT = Path(__file__).resolve().parent.parent
 EXERCISES = ["reciprocal_allocation", "variance_softmax", "ema_merging", "frobenius_stop", "convex_value_merge",
-             "progressive_budgets"]
+             "progressive_budgets", "value_norm"]
 
 
 def test_strip_keeps_markers_and_raises():
@@ -38,7 +38,8 @@ def test_student_copy_fails_the_mechanism_tests(tmp_path):
     names = write_student_copy(dest)
     assert sorted(names) == sorted(EXERCISES)
     assert (dest / "tests" / "test_weightedkv.py").is_file() and not (dest / "weights" / "SmolLM2-135M-Instruct").exists()
-    tests = ["tests/test_weightedkv.py", "tests/test_dbudgetkv.py", "tests/test_d2o.py", "tests/test_dynamickv.py"]
+    tests = ["tests/test_weightedkv.py", "tests/test_dbudgetkv.py", "tests/test_d2o.py", "tests/test_dynamickv.py",
+             "tests/test_vatp.py"]
     student = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *tests],
                              cwd=dest, capture_output=True, text=True, timeout=600)
     assert student.returncode != 0

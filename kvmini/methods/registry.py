@@ -13,7 +13,7 @@ import re
 
 from kvmini.errors import KvminiError
 from kvmini.methods import (d2o, dbudgetkv, dynamickv, h2o, knorm, options, pyramidkv, snapkv, snapkv_d2o,
-                            streaming_llm, tova, weightedkv)
+                            streaming_llm, tova, vatp, weightedkv)
 from kvmini.methods.options import Declared
 from kvmini.parts import EVERY_CALL, PREFILL
 from kvmini.policy import PerSequence, Policy, resolve_budget
@@ -31,6 +31,7 @@ METHODS = {
     "dynamickv": dynamickv,
     "knorm": knorm,
     "snapkv_d2o": snapkv_d2o,
+    "vatp": vatp,
 }
 DEFAULT_BUDGET = 0.2  # used by run.py when --budget is not given
 

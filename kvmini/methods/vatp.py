@@ -1,0 +1,68 @@
+r"""VATP (Guo et al. 2024): H2O's accumulated attention weighted by the norm of each token's value.
+
+Paper: "Attention Score is not All You Need for Token Importance Indicator in KV Cache Reduction:
+Value Also Matters", Zhiyu Guo, Hidetaka Kamigaito, Taro Watanabe (EMNLP 2024; arXiv 2406.12335).
+Authors' code: guozhiyu/vatp.
+
+A token that receives much attention but carries a small value vector adds little to the output
+(the output is sum_j A_ij v_j), so the score of a cached token is its accumulated attention times
+the l1 norm of its value, per KV head:
+
+    s_j = \|v_j\|_1 \sum_{i \le t} A_{ij}
+
+Everything else is H2O's (kvmini.methods.h2o): the recent window, one eviction per decode step,
+compression after every call. The first `sinks` tokens are always kept, as the authors' code does
+(the first tokens' values tend to be small, so their score would be low although attention sinks
+matter). Defaults: 4 sinks (the authors' example command keeps 20 on Llama-2-7B), recent =
+budget // 2, l1 norm, group reduction mean. `value_norm=off` is H2O with sinks.
+Chunked prefill: compressed after every call by design, as H2O.
+Deviation: the authors' code scores per query head (Llama-2 has no grouped heads); kvmini per KV
+head, the query heads of a group reduced by mean. Their code multiplies each step's column sums
+by the norms before adding them up; the norm of a kept value never changes, so the sum is the same.
+This module is the method built in tutorials/09_write_your_own_method.py.
+"""
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+
+from kvmini.cache import LayerCache, wide
+from kvmini.methods import options
+from kvmini.methods.allocators import Uniform
+from kvmini.methods.h2o import HALF
+from kvmini.methods.scorers import CumulativeAttention
+from kvmini.methods.selectors import TopK
+from kvmini.parts import EVERY_CALL, Rule
+from kvmini.policy import Policy
+
+
+class ValueWeightedAttention(CumulativeAttention):
+    r"""s_j = \|v_j\|_p \sum_{i \le t} A_{ij}: H2O's running column sums (kept in lc.aux by `update`)
+    times each cached value's norm (p = 1 in the paper)."""
+
+    def __init__(self, reduce: str = "mean", p: float | None = 1.0):
+        super().__init__(reduce)
+        self.p = p  # None: no weighting (H2O)
+
+    def __call__(self, lc: LayerCache, stats: dict) -> torch.Tensor:
+        received = super().__call__(lc, stats)  # (B, H_kv, S)
+        if self.p is None:
+            return received
+        # BEGIN EXERCISE value_norm: tutorials/09_write_your_own_method.py, "The scorer"
+        return received * wide(lc.values).norm(p=self.p, dim=-1)  # (B, H_kv, S) * (B, H_kv, S)
+        # END EXERCISE
+
+
+@dataclass(frozen=True)
+class Options:
+    sinks: int = options.sinks(4)
+    recent: int | Rule = options.recent(HALF)
+    value_norm: Literal["l1", "l2", "off"] = options.option(
+        "l1", "VATP: weight the attention score by the value's l1 norm (the paper), l2, or not at all (H2O)")
+    reduce: options.Reduce = options.reduce()
+
+
+def build(budget: float, o: Options = Options()) -> Policy:
+    p = {"l1": 1.0, "l2": 2.0, "off": None}[o.value_norm]
+    return Policy("vatp", budget, ValueWeightedAttention(o.reduce, p), Uniform(), TopK(o.sinks, o.recent),
+                  schedule=EVERY_CALL)

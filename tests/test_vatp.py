@@ -1,0 +1,91 @@
+"""VATP (kvmini.methods.vatp), the method tutorial 9 writes: a scorer worked by hand, the engine against
+a literal masked simulation written from the paper's score, and H2O as its special case."""
+from collections import defaultdict
+
+import pytest
+import torch
+
+from kvmini.cache import LayerCache
+from kvmini.methods.registry import make_policy
+from kvmini.methods.vatp import ValueWeightedAttention
+from reference import group_mean, random_model, simulate, top_positions
+
+
+def test_value_weighting_by_hand():
+    """Accumulated attention [.5, .3, .2] times the l1 norms of the values [1, 4, 2] (|1| + |-3| = 4)
+    -> [.5, 1.2, .4]: the second token, though less attended than the first, scores highest."""
+    lc = LayerCache(1, 1, 2, torch.float32, "cpu", capacity=4)
+    for t, v in enumerate([[1.0, 0.0], [1.0, -3.0], [0.5, 1.5]]):
+        lc.append(torch.zeros(1, 1, 1, 2), torch.tensor(v).view(1, 1, 1, 2), torch.tensor([[t]]))
+    lc.aux("attention_sum")[:] = torch.tensor([0.5, 0.3, 0.2])
+    assert ValueWeightedAttention(p=1.0)(lc, {}).flatten().tolist() == pytest.approx([0.5, 1.2, 0.4])
+    l2 = [0.5 * 1.0, 0.3 * 10**0.5, 0.2 * 2.5**0.5]
+    assert ValueWeightedAttention(p=2.0)(lc, {}).flatten().tolist() == pytest.approx(l2)
+    assert ValueWeightedAttention(p=None)(lc, {}).flatten().tolist() == pytest.approx([0.5, 0.3, 0.2])
+
+
+def vatp_literal(budget, g, sinks=4, recent=None, p=1):
+    """VATP in loops: s_j = |v_j|_p * (attention j received so far, query heads of a group averaged);
+    keep the first `sinks`, the last `recent` and the best scores between them, after every call."""
+    recent = budget // 2 if recent is None else recent
+    received_so_far = defaultdict(float)  # (layer, b, h, position) -> attention received
+
+    def choose(layer, c, probs, kept, new, values):
+        received = group_mean(probs, g).sum(2)  # (B, H_kv, N): this call's column sums
+
+        def rule(b, h, cand):
+            for q in cand:
+                received_so_far[layer, b, h, q] += received[b, h, q].item()
+            if len(cand) <= budget:
+                return cand
+            first, middle, last = cand[:sinks], cand[sinks : len(cand) - recent], cand[len(cand) - recent :]
+            norm = {q: sum(abs(x) ** p for x in values[b, h, q].tolist()) ** (1 / p) for q in middle}
+            score = {q: received_so_far[layer, b, h, q] * norm[q] for q in middle}
+            return first + top_positions(middle, score, budget - sinks - recent) + last
+
+        return [[rule(b, h, sorted(s + new)) for h, s in enumerate(row)] for b, row in enumerate(kept)]
+    return choose
+
+
+@pytest.mark.parametrize("options,budget,chunks,p", [
+    ({}, 12, [20], 1),
+    ({"sinks": 2, "recent": 3}, 9, [7, 11], 1),
+    ({"value_norm": "l2"}, 12, [20], 2),
+])
+def test_engine_equals_literal_masked_simulation(options, budget, chunks, p):
+    model = random_model(L=3, H=4, H_kv=2, seed=len(chunks))
+    gen = torch.Generator().manual_seed(11)
+    B, steps, n = 2, 6, sum(chunks)
+    calls = [torch.randint(0, 61, (B, t), generator=gen) for t in chunks]
+    calls += [torch.randint(0, 61, (B, 1), generator=gen) for _ in range(steps)]
+    policy = make_policy("vatp", budget, **options)
+    cache = model.new_cache(B, 4)
+    policy.start(n, n + steps)
+    got_logits, got_kept = [], []
+    with torch.no_grad():
+        for ids in calls:
+            got_kept.append([[[sorted(cache[l].positions[b, h].tolist()) for h in range(2)] for b in range(B)]
+                             for l in range(3)])
+            got_logits.append(model(ids, cache, policy)[:, -1])
+    rule_options = {k: v for k, v in options.items() if k in ("sinks", "recent")}
+    want_logits, want_kept = simulate(model, calls, vatp_literal(budget, 2, p=p, **rule_options), with_values=True)
+    assert got_kept == want_kept
+    for got, want in zip(got_logits, want_logits):
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
+
+
+def test_without_the_value_norm_it_is_h2o():
+    model = random_model(L=3, seed=4)
+    ids = torch.randint(0, 61, (1, 30), generator=torch.Generator().manual_seed(5))
+    kept = {}
+    for name, options in [("h2o", {}), ("vatp", {"value_norm": "off", "sinks": 0}), ("vatp", {})]:
+        cache = model.new_cache(1)
+        policy = make_policy(name, 10, **options)
+        policy.start(30, 36)
+        with torch.no_grad():
+            model(ids, cache, policy)
+            for t in range(6):
+                model(torch.tensor([[t + 1]]), cache, policy)
+        kept[name, tuple(options)] = [sorted(cache[l].positions[0, h].tolist()) for l in range(3) for h in range(2)]
+    assert kept["h2o", ()] == kept["vatp", ("value_norm", "sinks")]
+    assert kept["h2o", ()] != kept["vatp", ()]  # the value norms change what is kept
