@@ -70,10 +70,18 @@ class LayerCache:
         """Entries held by each sequence of the batch."""
         return [self.length] * self._k.shape[0] if self.counts is None else self.counts.tolist()
 
+    def declare(self, *names: str) -> None:
+        """Per-entry buffers `names`, zeros until written, that follow every append and eviction. A part
+        that keeps statistics in the cache lists them (Scorer.aux) and the policy declares them."""
+        for name in names:
+            if name not in self._aux:
+                self._aux[name] = torch.zeros(self._pos.shape, dtype=wide(self._k).dtype, device=self._pos.device)
+
     def aux(self, name: str) -> torch.Tensor:
-        """Per-token statistic `name` of the held entries, (B, H_kv, S); zeros when first asked for."""
+        """Per-token statistic `name` of the held entries, (B, H_kv, S); a name never declared is an error."""
         if name not in self._aux:
-            self._aux[name] = torch.zeros(self._pos.shape, dtype=wide(self._k).dtype, device=self._pos.device)
+            raise KvminiError(f"no aux buffer {name!r} in this cache (declared: {', '.join(self._aux) or 'none'}); "
+                              "a scorer lists the buffers it keeps in its `aux`, and the policy declares them")
         return self._aux[name][:, :, : self.length]
 
     def aux_names(self) -> list[str]:
@@ -241,6 +249,11 @@ class KVCache:
         """Entries held per layer (by the longest row, when the rows of a batch differ)."""
         return [layer.length for layer in self.layers]
 
+    def declare(self, *names: str) -> None:
+        """Per-entry buffers `names` in every layer (LayerCache.declare)."""
+        for layer in self.layers:
+            layer.declare(*names)
+
     def join(self, layers: tuple[int, ...], room: int = 1) -> LayerCache:
         """The given layers as one LayerCache whose batch rows are theirs, layer after layer
         (len(layers) * B rows): their buffers become views of its buffers, so one operation on it acts
@@ -358,6 +371,9 @@ class SequenceView:
     def aux(self, name: str) -> torch.Tensor:
         return self.lc.aux(name)[self.b : self.b + 1, :, : self.length]  # (1, H_kv, S_b)
 
+    def declare(self, *names: str) -> None:
+        self.lc.declare(*names)
+
     def keep(self, idx: torch.Tensor) -> None:
         self.lc.keep_row(self.b, idx)
 
@@ -383,3 +399,7 @@ class SequenceCache:
 
     def lengths(self) -> list[int]:
         return [layer.length for layer in self.layers]
+
+    def declare(self, *names: str) -> None:
+        for layer in self.layers:
+            layer.declare(*names)

@@ -64,6 +64,7 @@ class Scorer:
 
     request: StatsRequest | None = None  # the attention statistics it reads (None: the fast SDPA path)
     accumulates = False  # True: `update` keeps running sums in lc.aux, so it needs every call's statistics
+    aux: tuple[str, ...] = ()  # the per-entry buffers it keeps in the cache (declared by the policy)
 
     def update(self, lc, stats: dict, start: int, T: int) -> None:
         """After a call of T queries at positions start..start+T-1 (accumulating scorers only)."""

@@ -201,6 +201,7 @@ class Policy:
         if not self.active or self.budgeter.skips(layer):
             return
         lc = cache[layer]
+        lc.declare(*self.scorer.aux)  # the buffers the scorer keeps, in the layers it scores (a no-op once made)
         if self.gathering and (stats := self._gather(layer, lc, stats)) is None:
             return  # the prompt is not complete yet: its parts see it when it is
         if self.one_each and lc.length - 1 == self.budgeter.known(layer) <= self.joinable():

@@ -33,6 +33,7 @@ def test_append_grows_and_keep_gathers_everything():
     c = LayerCache(batch=1, kv_heads=2, head_dim=3, dtype=torch.float32, device="cpu", capacity=2)
     k = torch.arange(30.0).view(1, 2, 5, 3)  # (B, H_kv, T, D)
     c.append(k, -k, torch.arange(5)[None])
+    c.declare("score")
     c.aux("score")[:] = torch.tensor([[[0.0, 1, 2, 3, 4], [10, 11, 12, 13, 14]]])
     assert c.capacity >= 5 and c.length == 5
     idx = torch.tensor([[[0, 3], [4, 1]]])  # each head keeps its own entries
@@ -98,6 +99,7 @@ def test_rows_of_different_lengths_are_padded_at_their_end():
     c = LayerCache(batch=2, kv_heads=1, head_dim=1, dtype=torch.float32, device="cpu", capacity=2)
     k = torch.arange(8.0).view(2, 1, 4, 1)  # row 0: 0 1 2 3, row 1: 4 5 6 7
     c.append(k, k, torch.arange(4).expand(2, 4))
+    c.declare("score")
     c.aux("score")[:] = k[..., 0]
     c.sequence(1).keep(torch.tensor([[[0, 3]]]))  # row 1 keeps positions 0 and 3
     assert c.padded and c.held() == [4, 2] and c.length == 4
@@ -135,6 +137,7 @@ def test_evict_one_moves_the_last_entry_into_the_slot():
     lc = LayerCache(1, 2, 1, torch.float32, "cpu")
     for t in range(5):
         lc.append(torch.full((1, 2, 1, 1), float(t)), torch.full((1, 2, 1, 1), 10.0 * t), torch.tensor([[t]]))
+    lc.declare("score")
     lc.aux("score")[:] = torch.arange(5.0) / 10
     lc.evict_one(torch.tensor([[1, 4]]))  # head 0 drops entry 1, head 1 drops the newest
     assert lc.length == 4
@@ -142,3 +145,20 @@ def test_evict_one_moves_the_last_entry_into_the_slot():
     assert lc.keys[..., 0].tolist() == [[[0, 4, 2, 3], [0, 1, 2, 3]]]
     assert lc.values[..., 0].tolist() == [[[0, 40, 20, 30], [0, 10, 20, 30]]]
     torch.testing.assert_close(lc.aux("score"), torch.tensor([[[0.0, 0.4, 0.2, 0.3], [0.0, 0.1, 0.2, 0.3]]]))
+
+
+def test_aux_buffers_are_declared_before_use():
+    """A statistic kept in the cache is declared by the part that owns it (Scorer.aux); a name never
+    declared (a typo) is an error, not a silent buffer of zeros."""
+    from kvmini.errors import KvminiError
+    from kvmini.methods.convex_value_merge import AverageAttention
+    from kvmini.methods.scorers import CumulativeAttention
+
+    lc = LayerCache(batch=1, kv_heads=1, head_dim=2, dtype=torch.float32, device="cpu")
+    lc.append(torch.zeros(1, 1, 3, 2), torch.zeros(1, 1, 3, 2), torch.arange(3)[None])
+    with pytest.raises(KvminiError, match="no aux buffer 'attention_sum' in this cache"):
+        lc.aux("attention_sum")
+    lc.declare(*CumulativeAttention.aux, *AverageAttention.aux)
+    assert sorted(lc.aux_names()) == ["a", "attention_sum", "n"] and lc.aux("a").tolist() == [[[0.0, 0.0, 0.0]]]
+    with pytest.raises(KvminiError, match=r"no aux buffer 'atention_sum' .*declared: attention_sum, a, n"):
+        lc.aux("atention_sum")

@@ -136,6 +136,7 @@ def test_joined_layers_are_views_and_leave_when_they_outgrow_it():
     for i, lc in enumerate(cache.layers):  # layer i holds 5 + i entries at positions 0..4+i
         n = 5 + i
         lc.append(torch.full((1, 1, n, 4), float(i)), torch.full((1, 1, n, 4), -float(i)), torch.arange(n)[None])
+        lc.declare("score")
         lc.aux("score").copy_(torch.arange(n, dtype=torch.float32)[None, None])
     joint = cache.join((0, 2))
     assert joint.keys.shape == (2, 1, 7, 4) and joint.counts.tolist() == [5, 7]

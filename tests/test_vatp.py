@@ -17,6 +17,7 @@ def test_value_weighting_by_hand():
     lc = LayerCache(1, 1, 2, torch.float32, "cpu", capacity=4)
     for t, v in enumerate([[1.0, 0.0], [1.0, -3.0], [0.5, 1.5]]):
         lc.append(torch.zeros(1, 1, 1, 2), torch.tensor(v).view(1, 1, 1, 2), torch.tensor([[t]]))
+    lc.declare("attention_sum")
     lc.aux("attention_sum")[:] = torch.tensor([0.5, 0.3, 0.2])
     assert ValueWeightedAttention(p=1.0)(lc, {}).flatten().tolist() == pytest.approx([0.5, 1.2, 0.4])
     l2 = [0.5 * 1.0, 0.3 * 10**0.5, 0.2 * 2.5**0.5]

@@ -92,6 +92,7 @@ def abar_cache(abar: list[float]) -> LayerCache:
     lc = LayerCache(1, 1, 2, torch.float32, "cpu", capacity=8)
     for t in range(len(abar)):
         lc.append(torch.zeros(1, 1, 1, 2), torch.zeros(1, 1, 1, 2), torch.tensor([[t]]))
+    lc.declare("a", "n")
     lc.aux("a")[:] = torch.tensor(abar)
     lc.aux("n")[:] = 1
     return lc

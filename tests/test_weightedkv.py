@@ -18,6 +18,7 @@ def append_token(lc: LayerCache, t: int) -> None:
 
 
 def set_average_attention(lc: LayerCache, abar: list[float]) -> None:
+    lc.declare("a", "n")
     lc.aux("a")[:] = torch.tensor(abar).view(1, 1, -1)
     lc.aux("n")[:] = 1.0
 
@@ -165,6 +166,7 @@ def test_counts_of_a_chunk_follow_the_causal_mask():
     lc = LayerCache(1, 1, 8, torch.float32, "cpu")
     for t in [1, 3, 5, 6, 7]:
         append_token(lc, t)
+    lc.declare(*AverageAttention.aux)
     AverageAttention().update(lc, {"column_sums": torch.tensor([[[0.5, 1.0, 1.5, 0.4, 0.1]]])}, start=5, T=3)
     assert lc.aux("n").tolist() == [[[3, 3, 3, 2, 1]]]
     torch.testing.assert_close(lc.aux("a"), torch.tensor([[[0.5, 1.0, 1.5, 0.4, 0.1]]]))
@@ -174,7 +176,8 @@ def scrambled_copy(lc: LayerCache, perm: list) -> LayerCache:
     """The same entries (and a, n) in another buffer order."""
     out = LayerCache(1, 1, lc.values.shape[-1], torch.float32, "cpu")
     out.append(lc.keys[:, :, perm], lc.values[:, :, perm], lc.positions[:, 0, perm])
-    for name in ("a", "n"):
+    out.declare(*lc.aux_names())
+    for name in lc.aux_names():
         out.aux(name)[:] = lc.aux(name)[:, :, perm]
     return out
 
@@ -198,6 +201,7 @@ def test_merge_one_equals_algorithm_1_in_any_buffer_order(seed):
         abar = torch.rand(ordered.length, generator=gen).tolist()
         set_average_attention(ordered, abar)
         by_pos = dict(zip(ordered.positions.flatten().tolist(), abar))
+        mixed.declare("a", "n")
         mixed.aux("a")[:] = torch.tensor([by_pos[p] for p in mixed.positions.flatten().tolist()]).view(1, 1, -1)
         mixed.aux("n")[:] = 1.0
         convex_value_merge(ordered, capacity=ordered.length - 1, sinks=1, recent=2)

@@ -148,7 +148,8 @@ assert cache.seen_tokens == 12 and cache.lengths() == [12, 12]
 # %%
 layer = cache[0]
 print("keys", tuple(layer.keys.shape), "positions", layer.positions[0, 0].tolist())
-layer.aux("score")[:] = torch.arange(12.0)  # some per-token statistic
+layer.declare("score")  # a per-token statistic, declared by the part that keeps it
+layer.aux("score")[:] = torch.arange(12.0)
 layer.keep(torch.tensor([[0, 5, 11], [1, 2, 11]]).view(1, 2, 3))  # each KV head keeps its own three
 assert layer.positions.tolist() == [[[0, 5, 11], [1, 2, 11]]]
 assert layer.aux("score").tolist() == [[[0.0, 5.0, 11.0], [1.0, 2.0, 11.0]]]

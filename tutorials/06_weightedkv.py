@@ -91,6 +91,7 @@ assert err[0.1] < err[3.0]  # the less the dropped token was attended, the bette
 lc = LayerCache(1, 1, 2, torch.float32, "cpu")
 for t in [1, 3, 5, 6, 7]:  # cached positions; a chunk of 3 queries at positions 5, 6, 7 just arrived
     lc.append(torch.zeros(1, 1, 1, 2), torch.zeros(1, 1, 1, 2), torch.tensor([[t]]))
+lc.declare(*AverageAttention.aux)  # the buffers the scorer keeps in the cache: a and n
 AverageAttention().update(lc, {"column_sums": torch.tensor([[[0.5, 1.0, 1.5, 0.4, 0.1]]])}, start=5, T=3)
 assert lc.aux("n").tolist() == [[[3, 3, 3, 2, 1]]]
 
@@ -111,6 +112,7 @@ lc = LayerCache(1, 1, 8, torch.float32, "cpu")
 
 def arrive(t, abar):
     lc.append(10 * E[t - 1].view(1, 1, 1, 8), E[t - 1].view(1, 1, 1, 8), torch.tensor([[t]]))
+    lc.declare("a", "n")  # the buffers AverageAttention keeps (its `aux`); a no-op once they exist
     lc.aux("a")[:] = torch.tensor(abar).view(1, 1, -1) if abar else 0
     lc.aux("n")[:] = 1.0
     convex_value_merge(lc, capacity=4, sinks=0, recent=1)

@@ -58,6 +58,7 @@ print(inspect.getsource(vatp.ValueWeightedAttention))
 lc = LayerCache(1, 1, 2, torch.float32, "cpu", capacity=4)  # batch 1, one KV head, head_dim 2
 for t, v in enumerate([[1.0, 0.0], [1.0, -3.0], [0.5, 1.5]]):
     lc.append(torch.zeros(1, 1, 1, 2), torch.tensor(v).view(1, 1, 1, 2), torch.tensor([[t]]))
+lc.declare(*vatp.ValueWeightedAttention.aux)  # the buffer the scorer keeps: ("attention_sum",)
 lc.aux("attention_sum")[:] = torch.tensor([0.5, 0.3, 0.2])
 score = vatp.ValueWeightedAttention(p=1.0)(lc, {})  # (1, 1, 3)
 print(score)

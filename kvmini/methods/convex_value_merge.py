@@ -42,6 +42,7 @@ class AverageAttention(Scorer):
     """The running sums a and n of Alg. 1 lines 4-5, per KV head (query heads of a group reduced)."""
 
     accumulates = True
+    aux = ("a", "n")
 
     def __init__(self, reduce: str = "mean"):
         self.request = StatsRequest(column_sums=True, reduce=reduce)

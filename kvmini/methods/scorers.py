@@ -25,6 +25,7 @@ class CumulativeAttention(Scorer):
     r"""H2O (Zhang et al. 2023): s_j = \sum_{i \le t} A_{ij}, attention received from every query so far."""
 
     accumulates = True
+    aux = ("attention_sum",)
 
     def __init__(self, reduce: str = "mean"):
         self.request = StatsRequest(column_sums=True, reduce=reduce)
