@@ -239,7 +239,10 @@ def describe(args, policy) -> str:
 def budget_note(policy) -> str:
     """Why the cache holds more than the budget asks (D2O's official protected layers, DynamicKV's
     last L % m layers), when it does."""
-    budgeter = getattr(policy, "one", policy).budgeter  # a PerSequence batch: its first sequence's parts
+    one = getattr(policy, "one", policy)  # a PerSequence batch: its first sequence's parts
+    if one.unchanged is not None:  # a prompt too short to compress: the note says so
+        return ""
+    budgeter = one.budgeter
     asked, budgets, why = getattr(budgeter, "b", None), policy.budgets, budgeter.holds_more_because()
     mean = sum(budgets) / len(budgets)
     if not why or asked is None or mean <= asked:

@@ -25,6 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from kvmini.cache import wide
+from kvmini.errors import KvminiError
 
 REDUCTIONS = ("mean", "max", "sum")
 
@@ -46,6 +47,48 @@ class StatsRequest:
     @property
     def empty(self) -> bool:
         return not (self.column_sums or self.window > 0 or self.last_row)
+
+
+STATISTICS = ("column_sums", "window_sums", "last_row", "column_sums_heads", "window_sums_heads")
+
+
+class Stats:
+    """The attention statistics of one layer in one call, as a StatsRequest asked for them, read as
+    attributes: `column_sums`, `window_sums`, `last_row` (B, H_kv, S), per KV head; `column_sums_heads`,
+    `window_sums_heads` (B, H, S), per query head (request.heads). Reading one that was not asked for
+    is an error naming it: a part lists what it reads in its `request`. Iterating gives the names held."""
+
+    __slots__ = ("_held",)
+
+    def __init__(self, **held: torch.Tensor):
+        unknown = set(held) - set(STATISTICS)
+        if unknown:
+            raise TypeError(f"unknown attention statistics {sorted(unknown)}; they are {', '.join(STATISTICS)}")
+        self._held = held
+
+    def __getattr__(self, name: str) -> torch.Tensor:
+        if name not in STATISTICS:
+            raise AttributeError(name)
+        if name not in self._held:
+            raise KvminiError(f"attention statistic {name} was not requested (held: {', '.join(self._held) or 'none'}); "
+                              "the part that reads it must ask for it in its StatsRequest")
+        return self._held[name]
+
+    def __iter__(self):
+        return iter(self._held)
+
+    def __contains__(self, name: str) -> bool:
+        return name in self._held
+
+    def items(self):
+        return self._held.items()
+
+    def map(self, fn) -> "Stats":
+        """fn applied to every statistic held (e.g. one sequence's rows)."""
+        return Stats(**{name: fn(t) for name, t in self._held.items()})
+
+    def adding(self, **more: torch.Tensor) -> "Stats":
+        return Stats(**{**self._held, **more})
 
 
 def merge_requests(requests: list) -> StatsRequest | None:
@@ -102,10 +145,10 @@ def attend(q, k, v, q_pos, k_pos, request: StatsRequest | None, window=None, pad
     """The attention of one layer and the statistics `request` names (see the module docstring).
 
     k, v (B, H_kv, S, D) end with the T entries of this call's queries q (B, H, T, D).
-    Returns (out (B, H, T, D), stats: dict name -> (B, H_kv, S) float32, float64 for a float64 model).
+    Returns (out (B, H, T, D), stats: Stats, each (B, H_kv, S) float32, float64 for a float64 model).
     """
     if request is None or request.empty:
-        return sdpa_attention(q, k, v, q_pos, k_pos, window, padded), {}
+        return sdpa_attention(q, k, v, q_pos, k_pos, window, padded), Stats()
     if q.shape[2] == 1 and window is None and not padded:  # decode: the row is every statistic
         out, p = _one_query_attention(q, k, v, with_row=True)
         return out, _statistics(request, p, p if request.window > 0 else None, p if request.last_row else None)
@@ -123,7 +166,7 @@ def explicit_attention(q, k, v, q_pos, k_pos, request: StatsRequest, window=None
 
     Unless `padded`, the last T entries of k, v are the queries' own tokens, in order, so a chunk
     of queries only scores the keys before its end (the rest are in its future).
-    Returns (out (B, H, T, D), stats: dict name -> (B, H_kv, S) float32, float64 for a float64 model).
+    Returns (out (B, H, T, D), stats: Stats, each (B, H_kv, S) float32, float64 for a float64 model).
     """
     B, H, T, D = q.shape
     H_kv, S = k.shape[1], k.shape[2]
@@ -156,7 +199,7 @@ def explicit_attention(q, k, v, q_pos, k_pos, request: StatsRequest, window=None
     return out.view(B, H, T, D), _statistics(request, col, win, last)
 
 
-def _statistics(request: StatsRequest, col, win, last) -> dict:
+def _statistics(request: StatsRequest, col, win, last) -> Stats:
     """The requested statistics from per-query-head sums col, win and row last, each (B, H_kv, g, S) or None."""
     stats = {}
     col = col if request.column_sums else None
@@ -167,7 +210,7 @@ def _statistics(request: StatsRequest, col, win, last) -> dict:
         if request.heads and t is not None:
             B, H_kv, g, S = t.shape
             stats[name] = t.reshape(B, H_kv * g, S)  # (B, H, S): query head h = kv_head * g + i
-    return stats
+    return Stats(**stats)
 
 
 def reduce_group(t: torch.Tensor, how: str) -> torch.Tensor:

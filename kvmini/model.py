@@ -85,7 +85,7 @@ class Attention(nn.Module):
         return apply_rope(q.transpose(1, 2), cos, sin), apply_rope(k.transpose(1, 2), cos, sin), v
 
     def forward(self, x, pos, cos, sin, cache: LayerCache, request: StatsRequest | None):
-        """x (B, T, C); pos (B, T) absolute positions -> (B, T, C), stats dict (empty without a request)."""
+        """x (B, T, C); pos (B, T) absolute positions -> (B, T, C), the Stats asked for (none without a request)."""
         B, T, _ = x.shape
         q, k, v = self.project(x, cos, sin)
         cache.append(k, v, pos)

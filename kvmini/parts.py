@@ -9,8 +9,9 @@
 A method is one of each, e.g. H2O = CumulativeAttention() + Uniform() + TopK(recent=HALF) on
 EVERY_CALL (kvmini.methods.h2o). The engine that runs them is kvmini.policy.Policy; it imports
 no method. The base classes below hold the shared defaults; a part overrides what it changes.
-Shapes: lc is a LayerCache (kvmini.cache); stats maps names to (B, H_kv, S) attention statistics
-(kvmini.attention); scores are (B, H_kv, S), higher = keep.
+Shapes: lc is a LayerCache (kvmini.cache); stats is a kvmini.attention.Stats, the attention
+statistics the parts' requests asked for, e.g. stats.column_sums (B, H_kv, S); scores are
+(B, H_kv, S), higher = keep.
 """
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -18,7 +19,7 @@ from typing import NamedTuple
 
 import torch
 
-from kvmini.attention import StatsRequest
+from kvmini.attention import Stats, StatsRequest
 from kvmini.errors import KvminiError
 
 PREFILL = "prefill"  # once, layer by layer, in the forward call that completes the prompt
@@ -66,10 +67,10 @@ class Scorer:
     accumulates = False  # True: `update` keeps running sums in lc.aux, so it needs every call's statistics
     aux: tuple[str, ...] = ()  # the per-entry buffers it keeps in the cache (declared by the policy)
 
-    def update(self, lc, stats: dict, start: int, T: int) -> None:
+    def update(self, lc, stats: Stats, start: int, T: int) -> None:
         """After a call of T queries at positions start..start+T-1 (accumulating scorers only)."""
 
-    def __call__(self, lc, stats: dict) -> torch.Tensor:
+    def __call__(self, lc, stats: Stats) -> torch.Tensor:
         raise NotImplementedError
 
 
@@ -95,15 +96,21 @@ class Budgeter:
     def start(self, b: int | None, L: int, n: int) -> None:
         """A fresh run: L layers, a prompt of n tokens, b tokens per layer on average (or None)."""
         self.b, self.L, self.n = b, L, n
-        self.protected = tuple(p + L if p < 0 else p for p in self.protected_spec)
-        self.budgets = self.plan()
+        self.protected = self.protected_in(L)
+        self.budgets = self.plan(b, L, n)
 
-    def plan(self) -> list[int]:
-        """The per-layer budgets known before any statistics: uniform by default; a protected layer
-        keeps the whole prompt."""
-        return [self.n if layer in self.protected else self.b for layer in range(self.L)]
+    def protected_in(self, L: int) -> tuple[int, ...]:
+        """The protected layers of an L-layer model (-1: the last): the one place a protected layer is named."""
+        return tuple(p + L if p < 0 else p for p in self.protected_spec)
 
-    def update(self, layer: int, lc, stats: dict, start: int, T: int) -> None:
+    def plan(self, b: int | None, L: int, n: int) -> list[int]:
+        """The per-layer budgets known before any statistics, for a mean budget b, L layers and a prompt
+        of n tokens: uniform by default; a protected layer keeps the whole prompt. A pure function of
+        its arguments (and the budgeter's settings), so the engine can ask it without starting a run."""
+        protected = self.protected_in(L)
+        return [n if layer in protected else b for layer in range(L)]
+
+    def update(self, layer: int, lc, stats: Stats, start: int, T: int) -> None:
         """After a prompt call of T queries at positions start..start+T-1 (accumulating budgeters only)."""
 
     def holds_more_because(self) -> str:
@@ -118,7 +125,7 @@ class Budgeter:
     def known(self, layer: int) -> int | None:
         return self.budgets[layer]
 
-    def decide(self, layer: int, lc, stats: dict, score: torch.Tensor) -> dict[int, int]:
+    def decide(self, layer: int, lc, stats: Stats, score: torch.Tensor) -> dict[int, int]:
         return {layer: self.budgets[layer]}
 
 

@@ -23,12 +23,11 @@ import dataclasses
 import functools
 import math
 import sys
-from collections.abc import Mapping
 
 import torch
 import torch.nn.functional as F
 
-from kvmini.attention import StatsRequest, merge_requests, reduce_group
+from kvmini.attention import STATISTICS, Stats, StatsRequest, merge_requests, reduce_group
 from kvmini.cache import KVCache
 from kvmini.errors import KvminiError
 from kvmini.parts import AFTER_PROMPT, DECODE, EVERY_CALL, PREFILL
@@ -68,6 +67,7 @@ class Policy:
         """Fresh state for a run whose prompt has prompt_len tokens (total_len: prompt + new tokens, if known)."""
         self.prompt_len, self.total_len = prompt_len, total_len
         self.started, self.evicted, self.active, self.note = False, [], False, None  # parts start on the first call
+        self.unchanged: list[int] | None = None  # the budgets of a prompt too short to compress: all of it
         self.gathered: dict[int, dict] = {}  # layer -> per-query-head sums over the prompt's calls so far
         self.join_limit: int | None = None  # the longest budget a layer may have to be evicted with the others
         self._fresh = prompt_len is not None
@@ -99,7 +99,7 @@ class Policy:
         when = {PREFILL: end == n, AFTER_PROMPT: end >= n, DECODE: end > n, EVERY_CALL: True}  # the schedule
         self.compress_now = self.active and when[self.schedule]
         self.gathering = self.schedule != EVERY_CALL and self.in_prompt and T < n  # a prompt in several calls
-        self.deferred: list[tuple[int, dict]] = []  # (layer, stats) whose one-entry eviction waits for `end`
+        self.deferred: list[tuple[int, Stats]] = []  # (layer, stats) whose one-entry eviction waits for `end`
         self.one_each = (self.together and self.compress_now and T == 1 and not self.in_prompt and self.evict_every == 1
                          and self.compressor.one_each and isinstance(cache, KVCache) and self.budgeter.known(0) is not None)
 
@@ -115,7 +115,7 @@ class Policy:
             fit = next((x for x in range(b + 1, n + 1) if self._fits(x, L)), None)
             if fit is None:
                 self.note = f"not compressed: the {n}-token prompt is no longer than what {self.name} always keeps"
-                self.budgeter.budgets, self.active = [n] * L, False
+                self.unchanged, self.active = [n] * L, False
                 return
             self.note, b = f"budget raised from {b} to {fit} tokens per layer, the least {self.name} can keep", fit
         self.budgeter.start(b, L, n)
@@ -124,20 +124,21 @@ class Policy:
         self.active = b is None or not self._is_noop(b, n, self.total_len)
 
     def _fits(self, b: int, L: int) -> bool:
-        """Can the parts work with a mean budget of b tokens per layer?"""
+        """Can the parts work with a mean budget of b tokens per layer? (Asks the budgeter's pure plan.)"""
         try:
-            self.budgeter.start(b, L, self.prompt_len)
+            budgets = self.budgeter.plan(b, L, self.prompt_len)
         except KvminiError:
             return False
-        return not self._problems(dict(enumerate(self.budgeter.budgets)))
+        return not self._problems(dict(enumerate(budgets)), L)
 
-    def _problems(self, budgets: dict[int, int]) -> list[tuple[int, int, str]]:
+    def _problems(self, budgets: dict[int, int], L: int) -> list[tuple[int, int, str]]:
         """(layer, budget, why) for the budgets the compressor cannot work with (protected layers never compress)."""
+        protected = self.budgeter.protected_in(L)
         return [(layer, b, why) for layer, b in budgets.items()
-                if layer not in self.budgeter.protected and (why := self.compressor.problem(b)) is not None]
+                if layer not in protected and (why := self.compressor.problem(b)) is not None]
 
     def _check(self, budgets: dict[int, int]) -> None:
-        if problems := self._problems(budgets):
+        if problems := self._problems(budgets, len(self.evicted)):
             layer, b, why = problems[0]
             raise KvminiError(f"{self.name}: a budget of {b} tokens (layer {layer}) is {why}; "
                               "raise --budget or lower --sinks/--window")
@@ -178,26 +179,26 @@ class Policy:
         request = dataclasses.replace(wanted, window=window, last_row=wanted.last_row and end == n, heads=True)
         return None if request.empty else request
 
-    def _gather(self, layer: int, lc, stats: dict) -> dict | None:
+    def _gather(self, layer: int, lc, stats: Stats) -> Stats | None:
         """Add this call's per-query-head sums to the prompt's; in the call that completes the prompt,
         the whole prompt's statistics (reduced over each KV head's query heads as the parts asked),
         else None. Sums over a layer's keys so far, (B, H, S); the cache only grows during the prompt."""
-        sums = self.gathered.setdefault(layer, {})
+        sums = self.gathered.setdefault(layer, {})  # statistic name -> the prompt's sum so far
         for name in ("column_sums_heads", "window_sums_heads"):
             if name in stats:
-                old = sums.get(name)
-                sums[name] = stats[name] if old is None else F.pad(old, (0, lc.length - old.shape[-1])) + stats[name]
+                old, new = sums.get(name), getattr(stats, name)
+                sums[name] = new if old is None else F.pad(old, (0, lc.length - old.shape[-1])) + new
         if self.call_start + self.T < self.prompt_len:
             return None
-        whole = dict(stats)  # the last row: the last query is in this call
+        whole = {}  # with the last row: the last query is in this call
         for name, t in self.gathered.pop(layer).items():  # none when the parts ask for no statistics
             reduce = merge_requests([self.scorer.request, self.budgeter.request]).reduce
             B, H, S = t.shape
             whole[name] = t
             whole[name.removesuffix("_heads")] = reduce_group(t.view(B, lc.keys.shape[1], -1, S), reduce)  # (B, H_kv, S)
-        return whole
+        return stats.adding(**whole)
 
-    def after_attention(self, layer: int, cache: KVCache, stats: dict) -> None:
+    def after_attention(self, layer: int, cache: KVCache, stats: Stats) -> None:
         if not self.active or self.budgeter.skips(layer):
             return
         lc = cache[layer]
@@ -264,7 +265,9 @@ class Policy:
     @property
     def budgets(self) -> list[int] | None:
         """What each layer may keep, as decided so far (None before the first call)."""
-        return self.budgeter.budgets if self.started else None
+        if not self.started:
+            return None
+        return self.unchanged if self.unchanged is not None else self.budgeter.budgets
 
     @property
     def merged(self) -> list[float]:
@@ -272,17 +275,19 @@ class Policy:
         return self.compressor.merged_per_layer()
 
 
-class Stacked(Mapping):
+class Stacked:
     """The statistics of the layers `Policy.end` evicts together, as the rows of the joined cache
-    (len(layers) * B, H_kv, S): each is stacked when first read, the rows of shorter layers padded
-    with zeros."""
+    (len(layers) * B, H_kv, S), read as a Stats is: each is stacked when first read, the rows of
+    shorter layers padded with zeros."""
 
-    def __init__(self, per_layer: list[dict], joint):
+    def __init__(self, per_layer: list[Stats], joint):
         self.per_layer, self.S, self.stacked = per_layer, joint.length, {}
 
-    def __getitem__(self, name: str):
+    def __getattr__(self, name: str) -> torch.Tensor:
+        if name not in STATISTICS:
+            raise AttributeError(name)
         if name not in self.stacked:
-            rows = [stats[name] for stats in self.per_layer]  # (B, H_kv, S_l) each
+            rows = [getattr(stats, name) for stats in self.per_layer]  # (B, H_kv, S_l) each
             if all(t.shape[-1] == self.S for t in rows):
                 self.stacked[name] = torch.cat(rows)  # (len(layers) * B, H_kv, S)
             else:  # one copy of all rows side by side, then each layer's part read out, zero-padded
@@ -293,9 +298,6 @@ class Stacked(Mapping):
 
     def __iter__(self):
         return iter(self.per_layer[0])
-
-    def __len__(self) -> int:
-        return len(self.per_layer[0])
 
 
 @functools.lru_cache(maxsize=16)
@@ -348,14 +350,14 @@ class PerSequence:
         for policy in self.rows or [self.one]:
             policy.end(policy.cache)
 
-    def after_attention(self, layer: int, cache: KVCache, stats: dict) -> None:
+    def after_attention(self, layer: int, cache: KVCache, stats: Stats) -> None:
         if self.rows is None:
             self.one.after_attention(layer, cache, stats)
             return
         for b, row in enumerate(self.rows):
             view = row.cache  # cache.sequence(b), made in begin()
             S_b = view[layer].length
-            row.after_attention(layer, view, {name: t[b : b + 1, :, :S_b] for name, t in stats.items()})
+            row.after_attention(layer, view, stats.map(lambda t: t[b : b + 1, :, :S_b]))
 
     @property
     def schedule(self) -> str:

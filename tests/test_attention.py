@@ -55,9 +55,9 @@ def test_explicit_path_statistics_equal_naive(reduce, T, S_old, window, chunk):
     B, H, _, S = probs.shape
     grouped = probs.view(B, 2, H // 2, T, S)  # (B, H_kv, g, T, S)
     combine = {"mean": lambda t: t.mean(2), "max": lambda t: t.amax(2), "sum": lambda t: t.sum(2)}[reduce]
-    torch.testing.assert_close(stats["column_sums"], combine(grouped.sum(3)), atol=1e-5, rtol=0)
-    torch.testing.assert_close(stats["window_sums"], combine(grouped[:, :, :, -3:].sum(3)), atol=1e-5, rtol=0)
-    torch.testing.assert_close(stats["last_row"], combine(grouped[:, :, :, -1]), atol=1e-5, rtol=0)
+    torch.testing.assert_close(stats.column_sums, combine(grouped.sum(3)), atol=1e-5, rtol=0)
+    torch.testing.assert_close(stats.window_sums, combine(grouped[:, :, :, -3:].sum(3)), atol=1e-5, rtol=0)
+    torch.testing.assert_close(stats.last_row, combine(grouped[:, :, :, -1]), atol=1e-5, rtol=0)
 
 
 @pytest.mark.parametrize("request_", [StatsRequest(window=3), StatsRequest(last_row=True, reduce="max"),
@@ -83,7 +83,7 @@ def test_attend_equals_naive_on_every_path(request_, T, S_old, window):
             want["last_row"] = red(grouped[:, :, :, -1])
     assert set(stats) == set(want)
     for name in want:
-        torch.testing.assert_close(stats[name], want[name], atol=1e-5, rtol=0)
+        torch.testing.assert_close(getattr(stats, name), want[name], atol=1e-5, rtol=0)
 
 
 def test_statistics_are_only_computed_when_requested():
@@ -110,7 +110,7 @@ class AskEverything:
         return StatsRequest(column_sums=True, window=4, last_row=True)
 
     def after_attention(self, layer, cache, stats):
-        self.seen.append((layer, stats["column_sums"].shape))
+        self.seen.append((layer, stats.column_sums.shape))
 
     def end(self, cache):
         pass

@@ -5,6 +5,7 @@ from collections import defaultdict
 import pytest
 import torch
 
+from kvmini.attention import Stats
 from kvmini.cache import LayerCache
 from kvmini.methods.registry import make_policy
 from kvmini.methods.vatp import ValueWeightedAttention
@@ -19,10 +20,10 @@ def test_value_weighting_by_hand():
         lc.append(torch.zeros(1, 1, 1, 2), torch.tensor(v).view(1, 1, 1, 2), torch.tensor([[t]]))
     lc.declare("attention_sum")
     lc.aux("attention_sum")[:] = torch.tensor([0.5, 0.3, 0.2])
-    assert ValueWeightedAttention(p=1.0)(lc, {}).flatten().tolist() == pytest.approx([0.5, 1.2, 0.4])
+    assert ValueWeightedAttention(p=1.0)(lc, Stats()).flatten().tolist() == pytest.approx([0.5, 1.2, 0.4])
     l2 = [0.5 * 1.0, 0.3 * 10**0.5, 0.2 * 2.5**0.5]
-    assert ValueWeightedAttention(p=2.0)(lc, {}).flatten().tolist() == pytest.approx(l2)
-    assert ValueWeightedAttention(p=None)(lc, {}).flatten().tolist() == pytest.approx([0.5, 0.3, 0.2])
+    assert ValueWeightedAttention(p=2.0)(lc, Stats()).flatten().tolist() == pytest.approx(l2)
+    assert ValueWeightedAttention(p=None)(lc, Stats()).flatten().tolist() == pytest.approx([0.5, 0.3, 0.2])
 
 
 def vatp_literal(budget, g, sinks=4, recent=None, p=1):

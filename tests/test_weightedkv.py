@@ -3,6 +3,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from kvmini.attention import Stats
 from kvmini.cache import LayerCache
 from kvmini.generate import prefill
 from kvmini.methods.convex_value_merge import convex_value_merge
@@ -167,7 +168,7 @@ def test_counts_of_a_chunk_follow_the_causal_mask():
     for t in [1, 3, 5, 6, 7]:
         append_token(lc, t)
     lc.declare(*AverageAttention.aux)
-    AverageAttention().update(lc, {"column_sums": torch.tensor([[[0.5, 1.0, 1.5, 0.4, 0.1]]])}, start=5, T=3)
+    AverageAttention().update(lc, Stats(column_sums=torch.tensor([[[0.5, 1.0, 1.5, 0.4, 0.1]]])), start=5, T=3)
     assert lc.aux("n").tolist() == [[[3, 3, 3, 2, 1]]]
     torch.testing.assert_close(lc.aux("a"), torch.tensor([[[0.5, 1.0, 1.5, 0.4, 0.1]]]))
 

@@ -49,9 +49,9 @@ out, stats = explicit_attention(q, k, v, pos, pos.expand(B, H_kv, T)[:, :, :],
 A = F.softmax((q @ k.repeat_interleave(2, 1).transpose(-1, -2)) / math.sqrt(D)
               + torch.full((T, T), float("-inf")).triu(1), dim=-1)  # (B, H, T, T), the full matrix
 A_kv = A.view(B, H_kv, 2, T, T).mean(2)  # mean over the query heads of each KV head
-assert torch.allclose(stats["column_sums"], A_kv.sum(2), atol=1e-6)
-assert torch.allclose(stats["window_sums"], A_kv[:, :, -3:].sum(2), atol=1e-6)
-assert torch.allclose(stats["last_row"], A_kv[:, :, -1], atol=1e-6)
+assert torch.allclose(stats.column_sums, A_kv.sum(2), atol=1e-6)
+assert torch.allclose(stats.window_sums, A_kv[:, :, -3:].sum(2), atol=1e-6)
+assert torch.allclose(stats.last_row, A_kv[:, :, -1], atol=1e-6)
 
 # %% [markdown]
 # ## Budgets

@@ -14,6 +14,7 @@ sys.path.insert(0, str(Path.cwd() if Path("kvmini").is_dir() else Path.cwd().par
 
 import torch  # noqa: E402
 
+from kvmini.attention import Stats  # noqa: E402
 from kvmini.cache import LayerCache  # noqa: E402
 from kvmini.methods.convex_value_merge import AverageAttention, convex_value_merge  # noqa: E402
 from kvmini.methods.registry import make_policy  # noqa: E402
@@ -92,7 +93,7 @@ lc = LayerCache(1, 1, 2, torch.float32, "cpu")
 for t in [1, 3, 5, 6, 7]:  # cached positions; a chunk of 3 queries at positions 5, 6, 7 just arrived
     lc.append(torch.zeros(1, 1, 1, 2), torch.zeros(1, 1, 1, 2), torch.tensor([[t]]))
 lc.declare(*AverageAttention.aux)  # the buffers the scorer keeps in the cache: a and n
-AverageAttention().update(lc, {"column_sums": torch.tensor([[[0.5, 1.0, 1.5, 0.4, 0.1]]])}, start=5, T=3)
+AverageAttention().update(lc, Stats(column_sums=torch.tensor([[[0.5, 1.0, 1.5, 0.4, 0.1]]])), start=5, T=3)
 assert lc.aux("n").tolist() == [[[3, 3, 3, 2, 1]]]
 
 # %% [markdown]

@@ -15,6 +15,7 @@ sys.path.insert(0, str(Path.cwd() if Path("kvmini").is_dir() else Path.cwd().par
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
+from kvmini.attention import Stats  # noqa: E402
 from kvmini.methods.allocators import proportional  # noqa: E402
 from kvmini.methods.registry import make_policy  # noqa: E402
 from kvmini.methods.scorers import WindowAttention  # noqa: E402
@@ -32,7 +33,7 @@ from kvmini.methods.scorers import WindowAttention  # noqa: E402
 # %%
 window_sums = torch.tensor([[[0.0, 3.0, 0.0, 0.0, 6.0, 0.0, 9.0, 9.0]]])  # 6 prefix keys + a window of 2
 scorer = WindowAttention(window=2, kernel=3)
-pooled = scorer(None, {"window_sums": window_sums})
+pooled = scorer(None, Stats(window_sums=window_sums))
 literal = [sum(window_sums[0, 0, i].item() for i in (j - 1, j, j + 1) if 0 <= i < 6) / 3 for j in range(6)]
 assert torch.allclose(pooled[0, 0, :6], torch.tensor(literal)) and torch.isinf(pooled[0, 0, 6:]).all()
 assert torch.allclose(pooled[0, 0, :6], F.avg_pool1d(window_sums[:, :, :6], 3, 1, 1)[0])

@@ -31,6 +31,7 @@ sys.path.insert(0, str(ROOT / "tests"))  # the literal references ship with the 
 
 import torch  # noqa: E402
 
+from kvmini.attention import Stats  # noqa: E402
 from kvmini.cache import LayerCache  # noqa: E402
 from kvmini.errors import KvminiError  # noqa: E402
 from kvmini.methods import registry, vatp  # noqa: E402
@@ -60,7 +61,7 @@ for t, v in enumerate([[1.0, 0.0], [1.0, -3.0], [0.5, 1.5]]):
     lc.append(torch.zeros(1, 1, 1, 2), torch.tensor(v).view(1, 1, 1, 2), torch.tensor([[t]]))
 lc.declare(*vatp.ValueWeightedAttention.aux)  # the buffer the scorer keeps: ("attention_sum",)
 lc.aux("attention_sum")[:] = torch.tensor([0.5, 0.3, 0.2])
-score = vatp.ValueWeightedAttention(p=1.0)(lc, {})  # (1, 1, 3)
+score = vatp.ValueWeightedAttention(p=1.0)(lc, Stats())  # (1, 1, 3)
 print(score)
 assert torch.allclose(score.flatten(), torch.tensor([0.5, 1.2, 0.4]))
 

@@ -34,7 +34,7 @@ class ColumnSums:
         return StatsRequest(column_sums=True)
 
     def after_attention(self, layer, cache, stats):
-        self.sums.append(stats["column_sums"])
+        self.sums.append(stats.column_sums)
 
     def end(self, cache):
         pass

@@ -31,6 +31,7 @@ import time
 
 import torch
 
+from kvmini.attention import Stats
 from kvmini.generate import prefill, synchronize
 from kvmini.methods.registry import policy_for
 from kvmini.parts import PREFILL
@@ -64,7 +65,7 @@ class Timed:
     def request(self, layer: int):
         return self._timed(self.policy.request, layer)
 
-    def after_attention(self, layer: int, cache, stats: dict) -> None:
+    def after_attention(self, layer: int, cache, stats: Stats) -> None:
         self._timed(self.policy.after_attention, layer, cache, stats)
 
     def end(self, cache) -> None:

@@ -74,5 +74,5 @@ class Pyramid(Budgeter):
         super().__init__()
         self.window, self.beta = window, beta
 
-    def plan(self) -> list[int]:
-        return pyramid(self.b, self.L, self.window, self.beta)
+    def plan(self, b: int, L: int, n: int) -> list[int]:
+        return pyramid(b, L, self.window, self.beta)

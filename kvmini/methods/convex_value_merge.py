@@ -32,7 +32,7 @@ cache in 17.9 s; chunks of the capacity 0.035 (runs, 0.8 s) and 0.033 (sequentia
 """
 import torch
 
-from kvmini.attention import StatsRequest
+from kvmini.attention import Stats, StatsRequest
 from kvmini.cache import PAD, LayerCache, wide
 from kvmini.errors import one_of
 from kvmini.parts import Compressor, Merged, Rule, Scorer
@@ -47,13 +47,13 @@ class AverageAttention(Scorer):
     def __init__(self, reduce: str = "mean"):
         self.request = StatsRequest(column_sums=True, reduce=reduce)
 
-    def update(self, lc: LayerCache, stats: dict, start: int, T: int) -> None:
+    def update(self, lc: LayerCache, stats: Stats, start: int, T: int) -> None:
         """After a call of T queries at positions start..start+T-1."""
-        lc.aux("a").add_(stats["column_sums"])  # (B, H_kv, S)  line 4
+        lc.aux("a").add_(stats.column_sums)  # (B, H_kv, S)  line 4
         # line 5: a key at position p is seen by the queries at positions max(p, start)..start+T-1
         lc.aux("n").add_(T - (lc.positions - start).clamp(min=0))  # (B, H_kv, S)
 
-    def __call__(self, lc: LayerCache, stats: dict) -> torch.Tensor:
+    def __call__(self, lc: LayerCache, stats: Stats) -> torch.Tensor:
         return lc.aux("a") / lc.aux("n")  # line 7: abar (B, H_kv, S)
 
 

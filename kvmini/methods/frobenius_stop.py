@@ -23,7 +23,7 @@ use the authors' code's ratio of head-averaged norms, (mean_h ||A'_h|| - mean_h 
 """
 import torch
 
-from kvmini.attention import StatsRequest
+from kvmini.attention import Stats, StatsRequest
 from kvmini.cache import LayerCache
 from kvmini.errors import one_of
 from kvmini.parts import Budgeter
@@ -61,8 +61,8 @@ class FrobeniusStop(Budgeter):
         # the last row itself when k = 1 (a window of k queries would merge with a ranking window)
         self.request = StatsRequest(last_row=True, reduce=reduce) if k == 1 else StatsRequest(window=k, reduce=reduce)
 
-    def plan(self) -> list[int]:
-        return [self.n] * self.L  # nothing is pruned until a layer has chosen
+    def plan(self, b: None, L: int, n: int) -> list[int]:
+        return [n] * L  # nothing is pruned until a layer has chosen
 
     def known(self, layer: int) -> None:
         return None
@@ -72,15 +72,15 @@ class FrobeniusStop(Budgeter):
         return {"position": (min(self.sinks, S), 0), "window_attention": (0, min(self.window, S)),
                 "cumulative": (0, 0)}[self.ranking]
 
-    def decide(self, layer: int, lc: LayerCache, stats: dict, score: torch.Tensor) -> dict[int, int]:
+    def decide(self, layer: int, lc: LayerCache, stats: Stats, score: torch.Tensor) -> dict[int, int]:
         pos = lc.positions  # (B, H_kv, S)
         S = pos.shape[-1]
         if self.k == 1:
-            s = stats["last_row"]  # Eq. (1) with k = 1: (B, H_kv, S)
+            s = stats.last_row  # Eq. (1) with k = 1: (B, H_kv, S)
         else:  # the window sums of the prompt's last k queries, however many calls the prompt came in
             n = int(pos.max()) + 1  # the prompt length: this runs in the call that completes the prompt
             seen_by = (n - pos).clamp(max=self.k).float()  # queries among the last k that see each key
-            s = stats["window_sums"] / seen_by  # Eq. (1): (B, H_kv, S)
+            s = stats.window_sums / seen_by  # Eq. (1): (B, H_kv, S)
         first, last = self.always_kept(S)
         if self.excludes_kept and first + last:  # the authors' code: zero them out of both norms
             s = s.clone()

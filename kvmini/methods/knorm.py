@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
+from kvmini.attention import Stats
 from kvmini.cache import wide
 from kvmini.methods.allocators import Uniform
 from kvmini.methods.selectors import TopK
@@ -24,7 +25,7 @@ from kvmini.policy import Policy
 
 
 class KNorm(Scorer):
-    def __call__(self, lc, stats: dict) -> torch.Tensor:
+    def __call__(self, lc, stats: Stats) -> torch.Tensor:
         return -wide(lc.keys).norm(dim=-1)  # (B, H_kv, S): the lowest norm scores highest
 
 

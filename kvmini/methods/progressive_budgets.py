@@ -25,6 +25,7 @@ holds some window entries twice (kvmini holds each once).
 """
 import torch
 
+from kvmini.attention import Stats
 from kvmini.errors import KvminiError, one_of
 from kvmini.methods.allocators import proportional
 from kvmini.parts import Budgeter
@@ -47,12 +48,12 @@ class ProgressiveBudgets(Budgeter):
         self.scores, self.held = [], []  # per finished layer: A_l over the prefix keys (B, H_kv, n - ws); entries held
         super().start(b, L, n)
 
-    def plan(self) -> list[int]:
+    def plan(self, b: int, L: int, n: int) -> list[int]:
         """b_s + w_s per layer (Eq. 2): what a layer keeps before any re-allocation (n - w_s caps it by itself)."""
-        if self.b <= self.window:
-            raise KvminiError(f"dynamickv: a mean budget of {self.b} tokens per layer must exceed the window of "
+        if b <= self.window:
+            raise KvminiError(f"dynamickv: a mean budget of {b} tokens per layer must exceed the window of "
                               f"{self.window}; raise --budget or lower --window")
-        return [int(self.r_max * (self.b - self.window)) + self.window] * self.L
+        return [int(self.r_max * (b - self.window)) + self.window] * L
 
     def holds_more_because(self) -> str:
         tail = self.L % self.interval
@@ -64,7 +65,7 @@ class ProgressiveBudgets(Budgeter):
     def known(self, layer: int) -> None:
         return None  # every layer is scored, to re-balance the finished ones
 
-    def decide(self, layer: int, lc, stats: dict, score: torch.Tensor) -> dict[int, int]:
+    def decide(self, layer: int, lc, stats: Stats, score: torch.Tensor) -> dict[int, int]:
         """score (B, H_kv, S) of `layer` before it is compressed; S = n, the whole prompt."""
         n, w, w_t = score.shape[-1], self.window, self.b
         self.scores.append(score[:, :, : n - w])  # A_l over the non-window keys

@@ -8,7 +8,7 @@ The protocol is kvmini.parts.Scorer.
 import torch
 import torch.nn.functional as F
 
-from kvmini.attention import StatsRequest
+from kvmini.attention import Stats, StatsRequest
 from kvmini.cache import LayerCache
 from kvmini.errors import one_of
 from kvmini.parts import Scorer
@@ -17,7 +17,7 @@ from kvmini.parts import Scorer
 class Position(Scorer):
     """StreamingLLM, DBudgetKV: the later a token, the more important (no attention statistics)."""
 
-    def __call__(self, lc: LayerCache, stats: dict) -> torch.Tensor:
+    def __call__(self, lc: LayerCache, stats: Stats) -> torch.Tensor:
         return lc.positions.float()  # (B, H_kv, S)
 
 
@@ -30,11 +30,11 @@ class CumulativeAttention(Scorer):
     def __init__(self, reduce: str = "mean"):
         self.request = StatsRequest(column_sums=True, reduce=reduce)
 
-    def update(self, lc: LayerCache, stats: dict, start: int, T: int) -> None:
+    def update(self, lc: LayerCache, stats: Stats, start: int, T: int) -> None:
         """After a call of T queries at positions start..start+T-1."""
-        lc.aux("attention_sum").add_(stats["column_sums"])  # (B, H_kv, S)
+        lc.aux("attention_sum").add_(stats.column_sums)  # (B, H_kv, S)
 
-    def __call__(self, lc: LayerCache, stats: dict) -> torch.Tensor:
+    def __call__(self, lc: LayerCache, stats: Stats) -> torch.Tensor:
         return lc.aux("attention_sum")
 
 
@@ -44,8 +44,8 @@ class LastRowAttention(Scorer):
     def __init__(self, reduce: str = "mean"):
         self.request = StatsRequest(last_row=True, reduce=reduce)
 
-    def __call__(self, lc: LayerCache, stats: dict) -> torch.Tensor:
-        return stats["last_row"]
+    def __call__(self, lc: LayerCache, stats: Stats) -> torch.Tensor:
+        return stats.last_row
 
 
 class WindowAttention(Scorer):
@@ -60,8 +60,8 @@ class WindowAttention(Scorer):
         self.window, self.kernel, self.pooling = window, kernel, one_of("WindowAttention pooling", pooling, ("avg", "max"))
         self.request = StatsRequest(window=window, reduce=reduce)
 
-    def __call__(self, lc: LayerCache, stats: dict) -> torch.Tensor:
-        C = stats["window_sums"]  # (B, H_kv, S)
+    def __call__(self, lc: LayerCache, stats: Stats) -> torch.Tensor:
+        C = stats.window_sums  # (B, H_kv, S)
         B, H_kv, S = C.shape
         prefix = C[:, :, : S - self.window].reshape(B * H_kv, 1, -1)  # (B*H_kv, 1, S - w)
         pool = F.avg_pool1d if self.pooling == "avg" else F.max_pool1d

@@ -30,7 +30,7 @@ import sys
 
 import torch
 
-from kvmini.attention import StatsRequest
+from kvmini.attention import Stats, StatsRequest
 from kvmini.errors import one_of
 from kvmini.methods.allocators import proportional
 from kvmini.parts import Budgeter
@@ -83,18 +83,18 @@ class VarianceSoftmax(Budgeter):
             return None
         return sys.maxsize if layer in self.protected else self.budgets[layer]
 
-    def update(self, layer: int, lc, stats: dict, start: int, T: int) -> None:
+    def update(self, layer: int, lc, stats: Stats, start: int, T: int) -> None:
         if start + T == self.n:  # the call that completes the prompt
             self.F_v[layer] = self.measure(stats)
 
-    def measure(self, stats: dict) -> float:
+    def measure(self, stats: Stats) -> float:
         if self.how == "official":
-            return official_variance(stats["column_sums_heads"])
+            return official_variance(stats.column_sums_heads)
         if self.how == "paper":
-            return attention_variance(stats["column_sums_heads"])
-        return attention_variance(stats["column_sums"])
+            return attention_variance(stats.column_sums_heads)
+        return attention_variance(stats.column_sums)
 
-    def decide(self, layer: int, lc, stats: dict, score) -> dict[int, int]:
+    def decide(self, layer: int, lc, stats: Stats, score) -> dict[int, int]:
         if not self.allocated:
             if not self.accumulates:
                 self.F_v[layer] = self.measure(stats)

@@ -26,6 +26,7 @@ from typing import Literal
 
 import torch
 
+from kvmini.attention import Stats
 from kvmini.cache import LayerCache, wide
 from kvmini.methods import options
 from kvmini.methods.allocators import Uniform
@@ -44,7 +45,7 @@ class ValueWeightedAttention(CumulativeAttention):
         super().__init__(reduce)
         self.p = p  # None: no weighting (H2O)
 
-    def __call__(self, lc: LayerCache, stats: dict) -> torch.Tensor:
+    def __call__(self, lc: LayerCache, stats: Stats) -> torch.Tensor:
         received = super().__call__(lc, stats)  # (B, H_kv, S)
         if self.p is None:
             return received
