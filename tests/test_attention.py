@@ -129,3 +129,18 @@ def test_model_explicit_path_equals_sdpa_path(tiny):
     torch.testing.assert_close(slow, fast, atol=1e-5, rtol=0)
     H_kv = model.config.num_kv_heads
     assert policy.seen == [(i, (2, H_kv, 21)) for i in range(model.config.num_layers)]
+
+
+def test_a_statistic_not_requested_is_an_error_naming_it():
+    from kvmini.attention import Stats
+    from kvmini.errors import KvminiError
+
+    q, k, v, q_pos, k_pos, w = setup()
+    _, stats = explicit_attention(q, k, v, q_pos, k_pos, StatsRequest(last_row=True))
+    assert stats.last_row.shape == (q.shape[0], k.shape[1], k.shape[2])
+    with pytest.raises(KvminiError, match="attention statistic column_sums was not requested .held: last_row"):
+        stats.column_sums
+    with pytest.raises(AttributeError):
+        stats.colum_sums  # a misspelt name is no statistic at all
+    with pytest.raises(TypeError, match="unknown attention statistics"):
+        Stats(column_sum=stats.last_row)
