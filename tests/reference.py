@@ -85,6 +85,22 @@ def simulate(model: Transformer, calls: list[torch.Tensor], choose, after_layer=
     return logits, entering
 
 
+@torch.no_grad()
+def engine_run(model: Transformer, calls: list[torch.Tensor], policy, n: int):
+    """The engine's side of a comparison with `simulate`: run `calls` through the model with `policy`
+    (a prompt of n tokens, then the rest). Returns (last-position logits per call, kept positions
+    entering each call: kept[c][layer][b][h] = sorted list), as `simulate` does."""
+    B, L, H_kv = calls[0].shape[0], model.config.num_layers, model.config.num_kv_heads
+    cache = model.new_cache(B, 4)
+    policy.start(n, sum(ids.shape[1] for ids in calls))
+    logits, kept = [], []
+    for ids in calls:
+        kept.append([[[sorted(cache[l].positions[b, h].tolist()) for h in range(H_kv)] for b in range(B)]
+                     for l in range(L)])
+        logits.append(model(ids, cache, policy)[:, -1])
+    return logits, kept
+
+
 def group_mean(probs: torch.Tensor, g: int) -> torch.Tensor:
     """(B, H, T, N) -> (B, H_kv, T, N): mean over the g query heads of each KV head, written out."""
     B, H, T, N = probs.shape

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from kvmini.methods.registry import make_policy
-from reference import group_mean, random_model, simulate, top_positions
+from reference import engine_run, group_mean, random_model, simulate, top_positions
 
 
 def per_head(kept, new, rule):
@@ -94,14 +94,7 @@ def test_engine_equals_literal_masked_simulation(name, options, budget, rule, ch
     calls += [torch.randint(0, 61, (B, 1), generator=gen) for _ in range(steps)]
 
     policy = make_policy(name, budget, **options)
-    cache = model.new_cache(B, 4)
-    policy.start(n, n + steps)
-    got_logits, got_kept = [], []
-    with torch.no_grad():
-        for ids in calls:
-            got_kept.append([[[sorted(cache[l].positions[b, h].tolist()) for h in range(2)] for b in range(B)]
-                             for l in range(3)])
-            got_logits.append(model(ids, cache, policy)[:, -1])
+    got_logits, got_kept = engine_run(model, calls, policy, n)
 
     b_tokens = budget if budget > 1 else round(budget * n)
     choose = rule(b_tokens, g=2, prefill_calls=len(chunks), budgets=policy.budgets if name == "pyramidkv" else None,

@@ -9,7 +9,7 @@ from kvmini.attention import Stats
 from kvmini.cache import LayerCache
 from kvmini.methods.registry import make_policy
 from kvmini.methods.vatp import ValueWeightedAttention
-from reference import group_mean, random_model, simulate, top_positions
+from reference import engine_run, group_mean, random_model, simulate, top_positions
 
 
 def test_value_weighting_by_hand():
@@ -60,15 +60,7 @@ def test_engine_equals_literal_masked_simulation(options, budget, chunks, p):
     B, steps, n = 2, 6, sum(chunks)
     calls = [torch.randint(0, 61, (B, t), generator=gen) for t in chunks]
     calls += [torch.randint(0, 61, (B, 1), generator=gen) for _ in range(steps)]
-    policy = make_policy("vatp", budget, **options)
-    cache = model.new_cache(B, 4)
-    policy.start(n, n + steps)
-    got_logits, got_kept = [], []
-    with torch.no_grad():
-        for ids in calls:
-            got_kept.append([[[sorted(cache[l].positions[b, h].tolist()) for h in range(2)] for b in range(B)]
-                             for l in range(3)])
-            got_logits.append(model(ids, cache, policy)[:, -1])
+    got_logits, got_kept = engine_run(model, calls, make_policy("vatp", budget, **options), n)
     rule_options = {k: v for k, v in options.items() if k in ("sinks", "recent")}
     want_logits, want_kept = simulate(model, calls, vatp_literal(budget, 2, p=p, **rule_options), with_values=True)
     assert got_kept == want_kept

@@ -150,7 +150,7 @@ assert kept[True] == kept[False] and all(len(s) == 10 for s in kept[True])
 # the logits agree at every call.
 
 # %%
-from reference import simulate  # noqa: E402
+from reference import engine_run, simulate  # noqa: E402
 from test_vatp import vatp_literal  # noqa: E402
 
 print(inspect.getsource(vatp_literal))
@@ -158,15 +158,7 @@ print(inspect.getsource(vatp_literal))
 # %%
 gen = torch.Generator().manual_seed(2)
 calls = [torch.randint(0, 61, (2, 20), generator=gen)] + [torch.randint(0, 61, (2, 1), generator=gen) for _ in range(6)]
-policy = make_policy("vatp", 12)
-cache = model.new_cache(2, 4)
-policy.start(20, 26)
-got_kept, got_logits = [], []
-with torch.no_grad():
-    for call in calls:
-        got_kept.append([[[sorted(cache[layer].positions[b, h].tolist()) for h in range(2)] for b in range(2)]
-                         for layer in range(3)])
-        got_logits.append(model(call, cache, policy)[:, -1])
+got_logits, got_kept = engine_run(model, calls, make_policy("vatp", 12), 20)  # kept sets entering each call
 want_logits, want_kept = simulate(model, calls, vatp_literal(12, g=2), with_values=True)
 assert got_kept == want_kept
 assert all(torch.allclose(a, b, atol=1e-5) for a, b in zip(got_logits, want_logits))

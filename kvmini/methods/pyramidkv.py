@@ -9,7 +9,7 @@ Defaults: window 32, kernel 7, pooling avg, beta 20 (the official code's), group
 """
 from dataclasses import dataclass
 
-from kvmini.methods import options
+from kvmini.methods import options, snapkv
 from kvmini.methods.allocators import Pyramid
 from kvmini.methods.scorers import WindowAttention
 from kvmini.methods.selectors import TopK
@@ -18,11 +18,7 @@ from kvmini.policy import Policy
 
 
 @dataclass(frozen=True)
-class Options:
-    window: int = options.window(32)
-    kernel: int = options.kernel(7)
-    pooling: options.Pooling = options.pooling("avg")
-    reduce: options.Reduce = options.reduce()
+class Options(snapkv.Options):  # SnapKV's, and:
     pyramid_beta: float = options.option(20.0, "the top layer keeps 1/beta of the bottom layer's budget above the "
                                                "window", **options.at_least(1))
 
