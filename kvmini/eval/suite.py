@@ -29,7 +29,7 @@ import torch  # noqa: E402
 from kvmini.errors import KvminiError  # noqa: E402
 from kvmini.eval import fidelity, layers, passkey, plots, speed, streaming  # noqa: E402
 
-ALL_COMPRESSING = ["streaming_llm", "h2o", "tova", "snapkv", "pyramidkv", "weightedkv", "d2o", "d2o[variant=paper]",
+ALL_COMPRESSING = ["streaming_llm", "h2o", "vatp", "tova", "snapkv", "pyramidkv", "weightedkv", "d2o", "d2o[variant=paper]",
                    "dynamickv"]
 VARIANTS = ["d2o", "d2o[variant=paper]", "dbudgetkv", "dbudgetkv[variant=official]", "dynamickv",
             "dynamickv[variant=official]"]  # paper and authors' code side by side
