@@ -86,7 +86,10 @@ def parse_spec(spec: str) -> tuple[str, dict]:
             given[key] = options.read(known[key].kind, value)
         except ValueError as e:
             raise KvminiError(f"bad value {value!r} for {key} in {spec!r}: it must {e}") from None
-    return name, check(name, given)
+    try:
+        return name, check(name, given)
+    except KvminiError as e:  # a value of the right type that the method refuses: say which spec
+        raise KvminiError(f"{spec}: {e}") from None
 
 
 def policy_for(spec: str, budget: float | None):
