@@ -93,6 +93,9 @@ class Policy:
             raise KvminiError(f"{self.name}: call policy.start(prompt_len) before continuing a cache it has not seen")
         if not self.started:
             self._start_parts(len(cache))
+            for layer in range(len(cache)):  # the buffers the scorer keeps, in the layers it scores: once a run
+                if not self.budgeter.skips(layer):
+                    cache[layer].declare(*self.scorer.aux)
         self.cache, self.T, self.call_start, self.scores = cache, T, cache.seen_tokens, {}
         end, n = cache.seen_tokens + T, self.prompt_len  # this call ends at token `end`
         self.in_prompt = end <= n
@@ -202,7 +205,6 @@ class Policy:
         if not self.active or self.budgeter.skips(layer):
             return
         lc = cache[layer]
-        lc.declare(*self.scorer.aux)  # the buffers the scorer keeps, in the layers it scores (a no-op once made)
         if self.gathering and (stats := self._gather(layer, lc, stats)) is None:
             return  # the prompt is not complete yet: its parts see it when it is
         if self.one_each and lc.length - 1 == self.budgeter.known(layer) <= self.joinable():

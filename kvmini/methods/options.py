@@ -122,7 +122,7 @@ def read(kind, text: str):
         if not m:
             raise ValueError("look like N:M, e.g. 3:1")
         return int(m[1]), int(m[2])
-    if typing.get_origin(kind) is Literal:
+    if is_choice(kind):
         if text not in typing.get_args(kind):
             raise ValueError(choices(kind))
         return text
@@ -140,6 +140,11 @@ def show(value, kind=None) -> str:
     if isinstance(value, tuple):
         return ",".join(map(str, value)) if value else "none"
     return str(value)
+
+
+def is_choice(kind) -> bool:
+    """Is `kind` a Literal of names (its values are the text itself)?"""
+    return typing.get_origin(kind) is Literal
 
 
 def choices(kind) -> str:
@@ -164,21 +169,21 @@ def fits(kind, value) -> bool:
     if kind == Ratio:
         return isinstance(value, tuple) and len(value) == 2 and all(
             isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in value)
-    if typing.get_origin(kind) is Literal:
+    if is_choice(kind):
         return value in typing.get_args(kind)
     raise TypeError(f"no check for {kind}")
 
 
 def metavar(kind) -> str:
     """How a flag's value is written, for --help: avg|max, N:M, LAYERS, BOOL, N, X."""
-    if typing.get_origin(kind) is Literal:
+    if is_choice(kind):
         return "|".join(typing.get_args(kind))
     return {bool: "BOOL", float: "X", Layers: "LAYERS", Ratio: "N:M"}.get(kind, "N")
 
 
 def kind_name(kind) -> str:
     """What a value of `kind` is, for an error message."""
-    if typing.get_origin(kind) is Literal:
+    if is_choice(kind):
         return "one of " + " | ".join(typing.get_args(kind))
     return {bool: "true or false", int: "whole number", float: "finite number", Layers: "tuple of layer numbers",
             Ratio: "pair of whole numbers (N, M)"}.get(kind, "whole number")

@@ -10,6 +10,7 @@ override their part of the chosen variant. `make_policy("h2o", 0.2, recent=16)` 
 import dataclasses
 import functools
 import re
+from typing import Literal
 
 from kvmini.errors import KvminiError
 from kvmini.methods import (d2o, dbudgetkv, dynamickv, h2o, knorm, options, pyramidkv, snapkv, snapkv_d2o,
@@ -47,9 +48,9 @@ def declarations(name: str) -> tuple[Declared, ...]:
     fields, and evict_every (if it evicts while decoding)."""
     module = METHODS[name]
     if module is None:
-        return []
+        return ()
     variants = getattr(module, "VARIANTS", None)
-    head = [Declared("variant", options.Literal[tuple(variants)], module.DEFAULT_VARIANT,
+    head = [Declared("variant", Literal[tuple(variants)], module.DEFAULT_VARIANT,
                      "paper (the equations) | official (the authors' code)", None, "", {})] if variants else []
     tail = [EVICT_EVERY] if evicts_while_decoding(name) else []
     return tuple(head + options.declared(module.Options, variants) + tail)
@@ -155,13 +156,13 @@ def check(name: str, given: dict) -> dict:
             accepted = ", ".join("--" + k.replace("_", "-") for k in known) or "none"
             raise KvminiError(f"{flag} does not apply to method {name} (its options: {accepted})")
         d = known[key]
-        if isinstance(value, str) and not options_is_text(d.kind):
+        if isinstance(value, str) and not options.is_choice(d.kind):
             try:
                 value = options.read(d.kind, value)
             except ValueError as e:
                 raise KvminiError(f"{flag} must {e}, got {value!r}") from None
         if not options.fits(d.kind, value):
-            if options.typing.get_origin(d.kind) is options.Literal:
+            if options.is_choice(d.kind):
                 raise KvminiError(f"{flag} must {options.choices(d.kind)}, got {value}")
             raise KvminiError(f"{flag} must be a {options.kind_name(d.kind)}, got {value!r}")
         if d.check is not None and not isinstance(value, options.Rule) and not d.check(value):
@@ -169,9 +170,6 @@ def check(name: str, given: dict) -> dict:
         typed[key] = value
     return typed
 
-
-def options_is_text(kind) -> bool:
-    return options.typing.get_origin(kind) is options.Literal
 
 
 def make_policy(name: str, budget: float | None = None, **given) -> Policy | PerSequence | None:
