@@ -15,7 +15,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kvmini.attention import StatsRequest, attend
+from kvmini.attention import attend
+from kvmini.statistics import Request
 from kvmini.cache import KVCache, LayerCache, wide
 from kvmini.config import ModelConfig
 
@@ -84,7 +85,7 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         return apply_rope(q.transpose(1, 2), cos, sin), apply_rope(k.transpose(1, 2), cos, sin), v
 
-    def forward(self, x, pos, cos, sin, cache: LayerCache, request: StatsRequest | None):
+    def forward(self, x, pos, cos, sin, cache: LayerCache, request: Request | None):
         """x (B, T, C); pos (B, T) absolute positions -> (B, T, C), the Stats asked for (none without a request)."""
         B, T, _ = x.shape
         q, k, v = self.project(x, cos, sin)
@@ -166,7 +167,7 @@ class Transformer(nn.Module):
 
         ids (B, T). Returns logits (B, T, V) if all_logits else (B, 1, V) for the last token.
         `policy` (optional, see kvmini.policy) hears `begin(cache, T)`, is asked per layer for a
-        StatsRequest (`request(layer)`) and told after each layer's attention
+        Request (`request(layer)`) and told after each layer's attention
         (`after_attention(layer, cache, stats)`); it may then shrink that layer's cache, or wait for
         `end(cache)` after the last layer to shrink several layers at once.
         The attention of this call is computed before that. on_layer(i), if given, hears that

@@ -10,7 +10,7 @@ A method is one of each, e.g. H2O = CumulativeAttention() + Uniform() + TopK(rec
 EVERY_CALL (kvmini.methods.h2o). The engine that runs them is kvmini.policy.Policy; it imports
 no method. The base classes below hold the shared defaults; a part overrides what it changes.
 Shapes: lc is a LayerCache (kvmini.cache); stats is a kvmini.attention.Stats, the attention
-statistics the parts' requests asked for, e.g. stats.column_sums (B, H_kv, S); scores are
+statistics (kvmini.statistics) the parts' requests asked for, e.g. stats.column_sums (B, H_kv, S); scores are
 (B, H_kv, S), higher = keep.
 """
 from collections.abc import Callable
@@ -19,7 +19,7 @@ from typing import NamedTuple
 
 import torch
 
-from kvmini.attention import Stats, StatsRequest
+from kvmini.statistics import Request, Stats
 from kvmini.errors import KvminiError
 
 PREFILL = "prefill"  # once, layer by layer, in the forward call that completes the prompt
@@ -63,7 +63,7 @@ class Rule:
 class Scorer:
     """How important is each cached token, per KV head: `__call__(lc, stats) -> (B, H_kv, S)`."""
 
-    request: StatsRequest | None = None  # the attention statistics it reads (None: the fast SDPA path)
+    request: Request | None = None  # the attention statistics it reads (None: the fast SDPA path)
     accumulates = False  # True: `update` keeps running sums in lc.aux, so it needs every call's statistics
     aux: tuple[str, ...] = ()  # the per-entry buffers it keeps in the cache (declared by the policy)
 
@@ -84,7 +84,7 @@ class Budgeter:
     yet (a deferred allocation waits for the last layer). `budgets` is what it decided so far.
     """
 
-    request: StatsRequest | None = None  # statistics `decide` measures (asked for when known() is None)
+    request: Request | None = None  # statistics `decide` measures (asked for when known() is None)
     accumulates = False  # True: `update` also sees them in every call of the prompt (measured before compressing)
     per_sequence = False  # budgets follow each sequence's statistics: a batch runs one budgeter per sequence
     revisits = False  # `decide` may re-budget layers compressed earlier in the same call

@@ -2,7 +2,7 @@
 
 The model talks to a policy through three calls per forward pass of T new tokens:
     begin(cache, T)                      before layer 0
-    request(layer) -> StatsRequest|None  before the layer's attention (None: the fast SDPA path)
+    request(layer) -> Request|None       before the layer's attention (None: the fast SDPA path)
     after_attention(layer, cache, stats) after it; this may shrink cache[layer] (and, for a
                                          budgeter that revisits layers, earlier ones)
 In a call the schedule says compresses, after layer l attended over its full cache:
@@ -12,14 +12,14 @@ run; a fresh cache (seen_tokens == 0) without it starts one whose first call is 
 A prompt is a prompt, however it arrives: when it comes in several calls (a chunked prefill), a
 method that compresses once the prompt is complete (every schedule but EVERY_CALL) gathers the
 statistics its parts ask for over the prompt's calls, per query head, and its parts see them in
-the call that completes the prompt as if the prompt had come in that one call (`_gather`). Nothing
+the call that completes the prompt as if the prompt had come in that one call
+(kvmini.statistics.Gathering). Nothing
 is compressed before that call, so the cache only grows, and by causality each query's attention
 is the one it has in a single call: the kept sets are the one-shot ones. EVERY_CALL methods (H2O,
 TOVA, StreamingLLM, WeightedKV) compress after each chunk by design.
 Methods whose budgets follow each sequence's statistics run a batch through `PerSequence`.
 The data flow, the schedules and every switch of the engine: docs/design.md.
 """
-import dataclasses
 import functools
 import math
 import sys
@@ -27,10 +27,10 @@ import sys
 import torch
 import torch.nn.functional as F
 
-from kvmini.attention import STATISTICS, Stats, StatsRequest, merge_requests, reduce_group
 from kvmini.cache import KVCache
 from kvmini.errors import KvminiError
 from kvmini.parts import AFTER_PROMPT, DECODE, EVERY_CALL, PREFILL
+from kvmini.statistics import DECLARED, Gathering, Request, Stats
 
 
 def resolve_budget(budget: float, prompt_len: int) -> int:
@@ -68,7 +68,7 @@ class Policy:
         self.prompt_len, self.total_len = prompt_len, total_len
         self.started, self.evicted, self.active, self.note = False, [], False, None  # parts start on the first call
         self.unchanged: list[int] | None = None  # the budgets of a prompt too short to compress: all of it
-        self.gathered: dict[int, dict] = {}  # layer -> per-query-head sums over the prompt's calls so far
+        self.gathered: Gathering | None = None  # a prompt in several calls: its statistics so far
         self.join_limit: int | None = None  # the longest budget a layer may have to be evicted with the others
         self._fresh = prompt_len is not None
 
@@ -102,6 +102,9 @@ class Policy:
         when = {PREFILL: end == n, AFTER_PROMPT: end >= n, DECODE: end > n, EVERY_CALL: True}  # the schedule
         self.compress_now = self.active and when[self.schedule]
         self.gathering = self.schedule != EVERY_CALL and self.in_prompt and T < n  # a prompt in several calls
+        if self.gathering and self.call_start == 0:
+            wanted = Request.merge([self.scorer.request, self.budgeter.request])
+            self.gathered = Gathering(wanted, n) if wanted else None
         self.deferred: list[tuple[int, Stats]] = []  # (layer, stats) whose one-entry eviction waits for `end`
         self.one_each = (self.together and self.compress_now and T == 1 and not self.in_prompt and self.evict_every == 1
                          and self.compressor.one_each and isinstance(cache, KVCache) and self.budgeter.known(0) is not None)
@@ -150,14 +153,14 @@ class Policy:
         """Does the scorer keep running sums now? (Always for decode-time methods, during the prompt otherwise.)"""
         return self.scorer.accumulates and (self.schedule != PREFILL or self.in_prompt)
 
-    def request(self, layer: int) -> StatsRequest | None:
+    def request(self, layer: int) -> Request | None:
         if not self.active or self.budgeter.skips(layer):
             return None
         if self.one_each:  # a decode step's usual case, without building a request: the scorer's, or none
             wanted = self.accumulating() or self.cache[layer].length + 1 > self.budgeter.known(layer)
             return self.scorer.request if wanted else None
         if self.gathering:
-            return self._prompt_request()
+            return self.gathered.request(self.call_start, self.T) if self.gathered else None
         wanted = [self.scorer.request] if self.accumulating() else []
         if self.budgeter.accumulates and self.in_prompt:
             wanted.append(self.budgeter.request)
@@ -167,46 +170,18 @@ class Policy:
                 wanted += [self.scorer.request, self.budgeter.request]
             elif self.cache[layer].length + self.T > known:
                 wanted.append(self.scorer.request)
-        return merge_requests(wanted)
-
-    def _prompt_request(self) -> StatsRequest | None:
-        """What one call of a prompt in several calls contributes to the statistics of the whole prompt:
-        the parts' requests per query head, the observation window cut to this call's queries in it
-        (the prompt's last w queries are the last ones of every call that holds any), the last row
-        only in the call that completes the prompt."""
-        wanted = merge_requests([self.scorer.request, self.budgeter.request])
-        if wanted is None:
-            return None
-        end, n = self.call_start + self.T, self.prompt_len
-        window = max(0, end - max(self.call_start, n - wanted.window)) if wanted.window else 0
-        request = dataclasses.replace(wanted, window=window, last_row=wanted.last_row and end == n, heads=True)
-        return None if request.empty else request
-
-    def _gather(self, layer: int, lc, stats: Stats) -> Stats | None:
-        """Add this call's per-query-head sums to the prompt's; in the call that completes the prompt,
-        the whole prompt's statistics (reduced over each KV head's query heads as the parts asked),
-        else None. Sums over a layer's keys so far, (B, H, S); the cache only grows during the prompt."""
-        sums = self.gathered.setdefault(layer, {})  # statistic name -> the prompt's sum so far
-        for name in ("column_sums_heads", "window_sums_heads"):
-            if name in stats:
-                old, new = sums.get(name), getattr(stats, name)
-                sums[name] = new if old is None else F.pad(old, (0, lc.length - old.shape[-1])) + new
-        if self.call_start + self.T < self.prompt_len:
-            return None
-        whole = {}  # with the last row: the last query is in this call
-        for name, t in self.gathered.pop(layer).items():  # none when the parts ask for no statistics
-            reduce = merge_requests([self.scorer.request, self.budgeter.request]).reduce
-            B, H, S = t.shape
-            whole[name] = t
-            whole[name.removesuffix("_heads")] = reduce_group(t.view(B, lc.keys.shape[1], -1, S), reduce)  # (B, H_kv, S)
-        return stats.adding(**whole)
+        return Request.merge(wanted)
 
     def after_attention(self, layer: int, cache: KVCache, stats: Stats) -> None:
         if not self.active or self.budgeter.skips(layer):
             return
         lc = cache[layer]
-        if self.gathering and (stats := self._gather(layer, lc, stats)) is None:
-            return  # the prompt is not complete yet: its parts see it when it is
+        if self.gathering:  # a prompt in several calls: its parts see it when it is complete
+            complete = self.call_start + self.T == self.prompt_len
+            if self.gathered is not None:
+                stats = self.gathered.add(layer, stats, lc.keys.shape[1], complete)
+            if not complete:
+                return
         if self.one_each and lc.length - 1 == self.budgeter.known(layer) <= self.joinable():
             self.deferred.append((layer, stats))  # updated, scored and evicted with the other layers in `end`
             return
@@ -286,7 +261,7 @@ class Stacked:
         self.per_layer, self.S, self.stacked = per_layer, joint.length, {}
 
     def __getattr__(self, name: str) -> torch.Tensor:
-        if name not in STATISTICS:
+        if name not in DECLARED:
             raise AttributeError(name)
         if name not in self.stacked:
             rows = [getattr(stats, name) for stats in self.per_layer]  # (B, H_kv, S_l) each
@@ -343,7 +318,7 @@ class PerSequence:
         for b, row in enumerate(self.rows):
             row.begin(cache.sequence(b), T)
 
-    def request(self, layer: int) -> StatsRequest | None:
+    def request(self, layer: int) -> Request | None:
         if self.rows is None:
             return self.one.request(layer)
         return next((r for r in (row.request(layer) for row in self.rows) if r is not None), None)

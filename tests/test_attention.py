@@ -2,7 +2,8 @@
 import pytest
 import torch
 
-from kvmini.attention import StatsRequest, attend, explicit_attention, sdpa_attention
+from kvmini.attention import attend, explicit_attention, sdpa_attention
+from kvmini.statistics import Request, Statistic, column_sums, last_row, window_sums
 
 
 def naive(q, k, v, q_pos, k_pos, window):
@@ -49,7 +50,7 @@ def test_sdpa_path_equals_naive(T, S_old, window):
 def test_explicit_path_statistics_equal_naive(reduce, T, S_old, window, chunk):
     q, k, v, q_pos, k_pos, w = setup(T, S_old, window, shuffle=True)
     expected, probs = naive(q, k, v, q_pos, k_pos, w)  # probs (B, H, T, S)
-    req = StatsRequest(column_sums=True, window=3, last_row=True, reduce=reduce)
+    req = Request(column_sums(reduce), window_sums(3, reduce), last_row(reduce))
     out, stats = explicit_attention(q, k, v, q_pos, k_pos, req, w, chunk=chunk)
     torch.testing.assert_close(out, expected, atol=1e-5, rtol=0)
     B, H, _, S = probs.shape
@@ -60,8 +61,8 @@ def test_explicit_path_statistics_equal_naive(reduce, T, S_old, window, chunk):
     torch.testing.assert_close(stats.last_row, combine(grouped[:, :, :, -1]), atol=1e-5, rtol=0)
 
 
-@pytest.mark.parametrize("request_", [StatsRequest(window=3), StatsRequest(last_row=True, reduce="max"),
-                                      StatsRequest(window=20), StatsRequest(column_sums=True, window=2), None])
+@pytest.mark.parametrize("request_", [Request(window_sums(3)), Request(last_row("max")), Request(window_sums(20)),
+                                      Request(column_sums(), window_sums(2)), None])
 @pytest.mark.parametrize("T,S_old,window", [(7, 5, None), (1, 9, None), (9, 4, 5)])
 def test_attend_equals_naive_on_every_path(request_, T, S_old, window):
     """SDPA for the output plus statistics from the last queries only, or the full explicit pass."""
@@ -73,13 +74,13 @@ def test_attend_equals_naive_on_every_path(request_, T, S_old, window):
     grouped = probs.view(B, 2, H // 2, T, S)  # (B, H_kv, g, T, S)
     combine = {"mean": lambda t: t.mean(2), "max": lambda t: t.amax(2)}
     want = {}
-    if request_ is not None:
-        red = combine[request_.reduce]
-        if request_.column_sums:
+    for s in request_.statistics if request_ is not None else ():
+        red = combine[s.reduce]
+        if s.name == "column_sums":
             want["column_sums"] = red(grouped.sum(3))
-        if request_.window:
-            want["window_sums"] = red(grouped[:, :, :, -request_.window :].sum(3))
-        if request_.last_row:
+        if s.name == "window_sums":
+            want["window_sums"] = red(grouped[:, :, :, -s.last :].sum(3))
+        if s.name == "last_row":
             want["last_row"] = red(grouped[:, :, :, -1])
     assert set(stats) == set(want)
     for name in want:
@@ -88,13 +89,13 @@ def test_attend_equals_naive_on_every_path(request_, T, S_old, window):
 
 def test_statistics_are_only_computed_when_requested():
     q, k, v, q_pos, k_pos, w = setup()
-    _, stats = explicit_attention(q, k, v, q_pos, k_pos, StatsRequest(last_row=True))
+    _, stats = explicit_attention(q, k, v, q_pos, k_pos, Request(last_row()))
     assert set(stats) == {"last_row"}
 
 
 def test_unknown_group_reduction_is_rejected():
     with pytest.raises(ValueError, match="reduce"):
-        StatsRequest(reduce="median")
+        column_sums("median")
 
 
 class AskEverything:
@@ -107,7 +108,7 @@ class AskEverything:
         pass
 
     def request(self, layer):
-        return StatsRequest(column_sums=True, window=4, last_row=True)
+        return Request(column_sums(), window_sums(4), last_row())
 
     def after_attention(self, layer, cache, stats):
         self.seen.append((layer, stats.column_sums.shape))
@@ -132,11 +133,11 @@ def test_model_explicit_path_equals_sdpa_path(tiny):
 
 
 def test_a_statistic_not_requested_is_an_error_naming_it():
-    from kvmini.attention import Stats
+    from kvmini.statistics import Stats
     from kvmini.errors import KvminiError
 
     q, k, v, q_pos, k_pos, w = setup()
-    _, stats = explicit_attention(q, k, v, q_pos, k_pos, StatsRequest(last_row=True))
+    _, stats = explicit_attention(q, k, v, q_pos, k_pos, Request(last_row()))
     assert stats.last_row.shape == (q.shape[0], k.shape[1], k.shape[2])
     with pytest.raises(KvminiError, match="attention statistic column_sums was not requested .held: last_row"):
         stats.column_sums

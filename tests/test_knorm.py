@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-from kvmini.attention import Stats
+from kvmini.statistics import Stats
 from kvmini.methods.registry import make_policy
 from reference import random_model, simulate, top_positions
 

@@ -5,7 +5,7 @@ from collections import defaultdict
 import pytest
 import torch
 
-from kvmini.attention import Stats
+from kvmini.statistics import Stats
 from kvmini.cache import LayerCache
 from kvmini.methods.registry import make_policy
 from kvmini.methods.vatp import ValueWeightedAttention

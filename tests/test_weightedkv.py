@@ -3,7 +3,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kvmini.attention import Stats
+from kvmini.statistics import Stats
 from kvmini.cache import LayerCache
 from kvmini.generate import prefill
 from kvmini.methods.convex_value_merge import convex_value_merge

@@ -15,7 +15,7 @@ sys.path.insert(0, str(Path.cwd() if Path("kvmini").is_dir() else Path.cwd().par
 
 import torch  # noqa: E402
 
-from kvmini.attention import StatsRequest  # noqa: E402
+from kvmini.statistics import Request, column_sums  # noqa: E402
 from kvmini.methods.allocators import proportional  # noqa: E402
 from kvmini.methods.variance_softmax import VarianceSoftmax, attention_variance, layer_weights  # noqa: E402
 
@@ -30,7 +30,7 @@ from kvmini.methods.variance_softmax import VarianceSoftmax, attention_variance,
 # $$F_v^{(l)} = \frac{1}{H}\sum_h \mathrm{Var}_j\big(s^{(l,h)}_j\big)$$
 #
 # `attention_variance` takes the column sums that the attention pass returns per KV head
-# (`StatsRequest(column_sums=True)`), shape $(B, H_{kv}, n)$.
+# (`Request(column_sums())`), shape $(B, H_{kv}, n)$.
 
 # %%
 even = torch.full((1, 2, 6), 1.0)  # every key got the same attention: variance 0
@@ -38,7 +38,7 @@ peaked = torch.tensor([[[5.0, 0.2, 0.2, 0.2, 0.2, 0.2], [3.0, 1.0, 0.5, 0.5, 0.5
 literal = sum(sum((x - sum(row) / 6) ** 2 for x in row) / 6 for row in peaked[0].tolist()) / 2
 assert attention_variance(even) == 0
 assert abs(attention_variance(peaked) - literal) < 1e-6
-print("column sums requested with", StatsRequest(column_sums=True))
+print("column sums requested with", Request(column_sums()))
 
 # %% [markdown]
 # ## Inverse variance softmax (Eq. 5)

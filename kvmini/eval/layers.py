@@ -12,7 +12,7 @@ layer on one prompt, and how the layer-adaptive methods split their budget.
 """
 import torch
 
-from kvmini.attention import StatsRequest
+from kvmini.statistics import Request, column_sums
 from kvmini.generate import prefill
 from kvmini.methods.registry import policy_for
 from kvmini.parts import DECODE
@@ -31,7 +31,7 @@ class ColumnSums:
         pass
 
     def request(self, layer):
-        return StatsRequest(column_sums=True)
+        return Request(column_sums())
 
     def after_attention(self, layer, cache, stats):
         self.sums.append(stats.column_sums)

@@ -31,7 +31,7 @@ import time
 
 import torch
 
-from kvmini.attention import Stats
+from kvmini.statistics import Stats
 from kvmini.generate import prefill, synchronize
 from kvmini.methods.registry import policy_for
 from kvmini.parts import PREFILL

@@ -32,7 +32,7 @@ cache in 17.9 s; chunks of the capacity 0.035 (runs, 0.8 s) and 0.033 (sequentia
 """
 import torch
 
-from kvmini.attention import Stats, StatsRequest
+from kvmini.statistics import Request, Stats, column_sums
 from kvmini.cache import PAD, LayerCache, wide
 from kvmini.errors import one_of
 from kvmini.parts import Compressor, Merged, Rule, Scorer
@@ -45,7 +45,7 @@ class AverageAttention(Scorer):
     aux = ("a", "n")
 
     def __init__(self, reduce: str = "mean"):
-        self.request = StatsRequest(column_sums=True, reduce=reduce)
+        self.request = Request(column_sums(reduce))
 
     def update(self, lc: LayerCache, stats: Stats, start: int, T: int) -> None:
         """After a call of T queries at positions start..start+T-1."""

@@ -23,7 +23,7 @@ use the authors' code's ratio of head-averaged norms, (mean_h ||A'_h|| - mean_h 
 """
 import torch
 
-from kvmini.attention import Stats, StatsRequest
+from kvmini.statistics import Request, Stats, last_row, window_sums
 from kvmini.cache import LayerCache
 from kvmini.errors import one_of
 from kvmini.parts import Budgeter
@@ -59,7 +59,7 @@ class FrobeniusStop(Budgeter):
         self.ranking = one_of("FrobeniusStop ranking", ranking, ("position", "cumulative", "window_attention"))
         self.excludes_kept = norm_excludes_kept
         # the last row itself when k = 1 (a window of k queries would merge with a ranking window)
-        self.request = StatsRequest(last_row=True, reduce=reduce) if k == 1 else StatsRequest(window=k, reduce=reduce)
+        self.request = Request(last_row(reduce) if k == 1 else window_sums(k, reduce))
 
     def plan(self, b: None, L: int, n: int) -> list[int]:
         return [n] * L  # nothing is pruned until a layer has chosen

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvmini.attention import Stats
+from kvmini.statistics import Stats
 from kvmini.cache import wide
 from kvmini.methods.allocators import Uniform
 from kvmini.methods.selectors import TopK

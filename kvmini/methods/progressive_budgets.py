@@ -25,7 +25,7 @@ holds some window entries twice (kvmini holds each once).
 """
 import torch
 
-from kvmini.attention import Stats
+from kvmini.statistics import Stats
 from kvmini.errors import KvminiError, one_of
 from kvmini.methods.allocators import proportional
 from kvmini.parts import Budgeter

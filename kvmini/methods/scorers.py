@@ -1,14 +1,14 @@
 """Scorers: how important is each cached token? Each returns (B, H_kv, S) scores, higher = keep.
 
 A scorer names the attention statistics it needs (`request`, computed by the attention pass
-per KV head, see kvmini.attention) and turns them into scores. `accumulates` scorers keep a
+per KV head, declared in kvmini.statistics) and turns them into scores. `accumulates` scorers keep a
 running sum in the cache's aux tensors, which follow every eviction, so they need every call.
 The protocol is kvmini.parts.Scorer.
 """
 import torch
 import torch.nn.functional as F
 
-from kvmini.attention import Stats, StatsRequest
+from kvmini.statistics import Request, Stats, column_sums, last_row, window_sums
 from kvmini.cache import LayerCache
 from kvmini.errors import one_of
 from kvmini.parts import Scorer
@@ -28,7 +28,7 @@ class CumulativeAttention(Scorer):
     aux = ("attention_sum",)
 
     def __init__(self, reduce: str = "mean"):
-        self.request = StatsRequest(column_sums=True, reduce=reduce)
+        self.request = Request(column_sums(reduce))
 
     def update(self, lc: LayerCache, stats: Stats, start: int, T: int) -> None:
         """After a call of T queries at positions start..start+T-1."""
@@ -42,7 +42,7 @@ class LastRowAttention(Scorer):
     r"""TOVA (Oren et al. 2024): s_j = A_{tj}, the attention of the latest query only."""
 
     def __init__(self, reduce: str = "mean"):
-        self.request = StatsRequest(last_row=True, reduce=reduce)
+        self.request = Request(last_row(reduce))
 
     def __call__(self, lc: LayerCache, stats: Stats) -> torch.Tensor:
         return stats.last_row
@@ -58,7 +58,7 @@ class WindowAttention(Scorer):
 
     def __init__(self, window: int = 32, kernel: int = 7, pooling: str = "avg", reduce: str = "mean"):
         self.window, self.kernel, self.pooling = window, kernel, one_of("WindowAttention pooling", pooling, ("avg", "max"))
-        self.request = StatsRequest(window=window, reduce=reduce)
+        self.request = Request(window_sums(window, reduce))
 
     def __call__(self, lc: LayerCache, stats: Stats) -> torch.Tensor:
         C = stats.window_sums  # (B, H_kv, S)

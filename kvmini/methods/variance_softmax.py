@@ -30,7 +30,7 @@ import sys
 
 import torch
 
-from kvmini.attention import Stats, StatsRequest
+from kvmini.statistics import Request, Stats, Statistic, column_sums
 from kvmini.errors import one_of
 from kvmini.methods.allocators import proportional
 from kvmini.parts import Budgeter
@@ -66,7 +66,8 @@ class VarianceSoftmax(Budgeter):
         super().__init__(protected)
         self.how = one_of("VarianceSoftmax allocation", how, ALLOCATIONS)
         self.temperature, self.low, self.parts, self.clamp = temperature, low, parts, clamp
-        self.request = StatsRequest(column_sums=True, reduce=reduce, heads=how in ("official", "paper"))
+        heads = (Statistic("column_sums_heads", reduce="heads"),) if how in ("official", "paper") else ()  # (B, H, S)
+        self.request = Request(column_sums(reduce), *heads)
         self.accumulates = measure_in_prompt  # F_v is recorded by update() during the prompt
 
     def start(self, b, L, n) -> None:

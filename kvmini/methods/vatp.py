@@ -26,7 +26,7 @@ from typing import Literal
 
 import torch
 
-from kvmini.attention import Stats
+from kvmini.statistics import Stats
 from kvmini.cache import LayerCache, wide
 from kvmini.methods import options
 from kvmini.methods.allocators import Uniform

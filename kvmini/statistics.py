@@ -1,0 +1,200 @@
+r"""Attention statistics: what a part reads about the attention each cached key received.
+
+Every statistic is a sum over some of a call's queries of a function of their attention rows,
+one number per cached key j, declared once (`Statistic`) beside the part that reads it:
+
+    s_j = \mathrm{reduce}_{g} \sum_{i \in Q} f(A_{i\cdot})_j
+
+    Q       the call's last `last` queries (None: every new query; 1: the last row)
+    f       rows (..., T, S) -> (..., T, S); None is A itself. A key a query cannot see has A_ij = 0,
+            and f must give 0 there too (checked on a row of zeros)
+    reduce  how the g query heads sharing a KV head are combined: mean | max | sum -> (B, H_kv, S);
+            or "heads": each query head its own row -> (B, H, S), query head h = kv_head * g + i
+
+    column_sums(reduce)      H2O's accumulated attention: Q = every query, f = A
+    window_sums(w, reduce)   SnapKV's observation window: Q = the last w queries
+    last_row(reduce)         TOVA: Q = the last query
+
+Because a statistic is a sum over queries, one attention pass computes it chunk by chunk of
+queries without an (n x n) buffer (kvmini.attention), a decode step's single query gives it from
+the attention row the output is computed with, and a prompt fed in several calls adds its calls'
+per-query-head sums (`Gathering`). A part asks for the statistics it reads in its `request`
+(`Request(column_sums("mean"), ...)`) and reads them as attributes: stats.column_sums.
+Adding a statistic is declaring one; no engine file changes (tutorial 9, part 2).
+"""
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+
+import torch
+import torch.nn.functional as F
+
+from kvmini.errors import KvminiError
+
+REDUCTIONS = ("mean", "max", "sum", "heads")
+DECLARED: set[str] = set()  # every statistic name declared so far: reading another is a misspelling
+
+
+@dataclass(frozen=True)
+class Sum:
+    r"""What one attention pass adds up per query head, (B, H_kv, g, S): \sum_{i \in Q} f(A_{i\cdot})."""
+
+    last: int | None  # Q: the last `last` queries of the call (None: all)
+    f: Callable | None  # None: the attention itself
+
+
+@dataclass(frozen=True)
+class Statistic:
+    """One attention statistic (module docstring), read by parts as stats.<name>; (B, H_kv, S) or (B, H, S)."""
+
+    name: str
+    last: int | None = None
+    f: Callable | None = None
+    reduce: str = "mean"
+
+    def __post_init__(self):
+        if self.reduce not in REDUCTIONS:
+            raise ValueError(f"reduce must be one of {REDUCTIONS}, not {self.reduce!r}")
+        if self.last is not None and self.last < 1:
+            raise ValueError(f"statistic {self.name}: last must be None (every query) or >= 1, got {self.last}")
+        if self.f is not None and self.f(torch.zeros(1, 1, 2)).any():
+            raise ValueError(f"statistic {self.name}: f must give 0 where a key is not seen (attention 0)")
+        DECLARED.add(self.name)
+
+    @property
+    def sum(self) -> Sum:
+        return Sum(self.last, self.f)
+
+    def finish(self, summed: torch.Tensor) -> torch.Tensor:
+        """(B, H_kv, g, S) per-query-head sums -> the statistic, (B, H_kv, S) or (B, H, S)."""
+        if self.reduce == "mean":
+            return summed.mean(2)
+        if self.reduce == "max":
+            return summed.amax(2)
+        if self.reduce == "sum":
+            return summed.sum(2)
+        B, H_kv, g, S = summed.shape
+        return summed.reshape(B, H_kv * g, S)
+
+
+def column_sums(reduce: str = "mean") -> Statistic:
+    """The attention each key received from every new query (H2O's score, D2O's variance)."""
+    return Statistic("column_sums", None, None, reduce)
+
+
+def window_sums(window: int, reduce: str = "mean") -> Statistic:
+    """The same sum over only the last `window` queries (SnapKV's observation window)."""
+    return Statistic("window_sums", window, None, reduce)
+
+
+def last_row(reduce: str = "mean") -> Statistic:
+    """The attention row of the last new query (TOVA)."""
+    return Statistic("last_row", 1, None, reduce)
+
+
+class Request:
+    """The statistics one layer's attention pass must compute, at most one per name."""
+
+    __slots__ = ("statistics",)
+
+    def __init__(self, *statistics: Statistic):
+        by_name: dict[str, Statistic] = {}
+        for s in statistics:
+            if by_name.setdefault(s.name, s) != s:
+                raise KvminiError(f"two parts ask for attention statistic {s.name} defined differently: "
+                                  f"{by_name[s.name]} and {s}; give one of them another name")
+        self.statistics = tuple(by_name.values())
+
+    @staticmethod
+    def merge(requests) -> "Request | None":
+        """One request for everything any of `requests` asks for (None entries ask for nothing); None if nothing."""
+        wanted = [s for r in requests if r is not None for s in r.statistics]
+        return Request(*wanted) if wanted else None
+
+    @property
+    def sums(self) -> tuple[Sum, ...]:
+        """The distinct sums the pass computes (two statistics that differ only in `reduce` share one)."""
+        return tuple(dict.fromkeys(s.sum for s in self.statistics))
+
+    @property
+    def queries(self) -> int | None:
+        """How many of the call's last queries the statistics cover (None: every one)."""
+        lasts = [s.last for s in self.statistics]
+        return None if None in lasts else max(lasts)
+
+    def finish(self, summed: dict[Sum, torch.Tensor]) -> "Stats":
+        return Stats(**{s.name: s.finish(summed[s.sum]) for s in self.statistics})
+
+    def __repr__(self) -> str:
+        return f"Request{self.statistics}"
+
+
+class Stats:
+    """The attention statistics of one layer in one call, read as attributes (stats.column_sums).
+    Reading one that was not requested is an error naming it: a part lists what it reads in its
+    `request`. Iterating gives the names held. All are 3-D: (B, H_kv, S) or (B, H, S)."""
+
+    __slots__ = ("_held",)
+
+    def __init__(self, **held: torch.Tensor):
+        unknown = set(held) - DECLARED
+        if unknown:
+            raise TypeError(f"unknown attention statistics {sorted(unknown)}; declare them as a Statistic")
+        self._held = held
+
+    def __getattr__(self, name: str) -> torch.Tensor:
+        if name.startswith("_") or name not in DECLARED:
+            raise AttributeError(name)
+        if name not in self._held:
+            raise KvminiError(f"attention statistic {name} was not requested (held: {', '.join(self._held) or 'none'}); "
+                              "the part that reads it must ask for it in its request")
+        return self._held[name]
+
+    def __iter__(self):
+        return iter(self._held)
+
+    def __contains__(self, name: str) -> bool:
+        return name in self._held
+
+    def items(self):
+        return self._held.items()
+
+    def map(self, fn) -> "Stats":
+        """fn applied to every statistic held (e.g. one sequence's rows)."""
+        return Stats(**{name: fn(t) for name, t in self._held.items()})
+
+
+class Gathering:
+    """A prompt of n tokens fed in several calls, for a method that compresses once it is complete:
+    each call computes its share of every statistic per query head (a statistic over the prompt's
+    last w queries takes, from each call, its queries among those w), the shares are added up per
+    layer (the cache only grows during the prompt, so a later call's sums are longer: the earlier
+    ones are padded with zeros for the new keys), and the call that completes the prompt gets the
+    whole prompt's statistics, as if the prompt had come in that one call."""
+
+    def __init__(self, wanted: Request, prompt_len: int):
+        self.wanted, self.n = wanted, prompt_len
+        self.sums: dict[int, dict[Sum, torch.Tensor]] = {}  # layer -> the prompt's sums so far, (B, H_kv, g, S)
+
+    def request(self, call_start: int, T: int) -> Request | None:
+        """This call's share, per query head, under the statistics' own names."""
+        end, share = call_start + T, []
+        for s in self.wanted.statistics:
+            mine = T if s.last is None else end - max(call_start, self.n - s.last)  # its queries in this call
+            if mine > 0:
+                share.append(replace(s, last=mine, reduce="heads"))
+        return Request(*share) if share else None
+
+    def add(self, layer: int, stats: Stats, H_kv: int, complete: bool) -> Stats | None:
+        """Add this call's share; the whole prompt's statistics if `complete`, else None."""
+        sums, added = self.sums.setdefault(layer, {}), set()
+        for s in self.wanted.statistics:  # each distinct sum once (column sums reduced two ways are one sum)
+            if s.name not in stats or s.sum in added:
+                continue
+            added.add(s.sum)
+            B, H, S = getattr(stats, s.name).shape
+            new = getattr(stats, s.name).view(B, H_kv, H // H_kv, S)  # (B, H_kv, g, S)
+            old = sums.get(s.sum)
+            sums[s.sum] = new if old is None else F.pad(old, (0, S - old.shape[-1])) + new
+        if not complete:
+            return None
+        return self.wanted.finish(self.sums.pop(layer))

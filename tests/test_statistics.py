@@ -1,0 +1,79 @@
+"""A statistic declared outside the engine is computed by every path: the chunked explicit pass,
+the decode step's row, a prompt gathered over several calls, each equal to a naive full matrix."""
+import pytest
+import torch
+
+from kvmini.attention import attend
+from kvmini.errors import KvminiError
+from kvmini.statistics import Gathering, Request, Statistic, column_sums, window_sums
+from test_attention import naive, setup
+
+SQUARES = Statistic("test_squared_sums", None, lambda rows: rows * rows, "sum")  # sum_i A_ij^2 (RoCo-like)
+
+
+def above_uniform(rows):
+    """1 where a query gave key j more than a uniform share 1/t of its attention (t keys it sees)."""
+    t = (rows > 0).sum(-1, keepdim=True)  # (..., T, 1)
+    return (rows * t > 1).to(rows.dtype)
+
+
+HEAVY = Statistic("test_heavy_counts", 3, above_uniform, "max")  # over the last 3 queries (Scissorhands-like)
+
+
+def expected(probs, H_kv, s: Statistic):
+    B, H, T, S = probs.shape
+    grouped = probs.view(B, H_kv, H // H_kv, T, S)
+    rows = grouped if s.last is None else grouped[:, :, :, -min(s.last, T) :]
+    summed = (rows if s.f is None else s.f(rows)).sum(3)  # (B, H_kv, g, S)
+    return s.finish(summed)
+
+
+@pytest.mark.parametrize("T,S_old,window", [(7, 5, None), (1, 9, None), (9, 4, 5), (7, 0, None)])
+def test_a_declared_statistic_equals_the_naive_sum_on_every_path(T, S_old, window):
+    q, k, v, q_pos, k_pos, w = setup(T, S_old, window, shuffle=True)
+    _, probs = naive(q, k, v, q_pos, k_pos, w)
+    for request in (Request(SQUARES), Request(HEAVY), Request(HEAVY, column_sums("sum"))):
+        _, stats = attend(q, k, v, q_pos, k_pos, request, w)
+        for s in request.statistics:
+            torch.testing.assert_close(getattr(stats, s.name), expected(probs, 2, s), atol=1e-5, rtol=0)
+
+
+def test_the_threshold_count_by_hand():
+    """One query over 4 keys with attention (0.5, 0.3, 0.1, 0.1): above 1/4 are keys 0 and 1."""
+    rows = torch.tensor([[[[0.5, 0.3, 0.1, 0.1]]]])  # (1, 1, 1, 4)
+    assert above_uniform(rows).tolist() == [[[[1.0, 1.0, 0.0, 0.0]]]]
+    masked = torch.tensor([[[[0.6, 0.4, 0.0, 0.0]]]])  # two keys not visible: above 1/2 is key 0 only
+    assert above_uniform(masked).tolist() == [[[[1.0, 0.0, 0.0, 0.0]]]]
+
+
+@pytest.mark.parametrize("cuts", [(5, 4, 3), (11, 1), (1, 1, 10)])
+def test_a_prompt_in_calls_gathers_what_one_call_computes(cuts):
+    """Each call attends over the cache so far; the gathered statistics equal one call's."""
+    n = sum(cuts)
+    q, k, v, _, _, _ = setup(n, 0)
+    pos = torch.arange(n).expand(2, n)
+    wanted = Request(SQUARES, HEAVY, window_sums(4), column_sums(), Statistic("test_heads", None, None, "heads"))
+    _, whole = attend(q, k, v, pos, pos[:, None].expand(2, 2, n), wanted)
+    gathering, start, got = Gathering(wanted, n), 0, None
+    for c in cuts:
+        end = start + c
+        request = gathering.request(start, c)
+        _, stats = attend(q[:, :, start:end], k[:, :, :end], v[:, :, :end], pos[:, start:end],
+                          pos[:, None, :end].expand(2, 2, end), request)
+        got = gathering.add(0, stats, 2, end == n)
+        assert (got is None) == (end < n)
+        start = end
+    assert set(got) == set(whole)
+    for name, t in whole.items():
+        torch.testing.assert_close(getattr(got, name), t, atol=1e-5, rtol=0)
+
+
+def test_two_parts_asking_for_one_name_defined_differently_is_an_error():
+    with pytest.raises(KvminiError, match="window_sums defined differently"):
+        Request.merge([Request(window_sums(4)), Request(window_sums(8))])
+    assert Request.merge([Request(column_sums()), None, Request(column_sums())]).statistics == (column_sums(),)
+
+
+def test_a_function_that_counts_unseen_keys_is_refused():
+    with pytest.raises(ValueError, match="must give 0"):
+        Statistic("test_bad", None, lambda rows: rows + 1)
