@@ -30,8 +30,6 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 from kvmini.cache import KVCache  # noqa: E402
-from kvmini.methods.knorm import KNorm  # noqa: E402
-from kvmini.methods.scorers import Position  # noqa: E402
 from kvmini.parts import PREFILL, Merged  # noqa: E402
 
 LAZY_IMPORTS = ("kvmini.chat", "kvmini.generate", "kvmini.loading", "kvmini.methods.registry", "kvmini.tokenizer",
@@ -64,20 +62,14 @@ def bitset(positions: np.ndarray, n: int) -> str:
 
 
 def scores_of(lc, scorer) -> tuple[str, torch.Tensor | None]:
-    """(what it is, (H_kv, S) per held entry) of the score the cache keeps for row 0, or (why not, None)."""
-    names = lc.aux_names()
-    if "a" in names and "n" in names:
-        return "average attention a/n (WeightedKV's ranking)", (lc.aux("a") / lc.aux("n"))[0]
-    if "attention_sum" in names:
-        return "accumulated attention (H2O's score: summed over every query so far)", lc.aux("attention_sum")[0]
-    if isinstance(scorer, KNorm):
-        return "key norm (KNorm keeps the lowest)", lc.keys[0].float().norm(dim=-1)
+    """(what it is, (H_kv, S) per held entry) of the score the cache keeps for row 0, or (why not, None):
+    the scorer describes itself (Scorer.describe)."""
     if scorer is None:
         return "no scores: the full cache keeps every token", None
-    if isinstance(scorer, Position):
-        return "the position itself (the later, the more important)", None
-    return (f"not kept in the cache ({type(scorer).__name__} scores the tokens from one call's attention when "
-            "the method compresses, then discards them)"), None
+    if any(name not in lc.aux_names() for name in scorer.aux):  # a layer it never scored (protected)
+        return "not scored: this layer is never compressed", None
+    label, score = scorer.describe(lc)
+    return label, None if score is None else score[0].float()
 
 
 def panel(cache: KVCache, policy=None, trace: list[Merged] | None = None, name: str | None = None,

@@ -56,6 +56,9 @@ class AverageAttention(Scorer):
     def __call__(self, lc: LayerCache, stats: Stats) -> torch.Tensor:
         return lc.aux("a") / lc.aux("n")  # line 7: abar (B, H_kv, S)
 
+    def describe(self, lc: LayerCache) -> tuple[str, torch.Tensor | None]:
+        return "average attention a/n (WeightedKV's ranking)", self(lc, None)
+
 
 def convex_value_merge(lc: LayerCache, capacity: int, sinks: int, recent: int) -> None:
     """Alg. 1 lines 6-10, one merge per excess entry, until the layer holds `capacity` entries.

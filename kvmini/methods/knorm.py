@@ -28,6 +28,9 @@ class KNorm(Scorer):
     def __call__(self, lc, stats: Stats) -> torch.Tensor:
         return -wide(lc.keys).norm(dim=-1)  # (B, H_kv, S): the lowest norm scores highest
 
+    def describe(self, lc) -> tuple[str, torch.Tensor | None]:
+        return "key norm (KNorm keeps the lowest)", -self(lc, None)
+
 
 @dataclass(frozen=True)
 class Options:

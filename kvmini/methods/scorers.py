@@ -20,6 +20,9 @@ class Position(Scorer):
     def __call__(self, lc: LayerCache, stats: Stats) -> torch.Tensor:
         return lc.positions.float()  # (B, H_kv, S)
 
+    def describe(self, lc: LayerCache) -> tuple[str, torch.Tensor | None]:
+        return "the position itself (the later, the more important)", None
+
 
 class CumulativeAttention(Scorer):
     r"""H2O (Zhang et al. 2023): s_j = \sum_{i \le t} A_{ij}, attention received from every query so far."""
@@ -36,6 +39,9 @@ class CumulativeAttention(Scorer):
 
     def __call__(self, lc: LayerCache, stats: Stats) -> torch.Tensor:
         return lc.aux("attention_sum")
+
+    def describe(self, lc: LayerCache) -> tuple[str, torch.Tensor | None]:
+        return "accumulated attention (H2O's score: summed over every query so far)", self(lc, None)
 
 
 class LastRowAttention(Scorer):

@@ -56,6 +56,11 @@ class ValueWeightedAttention(CumulativeAttention):
         return received * norm  # (B, H_kv, S)
         # END EXERCISE
 
+    def describe(self, lc: LayerCache) -> tuple[str, torch.Tensor | None]:
+        if self.p is None:
+            return super().describe(lc)
+        return f"accumulated attention times the value's l{self.p:g} norm (VATP's score)", self(lc, None)
+
 
 @dataclass(frozen=True)
 class Options:
