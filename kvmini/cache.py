@@ -70,12 +70,14 @@ class LayerCache:
         """Entries held by each sequence of the batch."""
         return [self.length] * self._k.shape[0] if self.counts is None else self.counts.tolist()
 
-    def declare(self, *names: str) -> None:
-        """Per-entry buffers `names`, zeros until written, that follow every append and eviction. A part
-        that keeps statistics in the cache lists them (Scorer.aux) and the policy declares them."""
-        for name in names:
+    def declare(self, *buffers: "str | tuple[str, torch.dtype]") -> None:
+        """Per-entry buffers, zeros until written, that follow every append and eviction: a name (a float
+        buffer, float64 in a float64 model) or (name, dtype) (e.g. torch.bool, torch.int32). A part that
+        keeps statistics in the cache lists them (Scorer.aux) and the policy declares them."""
+        for spec in buffers:
+            name, dtype = (spec, wide(self._k).dtype) if isinstance(spec, str) else spec
             if name not in self._aux:
-                self._aux[name] = torch.zeros(self._pos.shape, dtype=wide(self._k).dtype, device=self._pos.device)
+                self._aux[name] = torch.zeros(self._pos.shape, dtype=dtype, device=self._pos.device)
 
     def aux(self, name: str) -> torch.Tensor:
         """Per-token statistic `name` of the held entries, (B, H_kv, S); a name never declared is an error."""
@@ -214,8 +216,13 @@ class LayerCache:
         return 2 * B * H_kv * D * self._k.element_size()
 
     def nbytes(self) -> int:
-        """Exact bytes of the keys and values held (pads, positions and aux bookkeeping excluded)."""
+        """Exact bytes of the keys and values held (pads, positions and aux buffers excluded)."""
         return self.entry_nbytes * sum(self.held()) // self._k.shape[0]
+
+    def aux_nbytes(self) -> int:
+        """Bytes of the aux buffers' held entries: what a method keeps per token beside K and V."""
+        per_entry = sum(buf.element_size() for buf in self._aux.values()) * self._k.shape[1]  # over the KV heads
+        return per_entry * sum(self.held())
 
     def _resize(self, cap: int) -> None:
         """Move the held entries into buffers of `cap` entries (cap >= length)."""
@@ -299,7 +306,8 @@ class KVCache:
         joint._v = torch.zeros_like(joint._k)
         joint._pos = first._pos.new_full((B * len(members), H_kv, cap), PAD)  # (len(layers) * B, H_kv, cap)
         names = dict.fromkeys(name for lc in members for name in lc._aux)  # every statistic any member keeps
-        joint._aux = {name: joint._pos.new_zeros(joint._pos.shape, dtype=wide(first._k).dtype) for name in names}
+        dtypes = {name: lc._aux[name].dtype for lc in members for name in lc._aux}
+        joint._aux = {name: joint._pos.new_zeros(joint._pos.shape, dtype=dtypes[name]) for name in names}
         for i, lc in enumerate(members):
             rows, S = slice(i * B, (i + 1) * B), lc.length
             for name, buf in (("_k", lc._k), ("_v", lc._v), ("_pos", lc._pos)):
@@ -318,6 +326,10 @@ class KVCache:
     def nbytes(self) -> int:
         """Exact bytes of all keys and values held."""
         return sum(layer.nbytes() for layer in self.layers)
+
+    def aux_nbytes(self) -> int:
+        """Exact bytes of every layer's aux buffers (the method's per-token statistics)."""
+        return sum(layer.aux_nbytes() for layer in self.layers)
 
     def allocated_nbytes(self) -> int:
         """Bytes of the K/V buffers actually allocated (held entries plus room to grow)."""

@@ -65,7 +65,7 @@ class Scorer:
 
     request: Request | None = None  # the attention statistics it reads (None: the fast SDPA path)
     accumulates = False  # True: `update` keeps running sums in lc.aux, so it needs every call's statistics
-    aux: tuple[str, ...] = ()  # the per-entry buffers it keeps in the cache (declared by the policy)
+    aux: tuple = ()  # the per-entry buffers it keeps in the cache: names (float) or (name, dtype); the policy declares them
 
     def update(self, lc, stats: Stats, start: int, T: int) -> None:
         """After a call of T queries at positions start..start+T-1 (accumulating scorers only)."""

@@ -30,6 +30,9 @@ def cache_report(cache: KVCache, policy=None, blocks: str = BLOCKS) -> list[str]
     ratio = cache.nbytes() / max(cache.full_nbytes(), 1)
     lines.append(f"bytes     {cache.nbytes() / 2**20:.2f} MiB kept vs {cache.full_nbytes() / 2**20:.2f} MiB full "
                  f"(ratio {ratio:.3f}); {cache.allocated_nbytes() / 2**20:.2f} MiB allocated")
+    if aux := cache.aux_nbytes():
+        lines.append(f"aux       {aux / 2**20:.2f} MiB of per-token statistics the method keeps beside K/V "
+                     f"({', '.join(dict.fromkeys(n for lc in cache.layers for n in lc.aux_names()))})")
     if policy is not None and policy.active and policy.schedule == PREFILL and cache.seen_tokens > policy.prompt_len:
         lines.append(f"appended  each layer's last {cache.seen_tokens - policy.prompt_len} entries were appended while "
                      "decoding, after the prompt was compressed (this method compresses the prompt only)")

@@ -66,7 +66,7 @@ def scores_of(lc, scorer) -> tuple[str, torch.Tensor | None]:
     the scorer describes itself (Scorer.describe)."""
     if scorer is None:
         return "no scores: the full cache keeps every token", None
-    if any(name not in lc.aux_names() for name in scorer.aux):  # a layer it never scored (protected)
+    if any((a if isinstance(a, str) else a[0]) not in lc.aux_names() for a in scorer.aux):  # never scored here
         return "not scored: this layer is never compressed", None
     label, score = scorer.describe(lc)
     return label, None if score is None else score[0].float()
@@ -129,6 +129,8 @@ def panel(cache: KVCache, policy=None, trace: list[Merged] | None = None, name: 
         "into_bytes": int(width[-1]),
         "scores": scores if True in notes else None,
         "score_note": notes.get(True, notes.get(False)),
+        "kv_bytes": cache.nbytes(),
+        "aux_bytes": cache.aux_nbytes(),  # the method's per-token statistics beside K/V
     }
 
 

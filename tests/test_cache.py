@@ -162,3 +162,37 @@ def test_aux_buffers_are_declared_before_use():
     assert sorted(lc.aux_names()) == ["a", "attention_sum", "n"] and lc.aux("a").tolist() == [[[0.0, 0.0, 0.0]]]
     with pytest.raises(KvminiError, match=r"no aux buffer 'atention_sum' .*declared: attention_sum, a, n"):
         lc.aux("atention_sum")
+
+
+def test_aux_buffers_keep_their_dtype_through_every_eviction_and_count_in_bytes():
+    """A bool and an int buffer follow keep, evict_one, padded rows and the joined layers of a decode
+    step like a float one, stay of their dtype, and count in aux_nbytes (not in the K/V bytes)."""
+    from kvmini.config import ModelConfig
+    from kvmini.cache import KVCache
+
+    lc = LayerCache(2, 1, 1, torch.float32, "cpu")
+    lc.declare(("seen", torch.bool), ("count", torch.int32), "sum")
+    for t in range(5):
+        lc.append(torch.full((2, 1, 1, 1), float(t)), torch.zeros(2, 1, 1, 1), torch.tensor([[t], [t]]))
+    lc.aux("seen")[:] = torch.tensor([True, False, True, False, True])
+    lc.aux("count")[:] = torch.arange(5, dtype=torch.int32) * 10
+    assert lc.aux_nbytes() == (1 + 4 + 4) * 2 * 5 and lc.nbytes() == 2 * 2 * 4 * 5  # 2 rows x 5 entries
+    lc.evict_one(torch.tensor([[1], [4]]))  # row 0 drops entry 1 (entry 4 moves in), row 1 the newest
+    assert lc.aux("seen").tolist() == [[[True, True, True, False]], [[True, False, True, False]]]
+    assert lc.aux("count").tolist() == [[[0, 40, 20, 30]], [[0, 10, 20, 30]]]
+    lc.keep_row(0, torch.tensor([[[0, 2]]]))  # row 0 keeps its entries 0 and 2: positions 0, 2
+    assert lc.held() == [2, 4] and lc.aux("seen").dtype == torch.bool and lc.aux("count").dtype == torch.int32
+    assert lc.aux("count")[0, 0, :2].tolist() == [0, 20] and lc.aux("seen")[0, 0, 2:].tolist() == [False, False]
+    assert lc.aux_nbytes() == 9 * (2 + 4)
+
+    config = ModelConfig(model_type="llama", vocab_size=8, hidden_size=4, intermediate_size=8, num_layers=2, num_heads=1,
+                         num_kv_heads=1, head_dim=2)
+    cache = KVCache(config, 1)
+    for i, layer in enumerate(cache.layers):
+        layer.declare(("seen", torch.bool))
+        layer.append(torch.zeros(1, 1, 3 + i, 2), torch.zeros(1, 1, 3 + i, 2), torch.arange(3 + i)[None])
+        layer.aux("seen")[..., -1] = True
+    joint = cache.join((0, 1))
+    assert joint.aux("seen").dtype == torch.bool
+    assert joint.aux("seen").tolist() == [[[False, False, True, False]], [[False, False, False, True]]]
+    assert cache.aux_nbytes() == 3 + 4
