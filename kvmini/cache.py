@@ -4,7 +4,7 @@ Per layer we store, for every KV head (never expanded to query heads):
     keys      (B, H_kv, S, D)  after RoPE, so a key never needs re-rotating
     values    (B, H_kv, S, D)
     positions (B, H_kv, S)     absolute token position of each entry
-    aux[name] (B, H_kv, S)     per-token statistics a compression policy keeps
+    aux[name] (B, H_kv, S, ...) per-token statistics a compression policy keeps (a dtype and shape each)
                                (e.g. accumulated attention); they follow every gather
 S may differ between layers (per-layer budgets); all heads of a layer hold S entries.
 Memory held by K and V: 2 * B * H_kv * S * D * bytes_per_element per layer.
@@ -33,6 +33,12 @@ def wide(t: torch.Tensor) -> torch.Tensor:
 PAD = torch.iinfo(torch.long).max  # the position of a pad entry: no query is late enough to see it
 
 
+def along(idx: torch.Tensor, buf: torch.Tensor) -> torch.Tensor:
+    """Entry indices idx (B, H_kv, s) for gather/scatter on a per-entry buffer (B, H_kv, cap, *rest)."""
+    rest = buf.shape[3:]
+    return idx.view(*idx.shape, *(1,) * len(rest)).expand(*idx.shape, *rest)
+
+
 class LayerCache:
     """One layer's keys, values, positions and aux tensors in a growable buffer."""
 
@@ -41,7 +47,7 @@ class LayerCache:
         self._k = torch.empty(batch, kv_heads, 0, head_dim, dtype=dtype, device=device)  # (B, H_kv, cap, D)
         self._v = torch.empty_like(self._k)  # (B, H_kv, cap, D)
         self._pos = torch.empty(batch, kv_heads, 0, dtype=torch.long, device=device)  # (B, H_kv, cap)
-        self._aux: dict[str, torch.Tensor] = {}  # name -> (B, H_kv, cap)
+        self._aux: dict[str, torch.Tensor] = {}  # name -> (B, H_kv, cap, *shape)
         self.length = 0  # S: entries held (the longest row's, when rows differ)
         self.counts: torch.Tensor | None = None  # (B,) entries held per row when rows differ; None: all hold S
 
@@ -70,17 +76,18 @@ class LayerCache:
         """Entries held by each sequence of the batch."""
         return [self.length] * self._k.shape[0] if self.counts is None else self.counts.tolist()
 
-    def declare(self, *buffers: "str | tuple[str, torch.dtype]") -> None:
-        """Per-entry buffers, zeros until written, that follow every append and eviction: a name (a float
-        buffer, float64 in a float64 model) or (name, dtype) (e.g. torch.bool, torch.int32). A part that
+    def declare(self, *buffers: "str | tuple") -> None:
+        """Per-entry buffers, zeros until written, that follow every append and eviction: a name (one
+        float per entry, float64 in a float64 model), (name, dtype) (e.g. torch.bool, torch.int32), or
+        (name, dtype, shape) for several values per entry (e.g. a history of w flags: (w,)). A part that
         keeps statistics in the cache lists them (Scorer.aux) and the policy declares them."""
         for spec in buffers:
-            name, dtype = (spec, wide(self._k).dtype) if isinstance(spec, str) else spec
+            name, dtype, shape = (spec, wide(self._k).dtype, ()) if isinstance(spec, str) else (*spec, ())[:3]
             if name not in self._aux:
-                self._aux[name] = torch.zeros(self._pos.shape, dtype=dtype, device=self._pos.device)
+                self._aux[name] = torch.zeros(*self._pos.shape, *shape, dtype=dtype, device=self._pos.device)
 
     def aux(self, name: str) -> torch.Tensor:
-        """Per-token statistic `name` of the held entries, (B, H_kv, S); a name never declared is an error."""
+        """Per-token statistic `name` of the held entries, (B, H_kv, S, *shape); a name never declared is an error."""
         if name not in self._aux:
             raise KvminiError(f"no aux buffer {name!r} in this cache (declared: {', '.join(self._aux) or 'none'}); "
                               "a scorer lists the buffers it keeps in its `aux`, and the policy declares them")
@@ -123,7 +130,7 @@ class LayerCache:
         self._v[:, :, :S_new] = self.values.gather(2, k_idx)
         self._pos[:, :, :S_new] = self.positions.gather(2, idx)
         for buf in self._aux.values():
-            buf[:, :, :S_new] = buf[:, :, : self.length].gather(2, idx)
+            buf[:, :, :S_new] = buf[:, :, : self.length].gather(2, along(idx, buf))
         self.length = S_new
         if 4 * S_new <= self.capacity and self.capacity > 64:  # give memory back after a big eviction
             self._resize(max(2 * S_new, 64))
@@ -144,18 +151,16 @@ class LayerCache:
             moved = lambda buf: buf[:, :, last : last + 1].clone()  # noqa: E731  (B, H_kv, 1, ...)
         else:
             last = (self.counts - 1)[:, None, None].expand_as(at)  # (B, H_kv, 1): each row's last entry
-            moved = lambda buf: buf.gather(2, last if buf.dim() == 3 else last[..., None].expand(-1, -1, -1, buf.shape[3]))  # noqa: E731
-        for buf in (self._k, self._v):  # (B, H_kv, cap, D)
-            buf.scatter_(2, at[..., None].expand(-1, -1, -1, buf.shape[3]), moved(buf))
-        for buf in (self._pos, *self._aux.values()):  # (B, H_kv, cap)
-            buf.scatter_(2, at, moved(buf))
+            moved = lambda buf: buf.gather(2, along(last, buf))  # noqa: E731
+        for buf in (self._k, self._v, self._pos, *self._aux.values()):  # (B, H_kv, cap, ...)
+            buf.scatter_(2, along(at, buf), moved(buf))
         if self.counts is None:
             self.length = last
             return
         for buf in (self._k, self._v):  # the place the last entry left becomes a pad
             buf.scatter_(2, last[..., None].expand(-1, -1, -1, buf.shape[3]), 0)
         for buf in self._aux.values():
-            buf.scatter_(2, last, 0)
+            buf.scatter_(2, along(last, buf), 0)
         self._pos.scatter_(2, last, PAD)
         self.counts = self.counts - 1  # every row held one more: the longest is one shorter (no device sync)
         self.length -= 1
@@ -193,7 +198,7 @@ class LayerCache:
         self._v[row, :, :s] = self._v[row, :, :old].gather(2, k_idx)
         self._pos[row, :, :s] = self._pos[row, :, :old].gather(2, idx)
         for buf in self._aux.values():
-            buf[row, :, :s] = buf[row, :, :old].gather(2, idx)
+            buf[row, :, :s] = buf[row, :, :old].gather(2, along(idx, buf))
         self._set_pads(row, s, old)
         counts[b] = s
         self.length = int(counts.max())
@@ -221,7 +226,7 @@ class LayerCache:
 
     def aux_nbytes(self) -> int:
         """Bytes of the aux buffers' held entries: what a method keeps per token beside K and V."""
-        per_entry = sum(buf.element_size() for buf in self._aux.values()) * self._k.shape[1]  # over the KV heads
+        per_entry = sum(buf[0, 0, 0].numel() * buf.element_size() for buf in self._aux.values()) * self._k.shape[1]
         return per_entry * sum(self.held())
 
     def _resize(self, cap: int) -> None:
@@ -306,8 +311,8 @@ class KVCache:
         joint._v = torch.zeros_like(joint._k)
         joint._pos = first._pos.new_full((B * len(members), H_kv, cap), PAD)  # (len(layers) * B, H_kv, cap)
         names = dict.fromkeys(name for lc in members for name in lc._aux)  # every statistic any member keeps
-        dtypes = {name: lc._aux[name].dtype for lc in members for name in lc._aux}
-        joint._aux = {name: joint._pos.new_zeros(joint._pos.shape, dtype=dtypes[name]) for name in names}
+        like = {name: lc._aux[name] for lc in members for name in lc._aux}  # its dtype and per-entry shape
+        joint._aux = {name: like[name].new_zeros(*joint._pos.shape, *like[name].shape[3:]) for name in names}
         for i, lc in enumerate(members):
             rows, S = slice(i * B, (i + 1) * B), lc.length
             for name, buf in (("_k", lc._k), ("_v", lc._v), ("_pos", lc._pos)):

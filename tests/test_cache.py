@@ -196,3 +196,35 @@ def test_aux_buffers_keep_their_dtype_through_every_eviction_and_count_in_bytes(
     assert joint.aux("seen").dtype == torch.bool
     assert joint.aux("seen").tolist() == [[[False, False, True, False]], [[False, False, False, True]]]
     assert cache.aux_nbytes() == 3 + 4
+
+
+def test_an_aux_buffer_of_several_values_per_entry_moves_whole():
+    """A (w,)-shaped buffer (e.g. a history of flags) moves with its entry through evict_one, keep and join."""
+    from kvmini.cache import KVCache
+    from kvmini.config import ModelConfig
+
+    lc = LayerCache(1, 1, 1, torch.float32, "cpu")
+    lc.declare(("history", torch.bool, (3,)))
+    for t in range(4):
+        lc.append(torch.zeros(1, 1, 1, 1), torch.zeros(1, 1, 1, 1), torch.tensor([[t]]))
+    lc.aux("history")[0, 0] = torch.tensor([[1, 0, 0], [0, 1, 0], [0, 0, 1], [1, 1, 1]], dtype=torch.bool)
+    assert lc.aux_nbytes() == 3 * 4
+    lc.evict_one(torch.tensor([[1]]))  # entry 3 (all ones) moves into slot 1
+    assert lc.aux("history")[0, 0].int().tolist() == [[1, 0, 0], [1, 1, 1], [0, 0, 1]]
+    lc.keep(torch.tensor([[[2, 0]]]))
+    assert lc.aux("history")[0, 0].int().tolist() == [[0, 0, 1], [1, 0, 0]]
+
+    config = ModelConfig(model_type="llama", vocab_size=8, hidden_size=4, intermediate_size=8, num_layers=2,
+                         num_heads=1, num_kv_heads=1, head_dim=2)
+    cache = KVCache(config, 1)
+    for i, layer in enumerate(cache.layers):
+        layer.declare(("history", torch.bool, (2,)))
+        layer.append(torch.zeros(1, 1, 2 + i, 2), torch.zeros(1, 1, 2 + i, 2), torch.arange(2 + i)[None])
+        layer.aux("history")[0, 0, -1, i] = True
+    joint = cache.join((0, 1), room=1)
+    assert joint.aux("history").shape == (2, 1, 3, 2)
+    joint.evict_one(torch.tensor([[0], [0]]))  # each row's last entry moves into its slot 0
+    for layer in cache.layers:  # as Policy.end does after a joint eviction
+        layer.length -= 1
+    assert cache[0].aux("history")[0, 0].int().tolist() == [[1, 0]]
+    assert cache[1].aux("history")[0, 0, :2].int().tolist() == [[0, 1], [0, 0]]
