@@ -13,8 +13,8 @@ import re
 from typing import Literal
 
 from kvmini.errors import KvminiError
-from kvmini.methods import (d2o, dbudgetkv, dynamickv, h2o, knorm, options, pyramidkv, snapkv, snapkv_d2o,
-                            streaming_llm, tova, vatp, weightedkv)
+from kvmini.methods import (d2o, dbudgetkv, dynamickv, h2o, knorm, options, pyramidkv, scissorhands, snapkv,
+                            snapkv_d2o, streaming_llm, tova, vatp, weightedkv)
 from kvmini.methods.options import Declared
 from kvmini.parts import EVERY_CALL, PREFILL
 from kvmini.policy import PerSequence, Policy, resolve_budget
@@ -33,6 +33,7 @@ METHODS = {
     "knorm": knorm,
     "snapkv_d2o": snapkv_d2o,
     "vatp": vatp,
+    "scissorhands": scissorhands,
 }
 DEFAULT_BUDGET = 0.2  # used by run.py when --budget is not given
 
@@ -52,8 +53,15 @@ def declarations(name: str) -> tuple[Declared, ...]:
     variants = getattr(module, "VARIANTS", None)
     head = [Declared("variant", Literal[tuple(variants)], module.DEFAULT_VARIANT,
                      "paper (the equations) | official (the authors' code)", None, "", {})] if variants else []
-    tail = [EVICT_EVERY] if evicts_while_decoding(name) else []
+    tail = [engine_option(name)] if evicts_while_decoding(name) else []
     return tuple(head + options.declared(module.Options, variants) + tail)
+
+
+def engine_option(name: str) -> Declared:
+    """evict_every as method `name` takes it: a method may give the engine's option its own default
+    (`ENGINE_DEFAULTS = {"evict_every": m}` in its module, e.g. Scissorhands' drop amount)."""
+    default = getattr(METHODS[name], "ENGINE_DEFAULTS", {}).get("evict_every", EVICT_EVERY.default)
+    return EVICT_EVERY if default == EVICT_EVERY.default else dataclasses.replace(EVICT_EVERY, default=default)
 
 
 def every_option() -> dict[str, tuple[Declared, list[str]]]:
@@ -109,7 +117,7 @@ def summary(name: str) -> str:
 
 def method_options(name: str) -> dict[str, object]:
     """Option name -> default for one method (the default variant's values; evict_every excluded)."""
-    return {d.name: d.default for d in declarations(name) if d is not EVICT_EVERY}
+    return {d.name: d.default for d in declarations(name) if d.name != EVICT_EVERY.name}
 
 
 def resolved_options(name: str, given: dict) -> dict[str, object]:
@@ -192,7 +200,7 @@ def make_policy(name: str, budget: float | None = None, **given) -> Policy | Per
             raise KvminiError(f"--budget does not apply to method {name}: it chooses each layer's budget itself")
     else:
         budget = DEFAULT_BUDGET if budget is None else budget
-    every = given.get("evict_every", 1)
+    every = given.get("evict_every", engine_option(name).default if evicts_while_decoding(name) else 1)
     o = chosen(name, given)
 
     def build() -> Policy:

@@ -1,0 +1,99 @@
+r"""Scissorhands (Liu et al. 2023): drop, m at a time, the tokens whose attention was most often below average.
+
+Paper: "Scissorhands: Exploiting the Persistence of Importance Hypothesis for LLM KV Cache Compression
+at Test Time", Zichang Liu, Aditya Desai, Fangshuo Liao, Weitao Wang, Victor Xie, Zhaozhuo Xu,
+Anastasios Kyrillidis, Anshumali Shrivastava (NeurIPS 2023; arXiv 2305.17118).
+
+The persistence of importance: a token that mattered at one step keeps mattering, so a token
+that has been unimportant again and again can go. At every step t the query's attention row
+alpha_t marks each cached token low when it got less than a uniform share,
+
+    low_j(t) = 1[ \alpha_{tj} < 1 / |K_t| ]          (|K_t|: the keys the query attends to)
+
+and a token's importance record is its count of low steps in the history window of the last w
+steps, I_j = \sum_{s = t-w+1}^{t} low_j(s). When the cache reaches B entries, the m tokens with
+the largest I_j are dropped at once (the r most recent never), so the cache cycles between B - m
+and B entries and the scoring is paid once every m steps (Alg. 1 and 2, as reconstructed below).
+
+In kvmini terms: the budget is the floor B - m, and the drop amount m is the engine's
+`evict_every` (hold budget + m - 1, then evict m), whose default this method sets to 16
+(ENGINE_DEFAULTS). Per KV head: the low flags of a group's g query heads are added up (a count
+of 0..g per step), which ranks as their mean does. Ties of I drop the oldest first (a fall-back to
+a sliding window, the LRU reading the paper's name for the record suggests). Defaults: w = 400,
+r = 10, no sinks, m = 16.
+Chunked prefill: compressed after every call by design; a call's rows count as one step of the
+history (below), so `run.py --chunk-size 1` is Alg. 1 token by token.
+Deviation: the paper's text was not available to the authors of this module; Alg. 1-2, w = 400
+and r = 10 are read from two independent descriptions of it, and m is a free choice here (the
+paper's value could not be confirmed). A call of T > 1 queries (a prompt) records the sum of its
+last min(T, w) rows' low flags as one step, at its last position, which leaves the window as one
+block w steps later (Alg. 1 sees them leave one per step); a decode step is exact.
+Deviation: the authors' released code (github lzcemma/Scissorhands, modules/hf_opt_dropkv.py) is a
+masked simulation of a different rule (high scores above the 90% quantile of a row, a token kept
+while it was high once in the last w rows, no budget); kvmini has the paper's rule only.
+"""
+from dataclasses import dataclass
+
+import torch
+
+from kvmini.cache import LayerCache
+from kvmini.methods import options
+from kvmini.methods.allocators import Uniform
+from kvmini.methods.selectors import TopK
+from kvmini.parts import EVERY_CALL, Rule, Scorer
+from kvmini.policy import Policy
+from kvmini.statistics import Request, Stats, Statistic
+
+ENGINE_DEFAULTS = {"evict_every": 16}  # m: drop 16 tokens at once, every 16 decode steps
+
+
+def below_average(rows: torch.Tensor) -> torch.Tensor:
+    """low_j = 1[alpha_j < 1 / |K|] for each row (..., T, S) of attention; keys a row cannot see are 0."""
+    seen = rows > 0
+    K = seen.sum(-1, keepdim=True)  # (..., T, 1): |K_t|, the keys each query attends to
+    return (seen & (rows * K < 1)).to(rows.dtype)
+
+
+class LowHistory(Scorer):
+    r"""The importance record I_j: per entry a ring of the last w steps' low counts (aux "low_history",
+    (B, H_kv, S, w) int16, slot = step mod w); score = -I, ties broken towards keeping the newer token."""
+
+    accumulates = True
+
+    def __init__(self, w: int = 400):
+        self.w = w
+        self.low = Statistic("low_counts", w, below_average, "sum")  # (B, H_kv, S): sum_{i in last w rows} low_ij
+        self.request = Request(self.low)
+        self.aux = (("low_history", torch.int16, (w,)),)
+
+    def update(self, lc: LayerCache, stats: Stats, start: int, T: int) -> None:
+        """After a call of T queries at positions start..start+T-1: its rows are one step, at start+T-1."""
+        ring = lc.aux("low_history")  # (B, H_kv, S, w)
+        if T > 1:  # the slots of this call's other steps held steps that have left the window
+            earlier = torch.arange(max(start, start + T - self.w), start + T - 1, device=ring.device) % self.w
+            ring.index_fill_(-1, earlier, 0)
+        ring[..., (start + T - 1) % self.w] = stats.low_counts.round().to(ring.dtype)
+
+    def importance(self, lc: LayerCache) -> torch.Tensor:
+        """I_j: low steps in the history window (Alg. 2), (B, H_kv, S)."""
+        return lc.aux("low_history").sum(-1)
+
+    def __call__(self, lc: LayerCache, stats: Stats) -> torch.Tensor:
+        position = lc.positions.to(torch.float64) / 2**40  # < 1: breaks ties only (keeps the newer)
+        return -self.importance(lc).to(torch.float64) + position  # (B, H_kv, S), higher = keep
+
+    def describe(self, lc: LayerCache) -> tuple[str, torch.Tensor | None]:
+        return f"minus the low-attention steps among the last {self.w} (Scissorhands' importance record)", self(lc, None)
+
+
+@dataclass(frozen=True)
+class Options:
+    history: int = options.option(400, "Scissorhands' history window w: the last steps whose low-attention flags "
+                                       "count", **options.at_least(1))
+    sinks: int = options.sinks(0)
+    recent: int | Rule = options.recent(10)
+
+
+def build(budget: float, o: Options = Options()) -> Policy:
+    return Policy("scissorhands", budget, LowHistory(o.history), Uniform(), TopK(o.sinks, o.recent),
+                  schedule=EVERY_CALL)

@@ -1,0 +1,110 @@
+"""Scissorhands: the low-attention flag by hand, the importance record on a hand-worked stream
+(Alg. 1-2 with B = 6, m = 2, w = 3, r = 2), and the engine against a literal masked simulation."""
+from collections import defaultdict
+
+import pytest
+import torch
+
+from kvmini.cache import LayerCache
+from kvmini.methods.registry import declarations, make_policy
+from kvmini.methods.scissorhands import LowHistory, below_average
+from kvmini.methods.selectors import TopK
+from kvmini.statistics import Stats
+from reference import engine_run, random_model, simulate
+
+
+def test_a_token_is_low_when_it_gets_less_than_a_uniform_share():
+    """Row (.30, .05, .10, .20, .15, .20) over 6 keys: 1/6 = .167, so keys 1, 2 and 4 are low; a key the
+    query cannot see (attention 0) is never low, and a share equal to 1/|K| is not low."""
+    row = torch.tensor([[[[0.30, 0.05, 0.10, 0.20, 0.15, 0.20]]]], dtype=torch.float64)
+    assert below_average(row).flatten().tolist() == [0, 1, 1, 0, 1, 0]
+    four = torch.tensor([[[[0.35, 0.05, 0.10, 0.30, 0.20, 0.0]]]], dtype=torch.float64)  # 5 seen: 1/5 = .20
+    assert below_average(four).flatten().tolist() == [0, 1, 1, 0, 0, 0]
+
+
+ROWS = {  # step t -> the query's attention over the cache, in position order (scissorhands notes, toy 1)
+    0: [1.0], 1: [0.6, 0.4], 2: [0.5, 0.2, 0.3], 3: [0.40, 0.10, 0.30, 0.20],
+    4: [0.35, 0.05, 0.10, 0.30, 0.20], 5: [0.30, 0.05, 0.10, 0.20, 0.15, 0.20],
+    6: [0.30, 0.25, 0.10, 0.15, 0.20], 7: [0.30, 0.10, 0.10, 0.20, 0.10, 0.20],
+}
+
+
+def test_the_hand_worked_stream():
+    """B = 6, m = 2 (budget 4, evict 2 at once), w = 3, r = 2. After step 5 the window is steps 3-5:
+    I = 0, 3, 2, 1 for positions 0-3 (4 and 5 are recent), so 1 and 2 go: [0, 3, 4, 5]. After step 7
+    (steps 5-7): I(0) = 0, I(3) = 1, I(4) = 3, I(5) = 1: 4 goes, then the tie of 3 and 5 drops the
+    older, 3: [0, 5, 6, 7]. The cache holds 1, 2, 3, 4, 5, 4, 5, 4 entries."""
+    scorer, compressor = LowHistory(w=3), TopK(0, 2)
+    compressor.start(1)
+    lc = LayerCache(1, 1, 1, torch.float64, "cpu")
+    lc.declare(*scorer.aux)
+    sizes, kept = [], {}
+    for t, row in ROWS.items():
+        lc.append(torch.zeros(1, 1, 1, 1), torch.zeros(1, 1, 1, 1), torch.tensor([[t]]))
+        order = lc.positions[0, 0].argsort()
+        attention = torch.zeros(1, 1, 1, lc.length, dtype=torch.float64)
+        attention[..., order] = torch.tensor(row, dtype=torch.float64)  # the row in buffer order
+        scorer.update(lc, Stats(low_counts=below_average(attention)[:, :, 0]), t, 1)
+        if lc.length == 6:  # the cache reached B: drop m = 2
+            compressor(0, lc, scorer(lc, Stats()), 4)
+            kept[t] = sorted(lc.positions.flatten().tolist())
+        sizes.append(lc.length)
+    assert kept == {5: [0, 3, 4, 5], 7: [0, 5, 6, 7]}
+    assert sizes == [1, 2, 3, 4, 5, 4, 5, 4]
+
+
+def scissorhands_literal(budget, g, n, w=400, sinks=0, recent=10, m=16):
+    """Alg. 1-2 in loops, per KV head: after every call, each kept or new token records the number of
+    (query head, query) pairs among the call's last min(T, w) queries that gave it less than 1/|K| of
+    their attention, as one step at the call's last position; a layer over budget + m - 1 (budget
+    during the prompt) drops to the budget the tokens with the most low steps in the last w steps,
+    keeping the first `sinks`, the last `recent`, and, on ties, the newer token."""
+    history = defaultdict(dict)  # (layer, b, h, position) -> {step: low count}
+
+    def choose(layer, c, probs, kept, new, *_):
+        T, end = len(new), new[-1] + 1
+        rows = probs[:, :, max(T - w, 0):]  # (B, H, T', N): the call's last min(T, w) queries
+        low = (rows > 0) & (rows * (rows > 0).sum(-1, keepdim=True) < 1)
+
+        def rule(b, h, cand):
+            for p in cand:
+                history[layer, b, h, p][end - 1] = sum(int(low[b, hq, i, p]) for hq in range(h * g, (h + 1) * g)
+                                                       for i in range(low.shape[2]))
+            slack = 0 if end <= n else m - 1
+            if len(cand) <= budget + slack:
+                return cand
+            importance = {p: sum(x for s, x in history[layer, b, h, p].items() if s >= end - w) for p in cand}
+            first, middle, last = cand[:sinks], cand[sinks : len(cand) - recent], cand[len(cand) - recent :]
+            best = sorted(middle, key=lambda p: (importance[p], -p))[: budget - sinks - recent]
+            return first + sorted(best) + last
+
+        return [[rule(b, h, sorted(s + new)) for h, s in enumerate(row)] for b, row in enumerate(kept)]
+    return choose
+
+
+@pytest.mark.parametrize("options,budget,chunks,steps", [
+    ({"history": 4, "recent": 2, "evict_every": 3}, 8, [20], 9),  # a prompt in one call, then drops of 3
+    ({"history": 3, "recent": 2, "evict_every": 1}, 8, [1] * 12, 4),  # token by token: Alg. 1 literally
+    ({"history": 30, "sinks": 2, "recent": 3, "evict_every": 2}, 9, [7, 11], 6),  # w longer than the run
+])
+def test_engine_equals_literal_masked_simulation(options, budget, chunks, steps):
+    model = random_model(L=3, H=4, H_kv=2, seed=len(chunks)).to(torch.float64)
+    gen = torch.Generator().manual_seed(3)
+    B, n = 2, sum(chunks)
+    calls = [torch.randint(0, 61, (B, t), generator=gen) for t in chunks]
+    calls += [torch.randint(0, 61, (B, 1), generator=gen) for _ in range(steps)]
+    got_logits, got_kept = engine_run(model, calls, make_policy("scissorhands", budget, **options), n)
+    rule = {k: v for k, v in options.items() if k in ("sinks", "recent")}
+    literal = scissorhands_literal(budget, 2, n, w=options["history"], m=options["evict_every"], **rule)
+    want_logits, want_kept = simulate(model.to(torch.float32), calls, literal)
+    assert got_kept == want_kept
+    for got, want in zip(got_logits, want_logits):
+        torch.testing.assert_close(got.float(), want, atol=1e-4, rtol=0)
+
+
+def test_the_drop_amount_is_the_engines_evict_every_with_its_own_default():
+    every = {d.name: d for d in declarations("scissorhands")}["evict_every"]
+    assert every.default == 16 and {d.name: d for d in declarations("h2o")}["evict_every"].default == 1
+    assert make_policy("scissorhands", 32).evict_every == 16
+    assert make_policy("scissorhands", 32, evict_every=4).evict_every == 4
+    assert make_policy("h2o", 32).evict_every == 1
