@@ -8,6 +8,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from kvmini.methods.registry import METHODS
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -175,8 +177,7 @@ SHORT_QUESTION = "In two sentences, explain why the sky looks blue during the da
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("method", ["full", "streaming_llm", "h2o", "tova", "snapkv", "pyramidkv", "weightedkv",
-                                    "dbudgetkv", "d2o", "dynamickv", "knorm", "snapkv_d2o"])
+@pytest.mark.parametrize("method", list(METHODS))  # every registered method, one added later included
 def test_a_short_question_works_with_every_method_default(default_model_dir, tmp_path, capsys, method):
     """51 tokens with the chat template; 20% of that is less than SnapKV's 32-token window, so a ratio
     budget is raised to the least the method can keep, and the report says so."""

@@ -19,7 +19,8 @@ end inject a one-token score change and a 1e-5 change of one merge weight and sh
 What is stored: on the tiny model every tensor whole; on the default model the kept positions after
 the prompt and after the last call, each call's 16 largest logits (ids and values), and of every
 kept key and value its projection on a fixed random direction. Regenerate only on purpose:
-`PYTHONPATH=. python tests/test_engine_regression.py --record`.
+`PYTHONPATH=. python tests/test_engine_regression.py --record`; a method or variant registered later is
+added, the others left as recorded, with `--record-missing`.
 
 Order within a buffer means nothing to attention (positions are explicit; per-step eviction moves
 the newest entry into the evicted slot), so every head's entries are put in position order first.
@@ -31,15 +32,39 @@ from pathlib import Path
 import pytest
 import torch
 
-from kvmini.methods.registry import make_policy
+from kvmini.methods.registry import chooses_budget, make_policy, parse_spec, specs
 from reference import random_model
 
 DATA = Path(__file__).resolve().parent / "data" / "engine_regression"
 TOL = 1e-8  # of a tensor's largest magnitude: float64 noise across CPUs is ~1e-13, a real change far more
-SMALL = {"snapkv": {"window": 3, "kernel": 3}, "pyramidkv": {"window": 3, "kernel": 3},
-         "dynamickv": {"window": 2, "kernel": 3, "interval": 1}}
+SMALL = {"snapkv": {"window": 3, "kernel": 3}, "pyramidkv": {"window": 3, "kernel": 3},  # fit the tiny scenarios
+         "dynamickv": {"window": 2, "kernel": 3, "interval": 1}, "scissorhands": {"history": 4, "recent": 2},
+         "snapkv_d2o": {"window": 3, "kernel": 3}}
 ZSCORE = {"variant": "paper", "allocation": "zscore"}  # kvmini's former reading of D2O (z-scored variances)
 SEQUENTIAL = {"chunk_merge": "sequential"}  # WeightedKV: Alg. 1's order within a chunk
+
+
+def label(name: str, budget, options: dict) -> str:
+    """'d2o@12[variant=paper]': the method, its budget and the options given."""
+    given = ",".join(f"{k}={v}" for k, v in options.items())
+    return f"{name}@{budget}" + (f"[{given}]" if given else "")
+
+
+def registered(budget: int, small: dict) -> list[tuple]:
+    """(method, budget, options) for every registered method and variant (registry.specs), so a method
+    added to METHODS is recorded and checked without touching a list (`--record-missing` records it)."""
+    out = []
+    for spec in specs():
+        name, given = parse_spec(spec)
+        out.append((name, None if chooses_budget(name) else budget, {**small.get(name, {}), **given}))
+    return out
+
+
+def with_registered(listed: list[tuple], budget: int, small: dict) -> list[tuple]:
+    labels = {label(*v) for v in listed}
+    return listed + [v for v in registered(budget, small) if label(*v) not in labels]
+
+
 # (method, budget, options): every method and variant, and the option specs the fidelity tool reaches
 TINY_VARIANTS = [
     ("full", None, {}),
@@ -70,18 +95,14 @@ TINY_VARIANTS = [
     ("dbudgetkv", None, {"threshold": 0.1, "protected_layers": "0"}),
     ("dbudgetkv", None, {"ranking": "cumulative", "threshold": 0.2, "k": 3, "protected_layers": ""}),
 ]
+TINY_VARIANTS = with_registered(TINY_VARIANTS, 12, SMALL)
 DEFAULT_VARIANTS = [("full", None, {})] + [
     (m, 64, {}) for m in ("streaming_llm", "h2o", "tova", "snapkv", "pyramidkv", "knorm", "weightedkv", "d2o",
                           "snapkv_d2o", "dynamickv")
 ] + [("weightedkv", 64, SEQUENTIAL), ("d2o", 64, {"variant": "paper"}), ("d2o", 64, ZSCORE),
      ("d2o", 64, {**ZSCORE, "allocation": "uniform"}), ("dynamickv", 64, {"variant": "official"}),
      ("dbudgetkv", None, {}), ("dbudgetkv", None, {"variant": "official"}), ("dbudgetkv", None, {"ranking": "cumulative"})]
-
-
-def label(name: str, budget, options: dict) -> str:
-    """'d2o@12[variant=paper]': the method, its budget and the options given."""
-    given = ",".join(f"{k}={v}" for k, v in options.items())
-    return f"{name}@{budget}" + (f"[{given}]" if given else "")
+DEFAULT_VARIANTS = with_registered(DEFAULT_VARIANTS, 64, {})
 
 
 def tiny_scenarios():
@@ -170,36 +191,45 @@ def differences(out: dict, expected: dict) -> list[str]:
     return found
 
 
-def record_all(default_model=None, default_tokenizer=None):
+def record_all(default_model=None, default_tokenizer=None, only_missing=False):
+    """Record every variant (only_missing: only those not recorded yet; the others stay as they are)."""
     from safetensors.torch import save_file
 
-    tensors, facts = {}, {"tiny": {}, "default": {}}
+    tensors, facts = ({}, {"tiny": {}, "default": {}}) if not only_missing else load_recording()
     model = tiny_model()
     for scenario, (calls, n) in tiny_scenarios().items():
         for name, budget, options in TINY_VARIANTS:
+            if f"{scenario}/{label(name, budget, options)}" in facts["tiny"]:
+                continue
             out, f = run(model, calls, name, budget, options, n)
             tensors.update({f"{scenario}/{label(name, budget, options)}/{k}": v for k, v in out.items()})
             facts["tiny"][f"{scenario}/{label(name, budget, options)}"] = f
     if default_model is not None:
         calls, n = default_scenario(default_tokenizer)
         for name, budget, options in DEFAULT_VARIANTS:
+            if label(name, budget, options) in facts["default"]:
+                continue
             out, f = run(default_model, calls, name, budget, options, n)
             kept = condensed(out, len(calls))
             tensors.update({f"default/{label(name, budget, options)}/{k}": v for k, v in kept.items()})
             facts["default"][label(name, budget, options)] = f
     DATA.parent.mkdir(exist_ok=True)
     for key, t in tensors.items():  # positions fit in int16 (PAD becomes -1), ids in int32
-        if not t.is_floating_point():
+        if not t.is_floating_point() and t.dtype in (torch.int64, torch.long):
             tensors[key] = t.to(torch.int16 if key.split("/")[-1].startswith("positions") else torch.int32)
     save_file(tensors, str(DATA.with_suffix(".safetensors")))
     DATA.with_suffix(".json").write_text(json.dumps(facts, indent=1, sort_keys=True))
 
 
-@pytest.fixture(scope="module")
-def recorded():
+def load_recording() -> tuple[dict, dict]:
     from safetensors.torch import load_file
 
     return load_file(str(DATA.with_suffix(".safetensors"))), json.loads(DATA.with_suffix(".json").read_text())
+
+
+@pytest.fixture(scope="module")
+def recorded():
+    return load_recording()
 
 
 def expected_of(tensors: dict, prefix: str) -> dict:
@@ -218,6 +248,7 @@ def float64_model(default_model):
 def test_tiny_model_behaviour_is_unchanged(recorded, scenario, variant):
     tensors, facts = recorded
     calls, n = tiny_scenarios()[scenario]
+    assert f"{scenario}/{label(*variant)}" in facts["tiny"], f"{label(*variant)} not recorded: run {RECORD_MISSING}"
     out, f = run(tiny_model(), calls, *variant, n)
     assert differences(out, expected_of(tensors, f"{scenario}/{label(*variant)}/")) == []
     assert f == facts["tiny"][f"{scenario}/{label(*variant)}"]
@@ -227,6 +258,7 @@ def test_tiny_model_behaviour_is_unchanged(recorded, scenario, variant):
 @pytest.mark.parametrize("variant", DEFAULT_VARIANTS, ids=[label(*v) for v in DEFAULT_VARIANTS])
 def test_default_model_behaviour_is_unchanged(recorded, float64_model, default_tokenizer, variant):
     tensors, facts = recorded
+    assert label(*variant) in facts["default"], f"{label(*variant)} not recorded: run {RECORD_MISSING}"
     calls, n = default_scenario(default_tokenizer)
     out, f = run(float64_model, calls, *variant, n)
     expected = expected_of(tensors, f"default/{label(*variant)}/")
@@ -269,11 +301,14 @@ def test_a_merge_weight_change_of_1e_5_fails(recorded, monkeypatch):
     assert found and all(d.startswith(("keys.", "values.", "logits.")) for d in found), found  # same positions
 
 
-if __name__ == "__main__" and "--record" in sys.argv:  # PYTHONPATH=. python tests/test_engine_regression.py --record
+RECORD_MISSING = "PYTHONPATH=. python tests/test_engine_regression.py --record-missing"
+
+if __name__ == "__main__" and {"--record", "--record-missing"} & set(sys.argv):  # --record: everything anew
     from kvmini.loading import load_model
     from kvmini.tokenizer import load_tokenizer
     from kvmini.weights import ensure_default_model
 
     folder = ensure_default_model()
-    record_all(load_model(folder, "cpu", "float32").to(torch.float64), load_tokenizer(folder))
+    record_all(load_model(folder, "cpu", "float32").to(torch.float64), load_tokenizer(folder),
+               only_missing="--record-missing" in sys.argv)
     print(f"recorded {DATA}.safetensors/.json")

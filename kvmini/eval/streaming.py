@@ -20,9 +20,9 @@ import torch.nn.functional as F
 
 from kvmini.errors import KvminiError
 from kvmini.generate import prefill
-from kvmini.methods.registry import policy_for
+from kvmini.methods.registry import policy_for, specs
 
-METHODS = ("full", "streaming_llm", "h2o", "tova", "weightedkv", "d2o", "d2o[variant=paper]")
+METHODS = ("full", *specs(while_decoding=True))  # every method that evicts while decoding, every variant
 
 
 @torch.inference_mode()

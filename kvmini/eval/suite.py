@@ -28,11 +28,11 @@ import torch  # noqa: E402
 
 from kvmini.errors import KvminiError  # noqa: E402
 from kvmini.eval import fidelity, layers, passkey, plots, speed, streaming  # noqa: E402
+from kvmini.methods import registry  # noqa: E402
 
-ALL_COMPRESSING = ["streaming_llm", "h2o", "vatp", "tova", "snapkv", "pyramidkv", "weightedkv", "d2o", "d2o[variant=paper]",
-                   "dynamickv"]
-VARIANTS = ["d2o", "d2o[variant=paper]", "dbudgetkv", "dbudgetkv[variant=official]", "dynamickv",
-            "dynamickv[variant=official]"]  # paper and authors' code side by side
+EVERY = registry.specs()  # every registered method and variant: a method added to METHODS is measured everywhere
+BUDGETED = [s for s in EVERY if not registry.chooses_budget(registry.parse_spec(s)[0])]
+SELF_BUDGETED = [s for s in EVERY if s not in BUDGETED]  # DBudgetKV: its own budget
 PROFILES = {
     "smoke": {  # every code path, about a minute on a quiet machine; the numbers mean nothing
         "streaming": dict(n=160, capacities=[32], chunk=16),
@@ -45,7 +45,7 @@ PROFILES = {
     "quick": {
         "streaming": dict(n=2048, capacities=[256], chunk=16),
         "passkey": dict(lengths=[1024, 2048], depths=[0.1, 0.5, 0.9], budgets=[128, 0.2]),
-        "fidelity": dict(n=1024, k=128, prompts=3, budgets=[0.2], methods=["h2o", "snapkv", "pyramidkv"] + VARIANTS),
+        "fidelity": dict(n=1024, k=128, prompts=3, budgets=[0.2], methods=EVERY),
         "layers": dict(n=1024, budget=0.2, bins=32),
         "speed": dict(prefill_n=2048, reps=1, decode_n=2048, steps=16, rounds=5, peak_n=2048, budget=0.2, batch_n=2048,
                       cap_gib=8),
@@ -53,7 +53,7 @@ PROFILES = {
     "full": {
         "streaming": dict(n=4096, capacities=[256, 1024], chunk=4),
         "passkey": dict(lengths=[1024, 2048, 4096, 8000], depths=[0.0, 0.25, 0.5, 0.75, 1.0], budgets=[64, 128, 0.2]),
-        "fidelity": dict(n=2048, k=256, prompts=5, budgets=[0.2, 128], methods=["h2o", "snapkv", "pyramidkv"] + VARIANTS),
+        "fidelity": dict(n=2048, k=256, prompts=5, budgets=[0.2, 128], methods=EVERY),
         "layers": dict(n=2048, budget=0.2, bins=64),
         "speed": dict(prefill_n=4096, reps=3, decode_n=8128, steps=16, rounds=3, peak_n=8192, budget=0.2, batch_n=4096,
                       cap_gib=16),
@@ -68,7 +68,7 @@ def run_streaming(model, text_ids, p, log):
 
 
 def run_passkey(model, tok, chat, stop_ids, p, log):
-    runs = [("full", None)] + [(m, b) for b in p["budgets"] for m in ALL_COMPRESSING] + [("dbudgetkv", None)]
+    runs = [("full", None)] + [(m, b) for b in p["budgets"] for m in BUDGETED] + [(m, None) for m in SELF_BUDGETED]
     return passkey.run(model, tok, chat, runs, p["lengths"], p["depths"], stop_ids, log=log)
 
 
@@ -94,7 +94,7 @@ def run_layers(model, text_ids, p, log):
 
 
 def run_speed(model, text_ids, p, model_folder, log):
-    methods = ALL_COMPRESSING + ["dbudgetkv"]
+    methods = EVERY
     ids = lambda n: torch.tensor([text_ids[:n]], device=model.device)  # noqa: E731
     out = {"budget": p["budget"], "prefill_n": p["prefill_n"], "decode_n": p["decode_n"], "peak_n": p["peak_n"],
            "steps": p["steps"], "rounds": p["rounds"],

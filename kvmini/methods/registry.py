@@ -64,6 +64,17 @@ def engine_option(name: str) -> Declared:
     return EVICT_EVERY if default == EVICT_EVERY.default else dataclasses.replace(EVICT_EVERY, default=default)
 
 
+def specs(while_decoding: bool = False) -> list[str]:
+    """Every registered method as the evaluation tools run it: each with its defaults, then each of its
+    other variants ("d2o[variant=paper]"); while_decoding: only those that evict while decoding."""
+    out = []
+    for name, module in METHODS.items():
+        if module is None or (while_decoding and not evicts_while_decoding(name)):
+            continue
+        out += [name] + [f"{name}[variant={v}]" for v in getattr(module, "VARIANTS", {}) if v != module.DEFAULT_VARIANT]
+    return out
+
+
 def every_option() -> dict[str, tuple[Declared, list[str]]]:
     """Option name -> (its declaration, the methods that take it): run.py's flags. A name has one
     type and one help wherever it is declared (tests/test_options.py)."""
