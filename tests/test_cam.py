@@ -200,7 +200,7 @@ CASES = [dict(m=16, divide="fixed", mask="expectation"), dict(m=16, divide="coun
 def test_compressor_equals_algorithm_1_after_a_prompt_and_decode_steps(kw):
     """Synthetic caches, 2 heads, sinks 2, budget 9: a 20-entry prompt (11 evictions, the cascade), then 6
     decode steps (one eviction each, buffer out of position order), each head against `literal_compress`
-    with the same uniforms (drawn per layer as the module documents: (B, H_kv, E) per compression)."""
+    with the same uniforms (drawn per layer as the module documents: (1, H_kv, E) per compression)."""
     gen = torch.Generator().manual_seed(3)
     H, S, b, sinks = 2, 20, 9, 2
     V = torch.randn(H, S, 3, generator=gen, dtype=DT)

@@ -19,7 +19,8 @@ Evictions go one at a time, oldest first, so an evicted value may already carry 
 M_i, per (sequence, KV head), by `mask`:
     bernoulli    M_i ~ Bernoulli(p_i): u < p_i with u ~ U(0, 1) from a private generator per layer
                  (seeded with seed * 2**20 + layer at the start of every run; the global RNG is
-                 never touched): a layer draws u of shape (B, H_kv, E) for the E evictions of a call
+                 never touched): a layer draws u of shape (1, H_kv, E) for the E evictions of a call,
+                 shared by the sequences of a batch (so a sequence merges as it does alone)
     expectation  M_i = p_i (the mean of the Bernoulli merge; deterministic)
     threshold    M_i = [\bar A_i / avg > 1] (the authors' OPT/GPT-NeoX code, modify_opt_cam.py:29-30)
     always       M_i = 1 (Table 2's ablation "w.o. Merge Mask")
@@ -76,9 +77,9 @@ class CacheMerge(Compressor):
             return (ratio > 1).to(p.dtype)  # NaN: no merge
         if self.mask == "always":
             return torch.ones_like(p)
-        rows = p.shape[0] // len(layers)  # Alg. 1 line 2: u < p, u drawn from each layer's own generator
-        u = torch.cat([torch.rand((rows,) + p.shape[1:], generator=self.generators[layer], dtype=torch.float64)
-                       for layer in layers]).to(p.device)  # (R, H_kv, E)
+        B = p.shape[0] // len(layers)  # Alg. 1 line 2: u < p, u from each layer's own generator, the same
+        u = torch.cat([torch.rand((1,) + p.shape[1:], generator=self.generators[layer], dtype=torch.float64)
+                       .expand(B, -1, -1) for layer in layers]).to(p.device)  # (R, H_kv, E)  for every sequence
         return (u < p).to(p.dtype)
 
     def divisor(self, count: torch.Tensor) -> torch.Tensor | int:
