@@ -14,7 +14,7 @@ Merging into a run of consecutive tokens perturbs the next output by (avg A_{j:j
 (Eq. 10), less than evicting (-A_i v_i) iff avg < 2 A_i (Theorem 3.3); Eq. 14 samples the merge
 with a probability that is 1 when \bar A_i >= avg \bar A and shrinks with \bar A_i below it.
 Evictions go one at a time, oldest first, so an evicted value may already carry earlier merges
-(the cascade); 0/0 gives p = 0 and x/0 gives p = 1 (the authors' kv_cache_cam.py:33-36).
+(the cascade); 0/0 gives p = 0 and x/0 gives p = 1 (the authors' kv_cache_cam.py:34-36).
 
 M_i, per (sequence, KV head), by `mask`:
     bernoulli    M_i ~ Bernoulli(p_i): u < p_i with u ~ U(0, 1) from a private generator per layer
@@ -22,7 +22,7 @@ M_i, per (sequence, KV head), by `mask`:
                  never touched): a layer draws u of shape (1, H_kv, E) for the E evictions of a call,
                  shared by the sequences of a batch (so a sequence merges as it does alone)
     expectation  M_i = p_i (the mean of the Bernoulli merge; deterministic)
-    threshold    M_i = [\bar A_i / avg > 1] (the authors' OPT/GPT-NeoX code, modify_opt_cam.py:29-30)
+    threshold    M_i = [\bar A_i / avg > 1] (the authors' OPT/GPT-NeoX code, utils_hh/modify_opt_cam.py:30)
     always       M_i = 1 (Table 2's ablation "w.o. Merge Mask")
 Two implementations, one result: `merge_one` (a decode step: one eviction per head in a buffer out
 of position order, O(S) to find it and its targets, O(m D) to merge; also the rows of
@@ -51,9 +51,10 @@ class CacheMerge(Compressor):
     value merge of every evicted token into the next `m` held ones.
 
     divide "count": v_i / (targets that exist) (the paper's v_i / m assumes m exist); "fixed": always
-    v_i / m, as the authors' code (kv_cache_cam.py:37). `trace`: None (default, no cost), or a list that
-    each compression extends with a `Merged` record: `into` is the FIRST target (the m - 1 after it
-    received the same share), `weight` is M_i / divisor, the coefficient of v_i in every target."""
+    v_i / m, as the authors' code (kv_cache_cam.py:37, with :39 clipping the targets).
+    `trace`: None (default, no cost), or a list that each compression extends with a `Merged` record:
+    `into` is the FIRST target (the m - 1 after it received the same share; -1: not merged), `weight`
+    is M_i / divisor, the coefficient of v_i in every target."""
 
     one_each = True
 
@@ -116,7 +117,8 @@ def merge_one(lc: LayerCache, score: torch.Tensor, cm: CacheMerge, layers: tuple
     t_pos, t = later.topk(min(cm.m, S), largest=False)  # (R, H_kv, m'): the next m' positions, their slots
     valid = t_pos != PAD  # (R, H_kv, m')
     abar = wide(score)
-    p, ratio = merge_probability(abar.gather(2, i)[..., 0], abar.gather(2, t).masked_fill(~valid, float("nan")))  # Eq. 14
+    abar_t = abar.gather(2, t).masked_fill(~valid, float("nan"))  # (R, H_kv, m'): NaN where no target
+    p, ratio = merge_probability(abar.gather(2, i)[..., 0], abar_t)  # Eq. 14, (R, H_kv)
     M = cm.merge_mask(layers, p[..., None], ratio[..., None])  # (R, H_kv, 1)
     w = M / cm.divisor(valid.sum(-1, keepdim=True))  # (R, H_kv, 1): the coefficient of v_i in each target
     if note is not None:
@@ -129,7 +131,8 @@ def merge_one(lc: LayerCache, score: torch.Tensor, cm: CacheMerge, layers: tuple
     return M
 
 
-def merge_sequential(lc: LayerCache, score: torch.Tensor, b: int, cm: CacheMerge, layer: int, note=None) -> torch.Tensor:
+def merge_sequential(lc: LayerCache, score: torch.Tensor, b: int, cm: CacheMerge, layer: int,
+                     note=None) -> torch.Tensor:
     """Algorithm 1 for the E = S - b oldest non-sink entries, one after the other (the cascade), in position
     order; then the layer keeps its sinks and its b - sinks newest entries. Returns M (B, H_kv, E)."""
     S, D, s, E, m = lc.length, lc.values.shape[-1], cm.sinks, lc.length - b, cm.m

@@ -16,11 +16,12 @@ Two variants; every option below overrides its part of the chosen one:
     option         paper (Eq. 14, Alg. 1)            official (generate_task/streaming_llm/kv_cache_cam.py)
     merge_divide   count: v_i / (targets that exist)  fixed: always v_i / 16 (:37), also with fewer targets
 They agree whenever m targets exist (layer budgets of at least sinks + m + 1 tokens). Both: m = 16
-(:30), \bar A accumulated over every step (:20-25), p over the mean of the targets' \bar A (:33),
-Bernoulli merge mask (:36). `merge_score=current` is Table 2's "w.o. Acc. Attention" (and the
-authors' HELM code, cam_hf/utils_hh/modify_llama_cam.py:27-29); `merge_mask=always` Table 2's
-"w.o. Merge Mask"; `merge_mask=threshold` the authors' OPT/GPT-NeoX code (merge iff the ratio > 1,
-utils_hh/modify_opt_cam.py:29-30); `merge_mask=expectation` merges p_i v_i / m (the Bernoulli's mean).
+(:30), \bar A accumulated over every step (:20-25), p over the mean of the targets' \bar A (:32),
+a Bernoulli merge mask (:36), the targets the 16 entries after the evicted one (:39).
+Ablations as options: `merge_score=current` is Table 2's "w.o. Acc. Attention" (also the authors' HELM
+code, cam_hf/utils_hh/modify_llama_cam.py:28-29); `merge_mask=always` Table 2's "w.o. Merge Mask";
+`merge_mask=threshold` the rule of the authors' OPT/GPT-NeoX code (`merge_prob > 1`,
+utils_hh/modify_opt_cam.py:30); `merge_mask=expectation` merges p_i v_i / m, the Bernoulli's mean.
 Sources: the paper's body could not be retrieved (abstract only, PMLR/OpenReview); Eq. 10, 14,
 Theorem 3.3 and Algorithm 1 are read from two independent paper summaries and third-party code
 (VeloxQuant-MLX, NVIDIA kvpress CAMPress), which agree with each other and with the authors'
@@ -38,9 +39,10 @@ code and headline results use StreamingLLM, the only base kvmini implements.
 Deviation: the authors' code keeps start_size sinks (default 1, README 32) and re-ropes keys at their
 cache index (pos-shift); kvmini keeps 4 sinks and original positions, as its streaming_llm.
 Deviation: the authors' code is per query head (MHA); kvmini is per KV head, \bar A of a group reduced by mean.
-Deviation: the authors' HELM and QA scripts (utils_hh, utils_lm_eval) are masked simulations whose
-cache never shrinks (merges one step early, over a window of r - 2 or of max over sinks and window,
-leaking merged values to earlier queries; ×0.99 and attention hacks in OPT/NeoX): not reproduced.
+Deviation: the authors' HELM and QA scripts (utils_hh, utils_lm_eval) are masked simulations whose cache
+never shrinks (HELM: the current step's row, a merge one step early, a denominator over r - 2 entries;
+QA: a max over the sinks and window, merged values leaking to earlier queries; OPT/NeoX: ×0.99 and
+attention hacks): not reproduced.
 Deviation: the prompt's evictions are merged too (the perplexity code has no prefill; the HELM code
 drops the prompt's evictions unmerged); the clamp interval is [0, 1] (Table 3 compares others).
 """
