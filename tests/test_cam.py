@@ -329,3 +329,32 @@ def test_the_trace_records_each_eviction_once_with_its_first_target(model):
         weight = torch.cat([r.weight for r in records], -1)
         assert ((weight >= 0) & (weight <= 1 / 16)).all()  # M / 16
         assert float(weight.mean(1).sum()) * 16 == pytest.approx(policy.merged[layer])
+
+
+def test_a_prompt_in_chunks_keeps_the_same_positions_but_not_the_same_values(model):
+    """Compressed after every call by design: the kept positions (StreamingLLM's) do not depend on the
+    chunk size; Abar, so p and the merged values, do (later chunks attend to a trimmed cache)."""
+    ids = torch.randint(0, 61, (1, 40), generator=torch.Generator().manual_seed(4))
+    caches = []
+    for chunk in (40, 7):
+        policy, cache = make_policy("cam", 12, merge_mask="expectation"), model.new_cache(1, 4)
+        policy.start(40, 40)
+        with torch.no_grad():
+            for start in range(0, 40, chunk):
+                model(ids[:, start : start + chunk], cache, policy)
+        caches.append(cache)
+    for one, chunked in zip(*(c.layers for c in caches)):
+        assert torch.equal(one.positions.sort(-1).values, chunked.positions.sort(-1).values)
+    ordered = lambda lc: lc.values.gather(2, lc.positions.argsort(-1)[..., None].expand_as(lc.values))  # noqa: E731
+    assert any(not torch.allclose(ordered(a), ordered(b)) for a, b in zip(*(c.layers for c in caches)))
+
+
+def test_evict_every_n_merges_n_at_once(model):
+    policy, cache = make_policy("cam", 12, evict_every=4), model.new_cache(1, 4)
+    policy.start(40, 52)
+    gen, held = torch.Generator().manual_seed(1), []
+    with torch.no_grad():
+        for ids in [torch.randint(0, 61, (1, 40), generator=gen)] + [torch.randint(0, 61, (1, 1), generator=gen)] * 12:
+            model(ids, cache, policy)
+            held.append(cache.lengths()[0])
+    assert held == [12, 13, 14, 15, 12, 13, 14, 15, 12, 13, 14, 15, 12] and policy.evicted == [40] * 4
