@@ -203,6 +203,75 @@ page = write_html(Path(tempfile.gettempdir()) / "06_kept.html", result.cache, Le
 show_page(page, height=420)
 
 # %% [markdown]
+# ## CaM's merge against WeightedKV's, on the same evictions
+#
+# CaM (Zhang et al., ICML 2024; `kvmini/methods/cache_merging.py`) also drops the key and keeps the
+# value, but it evicts the oldest non-sink token (StreamingLLM) and *adds* $M_i v_i / m$ to each of
+# the $m$ tokens after it, where $M_i \sim \mathrm{Bernoulli}(p_i)$ and
+# $p_i = \mathrm{clamp}(\bar A_i / \mathrm{avg}\,\bar A_{j:j+m}, 0, 1)$ (Eq. 14). WeightedKV blends
+# the value into one neighbour, convexly. Below both see ten one-hot values, the same attention
+# sums $(2, 0.1, 0.2, \dots, 0.9)$ and evict the same four tokens $v_2..v_5$ (sink $v_1$; the lowest
+# $\bar a$ is also the oldest here); CaM with $m = 3$ and its mean merge ($M_i = p_i$,
+# `merge_mask=expectation`). First eviction by hand: $p = 0.1 / \mathrm{avg}(0.2, 0.3, 0.4) = 1/3$,
+# so $v_3, v_4, v_5$ each gain $v_2 / 9$.
+
+# %%
+from kvmini.methods.cache_merging import CacheMerge  # noqa: E402
+
+E10, acc = torch.eye(10), torch.tensor([2.0] + [0.1 * t for t in range(1, 10)])
+
+
+def ten_values():
+    lc = LayerCache(1, 1, 10, torch.float32, "cpu")
+    lc.append(torch.zeros(1, 1, 10, 10), E10.view(1, 1, 10, 10).clone(), torch.arange(10)[None])
+    lc.declare("a", "n", "attention_sum")
+    lc.aux("a")[:], lc.aux("n")[:], lc.aux("attention_sum")[:] = acc, 1.0, acc
+    return lc
+
+
+def cam_down_to(budget):
+    """CaM's compressor (sinks 1, m = 3, divide by m, M = p) on the ten values, down to `budget` entries."""
+    lc, merge = ten_values(), CacheMerge(sinks=1, m=3, divide="fixed", mask="expectation")
+    merge.start(1)  # one layer
+    merge.trace = []  # record the merges (Merged: evicted, first target, weight M / m)
+    merge(0, lc, lc.aux("attention_sum"), budget)  # Eq. 14 + Alg. 1, oldest first
+    return lc, merge.trace
+
+
+first, _ = cam_down_to(9)  # one eviction: the newest entry moves into the freed slot, so read by position
+in_order = first.values[0, 0, first.positions[0, 0].argsort()]  # (9, 10): v1, v3, v4, ..., v10
+assert torch.allclose(in_order[1:4, 1], torch.full((3,), 1 / 9))  # v3, v4, v5 gained v2 / 9
+weighted = ten_values()
+convex_value_merge(weighted, capacity=6, sinks=1, recent=1)  # Alg. 1 four times: v2 -> v3 -> v4 -> v5 -> v6
+cam, trace = cam_down_to(6)
+assert weighted.positions.flatten().tolist() == cam.positions.flatten().tolist() == [0, 5, 6, 7, 8, 9]
+print("CaM's merge probabilities p_i:", [round(3 * w, 3) for w in trace[0].weight.flatten().tolist()])
+print("sum of weights per kept value, WeightedKV:", [round(x, 3) for x in weighted.values[0, 0].sum(-1).tolist()])
+print("sum of weights per kept value, CaM:       ", [round(x, 3) for x in cam.values[0, 0].sum(-1).tolist()])
+assert torch.allclose(weighted.values[0, 0].sum(-1), torch.ones(6))  # convex: every kept value weighs 1
+assert (cam.values[0, 0].sum(-1)[1:4] > 1).all()  # additive: a target keeps its own value and gains shares
+
+fig, axes = plt.subplots(1, 2, figsize=(11, 2.8), sharey=True)
+for ax, lc, title in ((axes[0], weighted, "WeightedKV: v_j into v_{j+1}, convex (a_j, a_{j+1})"),
+                      (axes[1], cam, "CaM: p_i v_i / m added to the next m = 3")):
+    im = ax.imshow(lc.values[0, 0].numpy(), cmap="Blues", vmin=0, vmax=1)
+    ax.set_xticks(range(10), [f"v{t}" for t in range(1, 11)])
+    ax.set_title(title, fontsize=10)
+axes[0].set_yticks(range(6), [f"slot of v{p + 1}" for p in cam.positions.flatten().tolist()])
+fig.colorbar(im, ax=axes)
+show(fig, "06_cam_vs_weightedkv")
+
+# %% [markdown]
+# WeightedKV pushes the whole chain $v_2 \to v_6$ into one value (each step convex, so the oldest
+# dropped value ends up with a small weight there); CaM leaves every kept value at weight 1 on
+# itself and sprinkles fractions of the evicted ones over the next $m$ tokens, as much as Eq. 14's
+# $p_i$ says ($1/3, 1/2, 3/5, 2/3$ for $v_2..v_5$: along this ramp a token's sum comes ever closer
+# to the mean of its next three). The kept values are no longer convex combinations (their weights
+# sum to more than 1). `python run.py --method cam` runs CaM on a real model, sampling $M_i$ from a
+# seeded generator; its `paper` and `official` variants differ only in dividing by the targets that
+# exist or always by $m$.
+
+# %% [markdown]
 # ## What the authors' code does differently
 #
 # WeightedKV has no public code, so there is nothing to compare: kvmini follows Alg. 1, and the

@@ -13,8 +13,8 @@ import re
 from typing import Literal
 
 from kvmini.errors import KvminiError
-from kvmini.methods import (d2o, dbudgetkv, dynamickv, h2o, knorm, options, pyramidkv, scissorhands, snapkv,
-                            snapkv_d2o, streaming_llm, tova, vatp, weightedkv)
+from kvmini.methods import (cam, d2o, dbudgetkv, dynamickv, h2o, knorm, options, pyramidkv, roco, scissorhands,
+                            snapkv, snapkv_d2o, streaming_llm, tova, vatp, weightedkv)
 from kvmini.methods.options import Declared
 from kvmini.parts import EVERY_CALL, PREFILL
 from kvmini.policy import PerSequence, Policy, resolve_budget
@@ -34,6 +34,8 @@ METHODS = {
     "snapkv_d2o": snapkv_d2o,
     "vatp": vatp,
     "scissorhands": scissorhands,
+    "cam": cam,
+    "roco": roco,
 }
 DEFAULT_BUDGET = 0.2  # used by run.py when --budget is not given
 
