@@ -13,7 +13,7 @@ import re
 from typing import Literal
 
 from kvmini.errors import KvminiError
-from kvmini.methods import (d2o, dbudgetkv, dynamickv, h2o, knorm, options, pyramidkv, snapkv, snapkv_d2o,
+from kvmini.methods import (d2o, dbudgetkv, dynamickv, h2o, knorm, options, pyramidkv, roco, snapkv, snapkv_d2o,
                             streaming_llm, tova, vatp, weightedkv)
 from kvmini.methods.options import Declared
 from kvmini.parts import EVERY_CALL, PREFILL
@@ -33,6 +33,7 @@ METHODS = {
     "knorm": knorm,
     "snapkv_d2o": snapkv_d2o,
     "vatp": vatp,
+    "roco": roco,
 }
 DEFAULT_BUDGET = 0.2  # used by run.py when --budget is not given
 
