@@ -159,7 +159,7 @@ def test_robust_set_by_hand():
 # --------------------------------------------------------------------------- the statistic
 @pytest.mark.parametrize("T", [1, 5])
 def test_column_squares_is_the_square_of_the_group_mean_row(T):
-    """sum_i (mean_g A_ij)^2, as EasyKV (:195, :449), on the chunked explicit pass (T > 1) and the decode row (T = 1)."""
+    """sum_i (mean_g A_ij)^2, as EasyKV (:195, :611), on the chunked explicit pass (T > 1) and the decode row (T = 1)."""
     gen = torch.Generator().manual_seed(0)
     B, H_kv, g, S, D = 2, 2, 3, 9, 4
     q = torch.randn(B, H_kv * g, T, D, generator=gen, dtype=torch.float64)
@@ -247,13 +247,13 @@ class EasyKVRoCo:
 
     @staticmethod
     def accumulate(buf, rows):
-        for r in rows:  # :448-453 / :698-703: sums of the (group-mean) row and of its square
+        for r in rows:  # :609-613 / :698-703: sums of the (group-mean) row and of its square
             for j, w in enumerate(r):
                 buf["S"][j] += w
                 buf["SQ"][j] += w * w
 
     def victims(self, buf, k, evict, sink_length):
-        """:471-476 (prompt) and :720-724 (decode, sink_length 0): the `evict` lowest MAS among the k lowest sigma."""
+        """:631-636 (prompt) and :720-724 (decode, sink_length 0): the `evict` lowest MAS among the k lowest sigma."""
         std = [mas_and_std(s, sq, c, clamp=False)[1] for s, sq, c in zip(buf["S"], buf["SQ"], buf["C"])]
         L = len(std)
         for j in list(range(max(L - self.protect_last, 0), L)) + list(range(min(sink_length, L))):
@@ -400,9 +400,18 @@ def test_never_above_budget_and_the_paper_guards_are_kept(options):
                     assert torch.isfinite(lc.aux(name)).all()
 
 
-def test_the_paper_variant_evicts_all_layers_at_once_as_layer_by_layer():
+def test_the_paper_variant_evicts_all_layers_at_once_as_layer_by_layer(monkeypatch):
+    """tests/test_together.py checks the official default; here the paper variant, and that the joint path runs."""
+    from kvmini.cache import KVCache
     from test_together import run, same
 
+    joins = []
+    real = KVCache.join
+    monkeypatch.setattr(KVCache, "join", lambda self, layers, room=1: joins.append(layers) or real(self, layers, room))
     model = random_model(L=4).to(torch.float64)
-    for options in (PAPER, PAPER | {"sinks": 2, "recent": 2, "decode_sinks": False}):
-        same(run(model, "roco", 12, options, True), run(model, "roco", 12, options, False))
+    for options in (PAPER, PAPER | {"sinks": 2, "recent": 2, "decode_sinks": False}, {}):
+        joins.clear()
+        alone = run(model, "roco", 12, options, False)
+        assert joins == []
+        same(run(model, "roco", 12, options, True), alone)
+        assert len(joins) == 8 and all(layers == (0, 1, 2, 3) for layers in joins)  # every decode step

@@ -16,7 +16,7 @@ and second-hand summaries), so the equations are written the way the authors' co
 The size of R is the `scope` rule:
     paper     rho = sinks + recent + r: the first `sinks` and last `recent` keys, then the r keys of
               largest sigma (ties: the earlier key); nothing is ever evicted from the sinks or window
-    official  EasyKV (easykv.py:471-476 prompt, :720-724 decode): the first `sinks` and last `recent`
+    official  EasyKV (easykv.py:631-637 prompt, :720-724 decode): the first `sinks` and last `recent`
               keys count as sigma = 1e9, and the scope is the k = max(b - r - sinks, e) keys of lowest
               sigma, so rho = min(e + r + sinks, b) (ties: the later key is robust, as EasyKV's
               topk(largest=False) takes the earlier columns into the scope). When rho < sinks + recent
@@ -36,7 +36,7 @@ from kvmini.statistics import Request, Statistic, Stats, column_sums
 
 def group_mean_square(rows: torch.Tensor) -> torch.Tensor:
     """(..., g, T, S) attention rows -> (mean over the g query heads of a KV head)^2, the same for each of
-    them: EasyKV squares the group-mean row (easykv.py:195, :449), not each head's."""
+    them: EasyKV squares the group-mean row (easykv.py:195, :611, :701), not each head's."""
     return rows.mean(-3, keepdim=True).square().expand_as(rows)
 
 
@@ -48,7 +48,7 @@ class MeanAttention(AverageAttention):
     MAS = a / n is WeightedKV's average attention (kvmini.methods.convex_value_merge); RoCo adds q.
 
     `from_budget`: None counts every query (the paper); a budgeter counts only the calls whose cache
-    exceeds its budget b (EasyKV with keep_attention=False, :443 and :459: statistics start with the
+    exceeds its budget b (EasyKV with keep_attention=False, :603 and :620: statistics start with the
     first call that overflows the cache; every later call overflows too)."""
 
     aux = ("a", "q", "n")
@@ -125,7 +125,7 @@ class RobustScope(Compressor):
         L, r = self.guard_recent(b), (self.robust_decode if decode else self.robust)(b)
         if self.scope == "paper":
             return T, L, T + L + r
-        return T, L, min(e + r + T, b)  # S - k, k = max(b - r - T, e): easykv.py:474 (prompt), :722 (decode, T = 0)
+        return T, L, min(e + r + T, b)  # S - k, k = max(b - r - T, e): easykv.py:635 (prompt), :722 (decode, T = 0)
 
     def problem(self, b: int) -> str | None:
         if self.scope == "official":

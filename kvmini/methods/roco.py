@@ -2,7 +2,8 @@
 
 Paper: "On the Efficacy of Eviction Policy for Key-Value Constrained Generative Language Model Inference",
 Siyu Ren, Kenny Q. Zhu (arXiv 2402.06262, 2024). Authors' code: DRSY/EasyKV, easykv/easykv.py at commit
-a1d71ca, kv_policy='roco' (kv_mode 'encoding_decoding', i.e. 'auto' with a budget below the prompt).
+a1d71ca, kv_policy='roco' (kv_mode 'encoding_decoding', i.e. 'auto' with a budget below the prompt); the
+line numbers below (:N) are that file's.
 
     scorer       mean attention score MAS = a / n, with the sums of squares for its deviation
                  (kvmini.methods.robust_scope, R1-R2)
@@ -20,19 +21,22 @@ Two variants; every option below overrides its part of the chosen one:
 
     option             paper (as reported)          official (EasyKV)
     scope              paper: r keys beyond the     official: sigma = 1e9 for sinks and last `recent`,
-                       sinks and recent window      scope = the max(b - r - sinks, e) lowest sigma (:474, :722)
-    robust             budget // 10 (unverified)    budget // 10 (recent_ratio 0.1, :207, :394)
-    robust_decode      budget // 10                 3 * budget // 10 (hard-coded 0.3, :709)
-    sinks              0                            4 (temp_length, :206, :473)
+                       sinks and recent window      scope = the max(b - r - sinks, e) lowest sigma (:635, :722)
+    robust             budget // 10 (unverified)    budget // 10 (recent_ratio 0.1, :207, :555)
+    robust_decode      budget // 10                 3 * budget // 10 (hard-coded 0.3, :709-710)
+    sinks              0                            4 (temp_length, :206, :634)
     decode_sinks       true                         false (no sinks in decode, :721-722)
-    recent             0                            10 (cur_std[..., -10:] = 1e9, :472, :721)
-    prompt_statistics  all                          after_budget (keep_attention=False, :443, :459)
+    recent             0                            10 (cur_std[..., -10:] = 1e9, :633, :721)
+    prompt_statistics  all                          after_budget (keep_attention=False, :603, :620)
+With scope=official the sinks and the last `recent` keys are robust by sigma = 1e9, not kept outright:
+when the robust set is smaller than they are (decode at b < 30), the sinks and then the oldest of the
+window enter the scope, as in EasyKV (kvmini.methods.robust_scope).
 Default: `official`, the one whose every line could be checked. Both variants: the deviation is the
-population one (/n, as the code) over the group-mean attention row (EasyKV's GQA, :188-196).
+population one (/n, as the code) over the group-mean attention row (EasyKV's GQA, :188-196, :683-688).
 Chunked prefill: compressed after every call by design, so the kept set depends on the chunk size c
 (EasyKV's stride; c = 1 is the paper's token-wise eviction).
 Deviation: kvmini's budget b is the cache size EasyKV holds (its idx); EasyKV's user budget is b - stride
-when (n - b) is a multiple of the stride, and its rules read B = user budget + stride (:385-390).
+when (n - b) is a multiple of the stride, and its rules read B = user budget + stride (:546-550).
 Deviation: kvmini's chunks start at the prompt's first token; EasyKV first prefills r_idx tokens so that
 its chunks end exactly at the prompt's end (:551-554): the same calls when the stride divides n - b.
 Deviation: EasyKV's auto mode fails with stride 1 (its slice [:-(stride-1)] at :666 is empty); kvmini
