@@ -18,8 +18,8 @@ The size of R is the `scope` rule:
               largest sigma (ties: the earlier key); nothing is ever evicted from the sinks or window
     official  EasyKV (easykv.py:631-637 prompt, :720-724 decode): the first `sinks` and last `recent`
               keys count as sigma = 1e9, and the scope is the k = max(b - r - sinks, e) keys of lowest
-              sigma, so rho = min(e + r + sinks, b) (ties: the later key is robust, as EasyKV's
-              topk(largest=False) takes the earlier columns into the scope). When rho < sinks + recent
+              sigma, so rho = min(e + r + sinks, b) (ties: the later key is robust, the k lowest taking
+              the earlier columns; torch.topk leaves EasyKV's tie order unspecified). When rho < sinks + recent
               (decode: b < 30 with recent 10) part of that protection leaks: the newest keys stay, the
               sinks go first, as in EasyKV.
 The eviction itself is TopK's (`keep_top`, `lowest`) with every key of R at score +inf.
