@@ -1,0 +1,162 @@
+r"""RoCo's robust eviction scope (Ren & Zhu 2024, arXiv 2402.06262; code DRSY/EasyKV).
+
+A policy is "an importance score" plus "an eviction scope". RoCo's importance is the mean attention a
+key received (MAS, "temporal attention"); its scope leaves out the keys whose attention still varies
+most (a "robustness measure", the standard deviation of that attention). Per KV head, over the
+group-mean attention row, Q_j the queries that saw key j while it was cached (its own included):
+
+    (R1) MAS_j = a_j / n_j,                 a_j = \sum_{i \in Q_j} A_{ij},   n_j = |Q_j|
+    (R2) \sigma_j = \sqrt{q_j / n_j - MAS_j^2},   q_j = \sum_{i \in Q_j} A_{ij}^2
+    (R3) R = the \rho cached keys of largest \sigma           (the robust set)
+    (R4) E = C \setminus R                                    (the eviction scope)
+    (R5) evict the e lowest MAS in E                          (e: the entries over the budget)
+
+R1-R5 are numbered here, not by the paper: its full text was not available to us (only its abstract
+and second-hand summaries), so the equations are written the way the authors' code computes them.
+The size of R is the `scope` rule:
+    paper     rho = sinks + recent + r: the first `sinks` and last `recent` keys, then the r keys of
+              largest sigma (ties: the earlier key); nothing is ever evicted from the sinks or window
+    official  EasyKV (easykv.py:631-637 prompt, :720-724 decode): the first `sinks` and last `recent`
+              keys count as sigma = 1e9, and the scope is the k = max(b - r - sinks, e) keys of lowest
+              sigma, so rho = min(e + r + sinks, b) (ties: the later key is robust, the k lowest taking
+              the earlier columns; torch.topk leaves EasyKV's tie order unspecified). When rho < sinks + recent
+              (decode: b < 30 with recent 10) part of that protection leaks: the newest keys stay, the
+              sinks go first, as in EasyKV.
+The eviction itself is TopK's (`keep_top`, `lowest`) with every key of R at score +inf.
+"""
+import torch
+
+from kvmini.cache import PAD, LayerCache
+from kvmini.errors import one_of
+from kvmini.methods.convex_value_merge import AverageAttention
+from kvmini.methods.selectors import TopK
+from kvmini.parts import Budgeter, Compressor, Rule
+from kvmini.statistics import Request, Statistic, Stats, column_sums
+
+
+def group_mean_square(rows: torch.Tensor) -> torch.Tensor:
+    """(..., g, T, S) attention rows -> (mean over the g query heads of a KV head)^2, the same for each of
+    them: EasyKV squares the group-mean row (easykv.py:195, :611, :701), not each head's."""
+    return rows.mean(-3, keepdim=True).square().expand_as(rows)
+
+
+COLUMN_SQUARES = Statistic("column_squares", None, group_mean_square, "mean")  # (B, H_kv, S): sum_i Abar_ij^2
+
+
+class MeanAttention(AverageAttention):
+    r"""The running sums of R1-R2 in lc.aux, per KV head: a (WeightedKV's a), q (squares), n (queries).
+    MAS = a / n is WeightedKV's average attention (kvmini.methods.convex_value_merge); RoCo adds q.
+
+    `from_budget`: None counts every query (the paper); a budgeter counts only the calls whose cache
+    exceeds its budget b (EasyKV with keep_attention=False, :603 and :620: statistics start with the
+    first call that overflows the cache; every later call overflows too)."""
+
+    aux = ("a", "q", "n")
+
+    def __init__(self, from_budget: Budgeter | None = None):
+        self.request = Request(column_sums("mean"), COLUMN_SQUARES)
+        self.from_budget = from_budget
+
+    def update(self, lc: LayerCache, stats: Stats, start: int, T: int) -> None:
+        if self.from_budget is not None and lc.length <= self.from_budget.b:
+            return
+        super().update(lc, stats, start, T)  # a += sum_i A_ij (R1), n += the queries that saw j
+        lc.aux("q").add_(stats.column_squares)  # (B, H_kv, S)  q += sum_i A_ij^2 (R2)
+
+    def describe(self, lc: LayerCache) -> tuple[str, torch.Tensor | None]:
+        mas = lc.aux("a") / lc.aux("n").clamp(min=1)
+        return "mean attention a/n over the queries that saw each key (RoCo's MAS; the robust set is shielded)", mas
+
+
+def deviation(lc: LayerCache) -> torch.Tensor:
+    """(R2) sigma per held entry, (B, H_kv, S). The variance is clamped at 0 (EasyKV does not clamp, so a
+    rounding below 0 gives NaN there, which its topk never puts in the scope)."""
+    n = lc.aux("n").clamp(min=1)
+    mas = lc.aux("a") / n  # (R1)
+    return (lc.aux("q") / n - mas * mas).clamp(min=0).sqrt()
+
+
+def robust_set(sigma: torch.Tensor, positions: torch.Tensor, rho, sinks: int, recent, later_first: bool) -> torch.Tensor:
+    """(R3) The rho entries of largest sigma, (B, H_kv, S) bool in buffer order; the first `sinks` and the
+    last `recent` held entries (by position) count as sigma = +inf. Ties: the later position first if
+    `later_first`, else the earlier. rho and recent: ints, or one per row (R, 1, 1). Pads (position PAD,
+    the rows of KVCache.join) are never in it.
+    Example: sigma [.3, .1, .2, .0] at positions 0..3, rho 2, sinks 0, recent 1 -> [True, False, False, True]."""
+    S = positions.shape[-1]
+    order = positions.argsort(-1)  # (B, H_kv, S): buffer slots in position order
+    real = positions.gather(2, order) != PAD
+    rank = torch.arange(S, device=positions.device).expand_as(order)  # place in position order
+    guard = (rank < sinks) | (rank >= real.sum(-1, keepdim=True) - recent)
+    s = sigma.gather(2, order).masked_fill(guard, float("inf")).masked_fill(~real, float("-inf"))
+    if later_first:
+        s = s.flip(-1)
+    place = s.argsort(dim=-1, descending=True, stable=True).argsort(dim=-1)  # (B, H_kv, S): each entry's rank by sigma
+    robust = place < rho
+    if later_first:
+        robust = robust.flip(-1)
+    return torch.zeros_like(robust).scatter_(2, order, robust & real)
+
+
+class RobustScope(Compressor):
+    """R3-R5: shield the robust set (score +inf), then keep the budget's best MAS (TopK with nothing else
+    protected). The prompt and decoding may use different rules (EasyKV: robust 0.1 b and 4 sinks in the
+    prompt, 0.3 b and no sinks in decode); a call is a decode step when its newest position is at least
+    the prompt length, which the budgeter was started with (Budgeter.start)."""
+
+    one_each = True
+
+    def __init__(self, scope: str, robust: int | Rule, robust_decode: int | Rule, sinks: int, decode_sinks: bool,
+                 recent: int | Rule, budgeter: Budgeter):
+        self.scope = one_of("RobustScope scope", scope, ("paper", "official"))
+        hard = self.scope == "paper"  # what is always kept (the engine's and the page's `sinks`, `recent`)
+        super().__init__(sinks if hard and decode_sinks else 0, recent if hard else 0)
+        self.robust, self.robust_decode = Rule.of_(robust, "robust"), Rule.of_(robust_decode, "robust_decode")
+        self.guard_sinks, self.decode_sinks, self.guard_recent = sinks, decode_sinks, Rule.of_(recent, "recent")
+        self.budgeter = budgeter
+        self.select = TopK()
+
+    def start(self, L: int) -> None:
+        super().start(L)
+        self.select.start(L)
+
+    def size(self, b: int, e: int, decode: bool) -> tuple[int, int, int]:
+        """(sinks, recent, rho) for a layer of budget b holding b + e entries."""
+        T = self.guard_sinks if not decode or self.decode_sinks else 0
+        L, r = self.guard_recent(b), (self.robust_decode if decode else self.robust)(b)
+        if self.scope == "paper":
+            return T, L, T + L + r
+        return T, L, min(e + r + T, b)  # S - k, k = max(b - r - T, e): easykv.py:635 (prompt), :722 (decode, T = 0)
+
+    def problem(self, b: int) -> str | None:
+        if self.scope == "official":
+            return None  # EasyKV runs with any budget; what it protects then leaks (module docstring)
+        for decode in (False, True):
+            T, L, rho = self.size(b, 1, decode)
+            if rho > b:
+                return f"too small for {T} sinks, a window of {L} tokens and {rho - T - L} robust tokens"
+        return None
+
+    def shield(self, lc: LayerCache, score: torch.Tensor, T: int, L, rho) -> torch.Tensor:
+        """score (B, H_kv, S) with the robust set at +inf (R3-R4)."""
+        robust = robust_set(deviation(lc), lc.positions, rho, T, L, later_first=self.scope == "official")
+        return score.masked_fill(robust, float("inf"))
+
+    def __call__(self, layer: int, lc: LayerCache, score: torch.Tensor, b: int) -> torch.Tensor:
+        decode = int(lc.positions.amax()) >= self.budgeter.n
+        T, L, rho = self.size(b, lc.length - b, decode)
+        return self.select(layer, lc, self.shield(lc, score, T, L, rho), b)  # (R5)
+
+    def evict_one_each(self, layers: tuple, lc: LayerCache, score: torch.Tensor, budgets: list[int], newest: int) -> None:
+        """A decode step of many layers at once (kvmini.policy): per row what `__call__` does."""
+        sizes = [self.size(b, 1, True) for b in budgets]
+        T = sizes[0][0]
+        L, rho = (self.rows([s[i] for s in sizes], lc) for i in (1, 2))
+        self.select.evict_one_each(layers, lc, self.shield(lc, score, T, L, rho), budgets, newest)
+
+    @staticmethod
+    def rows(values: list[int], lc: LayerCache) -> int | torch.Tensor:
+        """One value per layer of `KVCache.join`'s rows: an int when they agree, else (rows, 1, 1)."""
+        if min(values) == max(values):
+            return values[0]
+        per_layer = torch.tensor(values, device=lc.positions.device)
+        return per_layer.repeat_interleave(lc.positions.shape[0] // len(values))[:, None, None]

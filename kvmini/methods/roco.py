@@ -1,0 +1,93 @@
+"""RoCo (Ren & Zhu 2024): evict the lowest mean attention, sparing the keys whose attention still varies.
+
+Paper: "On the Efficacy of Eviction Policy for Key-Value Constrained Generative Language Model Inference",
+Siyu Ren, Kenny Q. Zhu (arXiv 2402.06262, 2024). Authors' code: DRSY/EasyKV, easykv/easykv.py at commit
+a1d71ca, kv_policy='roco' (kv_mode 'encoding_decoding', i.e. 'auto' with a budget below the prompt); the
+line numbers below (:N) are that file's.
+
+    scorer       mean attention score MAS = a / n, with the sums of squares for its deviation
+                 (kvmini.methods.robust_scope, R1-R2)
+    budgeter     uniform: b tokens per layer
+    compressor   robust scope: the keys of largest deviation are shielded, the lowest MAS of the rest
+                 evicted (R3-R5)
+    schedule     after every call: the prompt in chunks of 64 (EasyKV's stride in its README's auto
+                 example; run.py --chunk-size 1 is token-wise), then one eviction per decode step
+
+The paper's full text was not available: the `paper` variant follows its abstract ("temporal attention
+scores and robustness measures"), a summary ("mean attention score for importance, standard deviation
+for scope construction") and a quoted sentence ("exclude tokens having top-r standard deviation from
+eviction scope"); r, sinks, a recent window, n vs n - 1 in the deviation and GQA are not known from it.
+Two variants; every option below overrides its part of the chosen one:
+
+    option             paper (as reported)          official (EasyKV)
+    scope              paper: r keys beyond the     official: sigma = 1e9 for sinks and last `recent`,
+                       sinks and recent window      scope = the max(b - r - sinks, e) lowest sigma (:635, :722)
+    robust             budget // 10 (unverified)    budget // 10 (recent_ratio 0.1, :207, :555)
+    robust_decode      budget // 10                 3 * budget // 10 (hard-coded 0.3, :709-710)
+    sinks              0                            4 (temp_length, :206, :634)
+    decode_sinks       true                         false (no sinks in decode, :721-722)
+    recent             0                            10 (cur_std[..., -10:] = 1e9, :633, :721)
+    prompt_statistics  all                          after_budget (keep_attention=False, :603, :620)
+With scope=official the sinks and the last `recent` keys are robust by sigma = 1e9, not kept outright:
+when the robust set is smaller than they are (decode at b < 30), the sinks and then the oldest of the
+window enter the scope, as in EasyKV (kvmini.methods.robust_scope).
+Default: `official`, the one whose every line could be checked. Both variants: the deviation is the
+population one (/n, as the code) over the group-mean attention row (EasyKV's GQA, :188-196, :683-688).
+Chunked prefill: compressed after every call by design, so the kept set depends on the chunk size c
+(EasyKV's stride; c = 1 is the paper's token-wise eviction).
+Deviation: kvmini's budget b is the cache size EasyKV holds (its idx); EasyKV's user budget is b - stride
+when (n - b) is a multiple of the stride, and its rules read B = user budget + stride (:546-550).
+Deviation: kvmini's chunks start at the prompt's first token; EasyKV first prefills r_idx tokens so that
+its chunks end exactly at the prompt's end (:551-554): the same calls when the stride divides n - b.
+Deviation: EasyKV's auto mode fails with stride 1 (its slice [:-(stride-1)] at :666 is empty); kvmini
+evicts at every decode step with any chunk size.
+Deviation: EasyKV's 'decoding' mode (an integer budget above the prompt length: the prompt is never
+evicted, the budget bounds the generated tokens, :228-366) is not reproduced: b counts every token.
+Deviation: the variance is clamped at 0 (EasyKV's NaN for a rounding below 0 keeps that key robust).
+Deviation: ties go by position (EasyKV: torch.topk's unspecified order): on a deviation tie the earlier
+key is robust (paper) or the later (official, as a stable topk of the lowest would do); on an MAS tie the
+later key is evicted (`keep_top`, `lowest`), where EasyKV's argmin would take the first candidate.
+Deviation: statistics are summed from float32 rows (float64 in a float64 model); EasyKV casts each
+attention row to the model's dtype (fp16) before summing (llama_patch.py:218-219).
+"""
+from dataclasses import dataclass
+from typing import Literal
+
+from kvmini.methods import options
+from kvmini.methods.allocators import Uniform
+from kvmini.methods.robust_scope import MeanAttention, RobustScope
+from kvmini.parts import EVERY_CALL, Rule
+from kvmini.policy import Policy
+
+TENTH = Rule("budget // 10", lambda b: b // 10)  # int(0.1 * b), EasyKV's recent_window
+THREE_TENTHS = Rule("3 * budget // 10", lambda b: 3 * b // 10)  # int(0.3 * b) in decode
+CHUNK = 64  # the prompt's chunks (EasyKV's stride)
+
+
+@dataclass(frozen=True)
+class Options:
+    scope: Literal["paper", "official"] = options.option(
+        "official", "RoCo's robust set: paper (the `robust` keys of largest deviation, beyond the sinks and recent "
+                    "window) | official (EasyKV: the scope is the budget - robust - sinks keys of lowest deviation)")
+    robust: int | Rule = options.option(TENTH, "RoCo: keys of largest attention deviation kept out of the eviction "
+                                               "scope while the prompt is compressed", **options.at_least(0))
+    robust_decode: int | Rule = options.option(THREE_TENTHS, "RoCo: the same while decoding", **options.at_least(0))
+    sinks: int = options.sinks(4)
+    decode_sinks: bool = options.option(False, "RoCo: the sinks are protected while decoding too (EasyKV: prompt only)")
+    recent: int | Rule = options.recent(10)
+    prompt_statistics: Literal["all", "after_budget"] = options.option(
+        "after_budget", "RoCo: which queries the attention statistics count: all | after_budget (EasyKV: from the "
+                        "first call whose cache exceeds the budget)")
+
+
+VARIANTS = {"paper": Options(scope="paper", robust=TENTH, robust_decode=TENTH, sinks=0, decode_sinks=True, recent=0,
+                             prompt_statistics="all"),
+            "official": Options()}
+DEFAULT_VARIANT = "official"
+
+
+def build(budget: float, o: Options = Options()) -> Policy:
+    budgeter = Uniform()  # also tells the parts the run's budget b and prompt length n (Budgeter.start)
+    scorer = MeanAttention(budgeter if o.prompt_statistics == "after_budget" else None)
+    compressor = RobustScope(o.scope, o.robust, o.robust_decode, o.sinks, o.decode_sinks, o.recent, budgeter)
+    return Policy("roco", budget, scorer, budgeter, compressor, schedule=EVERY_CALL, prefill_chunk=CHUNK)
