@@ -88,7 +88,7 @@ def claim_streaming(quick, full, who: str, rivals: list[str]) -> tuple[str, str]
                 verdicts.append(f"{name(m)} at {capacity:,} ({label.split()[0]}): "
                                 + ("yes" if len(below) == len([r for r in rivals if r in ppl]) else
                                    f"below {', '.join(below)} only" if below else "no"))
-    return ". ".join(cells), "; ".join(verdicts)
+    return "; ".join(cells), "; ".join(verdicts)
 
 
 def claim_passkey(quick) -> tuple[str, str]:
