@@ -1,7 +1,7 @@
 """The compression engine's recorded behaviour, so a refactor can prove it changed nothing.
 
 For every registered method (every default variant, and the option specs the fidelity tool and
-the README's ablations use) this records, over a prefill and several decode steps: the logits of
+the suite's ablations use) this records, over a prefill and several decode steps: the logits of
 every call, the kept positions of every layer and head, the keys and values left in the cache
 (where merges show), the per-layer budgets and eviction counts. Two scenarios run on a tiny random
 model (batch 1 in one prefill call; batch 2 in prefill chunks, where per-sequence methods pad), one
