@@ -109,11 +109,13 @@ def stamp(experiment: str, specs: list[str], argv: list[str]) -> dict:
 
 
 def commit() -> str | None:
-    """HEAD, with '+ uncommitted changes' when tracked files differ from it; None outside a git clone."""
+    """HEAD, with '+ uncommitted changes' when the code or the recording differ from it (results being
+    written do not count); None outside a git clone."""
     try:
         git = lambda *a: subprocess.run(["git", "-C", str(ROOT), *a], capture_output=True, text=True,  # noqa: E731
                                         check=True, timeout=30).stdout.strip()
-        head, dirty = git("rev-parse", "--short=12", "HEAD"), git("status", "--porcelain", "--untracked-files=no")
+        head = git("rev-parse", "--short=12", "HEAD")
+        dirty = git("status", "--porcelain", "--untracked-files=no", "--", "kvmini", "tests/data")
     except (OSError, subprocess.SubprocessError):
         return None
     return head + (" + uncommitted changes" if dirty else "")
@@ -134,7 +136,8 @@ def stale(path: Path, today: dict[str, dict]) -> list[str]:
             then, now = made["fingerprint"], fingerprint(experiment, made["methods"])
             why = [f"{m}'s recorded behaviour changed" for m in then.get("behaviour", {})
                    if then["behaviour"][m] != now["behaviour"][m]]
-            why += [f"{m} has no entry in the behaviour recording" for m, d in now.get("behaviour", {}).items() if not d]
+            why += [f"{m} has no entry in the behaviour recording"
+                    for m, d in now.get("behaviour", {}).items() if not d]
             why += [f"{f} changed" if f in now["code"] else f"{f} is no longer on its path"
                     for f in then["code"] if then["code"][f] != now["code"].get(f)]
             why += [f"{f} is new on its path" for f in now["code"] if f not in then["code"]]

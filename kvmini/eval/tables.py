@@ -42,7 +42,8 @@ def fidelity_by_spec(rows: list[dict]) -> dict:
         out[key] = {"kept": mean([r["kept_share"] for r in mine]), "kept_lo": min(r["kept_share"] for r in mine),
                     "kept_hi": max(r["kept_share"] for r in mine), "kl": mean([r["kl"] for r in mine]),
                     "kl_lo": min(r["kl"] for r in mine), "kl_hi": max(r["kl"] for r in mine),
-                    "ppl": mean([r["ppl"] / full[r.get("prompt", 0)] for r in mine]), "top1": mean([r["top1"] for r in mine])}
+                    "ppl": mean([r["ppl"] / full[r.get("prompt", 0)] for r in mine]),
+                    "top1": mean([r["top1"] for r in mine])}
     return out
 
 
@@ -106,8 +107,9 @@ def claim_passkey(quick) -> tuple[str, str]:
     at = {m: c for (m, bb), c in correct.items() if ratio and bb == ratio[-1]}
     best = max(at.values()) if at else 0
     d2o = max((c for m, c in at.items() if m.startswith("d2o")), default=0)
-    verdict = (f"DynamicKV keeps the most at {budget_text(ratio[-1])}: {'yes' if at.get('dynamickv') == best else 'no'}; "
-               f"D2O keeps at least half of the full cache's answers: {'yes' if 2 * d2o >= correct[('full', None)] else 'no'}")
+    yes = lambda holds: "yes" if holds else "no"  # noqa: E731
+    verdict = (f"DynamicKV keeps the most at {budget_text(ratio[-1])}: {yes(at.get('dynamickv') == best)}; "
+               f"D2O keeps at least half of the full cache's answers: {yes(2 * d2o >= correct[('full', None)])}")
     return "; ".join(parts), verdict
 
 
@@ -174,12 +176,14 @@ def claim_layer_variance(res) -> tuple[str, str]:
     top = max(s["variance"] for s in shallow)
     odd = [s for s in deep if s["variance"] <= top]
     rng = lambda xs, f: f"{f(min(xs))}–{f(max(xs))}"  # noqa: E731
-    group = lambda g: (f"layers {g[0]['layer']}–{g[-1]['layer']}: F_v {rng([s['variance'] for s in g], '{:.3g}'.format)}, "  # noqa: E731
+    group = lambda g: (f"layers {g[0]['layer']}–{g[-1]['layer']}: "  # noqa: E731
+                       f"F_v {rng([s['variance'] for s in g], '{:.3g}'.format)}, "
                        f"top 10% of keys get {rng([s['top10_share'] for s in g], '{:.0%}'.format)} of the attention")
     deep_usual = [s for s in deep if s not in odd]
     cell = f"{layers['n']:,}-token prompt: {group(shallow)}; {group(deep_usual)}"
     if odd:
-        cell += "; except " + ", ".join(f"layer {s['layer']} (F_v {s['variance']:.3g}, {s['top10_share']:.0%})" for s in odd)
+        cell += "; except " + ", ".join(f"layer {s['layer']} (F_v {s['variance']:.3g}, {s['top10_share']:.0%})"
+                                        for s in odd)
     return cell, "yes" if not odd else f"yes, except {len(odd)} layer{'s' * (len(odd) > 1)}"
 
 
@@ -196,7 +200,8 @@ def claim_layer_budgets(quick) -> tuple[str, str]:
     dyn = layers["retention"].get("dynamickv", [1])
     return (f"at {b:.0%} of {n:,} tokens (a mean of {round(b * n)} per layer), entries kept per layer (layers counted "
             f"from 0): " + "; ".join(parts),
-            f"{'yes' if max(dyn) >= 2 * min(dyn) else 'no'} (DynamicKV's largest layer budget is ×{max(dyn) / min(dyn):.1f} its smallest)")
+            f"{'yes' if max(dyn) >= 2 * min(dyn) else 'no'} "
+            f"(DynamicKV's largest layer budget is ×{max(dyn) / min(dyn):.1f} its smallest)")
 
 
 def claim_speed(fs) -> tuple[str, str]:
@@ -215,7 +220,8 @@ def claim_speed(fs) -> tuple[str, str]:
     slow = [name(m) for m, r in dec.items() if r <= 1]
     costly = [name(m) for m, r in pre.items() if r > 1.1]
     verdict = ("decodes faster than the full cache: " + (f"all but {', '.join(slow)}" if slow else "every method")
-               + "; prefill within ×1.10 of the full cache's: " + (f"all but {', '.join(costly)}" if costly else "every method"))
+               + "; prefill within ×1.10 of the full cache's: "
+               + (f"all but {', '.join(costly)}" if costly else "every method"))
     return cell, verdict
 
 
@@ -268,8 +274,8 @@ def ablations(quick: dict, prefix: str) -> str:
         specs = [s for base in bases for s in [base] + [m for m, _ in f if m.startswith(base + "[evict_every=")]]
     else:
         specs = [m for m, _ in f if m.split("[")[0] == prefix] + [m for m, _ in f if m == "h2o"]
-    out = [f"One prompt of N = {size['n']:,} tokens, K = {size['k']} teacher-forced, budget {budget_text(size['budgets'][0])}"
-           f" (DBudgetKV chooses its own); full cache perplexity "
+    out = [f"One prompt of N = {size['n']:,} tokens, K = {size['k']} teacher-forced, "
+           f"budget {budget_text(size['budgets'][0])} (DBudgetKV chooses its own); full cache perplexity "
            f"{next(r['ppl'] for r in rows if r['method'] == 'full'):.2f}:", "",
            "| spec | kept share | KL(full‖method) | perplexity / full | top-1 agree |", "|---|---|---|---|---|"]
     for spec in specs:
@@ -289,17 +295,22 @@ def speed_table(fs: dict) -> str:
     out = [f"Prefill {sp['prefill_n']:,} tokens; decode after {sp['decode_n']:,} tokens, {sp['rounds']} rounds of "
            f"{sp['steps']} steps; budget {sp['budget']:.0%}:", "",
            "| method | prefill / full | policy in prefill | decode / full | decode / SnapKV's | policy per decode step "
-           "(share) | policy ops per step | first decode step | peak memory / full |", "|---|---|---|---|---|---|---|---|---|"]
+           "(share) | policy ops per step | first decode step | peak memory / full |",
+           "|---|---|---|---|---|---|---|---|---|"]
     for m, pre in sp["prefill"].items():
         dec, peak = sp["decode"][m], sp.get("peak", {}).get(m)
         if m == "full":
-            cells = [f"1.00 ({pre_full['seconds']:.1f} s)", "—", f"1.00 ({dec_full['tokens_per_s']:.1f} tokens/s)", "—",
-                     "—", "—", "—"]
+            cells = [f"1.00 ({pre_full['seconds']:.1f} s)", "—", f"1.00 ({dec_full['tokens_per_s']:.1f} tokens/s)",
+                     "—", "—", "—", "—"]
         else:
-            cells = [f"{pre['ratio']:.2f}", f"{pre['policy_s']:.2f} s", f"{dec['ratio']:.2f}", f"{dec['ratio'] / snap:.2f}",
+            cells = [f"{pre['ratio']:.2f}", f"{pre['policy_s']:.2f} s", f"{dec['ratio']:.2f}",
+                     f"{dec['ratio'] / snap:.2f}",
                      f"{dec['policy_ms_per_step']:.2f} ms ({dec['policy_share']:.1%})", f"{dec['ops_per_step']:,}",
                      f"{dec['first_step_s']:.2f} s"]
-        cells.append("—" if peak is None else f"{peak['ratio']:.2f}" + (f" ({peak['peak_growth_mib']:.0f} MiB)" if m == "full" else ""))
+        if peak is None:
+            cells.append("—")
+        else:
+            cells.append(f"{peak['ratio']:.2f}" + (f" ({peak['peak_growth_mib']:.0f} MiB)" if m == "full" else ""))
         out.append(f"| {name(m)} | " + " | ".join(cells) + " |")
     return "\n".join(out)
 
@@ -307,8 +318,8 @@ def speed_table(fs: dict) -> str:
 def together_table(fs: dict) -> str:
     """All layers at once against layer by layer, in the same rounds."""
     sp = need(fs, "speed")
-    out = [f"| after {sp['decode_n']:,} tokens | decode tokens/s: at once | layer by layer | at once / layer by layer | "
-           "policy per step: at once | layer by layer | ops per step: at once | layer by layer |",
+    out = [f"| after {sp['decode_n']:,} tokens | decode tokens/s: at once | layer by layer | at once / layer by layer "
+           "| policy per step: at once | layer by layer | ops per step: at once | layer by layer |",
            "|---|---|---|---|---|---|---|---|"]
     for m, d in sp["decode"].items():
         if "joint_speedup" in d:
