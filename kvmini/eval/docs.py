@@ -18,8 +18,10 @@ import sys
 from pathlib import Path
 
 from kvmini import cli
-from kvmini.errors import KvminiError
-from kvmini.eval import tables
+
+cli.exit_on_ctrl_c(__name__)  # before the imports below
+from kvmini.errors import KvminiError  # noqa: E402
+from kvmini.eval import tables  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 REGION = re.compile(r"<!-- generated: (\S+)[^\n]*-->\n(.*?)<!-- end generated -->", re.DOTALL)
@@ -77,7 +79,7 @@ def differences(root: Path = ROOT) -> list[str]:
 def main(argv=None) -> int:
     p = cli.OneLineParser(description="Write the measured numbers of README.md and docs/ from results/.")
     p.add_argument("--check", action="store_true", help="write nothing; exit 1 if a generated part differs")
-    return cli.run(lambda: generate(p.parse_args(argv)))
+    return cli.run(lambda: generate(p.parse_args(argv)), imports=("kvmini.eval.suite",))
 
 
 def generate(args) -> int:
