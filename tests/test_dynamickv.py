@@ -167,3 +167,31 @@ def test_rounding_floor_keeps_what_the_authors_code_keeps(L, m, w_t, r_max):
     with torch.no_grad():
         model(ids, cache, policy)
     assert [lc.positions[0].sort(-1).values.tolist() for lc in cache.layers] == want
+
+
+def test_algorithm_1_rounding_by_hand():
+    """Alg. 1 lines 6-10 on C = [30, 10], b_s = 40, (w_t - w_s) L = 8 * 4: normalised by the largest count,
+    BL = [int(40 * 30/30), int(40 * 10/30)] = [40, 13], r = 53 / 32, Z = [int(40 / r), int(13 / r)] = [24, 7];
+    the authors' code normalises by the sum and hands the remainder to the last layer: [24, 8]."""
+    from kvmini.methods.progressive_budgets import alg1_budgets, floor_budgets
+
+    assert alg1_budgets([30, 10], 40, 8, 4) == [24, 7]
+    assert floor_budgets([30, 10], 40, 8, 4, cap=100, heads=1) == [24, 8]
+    assert alg1_budgets([0, 0], 40, 8, 4) == [0, 0]
+
+
+def test_rounding_alg1_is_the_one_the_engine_runs(monkeypatch):
+    from kvmini.methods import progressive_budgets
+
+    calls = []
+    original = progressive_budgets.alg1_budgets
+    monkeypatch.setattr(progressive_budgets, "alg1_budgets", lambda *a: calls.append(a) or original(*a))
+    model = random_model(L=4, H=2, H_kv=2, seed=3)
+    cache = model.new_cache(1, 40)
+    with torch.no_grad():
+        model(torch.randint(0, 61, (1, 40), generator=torch.Generator().manual_seed(0)), cache,
+              make_policy("dynamickv", 10, rounding="alg1", window=4, kernel=3, r_max=3, interval=2))
+    assert [len(a[0]) for a in calls] == [2, 4]  # re-allocations after layers 1 and 3 (0-based), over 2 and 4 layers
+    kept = [lc.length for lc in cache.layers]
+    Z = original(*calls[-1])
+    assert kept == [min(z + 4, 3 * 6 + 4) for z in Z]  # each layer: its Z + the window, never more than b_s + w_s

@@ -1,7 +1,7 @@
 """The compression engine's recorded behaviour, so a refactor can prove it changed nothing.
 
 For every registered method (every default variant, and the option specs the fidelity tool and
-the README's ablations use) this records, over a prefill and several decode steps: the logits of
+the suite's ablations use) this records, over a prefill and several decode steps: the logits of
 every call, the kept positions of every layer and head, the keys and values left in the cache
 (where merges show), the per-layer budgets and eviction counts. Two scenarios run on a tiny random
 model (batch 1 in one prefill call; batch 2 in prefill chunks, where per-sequence methods pad), one
@@ -19,8 +19,9 @@ end inject a one-token score change and a 1e-5 change of one merge weight and sh
 What is stored: on the tiny model every tensor whole; on the default model the kept positions after
 the prompt and after the last call, each call's 16 largest logits (ids and values), and of every
 kept key and value its projection on a fixed random direction. Regenerate only on purpose:
-`PYTHONPATH=. python tests/test_engine_regression.py --record`; a method or variant registered later is
-added, the others left as recorded, with `--record-missing`.
+`PYTHONPATH=. python tests/test_engine_regression.py --record`; an entry whose run still matches the
+recording keeps its recorded bytes, so only new and changed entries change (the results files record a
+digest of their methods' entries: kvmini/eval/provenance.py).
 
 Order within a buffer means nothing to attention (positions are explicit; per-step eviction moves
 the newest entry into the evicted slot), so every head's entries are put in position order first.
@@ -52,7 +53,7 @@ def label(name: str, budget, options: dict) -> str:
 
 def registered(budget: int, small: dict) -> list[tuple]:
     """(method, budget, options) for every registered method and variant (registry.specs), so a method
-    added to METHODS is recorded and checked without touching a list (`--record-missing` records it)."""
+    added to METHODS is recorded and checked without touching a list (`--record` adds its entries)."""
     out = []
     for spec in specs():
         name, given = parse_spec(spec)
@@ -77,6 +78,8 @@ TINY_VARIANTS = [
     ("snapkv", 12, {**SMALL["snapkv"], "pooling": "max", "reduce": "sum"}),
     ("pyramidkv", 12, SMALL["pyramidkv"]),
     ("knorm", 12, {}),
+    ("vatp", 12, {}),
+    ("vatp", 12, {"value_norm": "l2", "recent": 3}),
     ("weightedkv", 12, {}),
     ("weightedkv", 12, SEQUENTIAL),
     ("weightedkv", 12, {**SEQUENTIAL, "sinks": 1, "recent": 3}),
@@ -97,7 +100,7 @@ TINY_VARIANTS = [
 ]
 TINY_VARIANTS = with_registered(TINY_VARIANTS, 12, SMALL)
 DEFAULT_VARIANTS = [("full", None, {})] + [
-    (m, 64, {}) for m in ("streaming_llm", "h2o", "tova", "snapkv", "pyramidkv", "knorm", "weightedkv", "d2o",
+    (m, 64, {}) for m in ("streaming_llm", "h2o", "tova", "snapkv", "pyramidkv", "knorm", "vatp", "weightedkv", "d2o",
                           "snapkv_d2o", "dynamickv")
 ] + [("weightedkv", 64, SEQUENTIAL), ("d2o", 64, {"variant": "paper"}), ("d2o", 64, ZSCORE),
      ("d2o", 64, {**ZSCORE, "allocation": "uniform"}), ("dynamickv", 64, {"variant": "official"}),
@@ -191,27 +194,38 @@ def differences(out: dict, expected: dict) -> list[str]:
     return found
 
 
-def record_all(default_model=None, default_tokenizer=None, only_missing=False):
-    """Record every variant (only_missing: only those not recorded yet; the others stay as they are)."""
-    from safetensors.torch import save_file
+def record_all(default_model=None, default_tokenizer=None):
+    from safetensors.torch import load_file, save_file
 
-    tensors, facts = ({}, {"tiny": {}, "default": {}}) if not only_missing else load_recording()
+    exists = DATA.with_suffix(".safetensors").exists()
+    old = load_file(str(DATA.with_suffix(".safetensors"))) if exists else {}
+    old_facts = json.loads(DATA.with_suffix(".json").read_text()) if exists else {"tiny": {}, "default": {}}
+
+    def unchanged(out: dict, f: dict, before: dict, facts_before) -> bool:
+        """Does this run still match its recorded entry (then the entry keeps its bytes)?"""
+        return bool(before) and f == facts_before and differences(out, before) == []
+
+    tensors, facts = {}, {"tiny": {}, "default": {}}
     model = tiny_model()
     for scenario, (calls, n) in tiny_scenarios().items():
         for name, budget, options in TINY_VARIANTS:
-            if f"{scenario}/{label(name, budget, options)}" in facts["tiny"]:
-                continue
             out, f = run(model, calls, name, budget, options, n)
-            tensors.update({f"{scenario}/{label(name, budget, options)}/{k}": v for k, v in out.items()})
-            facts["tiny"][f"{scenario}/{label(name, budget, options)}"] = f
+            key = f"{scenario}/{label(name, budget, options)}"
+            before = expected_of(old, f"{key}/")
+            kept = before if unchanged(out, f, before, old_facts["tiny"].get(key)) else out
+            tensors.update({f"{key}/{k}": v for k, v in kept.items()})
+            facts["tiny"][key] = f
     if default_model is not None:
         calls, n = default_scenario(default_tokenizer)
         for name, budget, options in DEFAULT_VARIANTS:
-            if label(name, budget, options) in facts["default"]:
-                continue
             out, f = run(default_model, calls, name, budget, options, n)
-            kept = condensed(out, len(calls))
-            tensors.update({f"default/{label(name, budget, options)}/{k}": v for k, v in kept.items()})
+            key = f"default/{label(name, budget, options)}"
+            before = expected_of(old, f"{key}/")
+            top = {c: before[f"top_ids.{c}"].long() for c in range(len(calls))} if before else None
+            recorded_facts = old_facts["default"].get(label(name, budget, options))
+            same = unchanged(condensed(out, len(calls), top), f, before, recorded_facts)
+            kept = before if same else condensed(out, len(calls))
+            tensors.update({f"{key}/{k}": v for k, v in kept.items()})
             facts["default"][label(name, budget, options)] = f
     DATA.parent.mkdir(exist_ok=True)
     for key, t in tensors.items():  # positions fit in int16 (PAD becomes -1), ids in int32
@@ -248,7 +262,7 @@ def float64_model(default_model):
 def test_tiny_model_behaviour_is_unchanged(recorded, scenario, variant):
     tensors, facts = recorded
     calls, n = tiny_scenarios()[scenario]
-    assert f"{scenario}/{label(*variant)}" in facts["tiny"], f"{label(*variant)} not recorded: run {RECORD_MISSING}"
+    assert f"{scenario}/{label(*variant)}" in facts["tiny"], f"{label(*variant)} not recorded: run {RECORD}"
     out, f = run(tiny_model(), calls, *variant, n)
     assert differences(out, expected_of(tensors, f"{scenario}/{label(*variant)}/")) == []
     assert f == facts["tiny"][f"{scenario}/{label(*variant)}"]
@@ -258,7 +272,7 @@ def test_tiny_model_behaviour_is_unchanged(recorded, scenario, variant):
 @pytest.mark.parametrize("variant", DEFAULT_VARIANTS, ids=[label(*v) for v in DEFAULT_VARIANTS])
 def test_default_model_behaviour_is_unchanged(recorded, float64_model, default_tokenizer, variant):
     tensors, facts = recorded
-    assert label(*variant) in facts["default"], f"{label(*variant)} not recorded: run {RECORD_MISSING}"
+    assert label(*variant) in facts["default"], f"{label(*variant)} not recorded: run {RECORD}"
     calls, n = default_scenario(default_tokenizer)
     out, f = run(float64_model, calls, *variant, n)
     expected = expected_of(tensors, f"default/{label(*variant)}/")
@@ -301,14 +315,13 @@ def test_a_merge_weight_change_of_1e_5_fails(recorded, monkeypatch):
     assert found and all(d.startswith(("keys.", "values.", "logits.")) for d in found), found  # same positions
 
 
-RECORD_MISSING = "PYTHONPATH=. python tests/test_engine_regression.py --record-missing"
+RECORD = "PYTHONPATH=. python tests/test_engine_regression.py --record"
 
-if __name__ == "__main__" and {"--record", "--record-missing"} & set(sys.argv):  # --record: everything anew
+if __name__ == "__main__" and "--record" in sys.argv:  # PYTHONPATH=. python tests/test_engine_regression.py --record
     from kvmini.loading import load_model
     from kvmini.tokenizer import load_tokenizer
     from kvmini.weights import ensure_default_model
 
     folder = ensure_default_model()
-    record_all(load_model(folder, "cpu", "float32").to(torch.float64), load_tokenizer(folder),
-               only_missing="--record-missing" in sys.argv)
+    record_all(load_model(folder, "cpu", "float32").to(torch.float64), load_tokenizer(folder))
     print(f"recorded {DATA}.safetensors/.json")

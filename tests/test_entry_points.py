@@ -262,7 +262,7 @@ else:
 
 
 @pytest.mark.parametrize("entry", ["run.py", "kvmini.eval.fidelity", "kvmini.eval.suite", "kvmini.eval.bench_hf",
-                                   "kvmini.weights", "kvmini.view"])
+                                   "kvmini.weights", "kvmini.view", "kvmini.eval.docs"])
 def test_ctrl_c_while_importing(entry):
     proc = subprocess.Popen([sys.executable, "-c", IMPORTING, entry, "--help"], stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, cwd=ROOT, text=True)

@@ -202,6 +202,10 @@ def test_smoke_profile_end_to_end(tmp_path, default_model_dir, monkeypatch):
     assert results["speed"]["peak"]["full"]["ratio"] == 1.0
     summary = (tmp_path / "summary.md").read_text()
     assert "## Passkey retrieval" in summary and "Smoke profile: these numbers mean nothing" in summary
+    from kvmini.eval import provenance  # a fresh run records how it was made, and is current
+
+    assert results["provenance"]["fidelity"]["command"] == f"python -m kvmini.eval.suite --profile smoke --out {tmp_path}"
+    assert provenance.stale(tmp_path / "results.json", suite.today("smoke")) == []
 
 
 def test_a_partial_run_keeps_the_other_experiments_of_the_same_profile(tmp_path):

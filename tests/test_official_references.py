@@ -19,7 +19,7 @@ follows.
   settings of scripts/run_refreekv.sh and main.py (`--method h2o --dynamic --metric last_token_attn
   --budget 1.0 --threshold 0.05`, window 8).
 
-kvmini keeps one cache per KV head, the authors one per query head (README, "Where we depart from a
+kvmini keeps one cache per KV head, the authors one per query head (docs/methods.md, "Where we depart from a
 paper"), so the two must agree exactly only with one query head per KV head (g = 1): the tiny
 models here have num_heads == num_kv_heads unless a test says otherwise. Everything runs in float64
 so that no near tie can flip on another CPU; positions and budgets are compared exactly, keys,
@@ -315,7 +315,7 @@ def test_d2o_official_budgets_agree_with_the_authors_for_g_above_1():
 # A layer budgeted n - 1 or more (a share near 1, rho >= ~0.4). With nm 1:1, S_l = 2 int(x_l / 2),
 # x_l <= n + 1: n + 1 (n odd, share 1), n (n even) or n - 1 (n odd). The authors' two branches
 # (`LlamaAttention3_D2O.forward`) then behave three ways, each a `Deviation:` line of
-# kvmini/methods/d2o.py and a row of the README's D2O table.
+# kvmini/methods/d2o.py and a row of docs/methods.md's D2O table.
 
 def test_authors_d2o_never_compresses_a_layer_budgeted_n_plus_1():
     """Documented: n = 41, layer 2 budgeted 42. At the first decode step it holds 42 <= 42 (left as
@@ -430,7 +430,7 @@ def test_dbudgetkv_official_equals_the_authors_per_query_head_code_when_g_is_1(s
 
     With g > 1 the authors rank each query head's copy of the keys by that head's window attention
     and cut by the mean over the H query heads' norms; kvmini ranks and measures each KV head on
-    the mean over its g query heads (README: "the authors' codes keep a cache per query head"), so
+    the mean over its g query heads (docs/methods.md: "the authors' codes keep a cache per query head"), so
     both the cut and the kept positions can differ.
     """
     model = random_model(L=3, H=2, H_kv=2, D=8, seed=9 + seed, sharp=1.5).to(torch.float64)

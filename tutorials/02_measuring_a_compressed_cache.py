@@ -156,7 +156,7 @@ m = compare(half, full, torch.tensor([0]))
 assert abs(m["kl"] - 0.5 * math.log(4 / 3)) < 1e-6 and abs(m["ppl"] - 4 / 3) < 1e-5 and m["top1"] == 1.0
 
 # %% [markdown]
-# On the default model (a short run here; the README has the N = 2048, K = 256 table):
+# On the default model (a short run here; results/full/summary.md has N = 2048, K = 256 over five prompts):
 
 # %%
 from kvmini.eval.fidelity import pydoc_text, run  # noqa: E402

@@ -104,7 +104,7 @@ assert layer_weights(F_v, "uniform") == [1 / 3] * 3
 #
 # `python run.py --method d2o --budget 0.2 --prompt doc.txt` prints the per-layer allocation. On
 # SmolLM2 the standardized softmax gives the first layers several times the mean and starves some
-# deep layers (the cell below prints and checks it); the README's ablation shows that this costs
+# deep layers (the cell below prints and checks it); docs/methods.md's D2O ablations show that this costs
 # fidelity on this small model, where uniform budgets do much better.
 
 # %%

@@ -107,7 +107,7 @@ assert kept[0.0] == 1.0 and kept[0.0] >= kept[0.01] >= kept[0.05] >= kept[0.2]
 # %% [markdown]
 # On SmolLM2 the last query puts most of its attention on a handful of tokens in many layers, so
 # those layers are cut to a few tokens even at 1%, and the fidelity loss is larger than the
-# paper's "near-lossless" (see the README's table).
+# paper's "near-lossless" (see docs/evaluation.md's table).
 
 # %% [markdown]
 # ## What the authors' code does differently

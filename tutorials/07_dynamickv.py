@@ -95,7 +95,8 @@ for tail in (False, True):
     print(f"tail_reallocation={tail}: kept per layer {lengths}, total {sum(lengths)}")
     if tail:  # re-allocated after the last layer too: exactly (w_t - w_s) L + w_s L
         assert sum(lengths) == w_t * 30
-    else:  # Alg. 1: the last re-allocation (layer 28) shares (w_t - w_s) L among 28 layers; 28 and 29 keep b_s + w_s
+    else:  # Alg. 1: the last re-allocation, after layer 27 (counted from 0), shares (w_t - w_s) L among layers
+        # 0-27; layers 28 and 29 keep b_s + w_s
         assert lengths[-2:] == [b_s + w_s] * 2 and sum(lengths[:-2]) == (w_t - w_s) * 30 + w_s * 28
 
 # %% [markdown]
@@ -127,6 +128,9 @@ show(fig, "07_progressive_budgets")
 # multiple of $m$; with $L = 30$ and $m = 4$ the last two layers keep their first budget $b_s + w_s$.
 # It floors every share with `int()`, gives the remainder to the last finished layer and caps a
 # layer at $n - w_s$ rather than at what it holds (`rounding=floor`, the `official` variant).
+# Alg. 1 itself floors too, but normalises the counts by the largest one and hands out no remainder
+# (`rounding=alg1`): for $C = [30, 10]$, $b_s = 40$ and $(w_t - w_s) L = 32$ it gives $[24, 7]$
+# where the authors' code gives $[24, 8]$.
 
 # %%
 for variant in ("paper", "official"):

@@ -4,8 +4,8 @@
 # One fidelity table for every method in kvmini, and a picture of how each layer-adaptive method
 # spreads its budget over SmolLM2's 30 layers. The prompt here is short (512 tokens, 64
 # continuation tokens) so the tutorial runs in under a minute (29 s as a notebook on a quiet 2-core machine, before the
-# page of what each method keeps was added: four more 256-token runs); the README has the N = 2048,
-# K = 256 table from `python -m kvmini.eval.fidelity`.
+# page of what each method keeps was added: four more 256-token runs); results/full/summary.md has N = 2048,
+# K = 256 over five prompts (`python -m kvmini.eval.suite --profile full --only fidelity`).
 # Open it as an executed notebook: `python -m kvmini.notebooks 08` (into notebooks/).
 
 # %%
@@ -116,7 +116,7 @@ show_page(page)
 # %% [markdown]
 # ## Exercises
 #
-# 1. Which method is best at 20% here, and is it the same at the README's N = 2048? Why might the
+# 1. Which method is best at 20% here, and is it the same at the full profile's N = 2048? Why might the
 #    ranking depend on the prompt length?
 # 2. Compose a new method from the parts — e.g. DynamicKV's progressive budgets with H2O's
 #    cumulative scores — and add it to the table.

@@ -11,9 +11,12 @@ Experiments (sizes per profile in PROFILES):
     fidelity   prefill-compression fidelity over several prompts (DBudgetKV, SnapKV, PyramidKV, ...)
     layers     attention density, variance and per-layer retention (D2O Fig. 1/4, DynamicKV Fig. 2)
     speed      prefill overhead, decode speed, kept bytes and peak memory relative to the full cache
+    ablations  fidelity of each difference between a paper and its authors' code, one prompt (docs/methods.md)
 
 Writes results.json (everything), summary.md (the tables) and PNG plots (with matplotlib). Experiments
-that an earlier run of the same profile wrote to the folder and this run skips are kept.
+that an earlier run of the same profile wrote to the folder and this run skips are kept. Each experiment
+records its provenance: the command, date and commit that made it and a fingerprint of the code it
+measured (kvmini/eval/provenance.py; tests/test_results_current.py names what is stale).
 """
 import json
 import statistics
@@ -27,12 +30,28 @@ cli.exit_on_ctrl_c(__name__)  # before the imports below
 import torch  # noqa: E402
 
 from kvmini.errors import KvminiError  # noqa: E402
-from kvmini.eval import fidelity, layers, passkey, plots, speed, streaming  # noqa: E402
+from kvmini.eval import fidelity, layers, passkey, plots, provenance, speed, streaming  # noqa: E402
 from kvmini.methods import registry  # noqa: E402
 
 EVERY = registry.specs()  # every registered method and variant: a method added to METHODS is measured everywhere
 BUDGETED = [s for s in EVERY if not registry.chooses_budget(registry.parse_spec(s)[0])]
 SELF_BUDGETED = [s for s in EVERY if s not in BUDGETED]  # DBudgetKV: its own budget
+# Each difference between a paper and its authors' code switched on its own (docs/methods.md), and
+# evicting every N decode steps (docs/speed.md): one prompt, budget 0.2.
+ABLATIONS = [
+    "h2o", "d2o", "d2o[variant=paper]", "d2o[protected_layers=]", "d2o[allocation=paper]", "d2o[allocation=zscore]",
+    "d2o[allocation=uniform]", "d2o[nm=3:1]", "d2o[split=paper]", "d2o[merge=paper]", "d2o[merge=off]",
+    "d2o[tau=per_head]", "d2o[beta=0.7]", "d2o[start=prompt]", "d2o[clamp_budgets=false]",
+    "d2o[variant=paper,allocation=zscore]", "d2o[variant=paper,allocation=official]",
+    "d2o[variant=paper,allocation=uniform]", "d2o[variant=paper,allocation=uniform,merge=off]",
+    "dbudgetkv", "dbudgetkv[variant=official]", "dbudgetkv[norm_excludes_kept=true]",
+    "dbudgetkv[variant=official,norm_excludes_kept=false]", "dbudgetkv[ranking=window_attention]",
+    "dbudgetkv[variant=official,ranking=position]", "dbudgetkv[ranking=cumulative]",
+    "dbudgetkv[variant=official,ranking=cumulative]", "dbudgetkv[threshold=0.05]",
+    "dbudgetkv[variant=official,threshold=0.01]", "dbudgetkv[protected_layers=]",
+    "dynamickv", "dynamickv[tail_reallocation=true]", "dynamickv[rounding=floor]", "dynamickv[variant=official]",
+    "streaming_llm", "tova", "weightedkv",
+] + [f"{m}[evict_every={n}]" for m in ("streaming_llm", "h2o", "tova", "weightedkv", "d2o") for n in (8, 32)]
 PROFILES = {
     "smoke": {  # every code path, about a minute on a quiet machine; the numbers mean nothing
         "streaming": dict(n=160, capacities=[32], chunk=16),
@@ -41,6 +60,7 @@ PROFILES = {
         "layers": dict(n=128, budget=0.5, bins=16),
         "speed": dict(prefill_n=256, reps=1, decode_n=256, steps=2, rounds=1, peak_n=256, budget=0.5, batch_n=256,
                       cap_gib=2),
+        "ablations": dict(n=128, k=16, budgets=[0.5], methods=["h2o", "d2o[merge=off]", "h2o[evict_every=8]"]),
     },
     "quick": {
         "streaming": dict(n=2048, capacities=[256], chunk=16),
@@ -49,6 +69,7 @@ PROFILES = {
         "layers": dict(n=1024, budget=0.2, bins=32),
         "speed": dict(prefill_n=2048, reps=1, decode_n=2048, steps=16, rounds=5, peak_n=2048, budget=0.2, batch_n=2048,
                       cap_gib=8),
+        "ablations": dict(n=1024, k=128, budgets=[0.2], methods=ABLATIONS),
     },
     "full": {
         "streaming": dict(n=4096, capacities=[256, 1024], chunk=4),
@@ -57,6 +78,7 @@ PROFILES = {
         "layers": dict(n=2048, budget=0.2, bins=64),
         "speed": dict(prefill_n=4096, reps=3, decode_n=8128, steps=16, rounds=3, peak_n=8192, budget=0.2, batch_n=4096,
                       cap_gib=16),
+        "ablations": dict(n=2048, k=256, budgets=[0.2], methods=ABLATIONS),
     },
 }
 EXPERIMENTS = list(PROFILES["quick"])
@@ -82,6 +104,24 @@ def run_fidelity(model, text_ids, p, log):
         log(f"fidelity prompt {i + 1}/{p['prompts']} (tokens {i * step}..{i * step + span})")
         rows += [{"prompt": i, **r} for r in fidelity.run(model, ids, p["n"], p["methods"], p["budgets"], log=log)]
     return rows
+
+
+def run_ablations(model, text_ids, p, log):
+    ids = torch.tensor([text_ids[: p["n"] + p["k"]]], device=model.device)
+    return fidelity.run(model, ids, p["n"], p["methods"], p["budgets"], log=log)
+
+
+def measured(name: str, p: dict) -> list[str]:
+    """The method specs experiment `name` runs with sizes `p` (the full cache first)."""
+    return {"streaming": list(streaming.METHODS), "passkey": ["full", *BUDGETED, *SELF_BUDGETED],
+            "fidelity": ["full", *p.get("methods", [])], "layers": ["full", *layers.ADAPTIVE],
+            "speed": ["full", *EVERY], "ablations": ["full", *p.get("methods", [])]}[name]
+
+
+def today(profile: str) -> dict[str, dict]:
+    """Experiment -> the methods and sizes the suite runs today in `profile` (what a results file is checked against)."""
+    return {name: {"methods": measured(name, p), "sizes": json.loads(json.dumps(p))}
+            for name, p in PROFILES[profile].items()}
 
 
 def run_layers(model, text_ids, p, log):
@@ -193,8 +233,21 @@ def summary(results: dict) -> str:
             out += [f"| {m} | {b['batch']} | {b['tokens_per_s']:.0f} | {b['peak_gib']:.2f} |" if b else f"| {m} | none fits | — | — |"
                     for m, b in sp["batch"].items()]
         out.append("")
+    if "ablations" in results:
+        out += ["## Ablations: one prompt, each difference on its own", "",
+                "| method | budget | kept share | perplexity / full | KL(full‖method) | top-1 agree |",
+                "|---|---|---|---|---|---|"]
+        out += [_fidelity_line([{"prompt": 0, **r} for r in results["ablations"]], key) for key in dict.fromkeys(
+            (r["method"], r["budget"]) for r in results["ablations"] if r["method"] != "full")]
+        out.append("")
     if results.get("plots_skipped"):
         out += [f"Plots skipped: {results['plots_skipped']}", ""]
+    if results.get("provenance"):
+        out += ["## Provenance", "", "| experiment | command | commit | date |", "|---|---|---|---|"]
+        out += [f"| {name} | `{p['command']}` | {p.get('commit') or 'unknown'} | {p['date']} |"
+                for name, p in results["provenance"].items()]
+        out += [""] + [f"{name}: backfilled {p['backfilled']}." for name, p in results["provenance"].items()
+                       if "backfilled" in p] + [""]
     return "\n".join(out)
 
 
@@ -216,13 +269,15 @@ def main(argv=None) -> int:
     p.add_argument("--out", default="results", help="output folder (default: results/; checked before the work)")
     p.add_argument("--model", help="HF-layout folder (default: SmolLM2-135M-Instruct)")
     p.add_argument("--device", default="cpu")
+    argv = sys.argv[1:] if argv is None else list(argv)
+    p.set_defaults(argv=argv)  # recorded in each experiment's provenance
     return cli.run(lambda: evaluate(p.parse_args(argv)), imports=(*fidelity.LAZY_IMPORTS, "kvmini.chat"))
 
 
 def evaluate(args) -> int:
     log = lambda m: print(m, file=sys.stderr, flush=True)  # noqa: E731
     out = cli.writable_folder(args.out, "--out")
-    results = run_suite(args.profile, args.only, args.model, args.device, log)
+    results = run_suite(args.profile, args.only, args.model, args.device, log, argv=args.argv)
     results = kept_from(out / "results.json", results, log)
     try:
         results["plots"] = plots.write_plots(results, out)
@@ -249,8 +304,8 @@ def kept_from(path: Path, results: dict, log=print) -> dict:
     if kept:
         log(f"kept from the earlier {path}: {', '.join(kept)}")
     merged = {**results, **{name: old[name] for name in kept}}
-    merged["sizes"] = {**{name: old.get("sizes", {}).get(name) for name in kept}, **results["sizes"]}
-    merged["seconds"] = {**{name: old.get("seconds", {}).get(name) for name in kept}, **results.get("seconds", {})}
+    for key in ("sizes", "seconds", "provenance"):
+        merged[key] = {**{name: old[key][name] for name in kept if name in old.get(key, {})}, **results.get(key, {})}
     return merged
 
 
@@ -258,7 +313,7 @@ def tokens_needed(name: str, p: dict) -> int:
     """The longest sequence (prompt and generated tokens) experiment `name` runs with sizes `p`."""
     if name == "passkey":
         return max(p["lengths"]) + 10  # prompts of about `length` tokens, answers of up to 10
-    if name == "fidelity":
+    if name in ("fidelity", "ablations"):
         return p["n"] + p["k"]
     if name == "speed":
         return max(p["prefill_n"], p["decode_n"] + p["steps"] * p["rounds"] + 1, p["peak_n"], p["batch_n"])
@@ -273,7 +328,7 @@ def check_context(P: dict, only: list[str], context: int) -> None:
                               f"context of {context}; choose a smaller --profile or leave it out of --only")
 
 
-def run_suite(profile: str, only: list[str], model_folder: str | None, device: str, log=print) -> dict:
+def run_suite(profile: str, only: list[str], model_folder: str | None, device: str, log=print, argv=()) -> dict:
     from kvmini.chat import load_chat_format, stop_token_ids
     from kvmini.loading import load_model
     from kvmini.tokenizer import load_tokenizer
@@ -296,12 +351,14 @@ def run_suite(profile: str, only: list[str], model_folder: str | None, device: s
         "fidelity": lambda: run_fidelity(model, text_ids, P["fidelity"], log),
         "layers": lambda: run_layers(model, text_ids, P["layers"], log),
         "speed": lambda: run_speed(model, text_ids, P["speed"], model_folder, log),
+        "ablations": lambda: run_ablations(model, text_ids, P["ablations"], log),
     }
     for name in only:
         t0 = time.perf_counter()
         log(f"== {name} ({profile} profile)")
         results[name] = runners[name]()
         results.setdefault("seconds", {})[name] = time.perf_counter() - t0
+        results.setdefault("provenance", {})[name] = provenance.stamp(name, measured(name, P[name]), list(argv))
         log(f"== {name} done in {time.perf_counter() - t0:.0f} s")
     return results
 

@@ -24,14 +24,16 @@ Two variants; every option below overrides its part of the chosen one:
     start             prompt                       first_decode (scores include that step's row)
 `allocation=zscore` is kvmini's own reading (standardized variances, `softmax_temperature`);
 `reciprocal` and `uniform` are the paper's Table 4; `merge=off` only evicts. Defaults: the
-`official` variant (see the README's D2O table for the measured reason), 4 sinks, group
+`official` variant (docs/methods.md, the D2O table, has the measured reason), 4 sinks, group
 reduction mean. In a batch, every sequence gets its own budgets (kvmini.policy.PerSequence).
 Deviation: the authors' code keeps one cache per query head (after repeat_kv), so each query
 head evicts and merges its own tokens; kvmini does this per KV head (query heads of a group
 reduced by mean), in both variants.
 Deviation: `clamp_budgets` (default true, both variants) gives a layer at least sinks + 4 tokens
-and, except `allocation=official` (whose only bound is its 1% floor, which on a short prompt leaves
-less than the sinks), at most n, handing the excess to the other layers; Eq. 5 does neither.
+and at most n, handing the excess to the other layers; Eq. 5 does neither. With `allocation=official`
+the authors' code already clamps each layer's ratio to [0.01, 1] (1% of the layer to all of it) and
+hands nothing on; kvmini then only raises the floor to sinks + 4 (1% of a short prompt is less than
+the sinks) and redistributes nothing.
 `clamp_budgets=false` runs Eq. 5 literally: a budget too small for a layer's sinks and recent
 tokens is then a KvminiError.
 Deviation: the authors' code never resets its EMA threshold between prompts (`_clean_scores`

@@ -18,8 +18,10 @@ budget is then exact). They differ in `rounding` (kvmini.methods.progressive_bud
 `exact` (paper variant) rounds Z to the exact total and caps a layer at what it holds, giving the
 excess to the others; `floor` (official) is the authors' int() floors, remainder to the last
 finished layer, a cap of n - w_s and no redistribution (intermediate re-allocations share the
-whole model's budget among the finished layers in both).
-Deviation: the `paper` variant rounds with `exact`, not Alg. 1's int() floors (lines 8 and 10).
+whole model's budget among the finished layers in both). `alg1` is Alg. 1's own rounding (lines 8-10:
+normalised by the largest count, no remainder), which neither variant uses.
+Deviation: the `paper` variant rounds with `exact`, not Alg. 1's int() floors (lines 8 and 10;
+`rounding=alg1` runs those).
 Deviation: the authors' code computes A per query head after repeat_kv; kvmini per KV head.
 """
 from dataclasses import dataclass
@@ -44,9 +46,9 @@ class Options:
                                    **options.at_least(1))
     tail_reallocation: bool = options.option(False, "re-balance after the last layer too when L is not a multiple "
                                                     "of m (kvmini's; Alg. 1 and the authors' code do not)")
-    rounding: Literal["exact", "floor"] = options.option(
+    rounding: Literal["exact", "floor", "alg1"] = options.option(
         "exact", "exact (kvmini: largest remainder, capped at what a layer holds) | floor (the authors' int() "
-                 "floors, remainder to the last layer)")
+                 "floors, remainder to the last layer) | alg1 (Alg. 1's floors, normalised by the largest count)")
     reduce: options.Reduce = options.reduce()
 
 

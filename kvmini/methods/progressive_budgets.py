@@ -16,11 +16,14 @@ algorithm, nor its prose, which says "every m layers") that re-allocates after t
             layers only shrink (what a layer dropped cannot come back), so Z_i is capped at what it
             holds and the cap's excess goes to the other layers by their counts
     floor   the authors' code (DreamMr/DynamicKV, update_and_reset_budget): C_i // l,
-            Z_i = int(int(b_s C_i / \sum C) / r) (Alg. 1 lines 8-10 floor with int() too, with max C),
-            the remainder to the last finished layer, each capped at n - w_s and never redistributed
+            Z_i = int(int(b_s C_i / \sum C) / r), normalised by the sum of the counts, the
+            remainder to the last finished layer, each capped at n - w_s and never redistributed
+    alg1    Alg. 1 lines 6-10 as written: Z_i = int(int(b_s C_i / \max C) / r), normalised by the
+            largest count, no remainder handed out (the total may fall short of (w_t - w_s) L)
+On the example of `floor_budgets`, alg1 gives [24, 7] where floor gives [24, 8].
 Deviation: with `exact`, Z is not floored with int() as Alg. 1 lines 8 and 10 are.
-Deviation: with `floor`, a layer given more than it holds keeps what it holds; the authors' code
-slices its buffer past the kept keys into the window and then appends the window again, so it
+Deviation: with `floor` and `alg1`, a layer given more than it holds keeps what it holds; the authors'
+code slices its buffer past the kept keys into the window and then appends the window again, so it
 holds some window entries twice (kvmini holds each once).
 """
 import torch
@@ -42,7 +45,7 @@ class ProgressiveBudgets(Budgeter):
                  rounding: str = "exact"):
         super().__init__()
         self.window, self.r_max, self.interval, self.tail = window, r_max, interval, tail_reallocation
-        self.rounding = one_of("ProgressiveBudgets rounding", rounding, ("exact", "floor"))
+        self.rounding = one_of("ProgressiveBudgets rounding", rounding, ("exact", "floor", "alg1"))
 
     def start(self, b, L, n) -> None:
         self.scores, self.held = [], []  # per finished layer: A_l over the prefix keys (B, H_kv, n - ws); entries held
@@ -83,6 +86,8 @@ class ProgressiveBudgets(Budgeter):
             # END EXERCISE
             if self.rounding == "floor":
                 Z = floor_budgets(C, min(int(self.r_max * (w_t - w)), n - w), w_t - w, L, n - w, A.shape[1])
+            elif self.rounding == "alg1":
+                Z = alg1_budgets(C, self.r_max * (w_t - w), w_t - w, L)  # b_s as Alg. 1 line 3
             keep.update({i: Z[i] + w for i in range(l) if Z[i] < held[i]})
         for i, b in keep.items():
             self.held[i] = min(self.held[i], b)
@@ -108,3 +113,14 @@ def floor_budgets(C: list[int], b_s: int, base: int, L: int, cap: int, heads: in
     fix = [int(k // r) for k in fix] if r else fix
     fix[-1] += base * L - sum(fix)
     return [min(z, cap) for z in fix]
+
+
+def alg1_budgets(C: list[int], b_s: float, base: int, L: int) -> list[int]:
+    """Z of the l finished layers as Alg. 1 lines 6-10 write it: the counts normalised by the largest,
+    BL_i = int(b_s C_i / max C), r = \sum BL / (base L), Z_i = int(BL_i / r); nothing else is handed out.
+    Example: C = [30, 10], b_s = 40, base = 8, L = 4: BL = [40, int(13.3)] = [40, 13], r = 53 / 32,
+    Z = [int(24.2), int(7.8)] = [24, 7] (sum 31; `floor_budgets` gives [24, 8])."""
+    top = max(C)
+    BL = [int(b_s * c / top) for c in C] if top else [0] * len(C)
+    r = sum(BL) / (base * L)
+    return [int(k / r) for k in BL] if r else BL

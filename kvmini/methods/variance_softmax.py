@@ -110,7 +110,7 @@ class VarianceSoftmax(Budgeter):
         """Budgets for every layer from F_v; `length` is what a layer holds now (n, or n + 1 at the
         first decode step: the official code's base)."""
         F_v = [self.F_v[l] for l in range(self.L)]
-        if self.how == "official":  # at least `low` per layer (a Deviation: the official floor is 1%)
+        if self.how == "official":  # ratio clamped to [0.01, 1]; kvmini raises the floor to `low` (a Deviation)
             S = official_budgets(F_v, self.b / self.n, length, self.parts)
             low = min(self.low, length) if self.clamp else 0
             self.budgets = [length if l in self.protected else max(S_l, low) for l, S_l in enumerate(S)]

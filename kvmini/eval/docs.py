@@ -1,0 +1,99 @@
+"""Write every measured number of README.md and docs/ from the committed results files.
+
+    python -m kvmini.eval.docs           # rewrite the generated regions and results/*/summary.md
+    python -m kvmini.eval.docs --check   # exit 1, naming the document and region, where they differ
+
+A generated region of a markdown file reads
+
+    <!-- generated: NAME (from results/quick/results.json) -->
+    ... kvmini.eval.tables.TABLES[NAME] of those files ...
+    <!-- end generated -->
+
+and whatever is typed between the two lines is replaced (so a number edited by hand fails --check).
+Each results folder's summary.md is kvmini.eval.suite.summary of its results.json, rewritten alike.
+"""
+import json
+import re
+import sys
+from pathlib import Path
+
+from kvmini import cli
+
+cli.exit_on_ctrl_c(__name__)  # before the imports below
+from kvmini.errors import KvminiError  # noqa: E402
+from kvmini.eval import tables  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[2]
+REGION = re.compile(r"<!-- generated: (\S+)[^\n]*-->\n(.*?)<!-- end generated -->", re.DOTALL)
+
+
+def documents(root: Path = ROOT) -> list[Path]:
+    return [root / "README.md", *sorted((root / "docs").glob("*.md"))]
+
+
+def region(name: str, root: Path = ROOT) -> str:
+    """The whole region NAME as the generator writes it."""
+    if name not in tables.TABLES:
+        raise KvminiError(f"unknown generated region {name!r}; known: {', '.join(tables.TABLES)}")
+    sources, make = tables.TABLES[name]
+    loaded = [json.loads((root / s).read_text()) for s in sources]
+    try:
+        body = make(*loaded)
+    except tables.Missing as e:
+        lacking = next(s for s, res in zip(sources, loaded) if str(e) not in res)
+        body = f"*Not measured yet: `{tables.MEASURE[lacking].format(experiment=e)}` writes it.*"
+    return f"<!-- generated: {name} (from {', '.join(sources)}) -->\n{body}\n<!-- end generated -->"
+
+
+def rewritten(text: str, root: Path = ROOT) -> str:
+    return REGION.sub(lambda m: region(m.group(1), root), text)
+
+
+def outputs(root: Path = ROOT) -> dict[Path, tuple[str, str]]:
+    """file -> (its text now, the text the generator writes)."""
+    from kvmini.eval.suite import summary
+
+    out = {}
+    for path in documents(root):
+        now = path.read_text()
+        out[path] = (now, rewritten(now, root))
+    for results in sorted(root.glob("results/*/results.json")):
+        md = results.with_name("summary.md")
+        out[md] = (md.read_text() if md.exists() else "", summary(json.loads(results.read_text())))
+    return out
+
+
+def differences(root: Path = ROOT) -> list[str]:
+    """One line per generated part that differs from what the generator writes."""
+    found = []
+    for path, (now, written) in outputs(root).items():
+        if now == written:
+            continue
+        shown = path.relative_to(root)
+        names = [m.group(1) for m in REGION.finditer(now) if m.group(0) != region(m.group(1), root)]
+        found += [f"{shown}: region {n} differs from what `python -m kvmini.eval.docs` writes" for n in names] or [
+            f"{shown} differs from what `python -m kvmini.eval.docs` writes"]
+    return found
+
+
+def main(argv=None) -> int:
+    p = cli.OneLineParser(description="Write the measured numbers of README.md and docs/ from results/.")
+    p.add_argument("--check", action="store_true", help="write nothing; exit 1 if a generated part differs")
+    return cli.run(lambda: generate(p.parse_args(argv)), imports=("kvmini.eval.suite",))
+
+
+def generate(args) -> int:
+    if args.check:
+        found = differences(ROOT)
+        for line in found:
+            print(line, file=sys.stderr)
+        return 1 if found else 0
+    for path, (now, written) in outputs(ROOT).items():
+        if now != written:
+            path.write_text(written)
+            print(f"wrote {path.relative_to(ROOT)}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,61 @@
+"""The measured numbers of README.md and docs/ are what `python -m kvmini.eval.docs` writes from the
+committed results files (kvmini/eval/docs.py)."""
+import re
+import shutil
+from pathlib import Path
+
+import pytest
+
+from kvmini.errors import KvminiError
+from kvmini.eval import docs
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_the_documents_are_what_the_generator_writes(capsys):
+    assert docs.main(["--check"]) == 0, capsys.readouterr().err
+
+
+def copy_of_the_documents(tmp_path) -> Path:
+    shutil.copy(ROOT / "README.md", tmp_path)
+    shutil.copytree(ROOT / "docs", tmp_path / "docs")
+    for results in ROOT.glob("results/*/results.json"):
+        (tmp_path / results.parent.relative_to(ROOT)).mkdir(parents=True)
+        for name in ("results.json", "summary.md"):
+            shutil.copy(results.with_name(name), tmp_path / results.parent.relative_to(ROOT))
+    return tmp_path
+
+
+def test_a_number_changed_by_hand_in_a_generated_region_fails_the_check(tmp_path, monkeypatch, capsys):
+    root = copy_of_the_documents(tmp_path)
+    speed = root / "docs" / "speed.md"
+    text = speed.read_text()
+    start = text.index("<!-- generated: speed-8k")
+    digit = re.compile(r"\d").search(text, text.index("| H2O |", start))  # the first number of H2O's row
+    speed.write_text(text[: digit.start()] + str((int(digit.group()) + 1) % 10) + text[digit.end():])
+    monkeypatch.setattr(docs, "ROOT", root)
+    assert docs.main(["--check"]) == 1
+    assert capsys.readouterr().err == "docs/speed.md: region speed-8k differs from what `python -m kvmini.eval.docs` writes\n"
+    assert docs.main([]) == 0 and docs.main(["--check"]) == 0  # writing restores it
+    assert speed.read_text() == text
+
+
+def test_an_edited_summary_fails_the_check(tmp_path, monkeypatch, capsys):
+    root = copy_of_the_documents(tmp_path)
+    summary = root / "results" / "quick" / "summary.md"
+    summary.write_text(summary.read_text().replace("| 256 | h2o |", "| 256 | H2O |"))
+    monkeypatch.setattr(docs, "ROOT", root)
+    assert docs.main(["--check"]) == 1
+    assert "results/quick/summary.md differs" in capsys.readouterr().err
+
+
+def test_an_unknown_region_is_an_error():
+    with pytest.raises(KvminiError, match="unknown generated region 'nonesuch'"):
+        docs.rewritten("<!-- generated: nonesuch -->\n<!-- end generated -->\n")
+
+
+def test_every_generated_table_has_its_results():
+    """A table whose experiment no committed file holds says so in the document; that is not done."""
+    missing = [f"{path.relative_to(ROOT)}: {line}" for path in docs.documents()
+               for line in path.read_text().splitlines() if line.startswith("*Not measured yet:")]
+    assert not missing, "\n".join(missing)
