@@ -49,7 +49,8 @@ def test_strip_keeps_markers_and_raises():
 
 
 def test_every_exercise_is_declared_in_full():
-    """Each exercise has its holes, its tests (and nothing else marks a test), and a tutorial section."""
+    """Each exercise has its holes, its tests (and nothing else marks a test), and a tutorial section
+    whose exercise names the functions and the check command."""
     found = exercises(ROOT)
     assert {name: ex.holes for name, ex in found.items()} == EXERCISES
     marked = set(re.findall(r'@pytest\.mark\.exercise\("(\w+)"\)', "".join(p.read_text() for p in (ROOT / "tests").glob("test_*.py"))))
@@ -58,6 +59,11 @@ def test_every_exercise_is_declared_in_full():
         assert ex.tests and not ex.open, ex.name
         tutorial = (ROOT / ex.tutorial).read_text()
         assert f"# ## {ex.section}\n" in tutorial, (ex.name, ex.section)
+        exercise_section = tutorial.split("# ## Exercises")[1]
+        assert f"`{ex.check}`" in " ".join(exercise_section.split()), ex.name  # (a line break may split it)
+        for functions in ex.holes.values():
+            for function in functions:
+                assert f"`{function}`" in exercise_section, (ex.name, function)
 
 
 def test_a_changed_test_or_module_is_reported(tmp_path):
@@ -81,12 +87,12 @@ def test_a_changed_test_or_module_is_reported(tmp_path):
 
 @pytest.fixture(scope="module")
 def copies(tmp_path_factory):
-    """Three students: nothing done, ema_merging done, everything done."""
+    """A class: one student did nothing, one did everything, and one per exercise did only that one."""
     base = tmp_path_factory.mktemp("class")
-    for student in ("untouched", "one", "all"):
+    for student in ("untouched", "all", *EXERCISES):
         write_student_copy(base / student)
-    solve(base / "one", "ema_merging")
     for name in EXERCISES:
+        solve(base / name, name)
         solve(base / "all", name)
     return base
 
@@ -113,39 +119,40 @@ def test_check_one_exercise_fails_open_and_passes_written(copies):
     assert failed and "  PASS  " not in open_.stdout
     assert set(re.findall(r"exercise (\w+): see", open_.stdout)) == {"ema_merging"}
     assert f"ema_merging: 0 of {len(failed)} tests pass" in open_.stdout
-    done = assignments(copies / "one", "check", "ema_merging")
+    done = assignments(copies / "ema_merging", "check", "ema_merging")
     assert done.returncode == 0, done.stdout[-3000:]
     assert re.findall(r"^  PASS  (\S+)", done.stdout, re.M) == failed
     assert f"ema_merging: {len(failed)} of {len(failed)} tests pass" in done.stdout
-    other = assignments(copies / "one", "check", "value_norm")  # one directory given as an argument
+    other = assignments(ROOT, "check", "value_norm", copies / "ema_merging")  # the copy named
     assert other.returncode == 1 and "value_norm: 0 of" in other.stdout
 
 
 @pytest.mark.slow
 def test_grade_a_class(copies, tmp_path):
-    students = [copies / s for s in ("untouched", "one", "all")]
+    """Each exercise passes with only itself written (its tests never need another one), and the
+    table says so: untouched, one per exercise, all."""
+    students = [copies / s for s in ("untouched", *EXERCISES, "all")]
     proc = assignments(ROOT, "grade", *students, "--json", tmp_path / "g.json", "--csv", tmp_path / "g.csv")
     assert proc.returncode == 0, proc.stderr
-    expected = {"untouched": {}, "one": {"ema_merging": "pass"}, "all": dict.fromkeys(EXERCISES, "pass")}
+    expected = {"untouched": {}, "all": dict.fromkeys(EXERCISES, "pass"), **{n: {n: "pass"} for n in EXERCISES}}
     data = json.loads((tmp_path / "g.json").read_text())
-    assert set(data["exercises"]) == set(EXERCISES)
+    assert data["exercises"] == list(EXERCISES)  # in the order a student meets them
     for row in data["students"]:
         want = expected[Path(row["student"]).name]
-        assert row["exercises"] == {name: want.get(name, NOT_ATTEMPTED) for name in EXERCISES}
+        assert row["exercises"] == {name: want.get(name, NOT_ATTEMPTED) for name in EXERCISES}, row
         assert row["problems"] == []
     lines = proc.stdout.splitlines()
-    header = lines[0].split()
-    assert header[0] == "student" and header[-1] == "copy"
-    assert re.split(r"\s{2,}", lines[3]) == [str(students[2]), *["pass"] * 7, "as handed out"]
-    assert re.split(r"\s{2,}", lines[1]).count(NOT_ATTEMPTED) == 7
-    assert re.split(r"\s{2,}", lines[2]).count("pass") == 1
+    assert re.split(r"\s{2,}", lines[0]) == ["student", *EXERCISES, "copy"]
+    assert re.split(r"\s{2,}", lines[1]) == [str(students[0]), *[NOT_ATTEMPTED] * 7, "as handed out"]
+    assert re.split(r"\s{2,}", lines[3]) == [str(students[2]), NOT_ATTEMPTED, "pass", *[NOT_ATTEMPTED] * 5, "as handed out"]
+    assert re.split(r"\s{2,}", lines[-1]) == [str(students[-1]), *["pass"] * 7, "as handed out"]
     csv_rows = (tmp_path / "g.csv").read_text().splitlines()
-    assert csv_rows[0].startswith("student,") and csv_rows[0].endswith(",copy,problems") and len(csv_rows) == 4
+    assert csv_rows[0] == ",".join(["student", *EXERCISES, "copy", "problems"]) and len(csv_rows) == 1 + len(students)
 
 
 @pytest.mark.slow
 def test_check_every_exercise_at_once(copies):
-    proc = assignments(copies / "one", "check")
+    proc = assignments(copies / "ema_merging", "check")
     assert proc.returncode == 1  # the open exercises' tests fail
     assert re.search(r"^ema_merging\s+(\d+)\s+\1\s+pass\s", proc.stdout, re.M), proc.stdout
     for name in EXERCISES.keys() - {"ema_merging"}:
