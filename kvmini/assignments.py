@@ -39,7 +39,8 @@ END = re.compile(r"^\s*# END EXERCISE$")
 ROOT = Path(__file__).resolve().parent.parent
 SKIP = {".git", "weights", "results", "__pycache__", ".hypothesis", ".pytest_cache"}
 MANIFEST = ".kvmini-copy.json"  # written into every copy: what it held when it was handed out
-GRADED = ("kvmini", "tests", "pytest.ini", "pyproject.toml", "setup.cfg", "tox.ini")  # what the grade depends
+GRADED = ("kvmini", "tests", "pytest.ini", "pyproject.toml", "setup.cfg", "tox.ini")  # (and top-level scripts):
+#   what the grade depends on; a change there is reported
 COMMANDS = ("new", "check", "grade")
 
 
@@ -144,7 +145,8 @@ def exercises(root: Path = ROOT) -> dict[str, Exercise]:
             _, name, tutorial, section = begin.groups()
             ex = found.setdefault(name, Exercise(name, tutorial, section))
             ex.holes.setdefault(path.relative_to(root).as_posix(), []).append(function_at(tree, i + 1))
-            body = [b.strip() for b in lines[i + 1: next(j for j in range(i, len(lines)) if END.match(lines[j]))]]
+            end = next((j for j in range(i, len(lines)) if END.match(lines[j])), len(lines))
+            body = [b.strip() for b in lines[i + 1: end]]
             ex.open &= body == [f"raise NotImplementedError({stub(name, tutorial, section)!r})"]
     for name, test, doc in declared_tests(root):
         if name in found:
@@ -166,7 +168,11 @@ def skipping(ex: Exercise) -> None:
 def solved(*names: str) -> bool:
     """For a tutorial cell: True when these exercises are written in this copy (always in the
     repository itself); otherwise says which are open and where, and returns False: the cell skips."""
-    missing = [ex for name, ex in exercises().items() if name in names and ex.open]
+    found = exercises()
+    unknown = [name for name in names if name not in found]
+    if unknown:
+        raise KvminiError(f"no exercise {', '.join(unknown)}; the exercises are {', '.join(found)}")
+    missing = [found[name] for name in names if found[name].open]
     for ex in missing:
         skipping(ex)
     return not missing
@@ -182,7 +188,8 @@ def usable(name: str, **options) -> bool:
     from kvmini.methods.registry import chooses_budget, make_policy
     from kvmini.model import Transformer
 
-    model = Transformer(ModelConfig("llama", 50, 32, 64, 8, 4, 2, 8, rope_theta=1000.0)).eval()  # 8 layers: every part acts
+    # 8 layers and 48 tokens: more than any method protects or waits for (DynamicKV re-allocates every 4)
+    model = Transformer(ModelConfig("llama", 50, 32, 64, 8, 4, 2, 8, rope_theta=1000.0)).eval()
     policy, cache = make_policy(name, None if chooses_budget(name) else 0.5, **options), model.new_cache()
     policy.start(48, 51)
     try:

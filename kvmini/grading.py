@@ -18,6 +18,7 @@ import xml.etree.ElementTree as ET
 from dataclasses import dataclass
 from pathlib import Path
 
+from kvmini import cli
 from kvmini.assignments import MANIFEST, Exercise, exercises, fingerprint, graded
 from kvmini.errors import KvminiError
 
@@ -157,9 +158,9 @@ def student_copy(folder: Path) -> dict[str, Exercise]:
 def grade_one(folder: Path, timeout: int) -> dict:
     found = student_copy(folder)
     try:
-        handed_out = json.loads((folder / MANIFEST).read_text())["exercises"]
+        handed_out = list(json.loads((folder / MANIFEST).read_text())["exercises"])
     except (OSError, ValueError, KeyError, TypeError):
-        handed_out = list(found)
+        handed_out = list(found)  # (reported by `problems`)
     chosen = [ex for name, ex in found.items() if name in handed_out]
     results = run_tests(folder, [t for ex in chosen if not ex.open for t in ex.tests], timeout)
     return {"student": str(folder), "problems": problems(folder),
@@ -168,12 +169,13 @@ def grade_one(folder: Path, timeout: int) -> dict:
 
 def grade(folders: list[Path], json_path, csv_path, timeout: int) -> int:
     """Every copy's status per exercise, as a table (and JSON / CSV); problems listed under it."""
-    from kvmini import cli
-
     for folder in folders:  # bad input is refused before any test runs
         student_copy(folder)
     outputs = [cli.writable_file(p, flag) for p, flag in ((json_path, "--json"), (csv_path, "--csv")) if p]
-    rows = [grade_one(folder, timeout) for folder in folders]
+    rows = []
+    for folder in folders:
+        print(f"grading {folder} ...", file=sys.stderr, flush=True)
+        rows.append(grade_one(folder, timeout))
     names = list(dict.fromkeys(n for row in rows for n in row["exercises"]))
     table = [["student", *names, "copy"]] + [
         [row["student"], *(row["exercises"].get(n, "-") for n in names), "changed" if row["problems"] else "as handed out"]
