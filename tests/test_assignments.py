@@ -9,7 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from kvmini.assignments import MANIFEST, exercises, strip, write_student_copy
+from kvmini.assignments import MANIFEST, exercises, solved, strip, write_student_copy
+from kvmini.errors import KvminiError
 from kvmini.grading import NOT_ATTEMPTED, problems
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -64,6 +65,12 @@ def test_every_exercise_is_declared_in_full():
         for functions in ex.holes.values():
             for function in functions:
                 assert f"`{function}`" in exercise_section, (ex.name, function)
+
+
+def test_solved_in_the_repository_and_a_misspelt_name(capsys):
+    assert solved(*EXERCISES) and capsys.readouterr().out == ""  # every solution is here: no cell skips
+    with pytest.raises(KvminiError, match="no exercise ema_merge; the exercises are variance_softmax"):
+        solved("ema_merge")
 
 
 def test_a_changed_test_or_module_is_reported(tmp_path):

@@ -133,7 +133,7 @@ if zscore:
     policy = make_policy("d2o", 0.2, variant="paper", allocation="zscore", merge="off")  # kvmini's reading of Eq. 5
     with torch.no_grad():
         model(ids, model.new_cache(), policy)
-    scorer, budgeter, compressor = policy.parts  # D2O = CumulativeAttention + VarianceSoftmax + TopK(merge)
+    scorer, budgeter, compressor = policy.parts  # D2O = CumulativeAttention + VarianceSoftmax + TopK (merge off)
     print("F_v per layer:", [round(v, 2) for v in budgeter.F_v.values()])
     print("S_l per layer:", policy.budgets)
     assert sum(policy.budgets) == 30 * round(0.2 * 512)
