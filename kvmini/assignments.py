@@ -1,8 +1,8 @@
 """Course mode: a student copy of the repository with the mechanisms removed, a check per exercise
 and a grade table for a class (kvmini.grading runs the tests).
 
-An exercise is declared once. Its solution is marked in kvmini/ by two comment lines (a function may
-hold one region, an exercise may span several functions):
+An exercise is declared once. Its solution is marked in kvmini/ by two comment lines (an exercise
+may span several functions; one function may hold regions of two exercises):
 
     # BEGIN EXERCISE <name>: <tutorial>, "<section of the tutorial>"
     ...the solution...
@@ -17,7 +17,9 @@ markers and its body becomes `raise NotImplementedError("exercise <name>: see ..
     python -m kvmini.assignments check             # every exercise, one line each
     python -m kvmini.assignments grade alice/ bob/ --csv grades.csv   # student x exercise
 
-`python -m kvmini.assignments DIR` (without `new`) also writes a copy.
+`python -m kvmini.assignments DIR` (without `new`) also writes a copy. In a copy the tutorials
+still run to the end: `solved(name)` and `usable(method)` tell a cell to skip what needs an exercise
+not done yet, and say so. docs/course.md is the instructors' guide.
 """
 import ast
 import hashlib
@@ -49,8 +51,8 @@ class Exercise:
     name: str
     tutorial: str  # tutorials/NN_name.py
     section: str  # the heading in the tutorial
-    holes: dict = field(default_factory=dict)  # file -> [function, ...]
-    tests: dict = field(default_factory=dict)  # "tests/test_x.py::test_y" -> its docstring
+    holes: dict[str, list[str]] = field(default_factory=dict)  # file -> [function, ...]
+    tests: dict[str, str] = field(default_factory=dict)  # "tests/test_x.py::test_y" -> its docstring
     open: bool = True  # every region still the stub (a student copy that nobody touched)
 
     @property
