@@ -49,14 +49,15 @@ def show_page(path: Path, height: int = 560) -> None:
     display(HTML(f"<div>{frame}</div>"))  # (a bare iframe makes IPython warn)
 
 
-def build(tutorial: Path, out_dir: Path, timeout: int = 1200):
-    """tutorials/NN_name.py -> out_dir/NN_name.ipynb, executed from the repository root."""
+def build(tutorial: Path, out_dir: Path, timeout: int = 1200, root: Path = ROOT):
+    """tutorials/NN_name.py -> out_dir/NN_name.ipynb, executed in `root` (this repository, or a
+    student copy: the tutorial then imports the copy's kvmini)."""
     import jupytext
     from nbclient import NotebookClient
 
     notebook = jupytext.read(tutorial)
     notebook.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
-    NotebookClient(notebook, timeout=timeout, kernel_name="python3", resources={"metadata": {"path": str(ROOT)}}).execute()
+    NotebookClient(notebook, timeout=timeout, kernel_name="python3", resources={"metadata": {"path": str(root)}}).execute()
     out_dir.mkdir(parents=True, exist_ok=True)
     path = out_dir / (tutorial.stem + ".ipynb")
     jupytext.write(notebook, path)

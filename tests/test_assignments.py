@@ -1,50 +1,180 @@
-"""Course-assignment mode: the student copy loses exactly the marked solutions, and their tests fail there."""
+"""Course mode: a student copy loses exactly the marked solutions; each exercise's check runs its own
+tests (failing while its holes are open, passing once they are written, whatever the other
+exercises' state); grade reports a class; every exercise is declared in full."""
+import json
+import re
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-from kvmini.assignments import strip, write_student_copy
+from kvmini.assignments import MANIFEST, exercises, solved, strip, write_student_copy
+from kvmini.errors import KvminiError
+from kvmini.grading import NOT_ATTEMPTED, problems
 
 ROOT = Path(__file__).resolve().parent.parent
-EXERCISES = ["reciprocal_allocation", "variance_softmax", "ema_merging", "frobenius_stop", "convex_value_merge",
-             "progressive_budgets", "value_norm"]
+EXERCISES = {  # written out by hand: what the markers in kvmini/methods must add up to
+    "variance_softmax": {"kvmini/methods/variance_softmax.py": ["layer_weights"]},
+    "reciprocal_allocation": {"kvmini/methods/variance_softmax.py": ["layer_weights"]},
+    "ema_merging": {"kvmini/methods/ema_merging.py": ["nearest", "ema_threshold", "convex_merge"]},
+    "frobenius_stop": {"kvmini/methods/frobenius_stop.py": ["frobenius_stop"]},
+    "convex_value_merge": {"kvmini/methods/convex_value_merge.py": ["convex_value_merge"]},
+    "progressive_budgets": {"kvmini/methods/progressive_budgets.py": ["ProgressiveBudgets.decide"]},
+    "value_norm": {"kvmini/methods/vatp.py": ["ValueWeightedAttention.__call__"]},
+}
+
+
+def assignments(cwd, *argv):
+    return subprocess.run([sys.executable, "-m", "kvmini.assignments", *map(str, argv)], cwd=cwd,
+                          capture_output=True, text=True, timeout=900)
+
+
+def solve(copy: Path, name: str) -> None:
+    """What a student does: every region of `name` in the copy gets a working body (the original's)."""
+    for rel in exercises(ROOT)[name].holes:
+        still_open = {n for n, ex in exercises(copy).items() if ex.open and rel in ex.holes} - {name}
+        (copy / rel).write_text(strip((ROOT / rel).read_text(), still_open)[0])
 
 
 def test_strip_keeps_markers_and_raises():
-    text = "def f(x):\n    y = 1\n    # BEGIN EXERCISE f: tutorial 9, \"F\"\n    return x + y\n    # END EXERCISE\n"
+    text = 'def f(x):\n    y = 1\n    # BEGIN EXERCISE f: tutorials/t.py, "F"\n    return x + y\n    # END EXERCISE\n'
     stripped, names = strip(text)
     assert names == ["f"]
-    assert stripped == ("def f(x):\n    y = 1\n    # BEGIN EXERCISE f: tutorial 9, \"F\"\n"
-                        "    raise NotImplementedError('exercise f: see tutorial 9, \"F\"')\n    # END EXERCISE\n")
+    assert stripped == ('def f(x):\n    y = 1\n    # BEGIN EXERCISE f: tutorials/t.py, "F"\n    raise NotImplementedError('
+                        '"exercise f: see tutorials/t.py, \'F\'; check it with python -m kvmini.assignments check f")\n'
+                        "    # END EXERCISE\n")
+    assert strip(text, names=set()) == (text, [])  # only the exercises named
     with pytest.raises(ValueError, match="without END"):
-        strip("# BEGIN EXERCISE g: here\nx = 1\n")
+        strip('# BEGIN EXERCISE g: tutorials/t.py, "G"\nx = 1\n')
 
 
-def test_every_exercise_points_to_an_existing_tutorial():
-    for path in (ROOT / "kvmini").rglob("*.py"):
-        if path.name == "assignments.py":  # its docstring describes the markers
-            continue
-        for line in path.read_text().splitlines():
-            if "# BEGIN EXERCISE" in line:
-                tutorial = line.split(": ", 1)[1].split(",")[0]
-                assert (ROOT / tutorial).is_file(), f"{path.name}: {tutorial} does not exist"
+def test_every_exercise_is_declared_in_full():
+    """Each exercise has its holes, its tests (and nothing else marks a test), and a tutorial section
+    whose exercise names the functions and the check command."""
+    found = exercises(ROOT)
+    assert {name: ex.holes for name, ex in found.items()} == EXERCISES
+    marked = set(re.findall(r'@pytest\.mark\.exercise\("(\w+)"\)', "".join(p.read_text() for p in (ROOT / "tests").glob("test_*.py"))))
+    assert marked == set(found)
+    for ex in found.values():
+        assert ex.tests and not ex.open, ex.name
+        tutorial = (ROOT / ex.tutorial).read_text()
+        assert f"# ## {ex.section}\n" in tutorial, (ex.name, ex.section)
+        exercise_section = tutorial.split("# ## Exercises")[1]
+        assert f"`{ex.check}`" in " ".join(exercise_section.split()), ex.name  # (a line break may split it)
+        for functions in ex.holes.values():
+            for function in functions:
+                assert f"`{function}`" in exercise_section, (ex.name, function)
+
+
+def test_solved_in_the_repository_and_a_misspelt_name(capsys):
+    assert solved(*EXERCISES) and capsys.readouterr().out == ""  # every solution is here: no cell skips
+    with pytest.raises(KvminiError, match="no exercise ema_merge; the exercises are variance_softmax"):
+        solved("ema_merge")
+
+
+def test_a_changed_test_or_module_is_reported(tmp_path):
+    copy = tmp_path / "copy"
+    write_student_copy(copy)
+    assert problems(copy) == []
+    solve(copy, "frobenius_stop")  # inside the regions: the student's work
+    assert problems(copy) == []
+    test = copy / "tests" / "test_d2o.py"
+    test.write_text(test.read_text().replace("assert ", "assert True or ", 1))
+    module = copy / "kvmini" / "methods" / "ema_merging.py"
+    module.write_text(module.read_text().replace("WEIGHTS = (", "WEIGHTS = ('x', "))
+    (copy / "tests" / "helper.py").write_text("")
+    (copy / "tests" / "test_vatp.py").unlink()
+    assert sorted(problems(copy)) == ["kvmini/methods/ema_merging.py changed outside the exercise regions",
+                                      "tests/helper.py is new", "tests/test_d2o.py changed",
+                                      "tests/test_vatp.py is missing"]
+    (copy / MANIFEST).unlink()
+    assert "is missing or unreadable" in problems(copy)[0]
+
+
+@pytest.fixture(scope="module")
+def copies(tmp_path_factory):
+    """A class: one student did nothing, one did everything, and one per exercise did only that one."""
+    base = tmp_path_factory.mktemp("class")
+    for student in ("untouched", "all", *EXERCISES):
+        write_student_copy(base / student)
+    for name in EXERCISES:
+        solve(base / name, name)
+        solve(base / "all", name)
+    return base
 
 
 @pytest.mark.slow
-def test_student_copy_fails_the_mechanism_tests(tmp_path):
-    dest = tmp_path / "student"
-    names = write_student_copy(dest)
-    assert sorted(names) == sorted(EXERCISES)
-    assert (dest / "tests" / "test_weightedkv.py").is_file() and not (dest / "weights" / "SmolLM2-135M-Instruct").exists()
-    tests = ["tests/test_weightedkv.py", "tests/test_dbudgetkv.py", "tests/test_d2o.py", "tests/test_dynamickv.py",
-             "tests/test_vatp.py"]
-    student = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *tests],
-                             cwd=dest, capture_output=True, text=True, timeout=600)
-    assert student.returncode != 0
+def test_a_copy_lists_its_holes_and_checks(tmp_path):
+    proc = assignments(ROOT, "new", tmp_path / "copy")
+    assert proc.returncode == 0, proc.stderr
+    assert "ema_merging\n    holes: kvmini/methods/ema_merging.py: nearest, ema_threshold, convex_merge\n" in proc.stdout
     for name in EXERCISES:
-        assert f"exercise {name}: see" in student.stdout, name
-    original = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *tests],
-                              cwd=ROOT, capture_output=True, text=True, timeout=600)
-    assert original.returncode == 0, original.stdout[-2000:]
+        assert f"    check: python -m kvmini.assignments check {name}\n" in proc.stdout
+    assert {n for n, ex in exercises(tmp_path / "copy").items() if ex.open} == set(EXERCISES)
+    assert not (tmp_path / "copy" / "weights" / "SmolLM2-135M-Instruct").exists()
+    assert assignments(ROOT, tmp_path / "old-form").returncode == 0  # python -m kvmini.assignments DIR
+
+
+@pytest.mark.slow
+def test_check_one_exercise_fails_open_and_passes_written(copies):
+    """Only ema_merging's tests run: with its three holes open each fails on its own stub, never on
+    another exercise's (all six others are open too); written, all of them pass."""
+    open_ = assignments(copies / "untouched", "check", "ema_merging")
+    assert open_.returncode == 1, open_.stderr
+    failed = re.findall(r"^  FAIL  (\S+)", open_.stdout, re.M)
+    assert failed and "  PASS  " not in open_.stdout
+    assert set(re.findall(r"exercise (\w+): see", open_.stdout)) == {"ema_merging"}
+    assert f"ema_merging: 0 of {len(failed)} tests pass" in open_.stdout
+    done = assignments(copies / "ema_merging", "check", "ema_merging")
+    assert done.returncode == 0, done.stdout[-3000:]
+    assert re.findall(r"^  PASS  (\S+)", done.stdout, re.M) == failed
+    assert f"ema_merging: {len(failed)} of {len(failed)} tests pass" in done.stdout
+    other = assignments(ROOT, "check", "value_norm", copies / "ema_merging")  # the copy named
+    assert other.returncode == 1 and "value_norm: 0 of" in other.stdout
+
+
+@pytest.mark.slow
+def test_grade_a_class(copies, tmp_path):
+    """Each exercise passes with only itself written (its tests never need another one), and the
+    table says so: untouched, one per exercise, all."""
+    students = [copies / s for s in ("untouched", *EXERCISES, "all")]
+    proc = assignments(ROOT, "grade", *students, "--json", tmp_path / "g.json", "--csv", tmp_path / "g.csv")
+    assert proc.returncode == 0, proc.stderr
+    expected = {"untouched": {}, "all": dict.fromkeys(EXERCISES, "pass"), **{n: {n: "pass"} for n in EXERCISES}}
+    data = json.loads((tmp_path / "g.json").read_text())
+    assert data["exercises"] == list(EXERCISES)  # in the order a student meets them
+    for row in data["students"]:
+        want = expected[Path(row["student"]).name]
+        assert row["exercises"] == {name: want.get(name, NOT_ATTEMPTED) for name in EXERCISES}, row
+        assert row["problems"] == []
+    lines = proc.stdout.splitlines()
+    assert re.split(r"\s{2,}", lines[0]) == ["student", *EXERCISES, "copy"]
+    assert re.split(r"\s{2,}", lines[1]) == [str(students[0]), *[NOT_ATTEMPTED] * 7, "as handed out"]
+    assert re.split(r"\s{2,}", lines[3]) == [str(students[2]), NOT_ATTEMPTED, "pass", *[NOT_ATTEMPTED] * 5, "as handed out"]
+    assert re.split(r"\s{2,}", lines[-1]) == [str(students[-1]), *["pass"] * 7, "as handed out"]
+    csv_rows = (tmp_path / "g.csv").read_text().splitlines()
+    assert csv_rows[0] == ",".join(["student", *EXERCISES, "copy", "problems"]) and len(csv_rows) == 1 + len(students)
+
+
+@pytest.mark.slow
+def test_check_every_exercise_at_once(copies):
+    proc = assignments(copies / "ema_merging", "check")
+    assert proc.returncode == 1  # the open exercises' tests fail
+    assert re.search(r"^ema_merging\s+(\d+)\s+\1\s+pass\s", proc.stdout, re.M), proc.stdout
+    for name in EXERCISES.keys() - {"ema_merging"}:
+        assert re.search(rf"^{name}\s+(\d+)\s+0\s+{NOT_ATTEMPTED}\s", proc.stdout, re.M), name
+
+
+@pytest.mark.slow
+def test_a_module_that_does_not_parse_fails_its_tests_with_the_reason(tmp_path):
+    copy = tmp_path / "copy"
+    write_student_copy(copy)
+    vatp = copy / "kvmini" / "methods" / "vatp.py"
+    vatp.write_text(vatp.read_text().replace('        raise NotImplementedError("exercise value_norm',
+                                             '        return received +\n        raise NotImplementedError("x'))
+    proc = assignments(copy, "check", "value_norm")
+    assert proc.returncode == 1, proc.stderr
+    assert re.search(r"^value_norm: kvmini/methods/vatp.py: line \d+$", proc.stdout, re.M)  # no parse: its line
+    assert "did not run: the test module does not import: SyntaxError" in proc.stdout
+    assert "value_norm: 0 of 3 tests pass" in proc.stdout

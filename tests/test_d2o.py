@@ -22,6 +22,7 @@ from reference import group_mean, random_model, simulate
 
 # --- allocation --------------------------------------------------------------------------------
 
+@pytest.mark.exercise("variance_softmax")
 def test_variance_softmax_by_hand():
     """Exercise `variance_softmax` (tutorial 3): softmax(-z(F_v)), and no NaN when the variances are equal."""
     z = [(f - 2) / math.sqrt(2 / 3) for f in (1, 2, 3)]  # standardized variances
@@ -31,11 +32,13 @@ def test_variance_softmax_by_hand():
     assert layer_weights([5, 5, 5], "zscore") == pytest.approx([1 / 3] * 3)  # no spread (sigma = 0): uniform
 
 
+@pytest.mark.exercise("reciprocal_allocation")
 def test_reciprocal_allocation_by_hand():
     """Exercise `reciprocal_allocation` (tutorial 3, Table 4)."""
     assert layer_weights([1, 2, 3], "reciprocal") == pytest.approx([6 / 11, 3 / 11, 2 / 11])
 
 
+@pytest.mark.exercise("variance_softmax")
 def test_paper_and_uniform_weights_by_hand():
     e = [math.exp(-f) for f in (1, 2, 3)]
     assert layer_weights([1, 2, 3], "paper") == pytest.approx([x / sum(e) for x in e])  # Eq. 5 on raw variances
@@ -64,6 +67,7 @@ def test_unclamped_allocation_is_eq5_as_written():
     assert clamped.allocate(10, 3, [0.0, 1.0, 2.0], 12) == [12, 10, 8]
 
 
+@pytest.mark.exercise("variance_softmax")
 def test_unclamped_eq5_that_starves_a_layer_is_a_clear_error():
     """On a prompt whose raw variances differ, Eq. 5 (z-scored) leaves a layer fewer tokens than its 4 sinks."""
     model = random_model(L=4)
@@ -114,6 +118,7 @@ def toy_cache(keys, values):
     return lc
 
 
+@pytest.mark.exercise("ema_merging")
 def test_d2o_merge_by_hand():
     """Keep k0 = (1, 0) and k1 = (0, 1); evict k2 = (1, 0.1) and k3 = (-1, 0).
     cos(k2, k0) = 1/sqrt(1.01) = 0.995 (its nearest), cos(k3, .) = -1, 0 (nearest k1, similarity 0).
@@ -147,6 +152,7 @@ def literal_merge(keys, values, keep, tau):
     return new_k, new_v, [best[i][0] for i in evict]
 
 
+@pytest.mark.exercise("ema_merging")
 @pytest.mark.parametrize("seed", range(5))
 def test_merge_equals_literal_loops_over_several_steps(seed):
     """A prefill cut then 4 decode steps (one eviction each): nearest neighbours, merges and
@@ -178,6 +184,7 @@ def test_merge_equals_literal_loops_over_several_steps(seed):
             lc.append(k.view(1, 1, 1, D), v.view(1, 1, 1, D), torch.tensor([[t]]))
 
 
+@pytest.mark.exercise("ema_merging")
 @pytest.mark.parametrize("beta", [0.0, 1.0])
 def test_beta_extremes(beta):
     """beta 0: tau never moves from tau_0; beta 1: tau is the latest maximum similarity."""
@@ -266,6 +273,7 @@ def test_d2o_allocation_alternatives_and_short_prompts():
         assert half.note == "budget raised from 3 to 5 tokens per layer, the least d2o can keep"
 
 
+@pytest.mark.exercise("variance_softmax")
 def test_deferred_allocation_completes_with_protected_layers():
     """Layers 0 and L-1 never compressed: the other layers are measured, budgeted (Eq. 5 over them,
     L-2 layers sharing (L-2) * b) and compressed after the last measured layer."""
@@ -281,6 +289,7 @@ def test_deferred_allocation_completes_with_protected_layers():
     assert lengths[1] + lengths[2] == 2 * 20 and lengths[1:3] == policy.budgets[1:3]
 
 
+@pytest.mark.exercise("variance_softmax")
 def test_variance_softmax_composes_with_snapkv_scoring():
     """A combination no paper ran: D2O's layer allocation with SnapKV's pooled window scores."""
     model = random_model(L=4, H=4, H_kv=2, seed=5, sharp=2.0)
@@ -406,6 +415,7 @@ def random_cache(heads: int, D: int, n: int, gen: torch.Generator) -> LayerCache
     return lc
 
 
+@pytest.mark.exercise("ema_merging")
 @pytest.mark.parametrize("seed", range(4))
 def test_official_merge_equals_literal_loops_over_several_heads_and_steps(seed):
     gen = torch.Generator().manual_seed(seed)
@@ -427,6 +437,7 @@ def test_official_merge_equals_literal_loops_over_several_heads_and_steps(seed):
                   torch.tensor([[10 + step]]))
 
 
+@pytest.mark.exercise("ema_merging")
 def test_paper_merge_over_several_kv_heads_equals_loops_per_head():
     """The paper's merge is per KV head: each head alone equals the one-head loop (literal_merge)."""
     gen = torch.Generator().manual_seed(5)
@@ -455,6 +466,7 @@ def after_evict_one(items: list, victim: int) -> list:
     return out[:-1]
 
 
+@pytest.mark.exercise("ema_merging")
 @pytest.mark.parametrize("seed", range(4))
 def test_one_eviction_merge_equals_literal_loops_paper(seed):
     """A decode step (`EMAMerge.one` + `evict_one`: only the nearest entry is written) equals the
@@ -482,6 +494,7 @@ def test_one_eviction_merge_equals_literal_loops_paper(seed):
                   torch.tensor([[8 + step]]))
 
 
+@pytest.mark.exercise("ema_merging")
 @pytest.mark.parametrize("seed", range(4))
 def test_one_eviction_merge_equals_literal_loops_official(seed):
     """The authors' per-layer threshold and scatter-mean, one eviction per head per step, several heads."""

@@ -16,6 +16,7 @@ ROW = torch.tensor([0.4, 0.05, 0.1, 0.05, 0.1, 0.3]).view(1, 1, 6)
 BY_POSITION_ONE_SINK = torch.tensor([1, 2, 3, 4, 5, 0]).view(1, 1, 6)  # earliest non-sink first, the sink last
 
 
+@pytest.mark.exercise("frobenius_stop")
 def test_six_token_cut_by_hand():
     # ||A'||^2 = .16 + .0025 + .01 + .0025 + .01 + .09 = .275. Removing token 1 leaves .2725: the norm
     # drops by 1 - sqrt(.2725/.275) = 0.46%; also token 2 leaves .2625: 2.30%; token 3: .26, 2.77%;
@@ -46,6 +47,7 @@ def sequential_prune(s: torch.Tensor, order: torch.Tensor, t: float) -> int:
 @settings(max_examples=60, deadline=None)
 @given(H=st.integers(1, 4), S=st.integers(1, 24), t=st.sampled_from([0.0, 0.005, 0.01, 0.05, 0.2, 0.6]),
        seed=st.integers(0, 10**6), shared_order=st.booleans())
+@pytest.mark.exercise("frobenius_stop")
 def test_vectorized_cut_equals_the_sequential_loop(H, S, t, seed, shared_order):
     gen = torch.Generator().manual_seed(seed)
     s = torch.rand(1, H, S, generator=gen).pow(3)
@@ -97,6 +99,7 @@ def dbudgetkv_literal(g, threshold, k, sinks, protected, ranking, window=8, excl
     {"variant": "official", "window": 4},  # window_attention, t = 5%, no protected layers, kept zeroed
     {"variant": "official", "window": 5, "threshold": 0.3, "norm_excludes_kept": False, "protected_layers": "-1"},
 ])
+@pytest.mark.exercise("frobenius_stop")
 def test_whole_model_equals_the_literal_rule(options):
     model = random_model(L=3, H=4, H_kv=2, seed=9, sharp=1.5)
     gen = torch.Generator().manual_seed(1)

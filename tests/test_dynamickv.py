@@ -75,6 +75,7 @@ def literal_dynamickv(n, w_t, ws, kernel, r_max, m, L, g, tail=True):
 
 @pytest.mark.parametrize("L,m,w_t,r_max,tail", [(4, 2, 12, 10, True), (5, 2, 12, 10, True), (5, 3, 10, 2, True),
                                                 (3, 4, 9, 3, True), (5, 2, 12, 10, False), (5, 3, 10, 2, False)])
+@pytest.mark.exercise("progressive_budgets")
 def test_engine_equals_literal_algorithm_1(L, m, w_t, r_max, tail):
     n, ws, kernel = 48, 4, 3
     model = random_model(L=L, H=4, H_kv=2, seed=L + m, sharp=2.0)
@@ -148,6 +149,7 @@ def authors_dynamickv(probs: list[torch.Tensor], ws: int, kernel: int, r_max: fl
     return [[sorted(set(row)) for row in layer] for layer in buffers]
 
 
+@pytest.mark.exercise("progressive_budgets")
 @pytest.mark.parametrize("L,m,w_t,r_max", [(4, 2, 10, 3), (6, 2, 12, 2), (4, 4, 10, 3), (6, 4, 9, 10)])
 def test_rounding_floor_keeps_what_the_authors_code_keeps(L, m, w_t, r_max):
     """One KV head per query head (g = 1), so the authors' per-query-head cache is kvmini's per-KV-head one."""

@@ -143,6 +143,21 @@ def test_assignments_into_a_folder_it_may_not_write(tmp_path):
     assert_one_line(proc.returncode, proc.stderr, "is not a folder this user may write to")
 
 
+def test_check_and_grade_refuse_what_is_not_a_student_copy(capsys, tmp_path):
+    from kvmini import assignments
+
+    (tmp_path / "empty").mkdir()
+    for argv, fragment in [(["grade", tmp_path / "missing"], "missing is not a folder"),
+                           (["grade", tmp_path / "empty"], "is not a kvmini copy (no kvmini/assignments.py in it)"),
+                           (["grade", ROOT], "is not a student copy (no .kvmini-copy.json"),
+                           (["grade"], "the following arguments are required: DIR"),
+                           (["check", "nosuch", ROOT], "no exercise 'nosuch'; the exercises are variance_softmax, "),
+                           (["check", "ema_merging", tmp_path / "missing"], "missing is not a folder"),
+                           (["new", tmp_path / "copy", "--only", "nosuch"], "no exercise nosuch; the exercises are")]:
+        assert_one_line(*tool(capsys, assignments.main, *argv)[::2], fragment)
+    assert not (tmp_path / "copy").exists()
+
+
 def test_notebooks_refuse_an_unknown_tutorial(capsys, tmp_path):
     from kvmini import notebooks
 

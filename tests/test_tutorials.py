@@ -1,11 +1,13 @@
 """Every tutorial runs top to bottom as a notebook (its own asserts are the checks) and shows its
-figures inline; one also runs as a plain script, which saves its figure to a file instead."""
+figures inline; one also runs as a plain script, which saves its figure to a file instead. Every
+tutorial also runs to the end in a fresh student copy, where every exercise is still open."""
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
+from kvmini.assignments import exercises, write_student_copy
 from kvmini.notebooks import FIGURES, build, images
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -43,3 +45,22 @@ def test_a_tutorial_runs_as_a_script_and_saves_its_figure(default_model_dir):
     finally:
         if committed is not None:
             target.write_bytes(committed)
+
+
+@pytest.fixture(scope="module")
+def student_copy(default_model_dir, tmp_path_factory):
+    copy = tmp_path_factory.mktemp("student") / "kvmini"
+    write_student_copy(copy)
+    (copy / "weights" / default_model_dir.name).symlink_to(default_model_dir)  # what a student downloads
+    return copy
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("path", TUTORIALS, ids=[p.stem for p in TUTORIALS])
+def test_tutorial_runs_in_a_student_copy(path, student_copy, tmp_path):
+    """With every hole open, each cell that needs an exercise skips what needs it and says so."""
+    notebook, _ = build(student_copy / "tutorials" / path.name, tmp_path, root=student_copy)
+    said = "".join(out.get("text", "") for cell in notebook.cells if cell.cell_type == "code" for out in cell.outputs)
+    for ex in exercises(student_copy).values():
+        if ex.tutorial == f"tutorials/{path.name}":
+            assert f"(this cell skips what needs exercise {ex.name}: it is not done yet" in said, ex.name

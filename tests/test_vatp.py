@@ -12,6 +12,7 @@ from kvmini.methods.vatp import ValueWeightedAttention
 from reference import engine_run, group_mean, random_model, simulate, top_positions
 
 
+@pytest.mark.exercise("value_norm")
 def test_value_weighting_by_hand():
     """Accumulated attention [.5, .3, .2] times the l1 norms of the values [1, 4, 2] (|1| + |-3| = 4)
     -> [.5, 1.2, .4]: the second token, though less attended than the first, scores highest."""
@@ -54,6 +55,7 @@ def vatp_literal(budget, g, sinks=4, recent=None, p=1):
     ({"sinks": 2, "recent": 3}, 9, [7, 11], 1),
     ({"value_norm": "l2"}, 12, [20], 2),
 ])
+@pytest.mark.exercise("value_norm")
 def test_engine_equals_literal_masked_simulation(options, budget, chunks, p):
     model = random_model(L=3, H=4, H_kv=2, seed=len(chunks))
     gen = torch.Generator().manual_seed(11)
@@ -68,6 +70,7 @@ def test_engine_equals_literal_masked_simulation(options, budget, chunks, p):
         torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
 
 
+@pytest.mark.exercise("value_norm")
 def test_without_the_value_norm_it_is_h2o():
     model = random_model(L=3, seed=4)
     ids = torch.randint(0, 61, (1, 30), generator=torch.Generator().manual_seed(5))

@@ -24,6 +24,7 @@ def set_average_attention(lc: LayerCache, abar: list[float]) -> None:
     lc.aux("n")[:] = 1.0
 
 
+@pytest.mark.exercise("convex_value_merge")
 def test_fig3_toy_run_with_cache_size_4():
     """Fig. 3 / Sec. III-B: at step 5 v2 (abar 0.1) merges into v3 (0.5) as v2/6 + 5 v3/6; after step 8
     the cache holds v3, v6, v7, v8, with v3 and v6 each carrying three values. The scores of steps
@@ -51,6 +52,7 @@ def test_fig3_toy_run_with_cache_size_4():
     torch.testing.assert_close(lc.keys[0, 0], 10 * E[[2, 5, 6, 7]])  # keys are never merged, only dropped
 
 
+@pytest.mark.exercise("convex_value_merge")
 def test_sinks_and_recent_window_are_never_merged_away():
     lc = LayerCache(1, 1, 8, torch.float32, "cpu", capacity=8)
     for t in range(1, 8):
@@ -150,6 +152,7 @@ def test_chunked_prompt_keeps_capacity_and_default_windows():
         assert pos[:4] == [0, 1, 2, 3] and pos[-16:] == list(range(134, 150))  # sinks, (40 - 8) // 2 recent
 
 
+@pytest.mark.exercise("convex_value_merge")
 def test_the_newest_token_is_never_merged_even_without_a_recent_window():
     lc = LayerCache(1, 1, 8, torch.float32, "cpu", capacity=8)
     for t in range(1, 4):
@@ -183,6 +186,7 @@ def scrambled_copy(lc: LayerCache, perm: list) -> LayerCache:
     return out
 
 
+@pytest.mark.exercise("convex_value_merge")
 @pytest.mark.parametrize("seed", range(4))
 def test_merge_one_equals_algorithm_1_in_any_buffer_order(seed):
     """A decode step's merge (`merge_one`: found by position, O(D) writes) equals `convex_value_merge`
@@ -231,6 +235,7 @@ def test_merge_runs_by_hand():
     torch.testing.assert_close(lc.keys[0, 0], 10 * E[[0, 3, 5, 6]])  # keys are only dropped
 
 
+@pytest.mark.exercise("convex_value_merge")
 def test_merge_runs_equals_algorithm_1_when_no_two_deleted_entries_touch():
     from kvmini.methods.convex_value_merge import merge_runs
 
@@ -247,6 +252,7 @@ def test_merge_runs_equals_algorithm_1_when_no_two_deleted_entries_touch():
     torch.testing.assert_close(caches[1].values, caches[0].values)
 
 
+@pytest.mark.exercise("convex_value_merge")
 @torch.no_grad()
 def test_how_far_chunked_run_merging_moves_from_algorithm_1():
     """The deviations measured: the next-token distributions of 8 teacher-forced decode steps after a

@@ -17,6 +17,7 @@ sys.path.insert(0, str(Path.cwd() if Path("kvmini").is_dir() else Path.cwd().par
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
+from kvmini.assignments import solved  # noqa: E402  (a student copy: skip what needs an exercise not done yet)
 from kvmini.cache import LayerCache  # noqa: E402
 from kvmini.methods.ema_merging import EMAMerge  # noqa: E402
 from kvmini.methods.registry import make_policy  # noqa: E402
@@ -45,11 +46,16 @@ scorer, budgeter, compressor = policy.parts
 assert compressor.sinks == 4 and compressor.recent(12) == 2  # the method's own split
 
 # %% [markdown]
-# ## Nearest neighbour (Eq. 9) and the EMA threshold (Eq. 10)
+# ## Nearest neighbour, threshold and merge (Eq. 9-12)
 #
-# For each evicted key $k_i$, its cosine similarity to every kept key of the same KV head,
-# $u_{ij} = \frac{k_i \cdot k_j}{\|k_i\|\|k_j\|}$, and its nearest kept token $j^*_i = \arg\max_j u_{ij}$.
-# A merge only happens if $u_{ij^*} \ge \tau$, with
+# Three functions of `kvmini/methods/ema_merging.py`, one per step; `EMAMerge.__call__` strings
+# them together for a layer.
+#
+# **Nearest neighbour (Eq. 9), `nearest`.** For each evicted key $k_i$, its cosine similarity to
+# every kept key of the same KV head, $u_{ij} = \frac{k_i \cdot k_j}{\|k_i\|\|k_j\|}$, and its
+# nearest kept token $j^*_i = \arg\max_j u_{ij}$.
+#
+# **The EMA threshold (Eq. 10), `ema_threshold`.** A merge only happens if $u_{ij^*} \ge \tau$, with
 #
 # $$\tau_0 = \frac{1}{|E|}\sum_{i \in E} \max_j u_{ij} \ \text{(prompt)}, \qquad
 #   \tau_t = \beta \max_j u_{tj} + (1 - \beta)\,\tau_{t-1} \ \text{(decode step } t\text{)}, \quad \beta = 0.7.$$
@@ -57,10 +63,8 @@ assert compressor.sinks == 4 and compressor.recent(12) == 2  # the method's own 
 # With one evicted token per step, comparing with $\tau_t$ or with $\tau_{t-1}$ decides the same:
 # $u \ge \beta u + (1-\beta)\tau_{t-1} \iff u \ge \tau_{t-1}$.
 #
-# ## Nearest neighbour, threshold and merge (Eq. 9-12)
-#
-# Each kept token $j$ absorbs the set $E_j$ of evicted tokens that chose it, with softmax weights
-# over "$j$ itself, similarity 1" and its matches:
+# **The merge (Eq. 11–12), `convex_merge`.** Each kept token $j$ absorbs the set $E_j$ of evicted
+# tokens that chose it, with softmax weights over "$j$ itself, similarity 1" and its matches:
 #
 # $$k_j \leftarrow w_c k_j + \sum_{i \in E_j} w_i k_i, \quad
 #   w_i = \frac{e^{u_{ij}}}{\sum_{i' \in E_j} e^{u_{i'j}} + e}, \quad
@@ -76,16 +80,17 @@ for t, (k, v) in enumerate(zip(keys, values)):
     lc.append(torch.tensor(k).view(1, 1, 1, 2), torch.tensor(v).view(1, 1, 1, 2), torch.tensor([[t]]))
 u = F.cosine_similarity(torch.tensor([keys[2], keys[3]])[:, None], torch.tensor([keys[0], keys[1]])[None], dim=-1)
 best = u.max(-1).values  # k2 -> k0 at 0.995; k3 -> k1 at 0.0
-tau_0 = best.mean().item()
-merge = EMAMerge(beta=0.7)
-merge(0, lc, torch.tensor([[[0, 1]]]))
-assert abs(merge.tau[0].item() - tau_0) < 1e-6  # only k2 is similar enough (0.995 >= 0.4975)
+tau_0 = best.mean().item()  # only k2 is similar enough (0.995 >= 0.4975)
 w_c = math.e / (math.e + math.exp(best[0]))
 w_2 = 1 - w_c
-assert torch.allclose(lc.keys[0, 0, 0], w_c * torch.tensor(keys[0]) + w_2 * torch.tensor(keys[2]))
-assert torch.allclose(lc.values[0, 0, 0], w_c * torch.tensor(values[0]) + w_2 * torch.tensor(values[2]))
-assert torch.allclose(lc.keys[0, 0, 1], torch.tensor(keys[1]))  # k3 (similarity 0 < tau) is dropped
 print(f"tau_0 = {tau_0:.4f}, w_c = {w_c:.5f}, w_2 = {w_2:.5f}")
+if solved("ema_merging"):
+    merge = EMAMerge(beta=0.7)
+    merge(0, lc, torch.tensor([[[0, 1]]]))
+    assert abs(merge.tau[0].item() - tau_0) < 1e-6
+    assert torch.allclose(lc.keys[0, 0, 0], w_c * torch.tensor(keys[0]) + w_2 * torch.tensor(keys[2]))
+    assert torch.allclose(lc.values[0, 0, 0], w_c * torch.tensor(values[0]) + w_2 * torch.tensor(values[2]))
+    assert torch.allclose(lc.keys[0, 0, 1], torch.tensor(keys[1]))  # k3 (similarity 0 < tau) is dropped
 
 # %% [markdown]
 # The kept token's accumulated attention score is left as it was; the merge only changes its key
@@ -95,24 +100,27 @@ print(f"tau_0 = {tau_0:.4f}, w_c = {w_c:.5f}, w_2 = {w_2:.5f}")
 # ## The whole method on a random model
 #
 # After the prompt every layer holds its $S_l$; each decode step evicts one token and, if it is
-# similar enough, merges it.
+# similar enough, merges it. The budgets $S_l$ are tutorial 3's (`variance_softmax`, an exercise
+# too: in a student copy where it is not done yet, this cell gives every layer the same budget).
 
 # %%
 from kvmini.config import ModelConfig  # noqa: E402
 from kvmini.model import Transformer  # noqa: E402
 
 model = Transformer(ModelConfig("llama", 50, 32, 64, 3, 4, 2, 8, rope_theta=1000.0)).eval()
-policy = make_policy("d2o", 0.5, variant="paper", allocation="zscore")
-cache = model.new_cache()
-policy.start(40, 46)
-with torch.no_grad():
-    model(torch.randint(0, 50, (1, 40)), cache, policy)
-    budgets = cache.lengths()
-    for t in range(6):
-        model(torch.tensor([[t]]), cache, policy)
-        assert cache.lengths() == budgets
-assert sum(budgets) == 3 * 20
-print("S_l:", budgets, " merged per layer:", [round(m) for m in policy.merged])
+allocation = "zscore" if solved("variance_softmax") else "uniform"
+if solved("ema_merging"):
+    policy = make_policy("d2o", 0.5, variant="paper", allocation=allocation)
+    cache = model.new_cache()
+    policy.start(40, 46)
+    with torch.no_grad():
+        model(torch.randint(0, 50, (1, 40)), cache, policy)
+        budgets = cache.lengths()
+        for t in range(6):
+            model(torch.tensor([[t]]), cache, policy)
+            assert cache.lengths() == budgets
+    assert sum(budgets) == 3 * 20
+    print("S_l:", budgets, " merged per layer:", [round(m) for m in policy.merged])
 
 # %% [markdown]
 # ## Seeing it: what each layer kept, and where the rest went
@@ -137,21 +145,22 @@ class Letters:
         return chr(ord("a") + i % 26).encode() + (b" " if i % 3 == 0 else b"")
 
 
-policy = make_policy("d2o", 0.5, variant="paper", allocation="zscore")
-trace = record_merges(policy)
-prompt = torch.randint(0, 50, (1, 40))
-cache = model.new_cache()
-policy.start(40, 46)
-with torch.no_grad():
-    model(prompt, cache, policy)
-    for t in range(6):
-        model(torch.tensor([[t]]), cache, policy)
-for layer in range(3):
-    recorded = sum(int((m.into >= 0).sum()) for m in trace if m.layer == layer) / 2  # mean over the 2 KV heads
-    assert recorded == float(policy.merged[layer])
-page = write_html(Path(tempfile.gettempdir()) / "04_kept.html", cache, Letters(), prompt[0].tolist(), list(range(6)),
-                  policy, trace)
-show_page(page, height=420)
+if solved("ema_merging"):
+    policy = make_policy("d2o", 0.5, variant="paper", allocation=allocation)
+    trace = record_merges(policy)
+    prompt = torch.randint(0, 50, (1, 40))
+    cache = model.new_cache()
+    policy.start(40, 46)
+    with torch.no_grad():
+        model(prompt, cache, policy)
+        for t in range(6):
+            model(torch.tensor([[t]]), cache, policy)
+    for layer in range(3):
+        recorded = sum(int((m.into >= 0).sum()) for m in trace if m.layer == layer) / 2  # mean over the 2 KV heads
+        assert recorded == float(policy.merged[layer])
+    page = write_html(Path(tempfile.gettempdir()) / "04_kept.html", cache, Letters(), prompt[0].tolist(),
+                      list(range(6)), policy, trace)
+    show_page(page, height=420)
 
 # %% [markdown]
 # ## What the authors' code does differently
@@ -167,7 +176,7 @@ show_page(page, height=420)
 
 # %%
 merged = {}
-for merge in ("paper", "official", "off"):
+for merge in ("paper", "official", "off") if solved("ema_merging") else ("off",):
     p = make_policy("d2o", 0.5, variant="official", merge=merge, protected_layers="")  # this model has 3 layers
     cache = model.new_cache()
     p.start(40, 46)
@@ -189,7 +198,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 from kvmini.notebooks import show  # noqa: E402
 
 fig, ax = plt.subplots(figsize=(6, 3))
-for beta in (0.3, 0.7, 1.0):
+for beta in (0.3, 0.7, 1.0) if solved("ema_merging") else ():
     p = make_policy("d2o", 0.5, variant="paper", allocation="uniform", beta=beta)
     cache, taus = model.new_cache(), []
     p.start(40, 60)
@@ -208,8 +217,11 @@ show(fig, "04_ema_threshold")
 # %% [markdown]
 # ## Exercises
 #
-# 1. *(assignment: `ema_merging`)* Implement Eq. 9–12 in `EMAMerge.__call__`; the tests in
-#    `tests/test_d2o.py` compare it with a loop-based version over several decode steps.
+# 1. *(assignment: `ema_merging`)* Implement Eq. 9–12 in the three module-level functions of
+#    `kvmini/methods/ema_merging.py`: `nearest` (Eq. 9), `ema_threshold` (Eq. 10) and
+#    `convex_merge` (Eq. 11–12); `EMAMerge.__call__` is given. Check them with
+#    `python -m kvmini.assignments check ema_merging`: the by-hand example of this tutorial, then
+#    loop-based versions over several decode steps.
 # 2. What happens with $\beta = 0$ and $\beta = 1$? Predict, then check `test_beta_extremes`.
 # 3. Run `python -m kvmini.eval.fidelity --methods h2o "d2o[allocation=uniform,nm=1:1]" --budgets 0.2`:
 #    is merging worth it on SmolLM2?

@@ -15,6 +15,7 @@ sys.path.insert(0, str(Path.cwd() if Path("kvmini").is_dir() else Path.cwd().par
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
+from kvmini.assignments import solved  # noqa: E402  (a student copy: skip what needs an exercise not done yet)
 from kvmini.attention import Stats  # noqa: E402
 from kvmini.methods.allocators import proportional  # noqa: E402
 from kvmini.methods.registry import make_policy  # noqa: E402
@@ -87,7 +88,7 @@ model = load_model(folder, "cpu", "float32")
 ids = torch.tensor([load_tokenizer(folder).encode(pydoc_text())[:512]])
 w_t, w_s, n = 64, 8, ids.shape[1]
 b_s = min(10 * (w_t - w_s), n - w_s)  # Eq. 2: 504
-for tail in (False, True):
+for tail in (False, True) if solved("progressive_budgets") else ():
     cache = model.new_cache()
     with torch.no_grad():
         model(ids, cache, make_policy("dynamickv", w_t, tail_reallocation=tail))
@@ -108,13 +109,14 @@ import matplotlib.pyplot as plt  # noqa: E402
 
 from kvmini.notebooks import show  # noqa: E402
 
-history = []
-policy = make_policy("dynamickv", 64)
-with torch.no_grad():
-    model(ids, model.new_cache(), policy, on_layer=lambda i: history.append(list(policy.budgets)))
 fig, ax = plt.subplots(figsize=(7, 3.2))
-for layer in range(0, 30, 3):
-    ax.plot(range(layer, 30), [history[i][layer] for i in range(layer, 30)], label=f"layer {layer}")
+if solved("progressive_budgets"):
+    history = []
+    policy = make_policy("dynamickv", 64)
+    with torch.no_grad():
+        model(ids, model.new_cache(), policy, on_layer=lambda i: history.append(list(policy.budgets)))
+    for layer in range(0, 30, 3):
+        ax.plot(range(layer, 30), [history[i][layer] for i in range(layer, 30)], label=f"layer {layer}")
 ax.set_xlabel("after layer")
 ax.set_ylabel("budget (tokens)")
 ax.set_yscale("log")
@@ -133,7 +135,7 @@ show(fig, "07_progressive_budgets")
 # where the authors' code gives $[24, 8]$.
 
 # %%
-for variant in ("paper", "official"):
+for variant in ("paper", "official") if solved("progressive_budgets") else ():
     p = make_policy("dynamickv", 0.2, variant=variant)
     cache = model.new_cache()
     with torch.no_grad():
@@ -143,7 +145,9 @@ for variant in ("paper", "official"):
 # %% [markdown]
 # ## Exercises
 #
-# 1. *(assignment: `progressive_budgets`)* Implement Eq. 5–8 in `ProgressiveBudgets.decide`; the
-#    test runs a literal Alg. 1 for several $L$ and $m$, including $L \bmod m \ne 0$.
+# 1. *(assignment: `progressive_budgets`)* Implement Eq. 5–8, the re-allocation region in
+#    `ProgressiveBudgets.decide` (`kvmini/methods/progressive_budgets.py`). Check it with
+#    `python -m kvmini.assignments check progressive_budgets`: a literal Alg. 1 for several $L$ and
+#    $m$, including $L \bmod m \ne 0$, and the authors' rounding.
 # 2. Set `--interval 30` (one re-allocation at the end) and `--interval 1`: which keeps more fidelity?
 # 3. What does `--r-max 1` reduce DynamicKV to?

@@ -8,7 +8,9 @@
 # little to it. H2O ranks tokens by the attention they received; VATP multiplies that by the size
 # of their value:
 #
-# $$s_j = \lVert v_j \rVert_1 \sum_{i \le t} A_{ij}.$$
+# $$s_j = \lVert v_j \rVert_1 \sum_{i \le t} A_{ij}$$
+#
+# (the paper's $\ell_1$ norm; kvmini's `value_norm=l2` takes $\lVert v_j \rVert_2$ instead).
 #
 # It lives in `kvmini/methods/vatp.py`. Adding it took what adding any method takes:
 #
@@ -22,6 +24,7 @@
 
 # %%
 import inspect
+import math
 import sys
 from pathlib import Path
 
@@ -31,6 +34,7 @@ sys.path.insert(0, str(ROOT / "tests"))  # the literal references ship with the 
 
 import torch  # noqa: E402
 
+from kvmini.assignments import solved  # noqa: E402  (a student copy: skip what needs an exercise not done yet)
 from kvmini.attention import Stats  # noqa: E402
 from kvmini.cache import LayerCache  # noqa: E402
 from kvmini.errors import KvminiError  # noqa: E402
@@ -44,7 +48,8 @@ from kvmini.methods.registry import make_policy, parse_spec  # noqa: E402
 # and a schedule. VATP changes only the scorer. H2O's `CumulativeAttention` already keeps the running
 # column sums $\sum_{i \le t} A_{ij}$ of every cached token (in the cache's aux buffer
 # `attention_sum`, which follows each eviction); the new scorer multiplies them by each cached value's
-# norm. Scores are per KV head, shape (B, H_kv, S), higher = keep.
+# norm, $\ell_p$ with $p = 1$ (`value_norm=l1`, the paper) or $p = 2$ (`value_norm=l2`). Scores are per
+# KV head, shape (B, H_kv, S), higher = keep.
 
 # %%
 print(inspect.getsource(vatp.ValueWeightedAttention))
@@ -53,7 +58,8 @@ print(inspect.getsource(vatp.ValueWeightedAttention))
 # Checked by hand: three tokens that received 0.5, 0.3 and 0.2 of the attention, with values
 # $(1, 0)$, $(1, -3)$ and $(0.5, 1.5)$, i.e. $\ell_1$ norms 1, 4 and 2. The scores are
 # $0.5 \cdot 1 = 0.5$, $0.3 \cdot 4 = 1.2$ and $0.2 \cdot 2 = 0.4$: the second token, less attended
-# than the first, ranks first.
+# than the first, ranks first. With the $\ell_2$ norm (1, $\sqrt{10} \approx 3.16$ and $\sqrt{2.5}
+# \approx 1.58$) the scores are 0.5, 0.95 and 0.32: the same order here, by a smaller margin.
 
 # %%
 lc = LayerCache(1, 1, 2, torch.float32, "cpu", capacity=4)  # batch 1, one KV head, head_dim 2
@@ -61,9 +67,12 @@ for t, v in enumerate([[1.0, 0.0], [1.0, -3.0], [0.5, 1.5]]):
     lc.append(torch.zeros(1, 1, 1, 2), torch.tensor(v).view(1, 1, 1, 2), torch.tensor([[t]]))
 lc.declare(*vatp.ValueWeightedAttention.aux)  # the buffer the scorer keeps: ("attention_sum",)
 lc.aux("attention_sum")[:] = torch.tensor([0.5, 0.3, 0.2])
-score = vatp.ValueWeightedAttention(p=1.0)(lc, Stats())  # (1, 1, 3)
-print(score)
-assert torch.allclose(score.flatten(), torch.tensor([0.5, 1.2, 0.4]))
+if solved("value_norm"):
+    l1 = vatp.ValueWeightedAttention(p=1.0)(lc, Stats())  # (1, 1, 3)
+    l2 = vatp.ValueWeightedAttention(p=2.0)(lc, Stats())
+    print("l1:", l1.flatten().tolist(), " l2:", l2.flatten().tolist())
+    assert torch.allclose(l1.flatten(), torch.tensor([0.5, 1.2, 0.4]))
+    assert torch.allclose(l2.flatten(), torch.tensor([0.5, 0.3 * math.sqrt(10), 0.2 * math.sqrt(2.5)]))
 
 # %% [markdown]
 # ## The declaration
@@ -127,18 +136,19 @@ from reference import random_model  # noqa: E402
 model = random_model(L=3, H=4, H_kv=2, seed=0)
 ids = torch.randint(0, 61, (1, 30), generator=torch.Generator().manual_seed(1))
 kept = {}
-for together in (True, False):  # all layers at once (the fast path) / layer by layer (the specification)
-    policy = make_policy("vatp", 10)
-    policy.together = together
-    cache = model.new_cache(1)
-    policy.start(30, 36)
-    with torch.no_grad():
-        model(ids, cache, policy)
-        for t in range(6):
-            model(torch.tensor([[t + 1]]), cache, policy)
-    kept[together] = [sorted(cache[layer].positions[0, h].tolist()) for layer in range(3) for h in range(2)]
-print(kept[True][0])
-assert kept[True] == kept[False] and all(len(s) == 10 for s in kept[True])
+if solved("value_norm"):
+    for together in (True, False):  # all layers at once (the fast path) / layer by layer (the specification)
+        policy = make_policy("vatp", 10)
+        policy.together = together
+        cache = model.new_cache(1)
+        policy.start(30, 36)
+        with torch.no_grad():
+            model(ids, cache, policy)
+            for t in range(6):
+                model(torch.tensor([[t + 1]]), cache, policy)
+        kept[together] = [sorted(cache[layer].positions[0, h].tolist()) for layer in range(3) for h in range(2)]
+    print(kept[True][0])
+    assert kept[True] == kept[False] and all(len(s) == 10 for s in kept[True])
 
 # %% [markdown]
 # ## A literal reference: evicting equals masking
@@ -158,12 +168,13 @@ print(inspect.getsource(vatp_literal))
 # %%
 gen = torch.Generator().manual_seed(2)
 calls = [torch.randint(0, 61, (2, 20), generator=gen)] + [torch.randint(0, 61, (2, 1), generator=gen) for _ in range(6)]
-got_logits, got_kept = engine_run(model, calls, make_policy("vatp", 12), 20)  # kept sets entering each call
 want_logits, want_kept = simulate(model, calls, vatp_literal(12, g=2), with_values=True)
-assert got_kept == want_kept
-assert all(torch.allclose(a, b, atol=1e-5) for a, b in zip(got_logits, want_logits))
-print("kept positions equal at every call; largest logit difference",
-      max((a - b).abs().max().item() for a, b in zip(got_logits, want_logits)))
+if solved("value_norm"):
+    got_logits, got_kept = engine_run(model, calls, make_policy("vatp", 12), 20)  # kept sets entering each call
+    assert got_kept == want_kept
+    assert all(torch.allclose(a, b, atol=1e-5) for a, b in zip(got_logits, want_logits))
+    print("kept positions equal at every call; largest logit difference",
+          max((a - b).abs().max().item() for a, b in zip(got_logits, want_logits)))
 
 # %% [markdown]
 # ## On the real model: what the value norm changes
@@ -199,19 +210,21 @@ def prompt_cache(policy):
     return cache
 
 
-recorder = ColumnSums()
-full = prompt_cache(recorder)  # nothing evicted: every prompt token's value, in position order
-held = {name: [set(lc.positions[0, 0].tolist()) for lc in prompt_cache(make_policy(name, 0.2))]
-        for name in ("h2o", "vatp")}
-LAYER = max(range(30), key=lambda layer: len(held["h2o"][layer] ^ held["vatp"][layer]))
-received = recorder.sums[LAYER][0, 0]  # (N,) attention each token received, KV head 0
-norms = full[LAYER].values[0, 0].abs().sum(-1)  # (N,) l1 norms of the values
-h2o_kept, vatp_kept = held["h2o"][LAYER], held["vatp"][LAYER]
-only_vatp, only_h2o = vatp_kept - h2o_kept, h2o_kept - vatp_kept
-print(f"layer {LAYER}, KV head 0: both keep {len(h2o_kept & vatp_kept)}, only VATP {len(only_vatp)}, "
-      f"only H2O {len(only_h2o)}")
-assert only_vatp and len(h2o_kept) == len(vatp_kept) == round(0.2 * N)
-assert norms[sorted(only_vatp)].mean() > norms[sorted(only_h2o)].mean()  # VATP's own picks carry larger values
+scatter = solved("value_norm")
+if scatter:
+    recorder = ColumnSums()
+    full = prompt_cache(recorder)  # nothing evicted: every prompt token's value, in position order
+    held = {name: [set(lc.positions[0, 0].tolist()) for lc in prompt_cache(make_policy(name, 0.2))]
+            for name in ("h2o", "vatp")}
+    LAYER = max(range(30), key=lambda layer: len(held["h2o"][layer] ^ held["vatp"][layer]))
+    received = recorder.sums[LAYER][0, 0]  # (N,) attention each token received, KV head 0
+    norms = full[LAYER].values[0, 0].abs().sum(-1)  # (N,) l1 norms of the values
+    h2o_kept, vatp_kept = held["h2o"][LAYER], held["vatp"][LAYER]
+    only_vatp, only_h2o = vatp_kept - h2o_kept, h2o_kept - vatp_kept
+    print(f"layer {LAYER}, KV head 0: both keep {len(h2o_kept & vatp_kept)}, only VATP {len(only_vatp)}, "
+          f"only H2O {len(only_h2o)}")
+    assert only_vatp and len(h2o_kept) == len(vatp_kept) == round(0.2 * N)
+    assert norms[sorted(only_vatp)].mean() > norms[sorted(only_h2o)].mean()  # VATP's own picks carry larger values
 
 # %%
 import matplotlib.pyplot as plt  # noqa: E402
@@ -219,17 +232,18 @@ import matplotlib.pyplot as plt  # noqa: E402
 from kvmini.notebooks import show  # noqa: E402
 
 fig, ax = plt.subplots(figsize=(7, 4))
-groups = [("kept by neither", set(range(N)) - h2o_kept - vatp_kept, "#cccccc"),
-          ("kept by both", h2o_kept & vatp_kept, "#4c72b0"),
-          ("kept by H2O only", only_h2o, "#dd8452"), ("kept by VATP only", only_vatp, "#55a868")]
-for label, positions, colour in groups:
-    p = sorted(positions)
-    ax.scatter(received[p], norms[p], s=12, color=colour, label=f"{label} ({len(p)})")
-ax.set_xscale("log")
+if scatter:  # the runs of the cell above
+    groups = [("kept by neither", set(range(N)) - h2o_kept - vatp_kept, "#cccccc"),
+              ("kept by both", h2o_kept & vatp_kept, "#4c72b0"),
+              ("kept by H2O only", only_h2o, "#dd8452"), ("kept by VATP only", only_vatp, "#55a868")]
+    for label, positions, colour in groups:
+        p = sorted(positions)
+        ax.scatter(received[p], norms[p], s=12, color=colour, label=f"{label} ({len(p)})")
+    ax.set_xscale("log")
+    ax.set_title(f"SmolLM2-135M, layer {LAYER}, KV head 0: 20% of a {N}-token prompt")
+    ax.legend(fontsize=8)
 ax.set_xlabel("attention received over the prompt (log)")
 ax.set_ylabel(r"$\|v_j\|_1$")
-ax.set_title(f"SmolLM2-135M, layer {LAYER}, KV head 0: 20% of a {N}-token prompt")
-ax.legend(fontsize=8)
 fig.tight_layout()
 show(fig, "09_value_norm_vs_attention")
 
@@ -241,7 +255,7 @@ show(fig, "09_value_norm_vs_attention")
 # how often the top-1 token agrees). VATP against H2O, with the $\ell_2$ norm and without the norm:
 
 # %%
-specs = ["h2o", "vatp", "vatp[value_norm=l2]", "vatp[value_norm=off]"]
+specs = ["h2o", "vatp", "vatp[value_norm=l2]", "vatp[value_norm=off]"] if solved("value_norm") else ["h2o"]
 rows = run(smol, text_ids, N, specs, [0.1, 0.2], log=lambda line: None)
 print(table(rows, N, K))
 kl = {(r["method"], r["budget"]): r["kl"] for r in rows}
@@ -277,8 +291,11 @@ show(fig, "09_fidelity")
 #
 # ## Exercises
 #
-# 1. *(assignment: value_norm)* Write `ValueWeightedAttention.__call__` (the region between the
-#    `EXERCISE` markers in `kvmini/methods/vatp.py`). `tests/test_vatp.py` tells you when it is right.
+# 1. *(assignment: `value_norm`)* Write the value norm in `ValueWeightedAttention.__call__` (the
+#    region between the `EXERCISE` markers in `kvmini/methods/vatp.py`): $\ell_1$ for $p = 1$, the
+#    general $\ell_p$ otherwise ($p = 2$ for `value_norm=l2`). Check it with
+#    `python -m kvmini.assignments check value_norm`: the by-hand scores above (both norms), the
+#    literal masked simulation and H2O as the special case.
 # 2. Write a method of your own: keys instead of values (`-\|k_j\|_2`, as KNorm does, but times the
 #    accumulated attention). Which parts do you reuse? Which tests do you get for free?
 # 3. VATP keeps the first 4 tokens unconditionally. Run `vatp[sinks=0]` in the fidelity tool: what

@@ -6,9 +6,10 @@ Authors' code: guozhiyu/vatp.
 
 A token that receives much attention but carries a small value vector adds little to the output
 (the output is sum_j A_ij v_j), so the score of a cached token is its accumulated attention times
-the l1 norm of its value, per KV head:
+the norm of its value, per KV head: the l1 norm in the paper (`value_norm=l1`, p = 1), or the l2
+norm (`value_norm=l2`, p = 2):
 
-    s_j = \|v_j\|_1 \sum_{i \le t} A_{ij}
+    s_j = \|v_j\|_p \sum_{i \le t} A_{ij}
 
 Everything else is H2O's (kvmini.methods.h2o): the recent window, one eviction per decode step,
 compression after every call. The first `sinks` tokens are always kept, as the authors' code does
@@ -39,7 +40,7 @@ from kvmini.policy import Policy
 
 class ValueWeightedAttention(CumulativeAttention):
     r"""s_j = \|v_j\|_p \sum_{i \le t} A_{ij}: H2O's running column sums (kept in lc.aux by `update`)
-    times each cached value's norm (p = 1 in the paper)."""
+    times each cached value's norm (p = 1 in the paper, 2 for value_norm=l2, None: no weighting)."""
 
     def __init__(self, reduce: str = "mean", p: float | None = 1.0):
         super().__init__(reduce)
