@@ -72,7 +72,7 @@ PROFILES = {
         "ablations": dict(n=1024, k=128, budgets=[0.2], methods=ABLATIONS),
     },
     "full": {
-        "streaming": dict(n=4096, capacities=[256, 1024], chunk=4),
+        "streaming": dict(n=4096, capacities=[256, 1024], chunk=16),
         "passkey": dict(lengths=[1024, 2048, 4096, 8000], depths=[0.0, 0.25, 0.5, 0.75, 1.0], budgets=[64, 128, 0.2]),
         "fidelity": dict(n=2048, k=256, prompts=5, budgets=[0.2, 128], methods=EVERY),
         "layers": dict(n=2048, budget=0.2, bins=64),
