@@ -28,12 +28,9 @@ Theorem 3.3 and Algorithm 1 are read from two independent paper summaries and th
 perplexity code; the paper's m, its sink count and its equation numbers other than 7, 10, 14 are unknown.
 Defaults: the `official` variant (the one code path with a real bounded cache), 4 sinks, m = 16,
 Bernoulli, merge seed 0, group reduction mean.
-Measured (default model, 512-token pydoc prompt, budget 0.2, 64 teacher-forced tokens, KL from the
-full cache; python -m kvmini.eval.fidelity --n 512 --k 64): streaming_llm 0.244; cam 0.254 (Bernoulli),
-0.255 (expectation), 0.257 (merge_score=current): no gain over its base at this scale (merge_window=100:
-4.08). merge_mask=always: 6.91; merged without the gate, each kept value gains 1/m of each of the m
-values evicted before it, merges included, so the values grow (mean norm of the kept values 2-3 times
-StreamingLLM's in layers 0-29), as Table 2 says "w.o. Merge Mask" falls below the eviction baseline.
+Without the gate (`merge_mask=always`) each kept value gains 1/m of each of the m values evicted
+before it, merges included, so the values grow: Table 2's "w.o. Merge Mask" falls below the eviction
+baseline. CaM against its base and against WeightedKV and D2O, measured: docs/evaluation.md.
 Chunked prefill: compressed after every call by design: the kept positions do not depend on the
 chunk size, but \bar A (so p) and the values do; chunk size 1 is the authors' perplexity path
 (eval_long_ppl.py:82-97 feeds one token per forward; tests/test_cam.py checks it line by line).
