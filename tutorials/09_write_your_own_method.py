@@ -277,6 +277,127 @@ show(fig, "09_fidelity")
 # paper measured LongBench tasks on 7B models. Measure before you believe either way: the same
 # command with `--n 2048 --k 256` and the methods above runs in a few minutes.
 #
+# ## Part 2: a method that needs a statistic the engine does not compute (Scissorhands)
+#
+# VATP read a statistic the engine already had (column sums). Scissorhands ("Scissorhands:
+# Exploiting the Persistence of Importance Hypothesis for LLM KV Cache Compression at Test Time",
+# Zichang Liu et al., NeurIPS 2023, arXiv 2305.17118) needs a new one. At each step the query's
+# attention row marks a cached token *low* when it got less than a uniform share of it,
+#
+# $$\mathrm{low}_j(t) = \mathbb{1}\left[\alpha_{tj} < 1/|K_t|\right],$$
+#
+# a token's importance record is how often it was low in the last $w$ steps,
+# $I_j = \sum_{s=t-w+1}^{t} \mathrm{low}_j(s)$, and when the cache is full the $m$ tokens with the
+# largest $I_j$ go at once (the $r$ newest never). Three things the engine does not know about:
+# the statistic, a history of $w$ steps per cached token, and dropping $m$ at once. Each is
+# *declared* in `kvmini/methods/scissorhands.py`; no engine file changes.
+#
+# **The statistic.** Every attention statistic is a sum over some of a call's queries of a function
+# of their attention rows (`kvmini/statistics.py`). Scissorhands' is the function `below_average`,
+# summed over the last $w$ queries; the attention pass computes it chunk by chunk like any other.
+
+# %%
+from kvmini.attention import attend  # noqa: E402
+from kvmini.methods import scissorhands  # noqa: E402
+from kvmini.statistics import Request  # noqa: E402
+
+print(inspect.getsource(scissorhands.below_average))
+low = scissorhands.LowHistory(w=3).low
+print(low)
+g2 = torch.Generator().manual_seed(0)
+q, k, v = torch.randn(1, 2, 7, 4, generator=g2), torch.randn(1, 1, 7, 4, generator=g2), torch.randn(1, 1, 7, 4, generator=g2)
+pos = torch.arange(7)
+_, stats = attend(q, k, v, pos[None], pos[None, None], Request(low))  # a 7-token prompt, 2 query heads
+A = (q @ k.transpose(-1, -2) / 2 + torch.full((7, 7), float("-inf")).triu(1)).softmax(-1)  # (1, 2, 7, 7) by hand
+by_hand = ((A > 0) & (A * (A > 0).sum(-1, keepdim=True) < 1)).float()[:, :, -3:].sum((1, 2))  # last 3 rows, both heads
+assert torch.equal(stats.low_counts[0, 0], by_hand[0])
+print("low counts over the last 3 queries:", stats.low_counts[0, 0].tolist())
+
+# %% [markdown]
+# **The history.** The scorer keeps, per cached token, the low counts of the last $w$ steps: an aux
+# buffer of its own dtype and shape, `("low_history", torch.int16, (w,))`, a ring whose slot is the
+# step modulo $w$. The cache moves it with its token through every eviction and counts its bytes
+# (`aux` in run.py's report). The hand-worked stream of `tests/test_scissorhands.py` (cache of
+# $B = 6$, $m = 2$, $w = 3$, $r = 2$) runs the scorer and TopK on a cache by hand:
+
+# %%
+from test_scissorhands import test_the_hand_worked_stream  # noqa: E402
+
+print(scissorhands.LowHistory(w=3).aux)
+print(inspect.getsource(test_the_hand_worked_stream).split('"""')[1])
+test_the_hand_worked_stream()
+
+# %% [markdown]
+# **Dropping $m$ at once** is the engine's `evict_every`: a layer holds up to budget + m − 1 entries
+# and evicts $m$ when it reaches budget + m. A method gives it its own default
+# (`ENGINE_DEFAULTS = {"evict_every": 16}`), which `--help`, the report and the specs show.
+
+# %%
+every = {d.name: d for d in registry.declarations("scissorhands")}["evict_every"]
+print("evict_every default:", every.default, "| a policy:", make_policy("scissorhands", 0.2).evict_every)
+assert every.default == 16
+
+# %% [markdown]
+# **The literal reference.** As for VATP: a loop that never evicts (it masks) and counts every
+# query head's low flags by hand; the engine (a prompt in one call, then drops of 3) agrees.
+
+# %%
+from test_scissorhands import scissorhands_literal  # noqa: E402
+
+sh_calls = [torch.randint(0, 61, (2, 20), generator=gen)] + [torch.randint(0, 61, (2, 1), generator=gen) for _ in range(9)]
+got_logits, got_kept = engine_run(model, sh_calls, make_policy("scissorhands", 8, history=4, recent=2, evict_every=3), 20)
+want_logits, want_kept = simulate(model, sh_calls, scissorhands_literal(8, 2, 20, w=4, recent=2, m=3))
+assert got_kept == want_kept
+print("kept sets equal at every call:", [len(kept[0][0][0]) for kept in got_kept])  # layer 0, sequence 0, head 0
+
+# %% [markdown]
+# **On the real model.** The same 512-token prompt: for one layer and KV head, each prompt token's
+# low count over the last 400 queries (a statistic recorder, as `ColumnSums` records column sums),
+# and what Scissorhands keeps at 20%: the tokens that were rarely below average, and the 10 newest.
+
+# %%
+class LowCounts(ColumnSums):
+    """Records every layer's low counts over the last 400 queries of the prompt, compressing nothing."""
+
+    def request(self, layer):
+        return Request(scissorhands.LowHistory(w=400).low)
+
+    def after_attention(self, layer, cache, stats):
+        self.sums.append(stats.low_counts)
+
+
+recorder = LowCounts()
+prompt_cache(recorder)
+kept_sh = [set(lc.positions[0, 0].tolist()) for lc in prompt_cache(make_policy("scissorhands", 0.2))]
+LAYER_SH = 15
+counts = recorder.sums[LAYER_SH][0, 0]  # (N,) low counts, KV head 0 (its 3 query heads summed)
+chosen = sorted(kept_sh[LAYER_SH])
+others = sorted(set(range(N)) - kept_sh[LAYER_SH])
+assert len(chosen) == round(0.2 * N)
+middle = [p for p in chosen if p < N - 10]  # kept for their record, not as the newest
+assert counts[middle].max() <= counts[[p for p in others if p < N - 10]].min()  # the lowest counts are kept
+
+fig, ax = plt.subplots(figsize=(7, 3))
+ax.scatter(others, counts[others], s=4, c="0.7", label="dropped")
+ax.scatter(chosen, counts[chosen], s=6, c="C3", label="kept by Scissorhands")
+ax.set_xlabel("position in the prompt")
+ax.set_ylabel("low steps of 400 (3 heads)")
+ax.set_title(f"layer {LAYER_SH}, KV head 0: the importance record at the prompt's end")
+ax.legend(fontsize=8)
+fig.tight_layout()
+show(fig, "09_scissorhands_low_counts")
+
+# %% [markdown]
+# The record counts low steps, so a token younger than the window has had fewer chances to be low:
+# after a prompt the counts fall with the position, and what Scissorhands keeps is mostly the end of
+# the prompt plus the few old tokens that were almost never below average (the first token, the
+# attention sink). The paper counts in a stream, where every kept token has been seen for $w$ steps;
+# a prompt is the case where this reading of "most often low" favours the recent.
+#
+# What it took: `kvmini/methods/scissorhands.py` (the statistic, the scorer with its history, the
+# options and the engine default), one line in `METHODS`, and `tests/test_scissorhands.py`. The
+# recording, the CLI and evaluation tools, and the generic tests picked it up from the registry.
+#
 # ## A checklist for your own method
 #
 # 1. A module `kvmini/methods/<name>.py`: a docstring with the paper (title, authors, arXiv ID), the
