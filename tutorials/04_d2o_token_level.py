@@ -215,6 +215,53 @@ ax.legend()
 show(fig, "04_ema_threshold")
 
 # %% [markdown]
+# ## D2O's merge against CaM's, on the same prompt
+#
+# CaM (Zhang et al., ICML 2024; `python run.py --method cam`) is the merging baseline D2O argues
+# against: it evicts by position (StreamingLLM's sinks and recent window) and adds each evicted value,
+# with a probability from its accumulated attention (Eq. 14), to the $m = 16$ tokens right *after*
+# it; D2O evicts by attention and merges a token, if it is similar enough, into its most similar kept
+# token *wherever it is* (Eq. 9), keys and values. The same random model and prompt, 20 of 40 kept;
+# each dot is one merge of layer 1, KV head 0, from the evicted position (x) into a kept one (y), its
+# colour the weight the evicted token gets there. CaM's dots sit just above the diagonal (only its
+# first target is drawn: the other 15 get the same share); D2O's land on any kept token.
+
+# %%
+from kvmini.methods.registry import policy_for  # noqa: E402
+
+prompt = torch.randint(0, 50, (1, 40), generator=torch.Generator().manual_seed(1))
+merges = {}
+for spec in ("d2o[variant=paper,allocation=uniform]", "cam[merge_mask=expectation]") if solved("ema_merging") else ():
+    policy = policy_for(spec, 20)
+    trace = record_merges(policy)
+    policy.start(40, 46)
+    with torch.no_grad():
+        cache = model.new_cache()
+        model(prompt, cache, policy)
+        for t in range(6):
+            model(torch.tensor([[t]]), cache, policy)
+    merges[spec.split("[")[0]] = [(int(e), int(i), float(w)) for m in trace if m.layer == 1
+                                  for e, i, w in zip(m.evicted[0, 0], m.into[0, 0], m.weight[0, 0]) if i >= 0]
+if merges:
+    assert all(i > e for e, i, _ in merges["cam"])  # CaM merges into the tokens after the evicted one
+    assert any(i < e for e, i, _ in merges["d2o"])  # D2O may merge into an earlier token
+    print({name: len(m) for name, m in merges.items()}, "merges in layer 1, KV head 0")
+
+fig, axes = plt.subplots(1, 2, figsize=(9, 3.4), sharey=True)
+for ax, name in zip(axes, ("d2o", "cam")):
+    points = merges.get(name, [])
+    if points:
+        e, i, w = zip(*points)
+        dots = ax.scatter(e, i, c=w, cmap="viridis", vmin=0, s=14)
+        fig.colorbar(dots, ax=ax, label="weight of the evicted token")
+    ax.plot([0, 46], [0, 46], c="0.8", lw=0.8)
+    ax.set_xlabel("evicted position")
+    ax.set_title({"d2o": "D2O: into the most similar kept key", "cam": "CaM: into the next m tokens"}[name], fontsize=10)
+axes[0].set_ylabel("merged into position")
+fig.tight_layout()
+show(fig, "04_d2o_vs_cam_merges")
+
+# %% [markdown]
 # ## Exercises
 #
 # 1. *(assignment: `ema_merging`)* Implement Eq. 9–12 in the three module-level functions of
