@@ -245,25 +245,26 @@ def cam_down_to(budget):
 first, _ = cam_down_to(9)  # one eviction: the newest entry moves into the freed slot, so read by position
 in_order = first.values[0, 0, first.positions[0, 0].argsort()]  # (9, 10): v1, v3, v4, ..., v10
 assert torch.allclose(in_order[1:4, 1], torch.full((3,), 1 / 9))  # v3, v4, v5 gained v2 / 9
-weighted = ten_values()
-convex_value_merge(weighted, capacity=6, sinks=1, recent=1)  # Alg. 1 four times: v2 -> v3 -> v4 -> v5 -> v6
-cam, trace = cam_down_to(6)
-assert weighted.positions.flatten().tolist() == cam.positions.flatten().tolist() == [0, 5, 6, 7, 8, 9]
-print("CaM's merge probabilities p_i:", [round(3 * w, 3) for w in trace[0].weight.flatten().tolist()])
-print("sum of weights per kept value, WeightedKV:", [round(x, 3) for x in weighted.values[0, 0].sum(-1).tolist()])
-print("sum of weights per kept value, CaM:       ", [round(x, 3) for x in cam.values[0, 0].sum(-1).tolist()])
-assert torch.allclose(weighted.values[0, 0].sum(-1), torch.ones(6))  # convex: every kept value weighs 1
-assert (cam.values[0, 0].sum(-1)[1:4] > 1).all()  # additive: a target keeps its own value and gains shares
+if solved("convex_value_merge"):  # a student copy: WeightedKV's merge is an exercise
+    weighted = ten_values()
+    convex_value_merge(weighted, capacity=6, sinks=1, recent=1)  # Alg. 1 four times: v2 -> v3 -> v4 -> v5 -> v6
+    cam, trace = cam_down_to(6)
+    assert weighted.positions.flatten().tolist() == cam.positions.flatten().tolist() == [0, 5, 6, 7, 8, 9]
+    print("CaM's merge probabilities p_i:", [round(3 * w, 3) for w in trace[0].weight.flatten().tolist()])
+    print("sum of weights per kept value, WeightedKV:", [round(x, 3) for x in weighted.values[0, 0].sum(-1).tolist()])
+    print("sum of weights per kept value, CaM:       ", [round(x, 3) for x in cam.values[0, 0].sum(-1).tolist()])
+    assert torch.allclose(weighted.values[0, 0].sum(-1), torch.ones(6))  # convex: every kept value weighs 1
+    assert (cam.values[0, 0].sum(-1)[1:4] > 1).all()  # additive: a target keeps its own value and gains shares
 
-fig, axes = plt.subplots(1, 2, figsize=(11, 2.8), sharey=True)
-for ax, lc, title in ((axes[0], weighted, "WeightedKV: v_j into v_{j+1}, convex (a_j, a_{j+1})"),
-                      (axes[1], cam, "CaM: p_i v_i / m added to the next m = 3")):
-    im = ax.imshow(lc.values[0, 0].numpy(), cmap="Blues", vmin=0, vmax=1)
-    ax.set_xticks(range(10), [f"v{t}" for t in range(1, 11)])
-    ax.set_title(title, fontsize=10)
-axes[0].set_yticks(range(6), [f"slot of v{p + 1}" for p in cam.positions.flatten().tolist()])
-fig.colorbar(im, ax=axes)
-show(fig, "06_cam_vs_weightedkv")
+    fig, axes = plt.subplots(1, 2, figsize=(11, 2.8), sharey=True)
+    for ax, lc, title in ((axes[0], weighted, "WeightedKV: v_j into v_{j+1}, convex (a_j, a_{j+1})"),
+                          (axes[1], cam, "CaM: p_i v_i / m added to the next m = 3")):
+        im = ax.imshow(lc.values[0, 0].numpy(), cmap="Blues", vmin=0, vmax=1)
+        ax.set_xticks(range(10), [f"v{t}" for t in range(1, 11)])
+        ax.set_title(title, fontsize=10)
+    axes[0].set_yticks(range(6), [f"slot of v{p + 1}" for p in cam.positions.flatten().tolist()])
+    fig.colorbar(im, ax=axes)
+    show(fig, "06_cam_vs_weightedkv")
 
 # %% [markdown]
 # WeightedKV pushes the whole chain $v_2 \to v_6$ into one value (each step convex, so the oldest
