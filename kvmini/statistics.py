@@ -107,8 +107,10 @@ class Request:
     @staticmethod
     def merge(requests) -> "Request | None":
         """One request for everything any of `requests` asks for (None entries ask for nothing); None if nothing."""
-        wanted = [s for r in requests if r is not None for s in r.statistics]
-        return Request(*wanted) if wanted else None
+        asked = [r for r in requests if r is not None and r.statistics]
+        if len(asked) <= 1:  # nothing to merge (a decode step's usual case: the scorer's request)
+            return asked[0] if asked else None
+        return Request(*(s for r in asked for s in r.statistics))
 
     @property
     def sums(self) -> tuple[Sum, ...]:
