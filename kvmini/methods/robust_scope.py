@@ -88,13 +88,12 @@ def robust_set(sigma: torch.Tensor, positions: torch.Tensor, rho, sinks: int, re
     rank = torch.arange(S, device=positions.device).expand_as(order)  # place in position order
     guard = (rank < sinks) | (rank >= real.sum(-1, keepdim=True) - recent)
     s = sigma.gather(2, order).masked_fill(guard, float("inf")).masked_fill(~real, float("-inf"))
-    if later_first:
-        s = s.flip(-1)
-    place = s.argsort(dim=-1, descending=True, stable=True).argsort(dim=-1)  # (B, H_kv, S): each entry's rank by sigma
-    robust = place < rho
-    if later_first:
-        robust = robust.flip(-1)
-    return torch.zeros_like(robust).scatter_(2, order, robust & real)
+    if later_first:  # a stable sort of the reversed row puts the later of two equal sigmas first
+        ranked = S - 1 - s.flip(-1).argsort(dim=-1, descending=True, stable=True)  # (B, H_kv, S): places by sigma
+    else:
+        ranked = s.argsort(dim=-1, descending=True, stable=True)
+    first = (rank < rho).expand_as(ranked)  # the first rho of them are robust
+    return torch.zeros_like(real).scatter_(2, order.gather(2, ranked), first) & (positions != PAD)
 
 
 class RobustScope(Compressor):
