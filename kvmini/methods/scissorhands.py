@@ -30,7 +30,10 @@ last min(T, w) rows' low flags as one step, at its last position, which leaves t
 block w steps later (Alg. 1 sees them leave one per step); a decode step is exact.
 Deviation: the authors' released code (github lzcemma/Scissorhands, modules/hf_opt_dropkv.py) is a
 masked simulation of a different rule (high scores above the 90% quantile of a row, a token kept
-while it was high once in the last w rows, no budget); kvmini has the paper's rule only.
+while it was high once in the last w rows, no budget); kvmini has the paper's rule only: that code
+masks rows inside one teacher-forced pass (a one-token step does nothing), keeps a set of its own
+size per query head, and reads its threshold from rows padded to the whole text's length, none of
+which a cache that generates can do (docs/methods.md).
 """
 from dataclasses import dataclass
 
