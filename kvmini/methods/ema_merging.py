@@ -55,7 +55,7 @@ class EMAMerge:
         D = lc.keys.shape[-1]
         gather = lambda x, idx: wide(x.gather(2, idx[..., None].expand(-1, -1, -1, D)))  # noqa: E731
         k_keep, k_evict = gather(lc.keys, keep), gather(lc.keys, evict)  # (B, H_kv, b, D), (B, H_kv, E, D)
-        best, j_star = nearest(k_evict, k_keep)  # (B, H_kv, E) each, Eq. 9
+        best, j_star = nearest_by_chunks(k_evict, k_keep)  # (B, H_kv, E) each, Eq. 9
         merge = self.decide(layer, best)  # (B, H_kv, E)
         if self.trace is not None:
             self.record(layer, lc.positions, evict, keep.gather(2, j_star), best, merge, S)
@@ -140,6 +140,21 @@ def nearest(k_evict: torch.Tensor, k_keep: torch.Tensor):
     u = F.normalize(k_evict, dim=-1) @ F.normalize(k_keep, dim=-1).transpose(-1, -2)  # (B, H_kv, E, b)
     return u.max(-1)
     # END EXERCISE
+
+
+def nearest_by_chunks(k_evict: torch.Tensor, k_keep: torch.Tensor, at_once: int = 2**22):
+    """`nearest` (Eq. 9) for many evicted keys (B, H_kv, E, D), a chunk of them at a time, so that at
+    most about `at_once` similarities are held: the first compression of an 8k prompt would otherwise
+    hold E x b = 6,500 x 1,600 of them per head (125 MB a layer) and read them back from memory to find
+    each row's maximum. Each evicted key's row of similarities is its own, so the result is `nearest`'s
+    up to float rounding: the matrix product may add up a dot product in another order for another
+    number of rows (at most a few units in the last place; tests/test_d2o.py). Below `at_once`
+    (every prompt of the tests and of the recording) it is one call."""
+    rows = max(1, at_once // max(1, k_keep.shape[:-1].numel()))  # evicted keys per chunk
+    if rows >= k_evict.shape[2]:
+        return nearest(k_evict, k_keep)
+    parts = [nearest(chunk, k_keep) for chunk in k_evict.split(rows, dim=2)]  # (B, H_kv, rows) each
+    return torch.cat([best for best, _ in parts], -1), torch.cat([j for _, j in parts], -1)  # (B, H_kv, E) each
 
 
 def ema_threshold(tau_prev: torch.Tensor | None, new: torch.Tensor, beta: float) -> torch.Tensor:
