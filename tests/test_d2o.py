@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 
 from kvmini.cache import LayerCache
 from kvmini.errors import KvminiError
-from kvmini.methods.ema_merging import EMAMerge
+from kvmini.methods.ema_merging import EMAMerge, nearest, nearest_by_chunks
 from kvmini.methods.registry import make_policy
 from kvmini.methods.scorers import CumulativeAttention, WindowAttention
 from kvmini.methods.selectors import TopK
@@ -519,3 +519,21 @@ def test_one_eviction_merge_equals_literal_loops_official(seed):
             torch.testing.assert_close(lc.values[0, h], want_v[h, [by_index[j] for j in order]], atol=1e-5, rtol=0)
         lc.append(torch.randn(1, H, 1, D, generator=gen), torch.randn(1, H, 1, D, generator=gen),
                   torch.tensor([[8 + step]]))
+
+
+@pytest.mark.exercise("ema_merging")
+def test_nearest_by_chunks_is_nearest_in_one_call():
+    """The first compression's similarities a chunk of evicted keys at a time (memory bounded): every
+    evicted key finds the same nearest kept key as in one call, with the same similarity up to the
+    matrix product's rounding (its order of addition may change with the number of rows), whatever the
+    chunk (one row, rows that do not divide E, all of them: then exactly `nearest`)."""
+    gen = torch.Generator().manual_seed(3)
+    for dtype in (torch.float32, torch.float64):
+        k_evict = torch.randn(2, 3, 37, 8, generator=gen, dtype=dtype)  # (B, H_kv, E, D)
+        k_keep = torch.randn(2, 3, 11, 8, generator=gen, dtype=dtype)  # (B, H_kv, b, D)
+        want = nearest(k_evict, k_keep)
+        for at_once in (1, 2 * 3 * 11 * 5, 10**6):  # 1 row, 5 rows, everything in one chunk
+            got = nearest_by_chunks(k_evict, k_keep, at_once)
+            assert torch.equal(got[1], want[1])
+            assert torch.allclose(got[0], want[0], rtol=0, atol=4 * torch.finfo(dtype).eps)
+        assert torch.equal(nearest_by_chunks(k_evict, k_keep)[0], want[0])  # small: one call

@@ -220,3 +220,15 @@ def test_a_partial_run_keeps_the_other_experiments_of_the_same_profile(tmp_path)
     assert merged["sizes"] == {"streaming": {"n": 1}, "speed": {"n": 3}} and merged["seconds"]["streaming"] == 5.0
     assert kept_from(path, {**new, "profile": "full"}, log=lambda m: None) == {**new, "profile": "full"}
     assert kept_from(tmp_path / "missing.json", new) == new
+
+
+def test_kept_bytes_of_a_method_that_compresses_at_the_first_decode_step_are_read_after_it():
+    """D2O's official variant compresses at the first decode step: its kept bytes are those of the cache
+    after that step (the layers' lengths `layers.retention` reads there, over L (n + 1) entries), not
+    the whole prompt's 1.000; a method that compresses with the prompt is read after the prompt."""
+    model = random_model(L=5, seed=6)
+    ids = torch.randint(0, 61, (1, 40), generator=torch.Generator().manual_seed(4))
+    pre = speed.prefill_times(model, ids, ["d2o", "h2o"], 0.25, log=lambda m: None)
+    held = layers.retention(model, ids, 0.25, methods=("d2o",))["d2o"]
+    assert held[2] < 41 and pre["d2o"]["kept_bytes_ratio"] == sum(held) / (5 * 41) < 1.0
+    assert pre["h2o"]["kept_bytes_ratio"] == 0.25

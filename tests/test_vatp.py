@@ -15,16 +15,31 @@ from reference import engine_run, group_mean, random_model, simulate, top_positi
 @pytest.mark.exercise("value_norm")
 def test_value_weighting_by_hand():
     """Accumulated attention [.5, .3, .2] times the l1 norms of the values [1, 4, 2] (|1| + |-3| = 4)
-    -> [.5, 1.2, .4]: the second token, though less attended than the first, scores highest."""
-    lc = LayerCache(1, 1, 2, torch.float32, "cpu", capacity=4)
-    for t, v in enumerate([[1.0, 0.0], [1.0, -3.0], [0.5, 1.5]]):
-        lc.append(torch.zeros(1, 1, 1, 2), torch.tensor(v).view(1, 1, 1, 2), torch.tensor([[t]]))
-    lc.declare("attention_sum")
-    lc.aux("attention_sum")[:] = torch.tensor([0.5, 0.3, 0.2])
-    assert ValueWeightedAttention(p=1.0)(lc, Stats()).flatten().tolist() == pytest.approx([0.5, 1.2, 0.4])
-    l2 = [0.5 * 1.0, 0.3 * 10**0.5, 0.2 * 2.5**0.5]
-    assert ValueWeightedAttention(p=2.0)(lc, Stats()).flatten().tolist() == pytest.approx(l2)
-    assert ValueWeightedAttention(p=None)(lc, Stats()).flatten().tolist() == pytest.approx([0.5, 0.3, 0.2])
+    -> [.5, 1.2, .4]: the second token, though less attended than the first, scores highest.
+    The norms are kept from the call that cached the values (`update`), as the attention is."""
+    for p, want in [(1.0, [0.5, 1.2, 0.4]), (2.0, [0.5 * 1.0, 0.3 * 10**0.5, 0.2 * 2.5**0.5]), (None, [0.5, 0.3, 0.2])]:
+        lc = LayerCache(1, 1, 2, torch.float32, "cpu", capacity=4)
+        lc.append(torch.zeros(1, 1, 3, 2), torch.tensor([[1.0, 0.0], [1.0, -3.0], [0.5, 1.5]]).view(1, 1, 3, 2),
+                  torch.tensor([[0, 1, 2]]))
+        scorer = ValueWeightedAttention(p=p)
+        lc.declare(*scorer.aux)
+        scorer.update(lc, Stats(column_sums=torch.tensor([[[0.5, 0.3, 0.2]]])), 0, 3)  # one call of 3 queries
+        assert scorer(lc, Stats()).flatten().tolist() == pytest.approx(want)
+
+
+def test_a_norm_is_kept_from_the_call_that_cached_the_value():
+    """Rows of different lengths (a padded batch): each row's newly appended value gets its norm,
+    the pads and the earlier entries keep theirs."""
+    lc = LayerCache(2, 1, 2, torch.float32, "cpu", capacity=8)
+    lc.append(torch.zeros(2, 1, 2, 2), torch.tensor([[[[1.0, 2.0], [3.0, 0.0]]], [[[0.0, -1.0], [2.0, 2.0]]]]),
+              torch.tensor([[0, 1], [0, 1]]))
+    scorer = ValueWeightedAttention(p=1.0)
+    lc.declare(*scorer.aux)
+    scorer.update(lc, Stats(column_sums=torch.ones(2, 1, 2)), 0, 2)
+    lc.keep_row(1, torch.tensor([[[1]]]))  # row 1 keeps its second entry only: rows now differ
+    lc.append(torch.zeros(2, 1, 1, 2), torch.tensor([[[[-4.0, 1.0]]], [[[0.5, 0.5]]]]), torch.tensor([[2], [2]]))
+    scorer.update(lc, Stats(column_sums=torch.zeros(2, 1, 3)), 2, 1)
+    assert lc.aux("value_norm").tolist() == [[[3.0, 3.0, 5.0]], [[4.0, 1.0, 0.0]]]
 
 
 def vatp_literal(budget, g, sinks=4, recent=None, p=1):

@@ -48,8 +48,10 @@ from kvmini.methods.registry import make_policy, parse_spec  # noqa: E402
 # and a schedule. VATP changes only the scorer. H2O's `CumulativeAttention` already keeps the running
 # column sums $\sum_{i \le t} A_{ij}$ of every cached token (in the cache's aux buffer
 # `attention_sum`, which follows each eviction); the new scorer multiplies them by each cached value's
-# norm, $\ell_p$ with $p = 1$ (`value_norm=l1`, the paper) or $p = 2$ (`value_norm=l2`). Scores are per
-# KV head, shape (B, H_kv, S), higher = keep.
+# norm, $\ell_p$ with $p = 1$ (`value_norm=l1`, the paper) or $p = 2$ (`value_norm=l2`). A value never
+# changes once cached, so its norm is computed once, by `update` in the call that caches it, and kept in a
+# second aux buffer, `value_norm`: a decode step then reads S numbers instead of S value vectors. Scores
+# are per KV head, shape (B, H_kv, S), higher = keep.
 
 # %%
 print(inspect.getsource(vatp.ValueWeightedAttention))
@@ -62,14 +64,19 @@ print(inspect.getsource(vatp.ValueWeightedAttention))
 # \approx 1.58$) the scores are 0.5, 0.95 and 0.32: the same order here, by a smaller margin.
 
 # %%
-lc = LayerCache(1, 1, 2, torch.float32, "cpu", capacity=4)  # batch 1, one KV head, head_dim 2
-for t, v in enumerate([[1.0, 0.0], [1.0, -3.0], [0.5, 1.5]]):
-    lc.append(torch.zeros(1, 1, 1, 2), torch.tensor(v).view(1, 1, 1, 2), torch.tensor([[t]]))
-lc.declare(*vatp.ValueWeightedAttention.aux)  # the buffer the scorer keeps: ("attention_sum",)
-lc.aux("attention_sum")[:] = torch.tensor([0.5, 0.3, 0.2])
+def scored(p: float | None) -> torch.Tensor:
+    """The three tokens cached by one call whose 3 queries gave them the attention above; their scores."""
+    lc = LayerCache(1, 1, 2, torch.float32, "cpu", capacity=4)  # batch 1, one KV head, head_dim 2
+    lc.append(torch.zeros(1, 1, 3, 2), torch.tensor([[1.0, 0.0], [1.0, -3.0], [0.5, 1.5]]).view(1, 1, 3, 2),
+              torch.tensor([[0, 1, 2]]))
+    scorer = vatp.ValueWeightedAttention(p=p)
+    lc.declare(*scorer.aux)  # the buffers the scorer keeps: ("attention_sum", "value_norm")
+    scorer.update(lc, Stats(column_sums=torch.tensor([[[0.5, 0.3, 0.2]]])), 0, 3)  # the call's statistics
+    return scorer(lc, Stats())  # (1, 1, 3)
+
+
 if solved("value_norm"):
-    l1 = vatp.ValueWeightedAttention(p=1.0)(lc, Stats())  # (1, 1, 3)
-    l2 = vatp.ValueWeightedAttention(p=2.0)(lc, Stats())
+    l1, l2 = scored(1.0), scored(2.0)
     print("l1:", l1.flatten().tolist(), " l2:", l2.flatten().tolist())
     assert torch.allclose(l1.flatten(), torch.tensor([0.5, 1.2, 0.4]))
     assert torch.allclose(l2.flatten(), torch.tensor([0.5, 0.3 * math.sqrt(10), 0.2 * math.sqrt(2.5)]))
@@ -412,7 +419,7 @@ show(fig, "09_scissorhands_low_counts")
 #
 # ## Exercises
 #
-# 1. *(assignment: `value_norm`)* Write the value norm in `ValueWeightedAttention.__call__` (the
+# 1. *(assignment: `value_norm`)* Write the value norm in `ValueWeightedAttention.norm` (the
 #    region between the `EXERCISE` markers in `kvmini/methods/vatp.py`): $\ell_1$ for $p = 1$, the
 #    general $\ell_p$ otherwise ($p = 2$ for `value_norm=l2`). Check it with
 #    `python -m kvmini.assignments check value_norm`: the by-hand scores above (both norms), the

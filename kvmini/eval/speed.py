@@ -9,7 +9,9 @@
                     prefill, ms per decode step and its share of the step; the rest of a method's extra
                     time is its attention statistics (computed in the attention pass)
     policy ops      tensor operations the hooks run in one decode step (a torch.profiler count)
-    kept bytes      K/V bytes the cache holds after the prompt / the full cache's
+    kept bytes      K/V bytes the cache holds after the prompt / the full cache's; for a method whose
+                    schedule compresses at the first decode step (D2O's official variant), after
+                    that step (an untimed extra call), when it has compressed
     peak memory     growth of the process's peak resident memory during an n-token prefill,
                     measured in a fresh child process per method (the peak is reset after the
                     model is loaded and has run once; glibc's mmap threshold fixed, see
@@ -34,7 +36,7 @@ import torch
 from kvmini.statistics import Stats
 from kvmini.generate import prefill, synchronize
 from kvmini.methods.registry import policy_for
-from kvmini.parts import PREFILL
+from kvmini.parts import DECODE, PREFILL
 
 
 POLICY = "kvmini.policy"  # the profiler label of the policy's hooks (ops_per_step)
@@ -101,7 +103,8 @@ def _policy(name: str, budget: float):
 
 @torch.inference_mode()
 def prefill_times(model, ids: torch.Tensor, methods: list[str], budget: float, reps: int = 1, log=print) -> dict:
-    """method -> {"seconds": median prefill time, "ratio": / full's, "kept_bytes_ratio"} over `reps` turns."""
+    """method -> {"seconds": median prefill time, "ratio": / full's, "kept_bytes_ratio"} over `reps` turns.
+    kept_bytes_ratio: after the prompt, or after the first decode step for a DECODE schedule (module docstring)."""
     times = {name: [] for name in ["full", *methods]}
     hooks = {name: [] for name in times}
     kept = {}
@@ -111,10 +114,12 @@ def prefill_times(model, ids: torch.Tensor, methods: list[str], budget: float, r
             cache = model.new_cache(1, ids.shape[1])
             policy = _policy(name, budget)
             t0 = time.perf_counter()
-            prefill(model, ids, cache, policy, total_len=ids.shape[1])
+            logits = prefill(model, ids, cache, policy, total_len=ids.shape[1])
             synchronize(model.device)
             times[name].append(time.perf_counter() - t0)
             hooks[name].append(0.0 if policy is None else policy.seconds)
+            if policy is not None and policy.schedule == DECODE:  # it compresses at the first decode step: take it
+                model(logits.argmax(-1, keepdim=True), cache, policy)
             kept[name] = cache.nbytes() / cache.full_nbytes()
             log(f"prefill {ids.shape[1]} tokens, round {rep + 1}/{reps}, {name}: {times[name][-1]:.2f} s")
     full = statistics.median(times["full"])

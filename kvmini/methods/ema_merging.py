@@ -44,9 +44,24 @@ class EMAMerge:
         self.reset()
 
     def reset(self) -> None:
-        self.tau: dict[int, torch.Tensor] = {}  # layer -> (B, H_kv), or (B, 1) per layer
+        self._tau: dict[int, torch.Tensor] = {}  # layer -> (B, H_kv), or (B, 1) per layer
+        self._joint: tuple | None = None  # (layers, their thresholds as one tensor): the last tuple decided
         if self.trace is not None:
             self.trace.clear()  # a new run
+
+    @property
+    def tau(self) -> dict[int, torch.Tensor]:
+        """Each layer's threshold (Eq. 10), (B, H_kv), or (B, 1) per layer. The layers of a decode step
+        taken at once keep theirs as one tensor (`decide`), split into this dict when it is read."""
+        self._split()
+        return self._tau
+
+    def _split(self) -> None:
+        """The joined thresholds into the per-layer dict."""
+        if self._joint is not None:
+            layers, tau = self._joint
+            self._tau.update(zip(layers, tau.chunk(len(layers))))
+            self._joint = None
 
     def __call__(self, layer: int, lc: LayerCache, keep: torch.Tensor) -> torch.Tensor:
         B, H_kv, S = lc.positions.shape
@@ -55,7 +70,7 @@ class EMAMerge:
         D = lc.keys.shape[-1]
         gather = lambda x, idx: wide(x.gather(2, idx[..., None].expand(-1, -1, -1, D)))  # noqa: E731
         k_keep, k_evict = gather(lc.keys, keep), gather(lc.keys, evict)  # (B, H_kv, b, D), (B, H_kv, E, D)
-        best, j_star = nearest(k_evict, k_keep)  # (B, H_kv, E) each, Eq. 9
+        best, j_star = nearest_by_chunks(k_evict, k_keep)  # (B, H_kv, E) each, Eq. 9
         merge = self.decide(layer, best)  # (B, H_kv, E)
         if self.trace is not None:
             self.record(layer, lc.positions, evict, keep.gather(2, j_star), best, merge, S)
@@ -114,15 +129,25 @@ class EMAMerge:
         sim = best.mean(1, keepdim=True) if self.per_layer else best  # official: one threshold per layer,
         new = sim.mean(-1)  # (B, H_kv) or (B, 1)                    # similarities averaged over heads
         layers = layer if isinstance(layer, tuple) else (layer,)
-        prev, rows = [self.tau.get(one) for one in layers], new.chunk(len(layers))
-        if all(p is None for p in prev):
-            tau = new  # tau_0
+        if self._joint is not None and self._joint[0] == layers:  # the same layers as the last step, at once:
+            tau = ema_threshold(self._joint[1], new, self.beta)  # their thresholds are one tensor already
         else:
-            tau = ema_threshold(torch.cat([rows[i] if p is None else p for i, p in enumerate(prev)]), new, self.beta)
-            if any(p is None for p in prev):  # a layer without a threshold yet starts at tau_0
-                fresh = torch.tensor([p is None for p in prev], device=new.device).repeat_interleave(rows[0].shape[0])
-                tau = torch.where(fresh[:, None], new, tau)
-        self.tau.update(zip(layers, tau.chunk(len(layers))))  # layer -> (B, H_kv), or (B, 1) per layer
+            if self._joint is not None and not set(layers).isdisjoint(self._joint[0]):
+                self._split()  # only when some of the joined thresholds are needed apart
+            prev, rows = [self._tau.get(one) for one in layers], new.chunk(len(layers))
+            if all(p is None for p in prev):
+                tau = new  # tau_0
+            else:
+                tau = ema_threshold(torch.cat([rows[i] if p is None else p for i, p in enumerate(prev)]), new, self.beta)
+                if any(p is None for p in prev):  # a layer without a threshold yet starts at tau_0
+                    fresh = torch.tensor([p is None for p in prev], device=new.device).repeat_interleave(rows[0].shape[0])
+                    tau = torch.where(fresh[:, None], new, tau)
+        if isinstance(layer, tuple):
+            if self._joint is not None and self._joint[0] != layers:
+                self._split()  # another tuple's thresholds, before they are replaced
+            self._joint = (layers, tau)  # (len(layers) * B, H_kv) or (len(layers) * B, 1), split when read
+        else:
+            self._tau[layer] = tau  # (B, H_kv), or (B, 1) per layer
         return (sim >= tau[..., None]).expand_as(best)
 
 
@@ -140,6 +165,21 @@ def nearest(k_evict: torch.Tensor, k_keep: torch.Tensor):
     u = F.normalize(k_evict, dim=-1) @ F.normalize(k_keep, dim=-1).transpose(-1, -2)  # (B, H_kv, E, b)
     return u.max(-1)
     # END EXERCISE
+
+
+def nearest_by_chunks(k_evict: torch.Tensor, k_keep: torch.Tensor, at_once: int = 2**22):
+    """`nearest` (Eq. 9) for many evicted keys (B, H_kv, E, D), a chunk of them at a time, so that at
+    most about `at_once` similarities are held: the first compression of an 8k prompt would otherwise
+    hold E x b = 6,500 x 1,600 of them per head (125 MB a layer) and read them back from memory to find
+    each row's maximum. Each evicted key's row of similarities is its own, so the result is `nearest`'s
+    up to float rounding: the matrix product may add up a dot product in another order for another
+    number of rows (at most a few units in the last place; tests/test_d2o.py). Below `at_once`
+    (every prompt of the tests and of the recording) it is one call."""
+    rows = max(1, at_once // max(1, k_keep.shape[:-1].numel()))  # evicted keys per chunk
+    if rows >= k_evict.shape[2]:
+        return nearest(k_evict, k_keep)
+    parts = [nearest(chunk, k_keep) for chunk in k_evict.split(rows, dim=2)]  # (B, H_kv, rows) each
+    return torch.cat([best for best, _ in parts], -1), torch.cat([j for _, j in parts], -1)  # (B, H_kv, E) each
 
 
 def ema_threshold(tau_prev: torch.Tensor | None, new: torch.Tensor, beta: float) -> torch.Tensor:

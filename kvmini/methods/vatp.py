@@ -19,7 +19,8 @@ budget // 2, l1 norm, group reduction mean. `value_norm=off` is H2O with sinks.
 Chunked prefill: compressed after every call by design, as H2O.
 Deviation: the authors' code scores per query head (Llama-2 has no grouped heads); kvmini per KV
 head, the query heads of a group reduced by mean. Their code multiplies each step's column sums
-by the norms before adding them up; the norm of a kept value never changes, so the sum is the same.
+by the norms before adding them up; the norm of a kept value never changes, so the sum is the same,
+and kvmini computes each norm once, when the value is cached (the aux buffer `value_norm`).
 This module is the method built in tutorials/09_write_your_own_method.py.
 """
 from dataclasses import dataclass
@@ -40,22 +41,40 @@ from kvmini.policy import Policy
 
 class ValueWeightedAttention(CumulativeAttention):
     r"""s_j = \|v_j\|_p \sum_{i \le t} A_{ij}: H2O's running column sums (kept in lc.aux by `update`)
-    times each cached value's norm (p = 1 in the paper, 2 for value_norm=l2, None: no weighting)."""
+    times each cached value's norm (p = 1 in the paper, 2 for value_norm=l2, None: no weighting).
+    A value never changes once cached (VATP does not merge), so its norm is computed once, by `update`
+    in the call that appends it, and kept beside it in the aux buffer `value_norm` (B, H_kv, S): a step
+    reads S norms instead of recomputing them from the S x D values."""
 
     def __init__(self, reduce: str = "mean", p: float | None = 1.0):
         super().__init__(reduce)
         self.p = p  # None: no weighting (H2O)
+        self.aux = CumulativeAttention.aux + (() if p is None else ("value_norm",))
+
+    def norm(self, values: torch.Tensor) -> torch.Tensor:
+        r"""\|v_j\|_p of each value: values (..., S, D) -> (..., S)."""
+        # BEGIN EXERCISE value_norm: tutorials/09_write_your_own_method.py, "The scorer"
+        # l1 as |v|.sum(): torch's general p-norm is some 12x slower for p = 1 on CPU
+        return values.abs().sum(-1) if self.p == 1 else torch.linalg.vector_norm(values, ord=self.p, dim=-1)
+        # END EXERCISE
+
+    def update(self, lc: LayerCache, stats: Stats, start: int, T: int) -> None:
+        """After a call of T queries: the column sums (H2O's), and the norms of the T values it appended."""
+        super().update(lc, stats, start, T)
+        if self.p is None:
+            return
+        if not lc.padded:  # every row's T new entries are its last T
+            lc.aux("value_norm")[:, :, lc.length - T :] = self.norm(wide(lc.values[:, :, lc.length - T :]))
+            return
+        # rows of different lengths (a batch, or the layers of KVCache.join): each row's new entries end at its count
+        B, H_kv, _, D = lc.values.shape
+        at = ((lc.counts - T)[:, None, None] + torch.arange(T, device=lc.counts.device)).expand(B, H_kv, T)  # (B, H_kv, T)
+        new = lc.values.gather(2, at[..., None].expand(-1, -1, -1, D))  # (B, H_kv, T, D)
+        lc.aux("value_norm").scatter_(2, at, self.norm(wide(new)))
 
     def __call__(self, lc: LayerCache, stats: Stats) -> torch.Tensor:
         received = super().__call__(lc, stats)  # (B, H_kv, S)
-        if self.p is None:
-            return received
-        # BEGIN EXERCISE value_norm: tutorials/09_write_your_own_method.py, "The scorer"
-        values = wide(lc.values)  # (B, H_kv, S, D)
-        # l1 as |v|.sum(): torch's general p-norm is some 12x slower for p = 1 on CPU (a decode step's cost)
-        norm = values.abs().sum(-1) if self.p == 1 else torch.linalg.vector_norm(values, ord=self.p, dim=-1)
-        return received * norm  # (B, H_kv, S)
-        # END EXERCISE
+        return received if self.p is None else received * lc.aux("value_norm")  # (B, H_kv, S)
 
     def describe(self, lc: LayerCache) -> tuple[str, torch.Tensor | None]:
         if self.p is None:
