@@ -48,8 +48,8 @@ class TopK(Compressor):
     Two ways to shrink a layer, with the same result: dropping one entry (a decode step) finds the
     lowest one (`lowest`) and moves the newest entry into its slot (`LayerCache.evict_one`, O(D));
     dropping many (after the prompt) sorts (`keep_top`) and gathers the kept ones (`keep`, O(S·D)),
-    in position order again; dropping a few, at most half (the batches of `evict_every`), sorts and
-    moves the last entries into the victims' slots (`LayerCache.evict`, O(m·D)).
+    in position order again; dropping a few, at most an eighth (the batches of `evict_every`), sorts
+    and moves the last entries into the victims' slots (`LayerCache.evict`, O(m·D)).
     """
 
     one_each = True
@@ -75,7 +75,7 @@ class TopK(Compressor):
         idx = order.gather(2, keep_top(score.gather(2, order), b, self.sinks, self.recent(b)))  # (B, H_kv, b)
         if self.merge is not None:
             self.merged[layer] = self.merged[layer] + self.merge(layer, lc, idx)
-        elif isinstance(lc, LayerCache) and lc.counts is None and 2 * b >= lc.length:  # a few, e.g. evict_every
+        elif isinstance(lc, LayerCache) and lc.counts is None and 8 * (lc.length - b) <= lc.length:  # a few: evict_every's
             gone = torch.ones_like(score, dtype=torch.bool).scatter_(2, idx, False)  # (B, H_kv, S)
             return lc.evict(gone.nonzero()[:, 2].view(*score.shape[:2], -1))  # moves only the last entries
         lc.keep(idx)
