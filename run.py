@@ -230,7 +230,7 @@ def describe(args, policy) -> str:
     if policy.budget is None:
         share = sum(budgets) / (len(budgets) * policy.prompt_len)
         return f"{args.method}, self-chosen budget {per_layer} tokens per layer = {share:.1%} of the prompt{shown}"
-    every = getattr(policy, "one", policy).evict_every
+    every = policy.evict_every
     amortised = (f"; evicting {every} entries every {every} decode steps, so a layer holds up to {every - 1} "
                  "more than its budget between evictions") if every > 1 else ""
     return f"{args.method}, budget {policy.budget:g} = {per_layer} tokens per layer{budget_note(policy)}{amortised}{shown}"
@@ -239,10 +239,9 @@ def describe(args, policy) -> str:
 def budget_note(policy) -> str:
     """Why the cache holds more than the budget asks (D2O's official protected layers, DynamicKV's
     last L % m layers), when it does."""
-    one = getattr(policy, "one", policy)  # a PerSequence batch: its first sequence's parts
-    if one.unchanged is not None:  # a prompt too short to compress: the note says so
+    if policy.unchanged is not None:  # a prompt too short to compress: the note says so
         return ""
-    budgeter = one.budgeter
+    budgeter = policy.parts[1]
     asked, budgets, why = getattr(budgeter, "b", None), policy.budgets, budgeter.holds_more_because()
     mean = sum(budgets) / len(budgets)
     if not why or asked is None or mean <= asked:

@@ -269,7 +269,7 @@ class KVCache:
     def join(self, layers: tuple[int, ...], room: int = 1) -> LayerCache:
         """The given layers as one LayerCache whose batch rows are theirs, layer after layer
         (len(layers) * B rows): their buffers become views of its buffers, so one operation on it acts
-        on all of them (a decode step's evictions, kvmini.policy). Rows of layers that hold different
+        on all of them (a decode step's evictions, kvmini.at_once). Rows of layers that hold different
         counts are padded after their entries, as the rows of a batch are (`counts`).
 
         Built with `room` free places per row beyond the longest layer, by copying the layers in

@@ -78,9 +78,12 @@ def evicts_while_decoding(policy) -> bool:
 
 def set_together(policy, together: bool) -> None:
     """All layers at once (True) or layer by layer (False), for the policy and any per-sequence copies."""
+    from kvmini.at_once import AtOnce
+    from kvmini.per_sequence import PerSequence
+
     policy = policy.policy if isinstance(policy, Timed) else policy
-    if policy is not None:
-        for p in [getattr(policy, "one", policy), *(getattr(policy, "rows", None) or [])]:
+    for p in [policy.one, *(policy.rows or [])] if isinstance(policy, PerSequence) else [policy]:
+        if isinstance(p, AtOnce):
             p.together = together
 
 

@@ -17,7 +17,9 @@ from kvmini.methods import (cam, d2o, dbudgetkv, dynamickv, h2o, knorm, options,
                             snapkv, snapkv_d2o, streaming_llm, tova, vatp, weightedkv)
 from kvmini.methods.options import Declared
 from kvmini.parts import EVERY_CALL, PREFILL
-from kvmini.policy import PerSequence, Policy, resolve_budget
+from kvmini.at_once import AtOnce
+from kvmini.per_sequence import PerSequence
+from kvmini.policy import Policy, resolve_budget
 
 METHODS = {
     "full": None,  # no compression
@@ -197,7 +199,8 @@ def make_policy(name: str, budget: float | None = None, **given) -> Policy | Per
     """A fresh policy for method `name`; clear errors for unknown names, options and values.
     Option values are typed (int, float, bool, a tuple for layers or N:M) or text as on the command
     line ("0,1,-1", "3:1", "true"). Methods whose budgets follow each sequence's statistics come
-    wrapped in PerSequence (batches). `evict_every=N` is an option of the engine (Policy.evict_every)
+    wrapped in PerSequence (batches); methods that evict while decoding run their decode steps with
+    every layer at once (kvmini.at_once). `evict_every=N` is an option of the engine (Policy.evict_every)
     that every method evicting while decoding takes."""
     if not isinstance(name, str) or name not in METHODS:
         raise KvminiError(f"unknown method {name!r}; choose from {', '.join(METHODS)}")
@@ -219,7 +222,7 @@ def make_policy(name: str, budget: float | None = None, **given) -> Policy | Per
     def build() -> Policy:
         policy = METHODS[name].build(budget, o)
         policy.evict_every = every
-        return policy
+        return AtOnce.of(policy)
 
     policy = build()
     return PerSequence(build, policy) if policy.budgeter.per_sequence else policy
