@@ -34,7 +34,6 @@ import torch
 from kvmini.statistics import Stats
 from kvmini.generate import prefill, synchronize
 from kvmini.methods.registry import policy_for
-from kvmini.parts import PREFILL
 
 
 POLICY = "kvmini.policy"  # the profiler label of the policy's hooks (ops_per_step)
@@ -73,7 +72,10 @@ class Timed:
 
 
 def evicts_while_decoding(policy) -> bool:
-    return policy is not None and policy.schedule != PREFILL
+    """Does the policy's method evict while decoding (kvmini.methods.registry says; None: full)?"""
+    from kvmini.methods import registry
+
+    return policy is not None and registry.evicts_while_decoding(policy.name)
 
 
 def set_together(policy, together: bool) -> None:

@@ -151,11 +151,17 @@ def chosen(name: str, given: dict):
     return dataclasses.replace(base, **{k: v for k, v in given.items() if k not in ("variant", "evict_every")})
 
 
+def schedule(name: str) -> str:
+    """When method `name` compresses (kvmini.parts), with its default options. A module states it in
+    its `build` only (D2O's depends on the variant: DECODE or AFTER_PROMPT, both while decoding), so
+    it is read off a policy built with the defaults, here alone."""
+    return METHODS[name].build(DEFAULT_BUDGET).schedule
+
+
 def compress_every_call() -> list[str]:
     """Methods that compress after every forward call by design, so a prefill's chunk size changes
     what they keep; every other method keeps, from a prompt in chunks, what one call keeps."""
-    return [name for name, module in METHODS.items()
-            if module is not None and module.build(0.5).schedule == EVERY_CALL]
+    return [name for name, module in METHODS.items() if module is not None and schedule(name) == EVERY_CALL]
 
 
 def chooses_budget(name: str) -> bool:
@@ -165,7 +171,7 @@ def chooses_budget(name: str) -> bool:
 
 def evicts_while_decoding(name: str) -> bool:
     """Does the method evict during decoding (the engine option evict_every applies), or only the prompt?"""
-    return METHODS[name] is not None and METHODS[name].build(0.5).schedule != PREFILL
+    return METHODS[name] is not None and schedule(name) != PREFILL
 
 
 def check(name: str, given: dict) -> dict:
