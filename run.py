@@ -11,6 +11,20 @@ from pathlib import Path
 from kvmini import cli
 
 cli.exit_on_ctrl_c(__name__)  # before anything imports torch
+import torch  # noqa: E402
+
+from kvmini.chat import load_chat_format, stop_token_ids  # noqa: E402
+from kvmini.errors import KvminiError  # noqa: E402
+import kvmini.generate  # noqa: E402  (called as kvmini.generate.generate: a test replaces it)
+from kvmini.loading import load_model  # noqa: E402
+from kvmini.methods import options  # noqa: E402
+from kvmini.methods.registry import (DEFAULT_BUDGET, METHODS, compress_every_call, declarations,  # noqa: E402
+                                     every_option, make_policy, summary)
+from kvmini.progress import Progress  # noqa: E402
+from kvmini.report import run_report  # noqa: E402
+from kvmini.tokenizer import StreamDecoder, load_tokenizer  # noqa: E402
+from kvmini.view import record_merges, write_html  # noqa: E402
+from kvmini.weights import ensure_default_model  # noqa: E402
 
 EXAMPLES = """examples:
   python run.py --prompt prompt.txt                       # default model (prepared on first use)
@@ -24,19 +38,6 @@ EXAMPLES = """examples:
 special tokens: strings such as <|im_end|> typed in the prompt are read as the control tokens they
 name (as HF tokenizers do), so a prompt can end a chat turn itself; --raw skips the chat template.
 """
-ASCII_BLOCKS = " .:-=+*#"  # the report's bars where the terminal cannot print block characters
-IMPORTS = ("torch", "kvmini.methods.registry", "kvmini.generate", "kvmini.loading", "kvmini.weights", "kvmini.chat",
-           "kvmini.tokenizer", "kvmini.report", "kvmini.progress")  # imported before the work (see kvmini.cli)
-
-
-def positive_int(text):
-    return cli.whole_number(text, low=1)
-
-
-def non_negative_int(text):
-    return cli.whole_number(text, low=0)
-
-
 def seed(text):
     return cli.whole_number(text, low=0, high=2**64 - 1)  # what torch.Generator.manual_seed accepts
 
@@ -58,8 +59,6 @@ def probability(text):
 def method_option(kind):
     """An argparse type for a method option of this declared type (kvmini.methods.options.read):
     the flag's text becomes a typed value; the method's own checks follow in make_policy."""
-    from kvmini.methods import options
-
     def read(text):
         try:
             return options.read(kind, text)
@@ -72,13 +71,10 @@ def method_option(kind):
 def methods_help() -> str:
     """The --help section listing every method, what it does and its options with defaults (read
     from each method's declaration; an option its variants set differently shows each variant's)."""
-    from kvmini.methods.options import show
-    from kvmini.methods.registry import METHODS, declarations, summary
-
     def default(d):
         if not d.by_variant:
-            return show(d.default, d.kind)
-        return ", ".join(f"{v}: {show(x, d.kind)}" for v, x in d.by_variant.items())
+            return options.show(d.default, d.kind)
+        return ", ".join(f"{v}: {options.show(x, d.kind)}" for v, x in d.by_variant.items())
 
     lines = ["methods (--method NAME; options as flags, defaults in brackets):"]
     for name in METHODS:
@@ -88,9 +84,6 @@ def methods_help() -> str:
 
 
 def parse_args(argv=None):
-    from kvmini.methods.options import metavar
-    from kvmini.methods.registry import DEFAULT_BUDGET, METHODS, compress_every_call, every_option
-
     p = cli.OneLineParser(
         description="Generate text with kvmini and report speed and KV-cache size.",
         epilog=methods_help() + "\n" + EXAMPLES,
@@ -103,12 +96,12 @@ def parse_args(argv=None):
     p.add_argument("--budget", type=cli.budget, default=None,
                    help=f"tokens kept per layer: a whole number (128, +128) counts tokens, a fraction up to 1.0 (0.2) "
                         f"is a ratio of the prompt (default for compressing methods: {DEFAULT_BUDGET})")
-    p.add_argument("--max-new-tokens", type=positive_int, default=128, help="tokens to generate (default: 128)")
+    p.add_argument("--max-new-tokens", type=cli.at_least(1), default=128, help="tokens to generate (default: 128)")
     p.add_argument("--temperature", type=non_negative_float, default=0.0, help="0 = greedy (default)")
-    p.add_argument("--top-k", type=non_negative_int, default=0, help="sample from the k most likely tokens (0: off)")
+    p.add_argument("--top-k", type=cli.at_least(0), default=0, help="sample from the k most likely tokens (0: off)")
     p.add_argument("--top-p", type=probability, default=1.0, help="nucleus sampling mass (1: off)")
     p.add_argument("--seed", type=seed, default=None, help="random seed for sampling (0 to 2**64-1)")
-    p.add_argument("--chunk-size", type=positive_int, default=None,
+    p.add_argument("--chunk-size", type=cli.at_least(1), default=None,
                    help="prefill the prompt in chunks of this many tokens (methods that compress once the prompt is "
                         f"complete keep what one call keeps; {', '.join(compress_every_call())} compress after every "
                         "chunk by design, so the size changes what they keep)")
@@ -122,15 +115,13 @@ def parse_args(argv=None):
     flags = every_option()
     for name, (d, methods) in flags.items():
         group.add_argument("--" + name.replace("_", "-"), type=method_option(d.kind), default=None,
-                           metavar=metavar(d.kind), help=f"{d.help} ({', '.join(methods)})")
+                           metavar=options.metavar(d.kind), help=f"{d.help} ({', '.join(methods)})")
     args = p.parse_args(argv)
     args.options = {name: getattr(args, name) for name in flags if getattr(args, name) is not None}
     return args
 
 
 def read_prompt(path: str) -> str:
-    from kvmini.errors import KvminiError
-
     file = Path(path)
     if not file.exists():
         raise KvminiError(f"prompt file not found: {path}")
@@ -146,32 +137,38 @@ def read_prompt(path: str) -> str:
 
 
 def generate_answer(args) -> int:
-    import torch
-
-    from kvmini.chat import load_chat_format, stop_token_ids
-    from kvmini.errors import KvminiError
-    from kvmini.generate import Sampling, generate
-    from kvmini.loading import load_model
-    from kvmini.methods.registry import make_policy
-    from kvmini.progress import Progress
-    from kvmini.report import BLOCKS, cache_report
-    from kvmini.tokenizer import StreamDecoder, load_tokenizer
-    from kvmini.view import record_merges, write_html
-    from kvmini.weights import ensure_default_model
-
-    policy = make_policy(args.method, args.budget, **args.options)
+    """Check the input, load the model, generate (streaming the answer), report, write the page."""
+    policy = make_policy(args.method, args.budget, **args.options)  # bad options fail before the model loads
     text = read_prompt(args.prompt)
     if args.html is not None:
         cli.writable_file(args.html, "--html")
+    folder, model, tok, chat = load(args)
+    ids = prompt_ids(args, text, model, tok, chat)
+    trace = record_merges(policy) if args.html is not None else None
+    result = answer(args, model, tok, chat, ids, policy)
+    print("\n".join(run_report(folder.name, model, tok, chat, args.method, args.options, policy, result,
+                                sys.stdout.encoding)))
+    if args.html is not None:
+        page = write_html(args.html, result.cache, tok, ids, result.tokens[0], policy, trace, args.method)
+        print(f"page      {page} ({page.stat().st_size / 2**20:.2f} MiB): what each layer and KV head kept")
+    sys.stdout.flush()
+    return 0
+
+
+def load(args):
+    """-> (the checkpoint folder, the model, its tokenizer, its chat format or None for --raw)."""
     log = (lambda m: None) if args.quiet else (lambda m: print(m, file=sys.stderr))
     folder = Path(args.model) if args.model else ensure_default_model(log=log)
     model = load_model(folder, args.device, args.dtype)
     tok = load_tokenizer(folder)
-    vocab = model.config.vocab_size
-    if tok.vocab_size > vocab:
-        raise KvminiError(f"the tokenizer has {tok.vocab_size} ids but the model only {vocab} embeddings: "
-                          "tokenizer and model do not match")
-    chat = None if args.raw else load_chat_format(folder)
+    if tok.vocab_size > model.config.vocab_size:
+        raise KvminiError(f"the tokenizer has {tok.vocab_size} ids but the model only {model.config.vocab_size} "
+                          "embeddings: tokenizer and model do not match")
+    return folder, model, tok, None if args.raw else load_chat_format(folder)
+
+
+def prompt_ids(args, text: str, model, tok, chat) -> list[int]:
+    """The prompt's token ids (in the chat template unless --raw), checked against the model's context."""
     if chat is not None:
         text = chat.render([{"role": "user", "content": text}])
     ids = tok.encode(text)
@@ -184,83 +181,26 @@ def generate_answer(args) -> int:
             f"prompt has {len(ids)} tokens; with --max-new-tokens {args.max_new_tokens} "
             f"that exceeds the model's context of {context} tokens"
         )
+    return ids
+
+
+def answer(args, model, tok, chat, ids: list[int], policy):
+    """Generate, printing the answer as it comes; -> kvmini.generate's result."""
     stop = stop_token_ids(model.config.eos_token_ids, tok, chat)
     stream = StreamDecoder(tok)
     write = lambda i: (sys.stdout.write(stream.push(i)), sys.stdout.flush())  # noqa: E731
-    sampling = Sampling(args.temperature, args.top_k, args.top_p, args.seed, vocab=min(tok.vocab_size, vocab))
+    sampling = kvmini.generate.Sampling(args.temperature, args.top_k, args.top_p, args.seed,
+                        vocab=min(tok.vocab_size, model.config.vocab_size))
     progress = Progress("prefill", len(ids), enabled=False if args.quiet else None)  # on a terminal only
-    trace = record_merges(policy) if args.html is not None else None
-    result = generate(model, torch.tensor([ids]), args.max_new_tokens, sampling, stop, policy,
-                      chunk_size=args.chunk_size, on_token=write, progress=progress)
+    result = kvmini.generate.generate(model, torch.tensor([ids]), args.max_new_tokens, sampling, stop, policy,
+                                      chunk_size=args.chunk_size, on_token=write, progress=progress)
     print(stream.flush())
-    c = model.config
-    print("\n--- kvmini report ---")
-    print(f"model     {folder.name} ({c.model_type}, {c.num_layers} layers, {c.num_heads}/{c.num_kv_heads} q/kv heads)"
-          f" on {model.device.type} {str(model.dtype).removeprefix('torch.')}")
-    if tok.vocab_size < vocab:
-        print(f"vocab     the model has {vocab} output ids, the tokenizer {tok.vocab_size}: "
-              f"the {vocab - tok.vocab_size} ids without text are never sampled")
-    print(f"method    {describe(args, policy)}")
-    if policy is not None and policy.note:
-        print(f"note      {policy.note}")
-    print(f"prompt    {result.prompt_tokens} tokens ({type(chat).__name__ if chat else 'raw'} format)")
-    print(f"prefill   {result.prefill_s:.3f} s, {result.prompt_tokens / result.prefill_s:.1f} tokens/s")
-    rate = result.decode_steps / result.decode_s if result.decode_steps else float("nan")
-    print(f"decode    {result.new_tokens} new tokens, {rate:.1f} tokens/s")
-    blocks = BLOCKS if can_print(BLOCKS) else ASCII_BLOCKS
-    print("\n".join(cache_report(result.cache, policy, blocks)))
-    if args.html is not None:
-        page = write_html(args.html, result.cache, tok, ids, result.tokens[0], policy, trace, args.method)
-        print(f"page      {page} ({page.stat().st_size / 2**20:.2f} MiB): what each layer and KV head kept")
-    sys.stdout.flush()
-    return 0
-
-
-def describe(args, policy) -> str:
-    """`h2o, budget 0.2 = 123 tokens per layer (window budget // 2, reduce mean)`."""
-    from kvmini.methods.options import show
-    from kvmini.methods.registry import declarations, resolved_options
-
-    if policy is None:
-        return args.method
-    options, kinds = resolved_options(args.method, args.options), {d.name: d.kind for d in declarations(args.method)}
-    shown = f" ({', '.join(f'{k} {show(v, kinds[k])}' for k, v in options.items())})" if options else ""
-    budgets = policy.budgets
-    per_layer = f"{budgets[0]}" if len(set(budgets)) == 1 else f"{min(budgets)}-{max(budgets)} (mean {sum(budgets) / len(budgets):.1f})"
-    if policy.budget is None:
-        share = sum(budgets) / (len(budgets) * policy.prompt_len)
-        return f"{args.method}, self-chosen budget {per_layer} tokens per layer = {share:.1%} of the prompt{shown}"
-    every = getattr(policy, "one", policy).evict_every
-    amortised = (f"; evicting {every} entries every {every} decode steps, so a layer holds up to {every - 1} "
-                 "more than its budget between evictions") if every > 1 else ""
-    return f"{args.method}, budget {policy.budget:g} = {per_layer} tokens per layer{budget_note(policy)}{amortised}{shown}"
-
-
-def budget_note(policy) -> str:
-    """Why the cache holds more than the budget asks (D2O's official protected layers, DynamicKV's
-    last L % m layers), when it does."""
-    one = getattr(policy, "one", policy)  # a PerSequence batch: its first sequence's parts
-    if one.unchanged is not None:  # a prompt too short to compress: the note says so
-        return ""
-    budgeter = one.budgeter
-    asked, budgets, why = getattr(budgeter, "b", None), policy.budgets, budgeter.holds_more_because()
-    mean = sum(budgets) / len(budgets)
-    if not why or asked is None or mean <= asked:
-        return ""
-    return f"; the cache holds a mean of {mean:.1f} tokens per layer, not {asked}: {why}"
-
-
-def can_print(text: str) -> bool:
-    try:
-        text.encode(sys.stdout.encoding or "ascii")
-        return True
-    except (UnicodeEncodeError, LookupError):
-        return False
+    return result
 
 
 def main(argv=None) -> int:
     """The entry point; `kvmini.cli.run` is the error boundary (one line on stderr, exit code 2 or 130)."""
-    return cli.run(lambda: generate_answer(parse_args(argv)), imports=IMPORTS)
+    return cli.run(lambda: generate_answer(parse_args(argv)))
 
 
 if __name__ == "__main__":

@@ -124,16 +124,9 @@ class LayerCache:
         The bulk eviction (after a prompt): every kept entry moves, O(S·D); see `evict_one`."""
         if self.counts is not None:
             raise ValueError("keep() of a layer whose rows differ in length: use keep_row()")
-        S_new = idx.shape[2]
-        k_idx = idx[..., None].expand(-1, -1, -1, self._k.shape[3])  # (B, H_kv, S', D)
-        self._k[:, :, :S_new] = self.keys.gather(2, k_idx)
-        self._v[:, :, :S_new] = self.values.gather(2, k_idx)
-        self._pos[:, :, :S_new] = self.positions.gather(2, idx)
-        for buf in self._aux.values():
-            buf[:, :, :S_new] = buf[:, :, : self.length].gather(2, along(idx, buf))
-        self.length = S_new
-        if 4 * S_new <= self.capacity and self.capacity > 64:  # give memory back after a big eviction
-            self._resize(max(2 * S_new, 64))
+        self._gather(slice(None), idx, self.length)
+        self.length = idx.shape[2]
+        self._shrink()
 
     def evict_one(self, slot: torch.Tensor) -> None:
         """Evict entry `slot` (B, H_kv) of every head in O(D): the last entry moves into that slot.
@@ -215,16 +208,25 @@ class LayerCache:
         counts = torch.tensor(self.held(), device=self._pos.device)  # (B,)
         s, old = idx.shape[2], int(counts[b])
         row = slice(b, b + 1)
-        k_idx = idx[..., None].expand(-1, -1, -1, self._k.shape[3])  # (1, H_kv, s, D)
-        self._k[row, :, :s] = self._k[row, :, :old].gather(2, k_idx)
-        self._v[row, :, :s] = self._v[row, :, :old].gather(2, k_idx)
-        self._pos[row, :, :s] = self._pos[row, :, :old].gather(2, idx)
-        for buf in self._aux.values():
-            buf[row, :, :s] = buf[row, :, :old].gather(2, along(idx, buf))
+        self._gather(row, idx, old)
         self._set_pads(row, s, old)
         counts[b] = s
         self.length = int(counts.max())
         self.counts = None if bool((counts == self.length).all()) else counts
+        self._shrink()
+
+    def _gather(self, rows: slice, idx: torch.Tensor, held: int) -> None:
+        """`rows` keep their entries idx (rows, H_kv, s) of their first `held` places, moved to places 0..s-1."""
+        s = idx.shape[2]
+        k_idx = idx[..., None].expand(-1, -1, -1, self._k.shape[3])  # (rows, H_kv, s, D)
+        self._k[rows, :, :s] = self._k[rows, :, :held].gather(2, k_idx)
+        self._v[rows, :, :s] = self._v[rows, :, :held].gather(2, k_idx)
+        self._pos[rows, :, :s] = self._pos[rows, :, :held].gather(2, idx)
+        for buf in self._aux.values():
+            buf[rows, :, :s] = buf[rows, :, :held].gather(2, along(idx, buf))
+
+    def _shrink(self) -> None:
+        """Give memory back after a big eviction: buffers at most a quarter full are halved or more."""
         if 4 * self.length <= self.capacity and self.capacity > 64:
             self._resize(max(2 * self.length, 64))
 
@@ -283,15 +285,10 @@ class KVCache:
         """Entries held per layer (by the longest row, when the rows of a batch differ)."""
         return [layer.length for layer in self.layers]
 
-    def declare(self, *names: str) -> None:
-        """Per-entry buffers `names` in every layer (LayerCache.declare)."""
-        for layer in self.layers:
-            layer.declare(*names)
-
     def join(self, layers: tuple[int, ...], room: int = 1) -> LayerCache:
         """The given layers as one LayerCache whose batch rows are theirs, layer after layer
         (len(layers) * B rows): their buffers become views of its buffers, so one operation on it acts
-        on all of them (a decode step's evictions, kvmini.policy). Rows of layers that hold different
+        on all of them (a decode step's evictions, kvmini.at_once). Rows of layers that hold different
         counts are padded after their entries, as the rows of a batch are (`counts`).
 
         Built with `room` free places per row beyond the longest layer, by copying the layers in
@@ -438,7 +435,3 @@ class SequenceCache:
 
     def lengths(self) -> list[int]:
         return [layer.length for layer in self.layers]
-
-    def declare(self, *names: str) -> None:
-        for layer in self.layers:
-            layer.declare(*names)

@@ -4,13 +4,14 @@
     budgeter    {layer: budget} = budgeter.decide(layer, lc, stats, score)
                                                            how many tokens may each layer keep, and when?
     compressor  compressor(layer, lc, score, budget)       shrink one layer to its budget (select, merge)
-    schedule    PREFILL | AFTER_PROMPT | EVERY_CALL        when the three above run
+    schedule    PREFILL | AFTER_PROMPT | DECODE | EVERY_CALL
+                                                           when the three above run
 
 A method is one of each, e.g. H2O = CumulativeAttention() + Uniform() + TopK(recent=HALF) on
 EVERY_CALL (kvmini.methods.h2o). The engine that runs them is kvmini.policy.Policy; it imports
 no method. The base classes below hold the shared defaults; a part overrides what it changes.
-Shapes: lc is a LayerCache (kvmini.cache); stats is a kvmini.attention.Stats, the attention
-statistics (kvmini.statistics) the parts' requests asked for, e.g. stats.column_sums (B, H_kv, S); scores are
+Shapes: lc is a LayerCache (kvmini.cache); stats is a kvmini.statistics.Stats, the attention
+statistics the parts' requests asked for, e.g. stats.column_sums (B, H_kv, S); scores are
 (B, H_kv, S), higher = keep.
 """
 from collections.abc import Callable
@@ -143,7 +144,8 @@ class Compressor:
 
     A compressor with `one_each` also has `evict_one_each(layers, lc, score, budgets, newest)`: a decode
     step of many layers at once, each one entry over its budget, held as the rows of one LayerCache
-    (`KVCache.join`); it must do per row exactly what `__call__` does per layer (tests/test_together.py).
+    (`KVCache.join`, kvmini.at_once); it must do per row exactly what `__call__` does per layer
+    (tests/test_together.py).
     """
 
     one_each = False  # has evict_one_each

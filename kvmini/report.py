@@ -1,8 +1,69 @@
-"""Terminal reports of what a compressed cache kept: a compact per-layer bar chart and byte counts."""
+"""run.py's report after the answer: the model, the method and its budgets, the prompt, the speed, and
+what the cache kept (a compact per-layer bar chart and byte counts)."""
 from kvmini.cache import KVCache
+from kvmini.methods.options import show
+from kvmini.methods.registry import declarations, resolved_options
 from kvmini.parts import PREFILL
 
 BLOCKS = "▁▂▃▄▅▆▇█"
+ASCII_BLOCKS = " .:-=+*#"  # the bars where the terminal cannot print block characters
+
+
+def run_report(folder: str, model, tok, chat, method: str, options: dict, policy, result, encoding: str | None) -> list[str]:
+    """The report's lines: `result` is kvmini.generate's, `encoding` the terminal's (None: ASCII)."""
+    c, vocab = model.config, model.config.vocab_size
+    lines = ["", "--- kvmini report ---",
+             f"model     {folder} ({c.model_type}, {c.num_layers} layers, {c.num_heads}/{c.num_kv_heads} q/kv heads)"
+             f" on {model.device.type} {str(model.dtype).removeprefix('torch.')}"]
+    if tok.vocab_size < vocab:
+        lines.append(f"vocab     the model has {vocab} output ids, the tokenizer {tok.vocab_size}: "
+                     f"the {vocab - tok.vocab_size} ids without text are never sampled")
+    lines.append(f"method    {describe(method, options, policy)}")
+    if policy is not None and policy.note:
+        lines.append(f"note      {policy.note}")
+    lines.append(f"prompt    {result.prompt_tokens} tokens ({type(chat).__name__ if chat else 'raw'} format)")
+    lines.append(f"prefill   {result.prefill_s:.3f} s, {result.prompt_tokens / result.prefill_s:.1f} tokens/s")
+    rate = result.decode_steps / result.decode_s if result.decode_steps else float("nan")
+    lines.append(f"decode    {result.new_tokens} new tokens, {rate:.1f} tokens/s")
+    return lines + cache_report(result.cache, policy, BLOCKS if can_print(BLOCKS, encoding) else ASCII_BLOCKS)
+
+
+def describe(method: str, given: dict, policy) -> str:
+    """`h2o, budget 0.2 = 123 tokens per layer (window budget // 2, reduce mean)`."""
+    if policy is None:
+        return method
+    options, kinds = resolved_options(method, given), {d.name: d.kind for d in declarations(method)}
+    shown = f" ({', '.join(f'{k} {show(v, kinds[k])}' for k, v in options.items())})" if options else ""
+    budgets = policy.budgets
+    per_layer = f"{budgets[0]}" if len(set(budgets)) == 1 else f"{min(budgets)}-{max(budgets)} (mean {sum(budgets) / len(budgets):.1f})"
+    if policy.budget is None:
+        share = sum(budgets) / (len(budgets) * policy.prompt_len)
+        return f"{method}, self-chosen budget {per_layer} tokens per layer = {share:.1%} of the prompt{shown}"
+    every = policy.evict_every
+    amortised = (f"; evicting {every} entries every {every} decode steps, so a layer holds up to {every - 1} "
+                 "more than its budget between evictions") if every > 1 else ""
+    return f"{method}, budget {policy.budget:g} = {per_layer} tokens per layer{budget_note(policy)}{amortised}{shown}"
+
+
+def budget_note(policy) -> str:
+    """Why the cache holds more than the budget asks (D2O's official protected layers, DynamicKV's
+    last L % m layers), when it does."""
+    if policy.unchanged is not None:  # a prompt too short to compress: the note says so
+        return ""
+    budgeter = policy.parts[1]
+    asked, budgets, why = getattr(budgeter, "b", None), policy.budgets, budgeter.holds_more_because()
+    mean = sum(budgets) / len(budgets)
+    if not why or asked is None or mean <= asked:
+        return ""
+    return f"; the cache holds a mean of {mean:.1f} tokens per layer, not {asked}: {why}"
+
+
+def can_print(text: str, encoding: str | None) -> bool:
+    try:
+        text.encode(encoding or "ascii")
+        return True
+    except (UnicodeEncodeError, LookupError):
+        return False
 
 
 def layer_bars(kept: list[int], full: int, per_line: int = 10, blocks: str = BLOCKS) -> list[str]:

@@ -12,7 +12,8 @@ from kvmini.methods.allocators import pyramid, round_to_total, uniform
 from kvmini.methods.registry import METHODS, chooses_budget, make_policy, method_options
 from kvmini.methods.selectors import keep_top
 from kvmini.parts import AFTER_PROMPT, DECODE, EVERY_CALL
-from kvmini.policy import PerSequence, resolve_budget
+from kvmini.per_sequence import PerSequence
+from kvmini.policy import resolve_budget
 from reference import in_position_order, random_model
 
 COMPRESSING = [m for m in METHODS if m != "full" and not chooses_budget(m)]

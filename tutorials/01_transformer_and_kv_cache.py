@@ -191,7 +191,7 @@ torch.testing.assert_close(a, b)  # attention cannot tell the two buffers apart
 # same handful of small tensor operations (on a CPU each costs a few microseconds whatever its
 # size, so with 30 layers the bookkeeping cost more than the smaller cache saved). But layer
 # $l$'s eviction changes only layer $l$'s cache, and no later layer of the same step reads it, so
-# the engine waits until the last layer has attended (`Policy.end`) and evicts all of them
+# the engine waits until the last layer has attended (`AtOnce.end`) and evicts all of them
 # together: `cache.join(layers)` holds the layers as the rows of one `LayerCache` (each layer's
 # buffers become views of its buffers), so one `evict_one` moves an entry in every layer. Layers
 # that hold different counts (D2O's per-layer budgets) are padded after their entries, like the
@@ -204,7 +204,7 @@ for i, lc in enumerate(two.layers):  # layer 0 holds positions 0..3, layer 1 pos
     lc.append(torch.full((1, 1, n, 2), float(i)), torch.zeros(1, 1, n, 2), torch.arange(n)[None])
 joint = two.join((0, 1))  # (2 rows, 1 KV head, 5 places, 2); row 0 ends with a pad
 joint.evict_one(torch.tensor([[1], [2]]))  # layer 0 drops slot 1, layer 1 slot 2: each row's last entry moves there
-two[0].length, two[1].length = two[0].length - 1, two[1].length - 1  # what Policy.end does after an eviction
+two[0].length, two[1].length = two[0].length - 1, two[1].length - 1  # what AtOnce.end does after an eviction
 assert two[0].positions.tolist() == [[[0, 3, 2]]] and two[1].positions.tolist() == [[[0, 1, 4, 3]]]
 
 # %% [markdown]

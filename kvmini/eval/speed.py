@@ -35,8 +35,9 @@ import torch
 
 from kvmini.statistics import Stats
 from kvmini.generate import prefill, synchronize
+from kvmini.methods import registry
 from kvmini.methods.registry import policy_for
-from kvmini.parts import DECODE, PREFILL
+from kvmini.parts import DECODE
 
 
 POLICY = "kvmini.policy"  # the profiler label of the policy's hooks (ops_per_step)
@@ -75,14 +76,18 @@ class Timed:
 
 
 def evicts_while_decoding(policy) -> bool:
-    return policy is not None and policy.schedule != PREFILL
+    """Does the policy's method evict while decoding (kvmini.methods.registry says; None: full)?"""
+    return policy is not None and registry.evicts_while_decoding(policy.name)
 
 
 def set_together(policy, together: bool) -> None:
     """All layers at once (True) or layer by layer (False), for the policy and any per-sequence copies."""
+    from kvmini.at_once import AtOnce
+    from kvmini.per_sequence import PerSequence
+
     policy = policy.policy if isinstance(policy, Timed) else policy
-    if policy is not None:
-        for p in [getattr(policy, "one", policy), *(getattr(policy, "rows", None) or [])]:
+    for p in [policy.one, *(policy.rows or [])] if isinstance(policy, PerSequence) else [policy]:
+        if isinstance(p, AtOnce):
             p.together = together
 
 

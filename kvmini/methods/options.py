@@ -18,6 +18,7 @@ Options that several methods share (sinks, window, reduce, ...) are declared onc
 means one thing everywhere (tests/test_options.py checks this over every method).
 The design: docs/design.md ("Options").
 """
+import functools
 import math
 import re
 import types
@@ -98,35 +99,7 @@ TRUTH = {"true": True, "yes": True, "on": True, "1": True, "false": False, "no":
 
 def read(kind, text: str):
     """A value of type `kind` written as text; ValueError (with what was expected) if it is not one."""
-    text = text.strip()
-    if kind is bool:
-        if text.lower() not in TRUTH:
-            raise ValueError("be true or false")
-        return TRUTH[text.lower()]
-    if kind is int or is_rule_or_int(kind):
-        if not re.fullmatch(r"[+-]?[0-9]+", text):
-            raise ValueError("be a whole number")
-        return int(text)
-    if kind is float:
-        value = float(text) if text.isascii() and re.fullmatch(r"[0-9eE.+-]+", text) else math.nan
-        if not math.isfinite(value):
-            raise ValueError("be a finite number")
-        return value
-    if kind == Layers:
-        parts = [p.strip() for p in re.split(r"[,;]", text) if p.strip()]
-        if not all(re.fullmatch(r"-?[0-9]+", p) for p in parts):
-            raise ValueError("be layer numbers separated by commas, e.g. 0,1,-1 (empty: none)")
-        return tuple(int(p) for p in parts)
-    if kind == Ratio:
-        m = re.fullmatch(r"([0-9]+):([0-9]+)", text)
-        if not m:
-            raise ValueError("look like N:M, e.g. 3:1")
-        return int(m[1]), int(m[2])
-    if is_choice(kind):
-        if text not in typing.get_args(kind):
-            raise ValueError(choices(kind))
-        return text
-    raise TypeError(f"no reader for {kind}")
+    return kind_of(kind).read(text.strip())
 
 
 def show(value, kind=None) -> str:
@@ -142,6 +115,21 @@ def show(value, kind=None) -> str:
     return str(value)
 
 
+def fits(kind, value) -> bool:
+    """Is `value` (a Python value, not text) of type `kind`?"""
+    return kind_of(kind).fits(value)
+
+
+def metavar(kind) -> str:
+    """How a flag's value is written, for --help: avg|max, N:M, LAYERS, BOOL, N, X."""
+    return kind_of(kind).metavar
+
+
+def kind_name(kind) -> str:
+    """What a value of `kind` is, for an error message."""
+    return kind_of(kind).name
+
+
 def is_choice(kind) -> bool:
     """Is `kind` a Literal of names (its values are the text itself)?"""
     return typing.get_origin(kind) is Literal
@@ -152,41 +140,80 @@ def choices(kind) -> str:
     return "be " + ", ".join(names[:-1]) + " or " + names[-1]
 
 
-def is_rule_or_int(kind) -> bool:
-    return isinstance(kind, types.UnionType) and set(typing.get_args(kind)) == {int, Rule}
+@dataclass(frozen=True)
+class Kind:
+    """One option type: what a value is called, how it is written for --help, how text (stripped)
+    is read into a value (ValueError: what it must be), and which Python values are of it."""
+
+    name: str
+    metavar: str
+    read: Callable[[str], object]
+    fits: Callable[[object], bool]
 
 
-def fits(kind, value) -> bool:
-    """Is `value` (a Python value, not text) of type `kind`?"""
+def kind_of(kind) -> Kind:
+    """The one switch over the option types (the table of the module docstring)."""
+    if is_choice(kind):
+        names = typing.get_args(kind)
+        return Kind("one of " + " | ".join(names), "|".join(names), functools.partial(read_choice, kind),
+                    lambda v: v in names)
     if kind is bool:
-        return isinstance(value, bool)
-    if kind is int or is_rule_or_int(kind):
-        return (isinstance(value, int) and not isinstance(value, bool)) or (kind is not int and isinstance(value, Rule))
+        return Kind("true or false", "BOOL", read_bool, lambda v: isinstance(v, bool))
+    if kind is int or (isinstance(kind, types.UnionType) and set(typing.get_args(kind)) == {int, Rule}):
+        return Kind("whole number", "N", read_int, lambda v: whole(v) or (kind is not int and isinstance(v, Rule)))
     if kind is float:
-        return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+        return Kind("finite number", "X", read_float,
+                    lambda v: isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v))
     if kind == Layers:
-        return isinstance(value, tuple) and all(isinstance(v, int) and not isinstance(v, bool) for v in value)
+        return Kind("tuple of layer numbers", "LAYERS", read_layers,
+                    lambda v: isinstance(v, tuple) and all(whole(x) for x in v))
     if kind == Ratio:
-        return isinstance(value, tuple) and len(value) == 2 and all(
-            isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in value)
-    if is_choice(kind):
-        return value in typing.get_args(kind)
-    raise TypeError(f"no check for {kind}")
+        return Kind("pair of whole numbers (N, M)", "N:M", read_ratio,
+                    lambda v: isinstance(v, tuple) and len(v) == 2 and all(whole(x) and x >= 0 for x in v))
+    raise TypeError(f"no option type {kind}")
 
 
-def metavar(kind) -> str:
-    """How a flag's value is written, for --help: avg|max, N:M, LAYERS, BOOL, N, X."""
-    if is_choice(kind):
-        return "|".join(typing.get_args(kind))
-    return {bool: "BOOL", float: "X", Layers: "LAYERS", Ratio: "N:M"}.get(kind, "N")
+def whole(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
-def kind_name(kind) -> str:
-    """What a value of `kind` is, for an error message."""
-    if is_choice(kind):
-        return "one of " + " | ".join(typing.get_args(kind))
-    return {bool: "true or false", int: "whole number", float: "finite number", Layers: "tuple of layer numbers",
-            Ratio: "pair of whole numbers (N, M)"}.get(kind, "whole number")
+def read_bool(text: str) -> bool:
+    if text.lower() not in TRUTH:
+        raise ValueError("be true or false")
+    return TRUTH[text.lower()]
+
+
+def read_int(text: str) -> int:
+    if not re.fullmatch(r"[+-]?[0-9]+", text):
+        raise ValueError("be a whole number")
+    return int(text)
+
+
+def read_float(text: str) -> float:
+    value = float(text) if text.isascii() and re.fullmatch(r"[0-9eE.+-]+", text) else math.nan
+    if not math.isfinite(value):
+        raise ValueError("be a finite number")
+    return value
+
+
+def read_layers(text: str) -> Layers:
+    parts = [p.strip() for p in re.split(r"[,;]", text) if p.strip()]
+    if not all(re.fullmatch(r"-?[0-9]+", p) for p in parts):
+        raise ValueError("be layer numbers separated by commas, e.g. 0,1,-1 (empty: none)")
+    return tuple(int(p) for p in parts)
+
+
+def read_ratio(text: str) -> Ratio:
+    m = re.fullmatch(r"([0-9]+):([0-9]+)", text)
+    if not m:
+        raise ValueError("look like N:M, e.g. 3:1")
+    return int(m[1]), int(m[2])
+
+
+def read_choice(kind, text: str) -> str:
+    if text not in typing.get_args(kind):
+        raise ValueError(choices(kind))
+    return text
 
 
 @dataclass(frozen=True)

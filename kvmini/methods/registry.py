@@ -17,7 +17,9 @@ from kvmini.methods import (cam, d2o, dbudgetkv, dynamickv, h2o, knorm, options,
                             snapkv, snapkv_d2o, streaming_llm, tova, vatp, weightedkv)
 from kvmini.methods.options import Declared
 from kvmini.parts import EVERY_CALL, PREFILL
-from kvmini.policy import PerSequence, Policy, resolve_budget
+from kvmini.at_once import AtOnce
+from kvmini.per_sequence import PerSequence
+from kvmini.policy import Policy, resolve_budget
 
 METHODS = {
     "full": None,  # no compression
@@ -149,11 +151,17 @@ def chosen(name: str, given: dict):
     return dataclasses.replace(base, **{k: v for k, v in given.items() if k not in ("variant", "evict_every")})
 
 
+def schedule(name: str) -> str:
+    """When method `name` compresses (kvmini.parts), with its default options. A module states it in
+    its `build` only (D2O's depends on the variant: DECODE or AFTER_PROMPT, both while decoding), so
+    it is read off a policy built with the defaults, here alone."""
+    return METHODS[name].build(DEFAULT_BUDGET).schedule
+
+
 def compress_every_call() -> list[str]:
     """Methods that compress after every forward call by design, so a prefill's chunk size changes
     what they keep; every other method keeps, from a prompt in chunks, what one call keeps."""
-    return [name for name, module in METHODS.items()
-            if module is not None and module.build(0.5).schedule == EVERY_CALL]
+    return [name for name, module in METHODS.items() if module is not None and schedule(name) == EVERY_CALL]
 
 
 def chooses_budget(name: str) -> bool:
@@ -163,7 +171,7 @@ def chooses_budget(name: str) -> bool:
 
 def evicts_while_decoding(name: str) -> bool:
     """Does the method evict during decoding (the engine option evict_every applies), or only the prompt?"""
-    return METHODS[name] is not None and METHODS[name].build(0.5).schedule != PREFILL
+    return METHODS[name] is not None and schedule(name) != PREFILL
 
 
 def check(name: str, given: dict) -> dict:
@@ -197,7 +205,8 @@ def make_policy(name: str, budget: float | None = None, **given) -> Policy | Per
     """A fresh policy for method `name`; clear errors for unknown names, options and values.
     Option values are typed (int, float, bool, a tuple for layers or N:M) or text as on the command
     line ("0,1,-1", "3:1", "true"). Methods whose budgets follow each sequence's statistics come
-    wrapped in PerSequence (batches). `evict_every=N` is an option of the engine (Policy.evict_every)
+    wrapped in PerSequence (batches); methods that evict while decoding run their decode steps with
+    every layer at once (kvmini.at_once). `evict_every=N` is an option of the engine (Policy.evict_every)
     that every method evicting while decoding takes."""
     if not isinstance(name, str) or name not in METHODS:
         raise KvminiError(f"unknown method {name!r}; choose from {', '.join(METHODS)}")
@@ -219,7 +228,7 @@ def make_policy(name: str, budget: float | None = None, **given) -> Policy | Per
     def build() -> Policy:
         policy = METHODS[name].build(budget, o)
         policy.evict_every = every
-        return policy
+        return AtOnce.of(policy)
 
     policy = build()
     return PerSequence(build, policy) if policy.budgeter.per_sequence else policy

@@ -1,0 +1,124 @@
+"""A decode step with every layer's eviction at once (docs/design.md, "A decode step: every layer at once").
+
+A decode step evicts one entry per head in each layer. Layer l's eviction changes only layer l's
+cache, which no later layer of the same call reads, so waiting changes nothing: `after_attention`
+records the layers one entry over their budget, and `end` evicts them together, held as the rows of
+one LayerCache (`KVCache.join`), in one op per step instead of one per layer:
+
+    joint = cache.join(layers)                           (len(layers) * B, H_kv, S)
+    scorer.update(joint, stacked stats);  score = scorer(joint, stacked stats)
+    compressor.evict_one_each(layers, joint, score, budgets, newest)
+
+Every other call runs kvmini.policy's layer-by-layer loop, the specification; `together = False`
+runs it for decode steps too, and tests/test_together.py proves both leave the same caches.
+"""
+import functools
+import sys
+
+import torch
+import torch.nn.functional as F
+
+from kvmini.cache import KVCache, LayerCache
+from kvmini.parts import PREFILL
+from kvmini.policy import Policy
+from kvmini.statistics import DECLARED, Request, Stats
+
+
+class AtOnce(Policy):
+    """A Policy whose decode steps evict from every layer at once, in `end`."""
+
+    together = True  # False: decode steps too run the layer-by-layer loop (kvmini.policy)
+
+    @classmethod
+    def of(cls, policy: Policy) -> Policy:
+        """`policy` with this decode step, when its schedule evicts while decoding and its compressor
+        has `evict_one_each`; else `policy` itself."""
+        if policy.schedule == PREFILL or not policy.compressor.one_each:
+            return policy
+        fast = cls(policy.name, policy.budget, *policy.parts, policy.schedule, policy.prefill_chunk)
+        fast.evict_every = policy.evict_every
+        return fast
+
+    def start(self, prompt_len: int | None, total_len: int | None = None) -> None:
+        super().start(prompt_len, total_len)
+        self.join_limit: int | None = None  # the longest budget a layer may have to be evicted with the others
+        self.deferred: list[tuple[int, Stats]] | None = None  # this step's (layer, stats) waiting for `end`
+
+    def begin(self, cache: KVCache, T: int) -> None:
+        super().begin(cache, T)
+        call = self.call
+        at_once = (self.together and call.compress_now and T == 1 and not call.in_prompt and self.evict_every == 1
+                   and isinstance(cache, KVCache) and self.budgeter.known(0) is not None)
+        self.deferred = [] if at_once else None  # None: this call runs layer by layer
+
+    def request(self, layer: int) -> Request | None:
+        if self.deferred is None:
+            return super().request(layer)
+        if self.budgeter.skips(layer):
+            return None
+        wanted = self.accumulating() or self.call.cache[layer].length + 1 > self.budgeter.known(layer)
+        return self.scorer.request if wanted else None  # without building a request: the scorer's, or none
+
+    def after_attention(self, layer: int, cache: KVCache, stats: Stats) -> None:
+        if (self.deferred is not None and not self.budgeter.skips(layer)
+                and cache[layer].length - 1 == self.budgeter.known(layer) <= self.joinable()):
+            self.deferred.append((layer, stats))  # updated, scored and evicted with the other layers in `end`
+            return
+        super().after_attention(layer, cache, stats)
+
+    def joinable(self) -> int:
+        """The longest budget of a layer evicted with the others: twice the median budget. The joined rows
+        are as long as the longest of them, so a layer far longer than the rest (D2O's paper allocation
+        gives one layer the whole prompt) would make every row that long; it is evicted on its own."""
+        if self.join_limit is None:
+            budgets = sorted(b for b in (self.budgeter.known(l) for l in range(len(self.call.cache))) if b < sys.maxsize)
+            self.join_limit = 2 * budgets[len(budgets) // 2] if budgets else 0
+        return self.join_limit
+
+    def end(self, cache: KVCache) -> None:
+        """The deferred one-entry evictions of this decode step, for all those layers at once."""
+        if not self.deferred:
+            return
+        call, layers = self.call, tuple(layer for layer, _ in self.deferred)
+        joint = cache.join(layers)
+        stats = Stacked([stats for _, stats in self.deferred], joint)
+        if self.accumulating():
+            self.scorer.update(joint, stats, call.start, call.T)
+        score = self.scorer(joint, stats)  # (R, H_kv, S), R = len(layers) * B
+        budgets = [self.budgeter.known(layer) for layer in layers]
+        self.compressor.evict_one_each(layers, joint, score, budgets, call.start + call.T - 1)
+        for layer in layers:  # each dropped one entry
+            cache[layer].length -= 1
+            self.evicted[layer] += 1
+        self.deferred = []
+
+
+class Stacked:
+    """The statistics of the layers `AtOnce.end` evicts together, as the rows of the joined cache
+    (len(layers) * B, H_kv, S), read as a Stats is: each is stacked when first read, the rows of
+    shorter layers padded with zeros."""
+
+    def __init__(self, per_layer: list[Stats], joint: LayerCache):
+        self.per_layer, self.S, self.stacked = per_layer, joint.length, {}
+
+    def __getattr__(self, name: str) -> torch.Tensor:
+        if name not in DECLARED:
+            raise AttributeError(name)
+        if name not in self.stacked:
+            rows = [getattr(stats, name) for stats in self.per_layer]  # (B, H_kv, S_l) each
+            if all(t.shape[-1] == self.S for t in rows):
+                self.stacked[name] = torch.cat(rows)  # (len(layers) * B, H_kv, S)
+            else:  # one copy of all rows side by side, then each layer's part read out, zero-padded
+                side = F.pad(torch.cat(rows, -1), (0, 1))  # (B, H_kv, sum S_l + 1): the last column is 0
+                at = padded_index(tuple(t.shape[-1] for t in rows), self.S, side.device)  # (len(layers), S)
+                self.stacked[name] = side[:, :, at].permute(2, 0, 1, 3).reshape(-1, side.shape[1], self.S)
+        return self.stacked[name]
+
+
+@functools.lru_cache(maxsize=16)
+def padded_index(lengths: tuple[int, ...], S: int, device) -> torch.Tensor:
+    """Where row l's place j is in rows of these lengths laid side by side (plus one zero column at the
+    end, for the places past a row's length): (len(lengths), S). Made once per set of lengths."""
+    S_l = torch.tensor(lengths, device=device)  # (len(lengths),)
+    j = torch.arange(S, device=device)  # (S,)
+    return torch.where(j < S_l[:, None], (S_l.cumsum(0) - S_l)[:, None] + j, int(sum(lengths)))
