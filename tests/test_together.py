@@ -1,5 +1,5 @@
 """A decode step's evictions for all layers at once (`Policy.end`, `KVCache.join`) equal the same
-evictions layer by layer (`Policy.together = False`, the readable specification).
+evictions layer by layer (`AtOnce.together = False`: kvmini.policy, the readable specification).
 
 The per-layer path is itself proven against literal references (tests/test_policy.py, test_d2o.py,
 test_weightedkv.py); here both paths run the same calls and must leave the same caches: the same

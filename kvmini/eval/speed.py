@@ -142,7 +142,7 @@ def decode_speed(model, ids: torch.Tensor, methods: list[str], budget: float, st
     `rounds` rounds of `steps` timed steps each, so a slow moment of a shared machine hits them all
     alike; each method keeps its median round. The policy's time and share are of the same rounds.
     A method that evicts while decoding also runs, in each round, `steps` steps layer by layer
-    (`Policy.together = False`, the same evictions: tests/test_together.py) on the same cache:
+    (`AtOnce.together = False`, kvmini.at_once; the same evictions: tests/test_together.py) on the same cache:
     "layer_by_layer_*", and "joint_speedup", its tokens/s with all layers at once over layer by layer."""
     total = ids.shape[1] + 1 + steps * rounds
     runs = {}

@@ -216,7 +216,7 @@ def summary(results: dict) -> str:
         together = {name: dec for name, dec in sp["decode"].items() if "joint_speedup" in dec}
         if together:
             out += ["", "A decode step's evictions for all layers at once (the default) against layer by layer "
-                    "(`Policy.together = False`, the same evictions), in the same rounds on the same caches:", "",
+                    "(`AtOnce.together = False`, kvmini.at_once; the same evictions), in the same rounds on the same caches:", "",
                     "| method | decode tokens/s: at once | layer by layer | at once / layer by layer | policy per step: "
                     "at once | layer by layer | policy ops per step: at once | layer by layer |",
                     "|---|---|---|---|---|---|---|---|"]

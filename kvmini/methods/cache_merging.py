@@ -95,7 +95,7 @@ class CacheMerge(Compressor):
         self.merged[layer] = self.merged[layer] + M.mean(1).sum()  # mean over KV heads
 
     def evict_one_each(self, layers: tuple, lc: LayerCache, score: torch.Tensor, budgets: list[int], newest: int) -> None:
-        """One decode step of many layers at once (kvmini.policy): `lc` holds them as rows (`KVCache.join`),
+        """One decode step of many layers at once (kvmini.at_once): `lc` holds them as rows (`KVCache.join`),
         each one entry over its budget: per row, `merge_one` as `__call__` does it, with each layer's draws."""
         note = None
         if self.trace is not None:

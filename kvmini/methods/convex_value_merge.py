@@ -185,7 +185,7 @@ class ConvexValueMerge(Compressor):
             merge_runs(lc, b, self.sinks, self.recent(b), note)
 
     def evict_one_each(self, layers: tuple, lc: LayerCache, score: torch.Tensor, budgets: list[int], newest: int) -> None:
-        """One decode step of many layers at once (kvmini.policy): `lc` holds them as rows
+        """One decode step of many layers at once (kvmini.at_once): `lc` holds them as rows
         (`KVCache.join`), each one entry over its budget: per row, `merge_one` as `__call__` does it."""
         for layer in layers:
             self.merged[layer] += 1

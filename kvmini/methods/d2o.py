@@ -25,7 +25,7 @@ Two variants; every option below overrides its part of the chosen one:
 `allocation=zscore` is kvmini's own reading (standardized variances, `softmax_temperature`);
 `reciprocal` and `uniform` are the paper's Table 4; `merge=off` only evicts. Defaults: the
 `official` variant (docs/methods.md, the D2O table, has the measured reason), 4 sinks, group
-reduction mean. In a batch, every sequence gets its own budgets (kvmini.policy.PerSequence).
+reduction mean. In a batch, every sequence gets its own budgets (kvmini.per_sequence.PerSequence).
 Deviation: the authors' code keeps one cache per query head (after repeat_kv), so each query
 head evicts and merges its own tokens; kvmini does this per KV head (query heads of a group
 reduced by mean), in both variants.

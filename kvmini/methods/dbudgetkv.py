@@ -15,7 +15,7 @@ Two variants; every option overrides its part of the chosen one:
 `ranking=cumulative` ranks by the prompt's column sums (the paper's Table 3). Both use k = 1
 (the last query's row) and group reduction mean. Default: the `paper` variant (docs/methods.md's
 DBudgetKV table has the measured comparison). In a batch, every sequence gets its own budgets
-(kvmini.policy.PerSequence).
+(kvmini.per_sequence.PerSequence).
 """
 from dataclasses import dataclass
 from typing import Literal

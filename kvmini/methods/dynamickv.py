@@ -9,7 +9,7 @@ window attention plus the window; every `interval` layers and after the last, th
 layers are re-budgeted by how many of the global top scores they hold
 (kvmini.methods.progressive_budgets), ending at `budget` tokens per layer on average.
 Defaults: window 8, kernel 7, avg pooling, r_max 10, interval 4, group reduction mean.
-In a batch, every sequence gets its own layer budgets (kvmini.policy.PerSequence).
+In a batch, every sequence gets its own layer budgets (kvmini.per_sequence.PerSequence).
 
 Variants: `paper` (the default, Alg. 1) and `official` (DreamMr/DynamicKV). Both re-allocate only
 when l % m == 0 (Alg. 1 line 24), so when L % m != 0 the last L % m layers keep b_s + w_s;

@@ -146,7 +146,7 @@ class RobustScope(Compressor):
         return self.select(layer, lc, self.shield(lc, score, T, L, rho), b)  # (R5)
 
     def evict_one_each(self, layers: tuple, lc: LayerCache, score: torch.Tensor, budgets: list[int], newest: int) -> None:
-        """A decode step of many layers at once (kvmini.policy): per row what `__call__` does."""
+        """A decode step of many layers at once (kvmini.at_once): per row what `__call__` does."""
         sizes = [self.size(b, 1, True) for b in budgets]
         T = sizes[0][0]
         L, rho = (self.rows([s[i] for s in sizes], lc) for i in (1, 2))

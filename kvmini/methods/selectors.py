@@ -82,7 +82,7 @@ class TopK(Compressor):
         return idx
 
     def evict_one_each(self, layers: tuple, lc, score: torch.Tensor, budgets: list[int], newest: int) -> None:
-        """One decode step of many layers at once (kvmini.policy): `lc` holds them as rows
+        """One decode step of many layers at once (kvmini.at_once): `lc` holds them as rows
         (`KVCache.join`), each one entry over its budget. Per row, the same victim, merge and move as
         `__call__` with one entry to drop; one op per buffer for all layers instead of one per layer."""
         recent = self.recent_rows(budgets, lc)
