@@ -32,7 +32,7 @@ import torch.nn.functional as F  # noqa: E402
 from kvmini.errors import KvminiError
 from kvmini.generate import prefill
 from kvmini.methods.registry import METHODS, chooses_budget, make_policy, parse_spec
-from kvmini.parts import PREFILL
+from kvmini.policy import PREFILL
 
 LAZY_IMPORTS = ("kvmini.loading", "kvmini.tokenizer", "kvmini.weights")  # the tools' work imports these
 
