@@ -39,8 +39,8 @@ class AtOnce(Policy):
         fast.evict_every = policy.evict_every
         return fast
 
-    def start(self, prompt_len: int | None, total_len: int | None = None) -> None:
-        super().start(prompt_len, total_len)
+    def _new_prompt(self) -> None:
+        super()._new_prompt()
         self.join_limit: int | None = None  # the longest budget a layer may have to be evicted with the others
         self.deferred: list[tuple[int, Stats]] | None = None  # this step's (layer, stats) waiting for `end`
 

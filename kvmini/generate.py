@@ -4,6 +4,7 @@
              filling the cache; only the last position's logits are computed.
     decode:  one token at a time; each step appends one entry per layer.
 """
+import copy
 import math
 import time
 from dataclasses import dataclass, field
@@ -114,18 +115,23 @@ def prefill(model: Transformer, ids: torch.Tensor, cache: KVCache, policy=None, 
             total_len: int | None = None, progress: Progress | None = None):
     """ids (B, T) -> logits of the last position (B, V). chunk_size splits the prompt into pieces.
 
-    A policy is started for this prompt (fresh state); total_len (prompt + tokens to come, if
-    known) lets it skip statistics when its budget can never be reached. `progress` hears the
-    tokens done after every layer (a chunk of c tokens counts c/L per layer).
+    On a fresh cache the policy starts a run with this prompt; on a cache that holds tokens, ids are
+    the run's next prompt (policy.next_prompt: a next turn or question, docs/design.md "A cache that
+    lives on"): one prompt in pieces is one call of prefill with chunk_size, never one call per piece.
+    total_len (every token the run will have seen at its end, if known) promises that the run ends
+    there, which lets a policy skip statistics its budget never needs. `progress` hears the tokens
+    done after every layer (a chunk of c tokens counts c/L per layer).
     """
     ids = token_ids(ids, model.config.vocab_size)
     if chunk_size is not None and (not is_whole(chunk_size) or chunk_size < 1):
         raise KvminiError(f"chunk_size must be None or a whole number >= 1, got {chunk_size!r}")
-    T, L = ids.shape[1], model.config.num_layers
-    method_chunk = policy.chunk_for(T, total_len) if policy is not None else None  # e.g. WeightedKV's
+    T, L, before = ids.shape[1], model.config.num_layers, cache.seen_tokens
+    if ids.shape[0] != cache[0].positions.shape[0]:
+        raise KvminiError(f"ids hold {ids.shape[0]} sequences but the cache {cache[0].positions.shape[0]}")
+    method_chunk = policy.chunk_for(before + T, total_len) if policy is not None else None  # e.g. WeightedKV's
     step = chunk_size or method_chunk or T
     if policy is not None:
-        policy.start(T, total_len)
+        policy.start(T, total_len) if before == 0 else policy.next_prompt(T, total_len)
     for start in range(0, T, step):
         c = min(step, T - start)
         on_layer = None if progress is None else (lambda i, start=start, c=c: progress.update(start + c * (i + 1) / L))
@@ -133,6 +139,12 @@ def prefill(model: Transformer, ids: torch.Tensor, cache: KVCache, policy=None, 
     if progress is not None:
         progress.close()
     return logits[:, -1]
+
+
+def fork(cache: KVCache, policy=None):
+    """An independent copy of a run (its cache and its policy's state), e.g. to answer several questions
+    from one compressed context: each question continues its own copy."""
+    return copy.deepcopy((cache, policy))
 
 
 @torch.inference_mode()
@@ -146,9 +158,14 @@ def generate(
     chunk_size: int | None = None,
     on_token=None,
     progress: Progress | None = None,
+    cache: KVCache | None = None,
+    more_prompts: bool = False,
 ) -> GenerationResult:
     """Generate up to max_new_tokens after prompt ids (B, T); on_token(id) streams sequence 0;
-    `progress` reports the prefill (see `prefill`)."""
+    `progress` reports the prefill (see `prefill`). With `cache` (a finished result's, or a `fork` of
+    it), ids are the run's next prompt and the answer continues that cache, which is changed in place.
+    more_prompts: a next prompt may follow this answer (a chat), so the policy is not told where the
+    run ends (a run that is told may skip statistics a later prompt would need)."""
     ids = token_ids(ids, model.config.vocab_size)
     if not is_whole(max_new_tokens) or max_new_tokens < 0:
         raise KvminiError(f"max_new_tokens must be a whole number >= 0, got {max_new_tokens!r}")
@@ -160,10 +177,13 @@ def generate(
     generator = None
     if sampling.seed is not None:
         generator = torch.Generator(device=device).manual_seed(sampling.seed)
-    cache = model.new_cache(B, capacity=T + max_new_tokens)
+    if cache is None:
+        cache = model.new_cache(B, capacity=T + max_new_tokens)
+    elif not isinstance(cache, KVCache):
+        raise KvminiError(f"cache must be a KVCache (a GenerationResult's .cache), got {type(cache).__name__}")
     t0 = time.perf_counter()
-    longest = T + max(max_new_tokens - 1, 0)  # the last new token is sampled, never appended
-    logits = prefill(model, ids, cache, policy, chunk_size, longest, progress)  # (B, V)
+    longest = cache.seen_tokens + T + max(max_new_tokens - 1, 0)  # the last new token is sampled, never appended
+    logits = prefill(model, ids, cache, policy, chunk_size, None if more_prompts else longest, progress)  # (B, V)
     synchronize(device)
     t1 = time.perf_counter()
     tokens: list[list[int]] = [[] for _ in range(B)]

@@ -24,6 +24,10 @@ class PerSequence:
         self.rows: list[Policy] | None = None
         self.views = None  # each row's view of the cache (KVCache.sequence), made by begin
 
+    def next_prompt(self, prompt_len: int, total_len: int | None = None) -> None:
+        for policy in self.policies:
+            policy.next_prompt(prompt_len, total_len)
+
     def chunk_for(self, prompt_len: int, total_len: int | None) -> int | None:
         return self.one.chunk_for(prompt_len, total_len)
 
@@ -32,12 +36,12 @@ class PerSequence:
             self.rows = None  # a new run
         self.one.begin(cache, T)  # the run's prompt length and whether any compression happens
         B = cache[0].positions.shape[0]
-        if B == 1 or not self.one.active:
+        if B == 1:
             return
         if self.rows is None:
             self.rows = [self.make() for _ in range(B)]
             for row in self.rows:
-                row.start(self.one.prompt_len, self.one.total_len)
+                row.start(self.one.prompt_end, self.one.total_len)
         self.views = [cache.sequence(b) for b in range(B)]
         for row, view in zip(self.rows, self.views):
             row.begin(view, T)
@@ -90,8 +94,8 @@ class PerSequence:
         return self.one.unchanged
 
     @property
-    def prompt_len(self) -> int | None:
-        return self.one.prompt_len
+    def prompt_end(self) -> int | None:
+        return self.one.prompt_end
 
     @property
     def budgets(self) -> list[int] | None:

@@ -9,8 +9,11 @@ The model talks to a policy through four calls per forward pass of T new tokens:
     end(cache)                           after the last layer (nothing to do in this form)
 In a call the schedule compresses, after layer l attended over its full cache:
     score = scorer(cache[l], stats);  for i, b in budgeter.decide(l, ...): compressor(i, cache[i], score_i, b)
-Only later layers and later calls see what was kept. `start()` (called by `generate`) resets a
-run; a fresh cache (seen_tokens == 0) without it starts one whose first call is the whole prompt.
+Only later layers and later calls see what was kept. A run is told where each prompt ends and
+never guesses: `start(n)` before its first call (kvmini.generate.prefill calls it), `next_prompt(n)`
+before a later prompt (a next turn: planned afresh, docs/design.md "A cache that lives on"); calls
+after a prompt are generated tokens, one or several at a time. A call the policy would have to
+guess about (no start, another cache, one crossing a prompt's end) is refused with a KvminiError.
 A prompt fed in several calls (a chunked prefill) is one prompt: a method that compresses once the
 prompt is complete (every schedule but EVERY_CALL) sees its statistics, gathered over the calls
 (kvmini.statistics.Gathering), in the call that completes it, as if the prompt had come in that one
@@ -72,13 +75,33 @@ class Policy:
         self.start(None)
 
     def start(self, prompt_len: int | None, total_len: int | None = None) -> None:
-        """Fresh state for a run whose prompt has prompt_len tokens (total_len: prompt + new tokens, if known)."""
-        self.prompt_len, self.total_len = prompt_len, total_len
+        """A new run whose first prompt has prompt_len tokens. total_len (prompt + new tokens) promises
+        the run ends there: no next prompt, so a budget it never reaches computes no statistics."""
+        self.prompt_start, self.prompt_end, self.total_len = 0, prompt_len, total_len
         self.started, self.evicted, self.active, self.note = False, [], False, None  # parts start on the first call
+        self.seen, self.skipped = 0, False  # tokens fed so far; statistics an idle run did not keep
+        self._new_prompt()
+
+    def next_prompt(self, prompt_len: int, total_len: int | None = None) -> None:
+        """Continue the run: its next prompt_len tokens are a new prompt (a next turn, a next question),
+        planned afresh when it arrives (docs/design.md, "A cache that lives on"). total_len as in start."""
+        if self.prompt_end is None:
+            raise KvminiError(f"{self.name}: next_prompt continues a run; call policy.start(prompt_len) for the first prompt")
+        if self.seen < self.prompt_end:
+            raise KvminiError(f"{self.name}: the prompt is not complete ({self.prompt_end - self.seen} of its tokens are still "
+                              "to come); feed them before a next prompt")
+        if self.skipped:
+            raise KvminiError(f"{self.name}: this run was started to end at {self.total_len} tokens (total_len), so it kept "
+                              "no attention statistics while its budget was not reached; to continue a run, start it "
+                              "without total_len (generate(..., more_prompts=True))")
+        self.prompt_start, self.prompt_end, self.total_len = self.seen, self.seen + prompt_len, total_len
+        self._new_prompt()
+
+    def _new_prompt(self) -> None:
+        self.planned = False  # the budgets are planned at the prompt's first call (the layer count is known there)
         self.unchanged: list[int] | None = None  # the budgets of a prompt too short to compress: all of it
         self.gathered: Gathering | None = None  # a prompt in several calls: its statistics so far
         self.call: Call | None = None
-        self._fresh = prompt_len is not None
 
     def chunk_for(self, prompt_len: int, total_len: int | None) -> int | None:
         """The prefill chunk size this method asks for, or None (one call, also when its budget is a no-op)."""
@@ -94,32 +117,46 @@ class Policy:
         return longest is not None and b >= longest
 
     def begin(self, cache: KVCache, T: int) -> None:
-        if cache.seen_tokens == 0 and not self._fresh:
-            self.start(T)  # a new run without start(): its first call is the whole prompt
-        self._fresh = False
-        if self.prompt_len is None:
-            raise KvminiError(f"{self.name}: call policy.start(prompt_len) before continuing a cache it has not seen")
+        start, n = cache.seen_tokens, self.prompt_end
+        end = start + T  # this call ends at token `end`
+        self._check_call(start, end)
         if not self.started:
-            self._start_parts(len(cache))
+            self.compressor.start(len(cache))
+            self.started, self.evicted = True, [0] * len(cache)
             for layer in range(len(cache)):  # the buffers the scorer keeps, in the layers it scores: once a run
                 if not self.budgeter.skips(layer):
                     cache[layer].declare(*self.scorer.aux)
-        start, n = cache.seen_tokens, self.prompt_len
-        end = start + T  # this call ends at token `end`
+        if not self.planned:
+            self._plan(len(cache))
+        self.seen = end
         when = {PREFILL: end == n, AFTER_PROMPT: end >= n, DECODE: end > n, EVERY_CALL: True}  # the schedule
-        gathering = self.schedule != EVERY_CALL and end <= n and T < n  # a prompt in several calls
+        gathering = self.schedule != EVERY_CALL and end <= n and T < n - self.prompt_start  # a prompt in several calls
         self.call = Call(cache, start, T, end <= n, self.active and when[self.schedule], gathering, {})
-        if gathering and start == 0:
+        if gathering and start == self.prompt_start:
             wanted = Request.merge([self.scorer.request, self.budgeter.request])
             self.gathered = Gathering(wanted, n) if wanted else None
+        if not self.active and self.accumulating() and not self.counting():
+            self.skipped = True  # an idle run promised to end (total_len): a next prompt would lack these sums
 
-    def _start_parts(self, L: int) -> None:
+    def _check_call(self, start: int, end: int) -> None:
+        """Refuse a call the policy would have to guess about: it never guesses where a prompt ends."""
+        if self.prompt_end is None:
+            raise KvminiError(f"{self.name}: call policy.start(prompt_len) before the first call, so that the policy knows "
+                              "where the prompt ends (kvmini.generate.prefill does it)")
+        if start != self.seen:
+            raise KvminiError(f"{self.name}: this cache holds {start} tokens, but this run of the policy has fed {self.seen}; "
+                              "a new cache needs policy.start(prompt_len), and one policy follows one cache")
+        if start < self.prompt_end < end:
+            raise KvminiError(f"{self.name}: a call of {end - start} tokens from position {start} crosses the prompt's end at "
+                              f"{self.prompt_end}; feed the prompt's last {self.prompt_end - start} tokens in their own call")
+
+    def _plan(self, L: int) -> None:
+        """This prompt's budgets, for every token the run has seen when it completes (a ratio is of those)."""
         if any(not -L <= layer < L for layer in self.budgeter.protected_spec):
             raise KvminiError(f"{self.name}: protected layers {list(self.budgeter.protected_spec)} do not all exist; "
                               f"this model has layers 0 to {L - 1}")
-        n, b, self.note = self.prompt_len, None if self.budget is None else resolve_budget(self.budget, self.prompt_len), None
-        self.compressor.start(L)
-        self.started, self.evicted = True, [0] * L
+        n, b, self.note = self.prompt_end, None if self.budget is None else resolve_budget(self.budget, self.prompt_end), None
+        self.planned = True
         if isinstance(self.budget, float) and self.budget <= 1 and not self._fits(b, L):  # a ratio (resolve_budget)
             # a share of a short prompt smaller than what the method always keeps: raise it to the least that works
             fit = next((x for x in range(b + 1, n + 1) if self._fits(x, L)), None)
@@ -136,7 +173,7 @@ class Policy:
     def _fits(self, b: int, L: int) -> bool:
         """Can the parts work with a mean budget of b tokens per layer? (Asks the budgeter's pure plan.)"""
         try:
-            budgets = self.budgeter.plan(b, L, self.prompt_len)
+            budgets = self.budgeter.plan(b, L, self.prompt_end)
         except KvminiError:
             return False
         return not self._problems(dict(enumerate(budgets)), L)
@@ -157,10 +194,17 @@ class Policy:
         """Does the scorer keep running sums now? (Always for decode-time methods, during the prompt otherwise.)"""
         return self.scorer.accumulates and (self.schedule != PREFILL or self.call.in_prompt)
 
+    def counting(self) -> bool:
+        """Does an idle run (nothing to compress yet) keep its scorer's running sums? Yes when it may go on
+        (no total_len): a next prompt that makes it compress then finds them complete."""
+        return self.total_len is None and self.accumulating()
+
     def request(self, layer: int) -> Request | None:
         call = self.call
-        if not self.active or self.budgeter.skips(layer):
+        if self.budgeter.skips(layer):
             return None
+        if not self.active:
+            return self.scorer.request if self.counting() else None
         if call.gathering:
             return self.gathered.request(call.start, call.T) if self.gathered else None
         wanted = [self.scorer.request] if self.accumulating() else []
@@ -175,12 +219,15 @@ class Policy:
         return Request.merge(wanted)
 
     def after_attention(self, layer: int, cache: KVCache, stats: Stats) -> None:
-        call = self.call
-        if not self.active or self.budgeter.skips(layer):
+        call, lc = self.call, cache[layer]
+        if self.budgeter.skips(layer):
             return
-        lc = cache[layer]
+        if not self.active:
+            if self.counting():
+                self.scorer.update(lc, stats, call.start, call.T)
+            return
         if call.gathering:  # a prompt in several calls: its parts see it when it is complete
-            complete = call.start + call.T == self.prompt_len
+            complete = call.start + call.T == self.prompt_end
             if self.gathered is not None:
                 stats = self.gathered.add(layer, stats, lc.keys.shape[1], complete)
             if not complete:

@@ -37,7 +37,7 @@ def describe(method: str, given: dict, policy) -> str:
     budgets = policy.budgets
     per_layer = f"{budgets[0]}" if len(set(budgets)) == 1 else f"{min(budgets)}-{max(budgets)} (mean {sum(budgets) / len(budgets):.1f})"
     if policy.budget is None:
-        share = sum(budgets) / (len(budgets) * policy.prompt_len)
+        share = sum(budgets) / (len(budgets) * policy.prompt_end)
         return f"{method}, self-chosen budget {per_layer} tokens per layer = {share:.1%} of the prompt{shown}"
     every = policy.evict_every
     amortised = (f"; evicting {every} entries every {every} decode steps, so a layer holds up to {every - 1} "
@@ -94,8 +94,8 @@ def cache_report(cache: KVCache, policy=None, blocks: str = BLOCKS) -> list[str]
     if aux := cache.aux_nbytes():
         lines.append(f"aux       {aux / 2**20:.2f} MiB of per-token statistics the method keeps beside K/V "
                      f"({', '.join(dict.fromkeys(n for lc in cache.layers for n in lc.aux_names()))})")
-    if policy is not None and policy.active and policy.schedule == PREFILL and cache.seen_tokens > policy.prompt_len:
-        lines.append(f"appended  each layer's last {cache.seen_tokens - policy.prompt_len} entries were appended while "
+    if policy is not None and policy.active and policy.schedule == PREFILL and cache.seen_tokens > policy.prompt_end:
+        lines.append(f"appended  each layer's last {cache.seen_tokens - policy.prompt_end} entries were appended while "
                      "decoding, after the prompt was compressed (this method compresses the prompt only)")
     if policy is not None:
         total, merged = sum(policy.evicted), sum(policy.merged)

@@ -113,7 +113,7 @@ def panel(cache: KVCache, policy=None, trace: list[Merged] | None = None, name: 
         if policy is None or not policy.active or layer in protected:
             windows.append(None)
             continue
-        end = policy.prompt_len if policy.schedule == PREFILL else n
+        end = policy.prompt_end if policy.schedule == PREFILL else n
         windows.append([compressor.sinks, end - compressor.recent(policy.budgets[layer]), end])
     return {
         "name": name or (policy.name if policy is not None else "full"),

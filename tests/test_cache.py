@@ -89,7 +89,7 @@ def test_prefill_compression_releases_memory():
     model = random_model(L=4)
     cache = model.new_cache(1, capacity=400)
     with torch.no_grad():
-        model(torch.randint(0, 61, (1, 400)), cache, make_policy("snapkv", 40, window=4, kernel=3))
+        prefill(model, torch.randint(0, 61, (1, 400)), cache, make_policy("snapkv", 40, window=4, kernel=3))
     assert cache.lengths() == [40] * 4
     assert cache.allocated_nbytes() <= 2 * cache.nbytes() + 4 * 64 * cache[0].entry_nbytes
     assert cache.allocated_nbytes() < cache.full_nbytes() / 4

@@ -11,6 +11,7 @@ from kvmini.cache import LayerCache
 from kvmini.errors import KvminiError
 from kvmini.methods.ema_merging import EMAMerge, nearest, nearest_by_chunks
 from kvmini.methods.registry import make_policy
+from kvmini.generate import prefill
 from kvmini.methods.scorers import CumulativeAttention, WindowAttention
 from kvmini.methods.selectors import TopK
 from kvmini.methods.allocators import proportional
@@ -74,7 +75,7 @@ def test_unclamped_eq5_that_starves_a_layer_is_a_clear_error():
     policy = make_policy("d2o", 16, variant="paper", allocation="zscore", clamp_budgets=False)
     with pytest.raises(KvminiError, match=r"d2o: a budget of \d+ tokens \(layer \d\) is too small for 4 sinks"):
         with torch.no_grad():
-            model(torch.randint(0, 61, (1, 40), generator=torch.Generator().manual_seed(0)), model.new_cache(), policy)
+            prefill(model, torch.randint(0, 61, (1, 40), generator=torch.Generator().manual_seed(0)), model.new_cache(), policy)
 
 
 def exact_clamped_split(weights, total, low, high):
@@ -257,19 +258,19 @@ def test_d2o_allocation_alternatives_and_short_prompts():
     with torch.no_grad():
         for allocation in ("uniform", "reciprocal"):
             policy = make_policy("d2o", 0.5, **{**KVMINI, "allocation": allocation})
-            model(ids, model.new_cache(1), policy)
+            prefill(model, ids, model.new_cache(1), policy)
             assert sum(policy.budgets) == 80
         uniform = make_policy("d2o", 0.5, **{**KVMINI, "allocation": "uniform"})
-        model(ids, model.new_cache(1), uniform)
+        prefill(model, ids, model.new_cache(1), uniform)
         assert uniform.budgets == [20] * 4
         short = make_policy("d2o", 128, **KVMINI)  # a 6-token prompt, shorter than sinks + windows: nothing to do
         short.start(6, 6)
         logits = model(ids[:, :6], model.new_cache(1), short)
         assert torch.equal(logits, model(ids[:, :6]))
         with pytest.raises(KvminiError, match="too small for 4 sinks"):  # 3 tokens cannot hold 4 sinks
-            model(ids[:, :6], model.new_cache(1), make_policy("d2o", 3, **KVMINI))
+            prefill(model, ids[:, :6], model.new_cache(1), make_policy("d2o", 3, **KVMINI))
         half = make_policy("d2o", 0.5, **KVMINI)  # a share of a short prompt is raised to what works instead
-        model(ids[:, :6], model.new_cache(1), half)
+        prefill(model, ids[:, :6], model.new_cache(1), half)
         assert half.note == "budget raised from 3 to 5 tokens per layer, the least d2o can keep"
 
 
@@ -282,8 +283,7 @@ def test_deferred_allocation_completes_with_protected_layers():
     policy = Policy("d2o-protected", 0.5, CumulativeAttention(), VarianceSoftmax(low=8, protected=(0, 3)),
                     TopK(4, recent=Rule("(budget - 4) // 4", lambda b: (b - 4) // 4)), schedule=PREFILL)
     cache = model.new_cache(1)
-    with torch.no_grad():
-        model(ids, cache, policy)
+    prefill(model, ids, cache, policy)
     lengths = cache.lengths()
     assert lengths[0] == lengths[3] == 40 and policy.budgets[0] == policy.budgets[3] == 40
     assert lengths[1] + lengths[2] == 2 * 20 and lengths[1:3] == policy.budgets[1:3]
@@ -297,8 +297,7 @@ def test_variance_softmax_composes_with_snapkv_scoring():
     policy = Policy("snapkv+variance", 16, WindowAttention(window=4, kernel=3), VarianceSoftmax(low=8),
                     TopK(recent=4), schedule=PREFILL)
     cache = model.new_cache(1)
-    with torch.no_grad():
-        model(ids, cache, policy)
+    prefill(model, ids, cache, policy)
     want = literal_budgets(literal_variances(model, ids), 16, 48, 8)
     assert policy.budgets == want and cache.lengths() == want and sum(want) == 64 and len(set(want)) > 1
     for lc in cache.layers:  # SnapKV keeps its observation window

@@ -3,6 +3,7 @@ import pytest
 import torch
 
 from kvmini.errors import KvminiError
+from kvmini.generate import prefill
 from kvmini.methods.registry import make_policy
 from reference import group_mean, random_model, simulate
 
@@ -109,7 +110,7 @@ def test_budget_must_exceed_the_window():
     model = random_model()
     with pytest.raises(KvminiError, match="must exceed the window of 8"):
         with torch.no_grad():
-            model(torch.zeros(1, 40, dtype=torch.long), model.new_cache(1), make_policy("dynamickv", 8))
+            prefill(model, torch.zeros(1, 40, dtype=torch.long), model.new_cache(1), make_policy("dynamickv", 8))
 
 
 def authors_dynamickv(probs: list[torch.Tensor], ws: int, kernel: int, r_max: float, base: int, m: int):
@@ -166,8 +167,7 @@ def test_rounding_floor_keeps_what_the_authors_code_keeps(L, m, w_t, r_max):
     want = authors_dynamickv([probs[l] for l in range(L)], ws, kernel, r_max, w_t - ws, m)
     policy = make_policy("dynamickv", w_t, variant="official", window=ws, kernel=kernel, r_max=r_max, interval=m)
     cache = model.new_cache(1, n)
-    with torch.no_grad():
-        model(ids, cache, policy)
+    prefill(model, ids, cache, policy)
     assert [lc.positions[0].sort(-1).values.tolist() for lc in cache.layers] == want
 
 
@@ -191,8 +191,8 @@ def test_rounding_alg1_is_the_one_the_engine_runs(monkeypatch):
     model = random_model(L=4, H=2, H_kv=2, seed=3)
     cache = model.new_cache(1, 40)
     with torch.no_grad():
-        model(torch.randint(0, 61, (1, 40), generator=torch.Generator().manual_seed(0)), cache,
-              make_policy("dynamickv", 10, rounding="alg1", window=4, kernel=3, r_max=3, interval=2))
+        prefill(model, torch.randint(0, 61, (1, 40), generator=torch.Generator().manual_seed(0)), cache,
+                make_policy("dynamickv", 10, rounding="alg1", window=4, kernel=3, r_max=3, interval=2))
     assert [len(a[0]) for a in calls] == [2, 4]  # re-allocations after layers 1 and 3 (0-based), over 2 and 4 layers
     kept = [lc.length for lc in cache.layers]
     Z = original(*calls[-1])

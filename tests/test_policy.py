@@ -208,14 +208,18 @@ def test_back_to_back_prompts_equal_fresh_runs(name):
             assert torch.equal(x.aux(aux), y.aux(aux))
 
 
-def test_a_fresh_cache_restarts_the_policy_without_start():
+def test_a_call_the_policy_would_have_to_guess_about_is_refused():
+    """Without start() the policy would have to guess where the prompt ends; a second cache is another run."""
     model = random_model()
     policy = make_policy("streaming_llm", 0.5, sinks=2)
+    with torch.no_grad(), pytest.raises(KvminiError, match=r"call policy.start\(prompt_len\) before the first call"):
+        model(torch.zeros(1, 20, dtype=torch.long), model.new_cache(), policy)
+    policy.start(20)
     with torch.no_grad():
         model(torch.zeros(1, 20, dtype=torch.long), model.new_cache(), policy)
         assert policy.budgets == [10, 10, 10]
-        model(torch.zeros(1, 8, dtype=torch.long), model.new_cache(), policy)  # new run: 50% of 8
-        assert policy.budgets == [4, 4, 4] and policy.evicted == [4, 4, 4]
+        with pytest.raises(KvminiError, match="this cache holds 0 tokens, but this run of the policy has fed 20"):
+            model(torch.zeros(1, 8, dtype=torch.long), model.new_cache(), policy)
 
 
 # --- bytes -------------------------------------------------------------------------------------

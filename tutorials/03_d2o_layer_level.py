@@ -131,6 +131,7 @@ ids = torch.tensor([load_tokenizer(folder).encode(pydoc_text())[:512]])
 zscore = solved("variance_softmax")
 if zscore:
     policy = make_policy("d2o", 0.2, variant="paper", allocation="zscore", merge="off")  # kvmini's reading of Eq. 5
+    policy.start(512)  # the policy is told where the prompt ends (kvmini.generate.prefill does this)
     with torch.no_grad():
         model(ids, model.new_cache(), policy)
     scorer, budgeter, compressor = policy.parts  # D2O = CumulativeAttention + VarianceSoftmax + TopK (merge off)
@@ -187,6 +188,7 @@ show(fig, "03_density_and_budgets")
 for how in ("paper", "zscore", "official", "uniform") if zscore else ("paper", "official", "uniform"):
     p = make_policy("d2o", 0.2, variant="paper", allocation=how, merge="off")
     cache = model.new_cache()
+    p.start(512)
     with torch.no_grad():
         model(ids, cache, p)
     S = p.budgets

@@ -101,6 +101,7 @@ if solved("frobenius_stop"):
     for t in (0.0, 0.01, 0.05, 0.2):
         policy = make_policy("dbudgetkv", threshold=t)
         cache = model.new_cache()
+        policy.start(ids.shape[1])  # where the prompt ends (kvmini.generate.prefill does this)
         with torch.no_grad():
             model(ids, cache, policy)
         kept[t] = sum(cache.lengths()) / (30 * 512)

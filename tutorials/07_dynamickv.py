@@ -89,9 +89,10 @@ ids = torch.tensor([load_tokenizer(folder).encode(pydoc_text())[:512]])
 w_t, w_s, n = 64, 8, ids.shape[1]
 b_s = min(10 * (w_t - w_s), n - w_s)  # Eq. 2: 504
 for tail in (False, True) if solved("progressive_budgets") else ():
-    cache = model.new_cache()
+    cache, policy = model.new_cache(), make_policy("dynamickv", w_t, tail_reallocation=tail)
+    policy.start(n)  # where the prompt ends (kvmini.generate.prefill does this)
     with torch.no_grad():
-        model(ids, cache, make_policy("dynamickv", w_t, tail_reallocation=tail))
+        model(ids, cache, policy)
     lengths = cache.lengths()
     print(f"tail_reallocation={tail}: kept per layer {lengths}, total {sum(lengths)}")
     if tail:  # re-allocated after the last layer too: exactly (w_t - w_s) L + w_s L
@@ -113,6 +114,7 @@ fig, ax = plt.subplots(figsize=(7, 3.2))
 if solved("progressive_budgets"):
     history = []
     policy = make_policy("dynamickv", 64)
+    policy.start(n)
     with torch.no_grad():
         model(ids, model.new_cache(), policy, on_layer=lambda i: history.append(list(policy.budgets)))
     for layer in range(0, 30, 3):
@@ -138,6 +140,7 @@ show(fig, "07_progressive_budgets")
 for variant in ("paper", "official") if solved("progressive_budgets") else ():
     p = make_policy("dynamickv", 0.2, variant=variant)
     cache = model.new_cache()
+    p.start(n)
     with torch.no_grad():
         model(ids, cache, p)
     print(f"{variant:<8} last layers keep {cache.lengths()[-3:]}, total {sum(cache.lengths())}")
