@@ -47,7 +47,10 @@ def sdpa_attention(q, k, v, q_pos, k_pos, window=None, padded=False):
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
     if T == 1 and window is None and not padded:  # decode: every cached key is in the new token's past
         return _one_query_attention(q, k, v)
-    mask = visible(q_pos, k_pos, window)  # (B, H_kv, T, S)
+    if window is None and not padded:  # a later chunk: the cache's last T entries are its queries' own tokens
+        causal = torch.ones(T, S, dtype=torch.bool, device=q.device).tril_(S - T)  # (T, S), for every row and head
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=causal, enable_gqa=True)
+    mask = visible(q_pos, k_pos, window)  # (B, H_kv, T, S): windows and pads need the positions
     mask = mask[:, :, None].expand(B, H_kv, H // H_kv, T, S).reshape(B, H, T, S)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
 
