@@ -14,6 +14,7 @@ cli.exit_on_ctrl_c(__name__)  # before anything imports torch
 import torch  # noqa: E402
 
 from kvmini.chat import load_chat_format, stop_token_ids  # noqa: E402
+from kvmini.conversation import Session, line  # noqa: E402
 from kvmini.errors import KvminiError  # noqa: E402
 import kvmini.generate  # noqa: E402  (called as kvmini.generate.generate: a test replaces it)
 from kvmini.loading import load_model  # noqa: E402
@@ -23,7 +24,7 @@ from kvmini.methods.registry import (DEFAULT_BUDGET, METHODS, compress_every_cal
 from kvmini.progress import Progress  # noqa: E402
 from kvmini.report import run_report  # noqa: E402
 from kvmini.tokenizer import StreamDecoder, load_tokenizer  # noqa: E402
-from kvmini.view import record_merges, write_html  # noqa: E402
+from kvmini.view import record_merges, write_html, write_turns  # noqa: E402
 from kvmini.weights import ensure_default_model  # noqa: E402
 
 EXAMPLES = """examples:
@@ -34,6 +35,9 @@ EXAMPLES = """examples:
   python run.py --prompt doc.txt --method snapkv --budget 128 --window 16 --pooling max
   python run.py --prompt doc.txt --method h2o --budget 0.1      # keep 10% of the prompt per layer
   python run.py --prompt doc.txt --method d2o --html kept.html  # a web page of what each layer and head kept
+  python run.py --chat --method snapkv < turns.txt              # a conversation: one turn per line, one cache
+  python run.py --context doc.txt --question "Who?" --question "When?" --method snapkv
+                                          # the context compressed once, each question answered from a copy
 
 special tokens: strings such as <|im_end|> typed in the prompt are read as the control tokens they
 name (as HF tokenizers do), so a prompt can end a chat turn itself; --raw skips the chat template.
@@ -89,7 +93,13 @@ def parse_args(argv=None):
         epilog=methods_help() + "\n" + EXAMPLES,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p.add_argument("--prompt", required=True, help="UTF-8 text file with the prompt (special-token strings count)")
+    p.add_argument("--prompt", help="UTF-8 text file with the prompt (special-token strings count)")
+    p.add_argument("--chat", action="store_true",
+                   help="a conversation: turns from stdin, one per line (typed on a terminal: end with Ctrl-D), one "
+                        "answer each, every turn continuing the same compressed cache")
+    p.add_argument("--context", metavar="FILE", help="UTF-8 text file compressed once, before any --question is known")
+    p.add_argument("--question", action="append", metavar="TEXT",
+                   help="a question about --context (repeat it), each answered from its own copy of the compressed cache")
     p.add_argument("--model", help="HF-layout checkpoint folder (default: SmolLM2-135M-Instruct, prepared under weights/)")
     p.add_argument("--method", default="full", choices=list(METHODS), metavar="NAME",
                    help="KV-cache method, listed below (default: full)")
@@ -117,8 +127,26 @@ def parse_args(argv=None):
         group.add_argument("--" + name.replace("_", "-"), type=method_option(d.kind), default=None,
                            metavar=options.metavar(d.kind), help=f"{d.help} ({', '.join(methods)})")
     args = p.parse_args(argv)
+    mode_errors(p, args)
     args.options = {name: getattr(args, name) for name in flags if getattr(args, name) is not None}
     return args
+
+
+def mode_errors(p, args) -> None:
+    """One of three ways to give prompts: --prompt FILE, --chat, or --context FILE with --question TEXT."""
+    if args.chat and (args.prompt or args.context):
+        p.error("--chat reads its turns from stdin; it takes no --prompt or --context")
+    if args.context and args.prompt:
+        p.error("--prompt and --context are two ways to give the prompt; use one (--context with --question)")
+    if args.context and not args.question:
+        p.error("--context needs at least one --question TEXT")
+    if args.question and not args.context:
+        p.error("--question asks about a --context FILE; give one")
+    if not (args.prompt or args.chat or args.context):
+        p.error("give the prompt: --prompt FILE, --chat (turns on stdin) or --context FILE --question TEXT")
+    for q in args.question or ():
+        if not q.strip():
+            p.error("--question must not be empty")
 
 
 def read_prompt(path: str) -> str:
@@ -139,9 +167,11 @@ def read_prompt(path: str) -> str:
 def generate_answer(args) -> int:
     """Check the input, load the model, generate (streaming the answer), report, write the page."""
     policy = make_policy(args.method, args.budget, **args.options)  # bad options fail before the model loads
-    text = read_prompt(args.prompt)
+    text = read_prompt(args.context or args.prompt) if not args.chat else None
     if args.html is not None:
         cli.writable_file(args.html, "--html")
+    if args.chat or args.context:
+        return several_prompts(args, policy, text)
     folder, model, tok, chat = load(args)
     ids = prompt_ids(args, text, model, tok, chat)
     trace = record_merges(policy) if args.html is not None else None
@@ -184,8 +214,9 @@ def prompt_ids(args, text: str, model, tok, chat) -> list[int]:
     return ids
 
 
-def answer(args, model, tok, chat, ids: list[int], policy):
-    """Generate, printing the answer as it comes; -> kvmini.generate's result."""
+def answer(args, model, tok, chat, ids: list[int], policy, cache=None):
+    """Generate, printing the answer as it comes; -> kvmini.generate's result. With `cache` (--chat,
+    --question), ids are the next prompt of that run, and a next one may follow."""
     stop = stop_token_ids(model.config.eos_token_ids, tok, chat)
     stream = StreamDecoder(tok)
     write = lambda i: (sys.stdout.write(stream.push(i)), sys.stdout.flush())  # noqa: E731
@@ -193,9 +224,37 @@ def answer(args, model, tok, chat, ids: list[int], policy):
                         vocab=min(tok.vocab_size, model.config.vocab_size))
     progress = Progress("prefill", len(ids), enabled=False if args.quiet else None)  # on a terminal only
     result = kvmini.generate.generate(model, torch.tensor([ids]), args.max_new_tokens, sampling, stop, policy,
-                                      chunk_size=args.chunk_size, on_token=write, progress=progress)
+                                      chunk_size=args.chunk_size, on_token=write, progress=progress, cache=cache,
+                                      more_prompts=bool(args.chat))
     print(stream.flush())
     return result
+
+
+def several_prompts(args, policy, context: str | None) -> int:
+    """--chat or --context/--question: prompts over one cache (kvmini.conversation), a line after each
+    answer, the report at the end."""
+    folder, model, tok, chat = load(args)
+    session = Session(model, tok, chat, policy, lambda ids, cache, p: answer(args, model, tok, chat, ids, p, cache),
+                      args.max_new_tokens, keep_snapshots=args.html is not None)
+    trace = record_merges(policy) if args.html is not None else None
+    if args.chat:
+        if sys.stdin.isatty():
+            print("type a turn per line; Ctrl-D ends the conversation", file=sys.stderr)
+        turns = session.chat_turns(sys.stdin)
+        last = turns[-1].result
+    else:
+        progress = lambda n: Progress("context", n, enabled=False if args.quiet else None)  # noqa: E731
+        last, turns = session.questions(context, args.question, progress)
+    lines = run_report(folder.name, model, tok, chat, args.method, args.options, policy, last, sys.stdout.encoding)
+    lines[3:3] = [f"{'' if i else 'prompts':<9} {line(t)}" for i, t in enumerate(turns)]
+    print("\n".join(lines))
+    if args.html is not None:
+        page = write_turns(args.html, turns, tok, trace, args.method,
+                           (session.context_ids, last.cache, policy) if args.context else None)
+        print(f"page      {page} ({page.stat().st_size / 2**20:.2f} MiB): what each layer and KV head kept, "
+              f"after each {'question' if args.context else 'turn'}")
+    sys.stdout.flush()
+    return 0
 
 
 def main(argv=None) -> int:

@@ -155,14 +155,40 @@ def write_html(path, cache: KVCache, tokenizer, prompt: list[int], generated: li
     return write_comparison(path, [(cache, policy, trace, name, list(generated))], tokenizer, prompt)
 
 
-def write_comparison(path, runs: list[tuple], tokenizer, prompt: list[int]) -> Path:
+def write_comparison(path, runs: list[tuple], tokenizer, prompt: list[int], title: str | None = None) -> Path:
     """One page, one text per run of the same prompt: runs are (cache, policy, trace, name, generated ids)."""
     panels = [panel(cache, policy, trace, name, token_texts(tokenizer, new[: cache.seen_tokens - len(prompt)]))
               for cache, policy, trace, name, new in runs]
-    title = "kvmini: what " + ", ".join(p["name"] for p in panels) + " kept"
+    title = title or "kvmini: what " + ", ".join(p["name"] for p in panels) + " kept"
     path = Path(path)
     path.write_text(page(token_texts(tokenizer, prompt), panels, title), encoding="utf-8")
     return path
+
+
+def write_turns(path, turns: list, tokenizer, trace, name: str, context=None) -> Path:
+    """One page of a run of several prompts (kvmini.conversation): a text per turn, shaded by what the cache
+    held after it (the copies `Turn.snapshot`). context: for --question, (its ids, its compressed cache,
+    the policy after it), shown first; each question's text then continues the context alone."""
+    runs = []
+    if context is None:  # a chat: every turn continues the one before, so each text runs on from the first turn
+        prompt, fed = turns[0].ids, []
+        for t in turns:
+            fed += (t.ids if t is not turns[0] else []) + t.result.tokens[0][: t.result.decode_steps]
+            cache, policy = t.snapshot
+            runs.append((cache, policy, trace_of(policy), f"after {t.label}", list(fed)))
+    else:
+        prompt, cache, policy = context
+        runs.append((cache, policy, trace, "the context, before any question", []))
+        for t in turns:
+            cache, policy = t.snapshot
+            runs.append((cache, policy, trace_of(policy), t.label, t.ids + t.result.tokens[0][: t.result.decode_steps]))
+    return write_comparison(path, runs, tokenizer, prompt, title=f"kvmini: what {name} kept, prompt by prompt")
+
+
+def trace_of(policy) -> list[Merged] | None:
+    """The merges a policy's compressor has recorded so far (`record_merges`), or None."""
+    compressor = policy.parts[2]
+    return getattr(getattr(compressor, "merge", compressor), "trace", None)
 
 
 def run_method(model, ids: torch.Tensor, spec: str, budget: float | None, max_new_tokens: int = 1) -> tuple:
