@@ -155,10 +155,12 @@ def write_html(path, cache: KVCache, tokenizer, prompt: list[int], generated: li
     return write_comparison(path, [(cache, policy, trace, name, list(generated))], tokenizer, prompt)
 
 
-def write_comparison(path, runs: list[tuple], tokenizer, prompt: list[int], title: str | None = None) -> Path:
-    """One page, one text per run of the same prompt: runs are (cache, policy, trace, name, generated ids)."""
+def write_comparison(path, runs: list[tuple], tokenizer, prompt: list[int], title: str | None = None,
+                     after: str = "generated") -> Path:
+    """One page, one text per run of the same prompt: runs are (cache, policy, trace, name, generated ids);
+    `after` names the tokens after the prompt (for several prompts: later prompts and answers)."""
     panels = [panel(cache, policy, trace, name, token_texts(tokenizer, new[: cache.seen_tokens - len(prompt)]))
-              for cache, policy, trace, name, new in runs]
+              | {"after": after} for cache, policy, trace, name, new in runs]
     title = title or "kvmini: what " + ", ".join(p["name"] for p in panels) + " kept"
     path = Path(path)
     path.write_text(page(token_texts(tokenizer, prompt), panels, title), encoding="utf-8")
@@ -182,7 +184,8 @@ def write_turns(path, turns: list, tokenizer, trace, name: str, context=None) ->
         for t in turns:
             cache, policy = t.snapshot
             runs.append((cache, policy, trace_of(policy), t.label, t.ids + t.result.tokens[0][: t.result.decode_steps]))
-    return write_comparison(path, runs, tokenizer, prompt, title=f"kvmini: what {name} kept, prompt by prompt")
+    return write_comparison(path, runs, tokenizer, prompt, title=f"kvmini: what {name} kept, prompt by prompt",
+                            after="later prompts and answers" if context is None else "question and answer")
 
 
 def trace_of(policy) -> list[Merged] | None:

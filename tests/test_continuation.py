@@ -253,3 +253,12 @@ def test_questions_answered_from_copies_of_one_context(name):
     answers = [generate(model, q, 5, policy=p, cache=c).tokens for q in (q1, q2) for c, p in [fork(cache, policy)]]
     assert [torch.equal(x, lc.keys) for x, lc in zip(before, cache)] == [True] * 3
     assert answers == [generate(model, q, 5, policy=p, cache=c).tokens for q in (q1, q2) for c, p in [compressed()]]
+
+
+def test_a_next_prompt_of_another_batch_or_a_cache_that_is_not_one_is_refused():
+    model, policy = random_model(L=3), make_policy("h2o", 8)
+    first = generate(model, turns(B=2, sizes=(12,))[0], 2, policy=policy, more_prompts=True)
+    with pytest.raises(KvminiError, match="ids hold 1 sequences but the cache 2"):
+        generate(model, turns(sizes=(5,))[0], 2, policy=policy, cache=first.cache)
+    with pytest.raises(KvminiError, match=r"cache must be a KVCache \(a GenerationResult's .cache\), got list"):
+        generate(model, turns(sizes=(5,))[0], 2, policy=policy, cache=[])
