@@ -25,7 +25,7 @@ class PerSequence:
         self.views = None  # each row's view of the cache (KVCache.sequence), made by begin
 
     def next_prompt(self, prompt_len: int, total_len: int | None = None) -> None:
-        for policy in self.policies:
+        for policy in [self.one, *(self.rows or [])]:  # `one` reads the schedule for every row
             policy.next_prompt(prompt_len, total_len)
 
     def chunk_for(self, prompt_len: int, total_len: int | None) -> int | None:

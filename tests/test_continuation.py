@@ -262,3 +262,10 @@ def test_a_next_prompt_of_another_batch_or_a_cache_that_is_not_one_is_refused():
         generate(model, turns(sizes=(5,))[0], 2, policy=policy, cache=first.cache)
     with pytest.raises(KvminiError, match=r"cache must be a KVCache \(a GenerationResult's .cache\), got list"):
         generate(model, turns(sizes=(5,))[0], 2, policy=policy, cache=[])
+
+
+def test_a_batch_with_a_policy_per_sequence_moves_every_policy_to_the_next_prompt():
+    model, policy = random_model(L=3), make_policy("d2o", 0.5, variant="paper")
+    first = generate(model, turns(B=2, sizes=(20,))[0], 2, policy=policy, more_prompts=True)
+    generate(model, turns(B=2, sizes=(9,))[0], 2, policy=policy, cache=first.cache)
+    assert [p.prompt_end for p in [policy.one, *policy.rows]] == [20 + 1 + 9] * 3
