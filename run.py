@@ -240,7 +240,7 @@ def several_prompts(args, policy, context: str | None) -> int:
     if args.chat:
         if sys.stdin.isatty():
             print("type a turn per line; Ctrl-D ends the conversation", file=sys.stderr)
-        turns = session.chat_turns(sys.stdin)
+        turns = session.chat_turns(stdin_lines())
         last = turns[-1].result
     else:
         progress = lambda n: Progress("context", n, enabled=False if args.quiet else None)  # noqa: E731
@@ -255,6 +255,16 @@ def several_prompts(args, policy, context: str | None) -> int:
               f"after each {'question' if args.context else 'turn'}")
     sys.stdout.flush()
     return 0
+
+
+def stdin_lines():
+    """The lines of stdin as UTF-8 text, as they come (a terminal's turn by turn)."""
+    stream = getattr(sys.stdin, "buffer", None)
+    for number, raw in enumerate(stream if stream is not None else sys.stdin, 1):
+        try:
+            yield raw.decode("utf-8") if isinstance(raw, bytes) else raw
+        except UnicodeDecodeError as e:
+            raise KvminiError(f"--chat: line {number} of stdin is not UTF-8 text (byte {e.start})") from None
 
 
 def main(argv=None) -> int:

@@ -2,6 +2,8 @@
 (kvmini.conversation), on the tiny byte-level chat model of test_hostile_inputs; bad input is one line."""
 import io
 import json
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -12,7 +14,7 @@ from kvmini.generate import Sampling, generate
 from kvmini.loading import load_model
 from kvmini.methods.registry import make_policy
 from kvmini.tokenizer import load_tokenizer
-from test_hostile_inputs import assert_one_line, chat_model_template, cli, model, prompt  # noqa: F401 (fixtures)
+from test_hostile_inputs import ROOT, assert_one_line, chat_model_template, cli, model, prompt  # noqa: F401 (fixtures)
 
 
 def chat_run(capsys, monkeypatch, stdin: str, *argv):
@@ -97,3 +99,9 @@ def test_bad_input_is_one_line(capsys, monkeypatch, model, prompt, tmp_path, arg
     argv = [str(prompt) if a == "PROMPT" else str(tmp_path / "missing.txt") if a == "MISSING" else a for a in argv]
     code, _, err = cli(capsys, "--model", model, *argv)
     assert_one_line(code, err, fragment)
+
+
+def test_stdin_that_is_not_utf8_is_one_line(model):
+    proc = subprocess.run([sys.executable, str(ROOT / "run.py"), "--chat", "--model", str(model), "--max-new-tokens", "2"],
+                          input=b"hi \xff\xfe\n", capture_output=True, timeout=300, cwd=ROOT)
+    assert_one_line(proc.returncode, proc.stderr.decode(), "--chat: line 1 of stdin is not UTF-8 text (byte 3)")
