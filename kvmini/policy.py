@@ -85,6 +85,9 @@ class Policy:
     def next_prompt(self, prompt_len: int, total_len: int | None = None) -> None:
         """Continue the run: its next prompt_len tokens are a new prompt (a next turn, a next question),
         planned afresh when it arrives (docs/design.md, "A cache that lives on"). total_len as in start."""
+        if isinstance(prompt_len, bool) or not isinstance(prompt_len, int) or prompt_len < 1:
+            raise KvminiError(f"{self.name}: next_prompt takes the prompt's length in tokens, a whole number >= 1, "
+                              f"got {prompt_len!r}")
         if self.prompt_end is None:
             raise KvminiError(f"{self.name}: next_prompt continues a run; call policy.start(prompt_len) for the first prompt")
         if self.seen < self.prompt_end:

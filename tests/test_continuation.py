@@ -186,6 +186,8 @@ def test_a_next_prompt_before_the_prompt_is_complete_or_without_a_run_is_refused
     with pytest.raises(KvminiError, match=r"next_prompt continues a run; call policy.start\(prompt_len\)"):
         policy.next_prompt(10)
     policy.start(30)
+    with pytest.raises(KvminiError, match="next_prompt takes the prompt's length in tokens, a whole number >= 1, got 0"):
+        policy.next_prompt(0)
     with torch.no_grad():
         model(turns(sizes=(10,))[0], model.new_cache(1, 4), policy)
     with pytest.raises(KvminiError, match="the prompt is not complete \\(20 of its tokens are still to come\\)"):
