@@ -24,7 +24,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-from kvmini.cache import PAD, LayerCache, wide
+from kvmini.cache import KEY_NORM, PAD, LayerCache, wide
 from kvmini.errors import one_of
 from kvmini.parts import Merged
 
@@ -75,10 +75,9 @@ class EMAMerge:
         if self.trace is not None:
             self.record(layer, lc.positions, evict, keep.gather(2, j_star), best, merge, S)
         combine = convex_merge if self.weights == "paper" else scatter_mean_merge
-        v_keep, v_evict = gather(lc.values, keep), gather(lc.values, evict)
-        for cache, x_keep, x_evict in ((lc.keys, k_keep, k_evict), (lc.values, v_keep, v_evict)):
-            merged = combine(x_keep, x_evict, j_star, best, merge)  # (B, H_kv, b, D), Eq. 11-12
-            cache.scatter_(2, keep[..., None].expand(-1, -1, -1, D), merged.to(cache.dtype))
+        lc.set_keys(keep, combine(k_keep, k_evict, j_star, best, merge))  # (B, H_kv, b, D), Eq. 11-12
+        v_merged = combine(gather(lc.values, keep), gather(lc.values, evict), j_star, best, merge)  # likewise
+        lc.values.scatter_(2, keep[..., None].expand(-1, -1, -1, D), v_merged.to(lc.values.dtype))
         return merge.float().mean(1).sum()  # tokens merged, mean over heads
 
     def one(self, layer, lc: LayerCache, victim: torch.Tensor) -> torch.Tensor:
@@ -90,7 +89,8 @@ class EMAMerge:
         D = lc.keys.shape[-1]
         at = victim[:, :, None, None].expand(-1, -1, 1, D)  # (B, H_kv, 1, D)
         k_evict = wide(lc.keys.gather(2, at))  # (B, H_kv, 1, D)
-        u = cosine(k_evict, wide(lc.keys))  # (B, H_kv, 1, S)
+        norms = lc.aux(KEY_NORM) if KEY_NORM in lc.aux_names() else None  # (B, H_kv, S), kept by the cache
+        u = cosine(k_evict, wide(lc.keys), norms)  # (B, H_kv, 1, S)
         if lc.padded:
             u.masked_fill_((lc.positions == PAD)[:, :, None], float("-inf"))
         best, j_star = u.scatter_(3, victim[:, :, None, None], float("-inf")).max(-1)  # (B, H_kv, 1): not itself
@@ -103,7 +103,7 @@ class EMAMerge:
         x_near = wide(torch.cat([lc.keys.gather(2, near), lc.values.gather(2, near)], -1))
         x_evict = torch.cat([k_evict, wide(lc.values.gather(2, at))], -1)
         merged = combine(x_near, x_evict, torch.zeros_like(j_star), best, merge)  # Eq. 11-12
-        lc.keys.scatter_(2, near, merged[..., :D].to(lc.keys.dtype))
+        lc.set_keys(j_star, merged[..., :D])
         lc.values.scatter_(2, near, merged[..., D:].to(lc.values.dtype))
         return merge.float().mean(1)[:, 0]  # (B,)
 
@@ -151,11 +151,13 @@ class EMAMerge:
         return (sim >= tau[..., None]).expand_as(best)
 
 
-def cosine(a: torch.Tensor, b: torch.Tensor, eps: float = 1e-12) -> torch.Tensor:
+def cosine(a: torch.Tensor, b: torch.Tensor, b_norm: torch.Tensor | None = None, eps: float = 1e-12) -> torch.Tensor:
     """u_ij = a_i . b_j / (|a_i| |b_j|), as F.normalize computes it: a (..., E, D), b (..., S, D) -> (..., E, S).
-    Divides by the norms instead of normalizing b, so the S keys are only read."""
+    Divides by the norms instead of normalizing b, so the S keys are only read: once, given their
+    norms `b_norm` (..., S) (the cache's KEY_NORM), else twice."""
     norm = torch.linalg.vector_norm
-    norms = norm(a, dim=-1).clamp_min(eps)[..., :, None] * norm(b, dim=-1).clamp_min(eps)[..., None, :]
+    b_norm = norm(b, dim=-1) if b_norm is None else b_norm
+    norms = norm(a, dim=-1).clamp_min(eps)[..., :, None] * b_norm.clamp_min(eps)[..., None, :]
     return (a @ b.transpose(-1, -2)) / norms
 
 
