@@ -296,7 +296,7 @@ class KVCache:
             for _ in range(config.num_layers)
         ]
         self.seen_tokens = 0  # position of the next token (not the cache length: eviction shrinks that)
-        self.joined: tuple | None = None  # (layers, their shared buffers, lengths, counts, pad mask): see join
+        self.joined: dict[tuple, tuple] = {}  # layers -> (their shared buffers, lengths, counts, pad mask): see join
 
     def __getitem__(self, layer: int) -> LayerCache:
         return self.layers[layer]
@@ -317,12 +317,16 @@ class KVCache:
         Built with `room` free places per row beyond the longest layer, by copying the layers in
         (O(S·D) per layer, once); afterwards each call only reads the layers' lengths, until a layer
         leaves (it outgrew its room and was resized, or gained a statistic the others lack): then the
-        layers are copied into new shared buffers. The layers must not be padded batches themselves.
+        layers are copied into new shared buffers. Several disjoint sets of layers may be joined at a time
+        (kvmini.at_once joins the layers far longer than the rest apart); a set that shares a layer with
+        a new one is forgotten. The layers must not be padded batches themselves.
         """
         held = tuple(self.layers[l].length for l in layers)
-        if self.joined is None or self.joined[0] != layers or not all(self._is_view(l) for l in layers):
-            self.joined = (layers, self._share([self.layers[l] for l in layers], room), None, None, None)
-        _, joint, last_held, counts, after = self.joined
+        if layers not in self.joined or not all(self._is_view(l, self.joined[layers][0]) for l in layers):
+            for other in [o for o in self.joined if not set(o).isdisjoint(layers)]:
+                del self.joined[other]
+            self.joined[layers] = (self._share([self.layers[l] for l in layers], room), None, None, None)
+        joint, last_held, counts, after = self.joined[layers]
         joint.length = max(held)
         if min(held) == joint.length:
             joint.counts = None
@@ -331,14 +335,14 @@ class KVCache:
             B = joint._k.shape[0] // len(layers)
             counts = torch.tensor(held, device=joint._pos.device).repeat_interleave(B)  # (len(layers) * B,)
             after = torch.arange(joint.capacity, device=joint._pos.device) >= counts[:, None, None]  # (rows, 1, cap)
-            self.joined = (layers, joint, held, counts, after)
+            self.joined[layers] = (joint, held, counts, after)
         joint.counts = counts
         joint._pos.masked_fill_(after, PAD)  # a row's places after its entries are pads
         return joint
 
-    def _is_view(self, layer: int) -> bool:
-        """Are layer's buffers still views of the joined ones (see join)?"""
-        lc, joint = self.layers[layer], self.joined[1]
+    def _is_view(self, layer: int, joint: LayerCache) -> bool:
+        """Are layer's buffers still views of `joint`'s (see join)?"""
+        lc = self.layers[layer]
         shared = lc._k.untyped_storage().data_ptr() == joint._k.untyped_storage().data_ptr()
         return shared and lc._aux.keys() == joint._aux.keys()
 

@@ -45,23 +45,21 @@ class EMAMerge:
 
     def reset(self) -> None:
         self._tau: dict[int, torch.Tensor] = {}  # layer -> (B, H_kv), or (B, 1) per layer
-        self._joint: tuple | None = None  # (layers, their thresholds as one tensor): the last tuple decided
+        self._joint: dict[tuple, torch.Tensor] = {}  # layers decided at once -> their thresholds as one tensor
         if self.trace is not None:
             self.trace.clear()  # a new run
 
     @property
     def tau(self) -> dict[int, torch.Tensor]:
         """Each layer's threshold (Eq. 10), (B, H_kv), or (B, 1) per layer. The layers of a decode step
-        taken at once keep theirs as one tensor (`decide`), split into this dict when it is read."""
+        taken at once (one tuple or more) keep theirs as one tensor each (`decide`), split into this dict when it is read."""
         self._split()
         return self._tau
 
-    def _split(self) -> None:
-        """The joined thresholds into the per-layer dict."""
-        if self._joint is not None:
-            layers, tau = self._joint
-            self._tau.update(zip(layers, tau.chunk(len(layers))))
-            self._joint = None
+    def _split(self, layers: tuple | None = None) -> None:
+        """The joined thresholds of the tuples that share a layer with `layers` (None: all) into the per-layer dict."""
+        for group in [g for g in self._joint if layers is None or not set(g).isdisjoint(layers)]:
+            self._tau.update(zip(group, self._joint.pop(group).chunk(len(group))))
 
     def __call__(self, layer: int, lc: LayerCache, keep: torch.Tensor) -> torch.Tensor:
         B, H_kv, S = lc.positions.shape
@@ -129,11 +127,10 @@ class EMAMerge:
         sim = best.mean(1, keepdim=True) if self.per_layer else best  # official: one threshold per layer,
         new = sim.mean(-1)  # (B, H_kv) or (B, 1)                    # similarities averaged over heads
         layers = layer if isinstance(layer, tuple) else (layer,)
-        if self._joint is not None and self._joint[0] == layers:  # the same layers as the last step, at once:
-            tau = ema_threshold(self._joint[1], new, self.beta)  # their thresholds are one tensor already
+        if layers in self._joint:  # the same layers as at the last step, at once:
+            tau = ema_threshold(self._joint[layers], new, self.beta)  # their thresholds are one tensor already
         else:
-            if self._joint is not None and not set(layers).isdisjoint(self._joint[0]):
-                self._split()  # only when some of the joined thresholds are needed apart
+            self._split(layers)  # only the joined thresholds some of these layers need apart
             prev, rows = [self._tau.get(one) for one in layers], new.chunk(len(layers))
             if all(p is None for p in prev):
                 tau = new  # tau_0
@@ -143,9 +140,7 @@ class EMAMerge:
                     fresh = torch.tensor([p is None for p in prev], device=new.device).repeat_interleave(rows[0].shape[0])
                     tau = torch.where(fresh[:, None], new, tau)
         if isinstance(layer, tuple):
-            if self._joint is not None and self._joint[0] != layers:
-                self._split()  # another tuple's thresholds, before they are replaced
-            self._joint = (layers, tau)  # (len(layers) * B, H_kv) or (len(layers) * B, 1), split when read
+            self._joint[layers] = tau  # (len(layers) * B, H_kv) or (len(layers) * B, 1), split when read
         else:
             self._tau[layer] = tau  # (B, H_kv), or (B, 1) per layer
         return (sim >= tau[..., None]).expand_as(best)
