@@ -9,6 +9,9 @@ one LayerCache (`KVCache.join`), in one op per step instead of one per layer:
     scorer.update(joint, stacked stats);  score = scorer(joint, stacked stats)
     compressor.evict_one_each(layers, joint, score, budgets, newest)
 
+The layers whose budget is far above the others' (`joinable`) are a second such group, so that
+the rows of the first are not as long as theirs.
+
 Every other call runs kvmini.policy's layer-by-layer loop, the specification; `together = False`
 runs it for decode steps too, and tests/test_together.py proves both leave the same caches.
 """
@@ -42,6 +45,7 @@ class AtOnce(Policy):
     def _new_prompt(self) -> None:
         super()._new_prompt()
         self.join_limit: int | None = None  # the longest budget a layer may have to be evicted with the others
+        self.long_together = False  # are the layers budgeted over join_limit evicted together? (set with it)
         self.deferred: list[tuple[int, Stats]] | None = None  # this step's (layer, stats) waiting for `end`
 
     def begin(self, cache: KVCache, T: int) -> None:
@@ -61,7 +65,8 @@ class AtOnce(Policy):
 
     def after_attention(self, layer: int, cache: KVCache, stats: Stats) -> None:
         if (self.deferred is not None and not self.budgeter.skips(layer)
-                and cache[layer].length - 1 == self.budgeter.known(layer) <= self.joinable()):
+                and cache[layer].length - 1 == self.budgeter.known(layer)
+                and (self.budgeter.known(layer) <= self.joinable() or self.long_together)):
             self.deferred.append((layer, stats))  # updated, scored and evicted with the other layers in `end`
             return
         super().after_attention(layer, cache, stats)
@@ -69,19 +74,30 @@ class AtOnce(Policy):
     def joinable(self) -> int:
         """The longest budget of a layer evicted with the others: twice the median budget. The joined rows
         are as long as the longest of them, so a layer far longer than the rest (D2O's paper allocation
-        gives one layer the whole prompt) would make every row that long; it is evicted on its own."""
+        gives some layers the whole prompt) would make every row that long: those are joined apart, as a
+        second group, when there are several (`long_together`); one is evicted on its own."""
         if self.join_limit is None:
             budgets = sorted(b for b in (self.budgeter.known(l) for l in range(len(self.call.cache))) if b < sys.maxsize)
             self.join_limit = 2 * budgets[len(budgets) // 2] if budgets else 0
+            self.long_together = sum(b > self.join_limit for b in budgets) > 1
         return self.join_limit
 
     def end(self, cache: KVCache) -> None:
-        """The deferred one-entry evictions of this decode step, for all those layers at once."""
+        """The deferred one-entry evictions of this decode step: the layers far longer than the rest
+        (`joinable`) at once, then all the others at once."""
         if not self.deferred:
             return
-        call, layers = self.call, tuple(layer for layer, _ in self.deferred)
+        long = {layer for layer, _ in self.deferred if self.budgeter.known(layer) > self.joinable()}
+        for group in ([d for d in self.deferred if d[0] in long], [d for d in self.deferred if d[0] not in long]):
+            if group:
+                self.evict_together(cache, group)
+        self.deferred = []
+
+    def evict_together(self, cache: KVCache, deferred: list[tuple[int, Stats]]) -> None:
+        """One entry out of each of these (layer, stats), held as the rows of one joined cache."""
+        call, layers = self.call, tuple(layer for layer, _ in deferred)
         joint = cache.join(layers)
-        stats = Stacked([stats for _, stats in self.deferred], joint)
+        stats = Stacked([stats for _, stats in deferred], joint)
         if self.accumulating():
             self.scorer.update(joint, stats, call.start, call.T)
         score = self.scorer(joint, stats)  # (R, H_kv, S), R = len(layers) * B
@@ -90,7 +106,6 @@ class AtOnce(Policy):
         for layer in layers:  # each dropped one entry
             cache[layer].length -= 1
             self.evicted[layer] += 1
-        self.deferred = []
 
 
 class Stacked:

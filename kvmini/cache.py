@@ -6,6 +6,9 @@ Per layer we store, for every KV head (never expanded to query heads):
     positions (B, H_kv, S)     absolute token position of each entry
     aux[name] (B, H_kv, S, ...) per-token statistics a compression policy keeps (a dtype and shape each)
                                (e.g. accumulated attention); they follow every gather
+    aux[KEY_NORM] (B, H_kv, S) if declared: each key's l2 norm, set by the cache itself when the key
+                               is appended (D2O's Eq. 9 then reads S norms, not S x D keys); a part
+                               that changes a held key in place sets its norm too (`set_keys`)
 S may differ between layers (per-layer budgets); all heads of a layer hold S entries.
 Memory held by K and V: 2 * B * H_kv * S * D * bytes_per_element per layer.
 
@@ -31,6 +34,12 @@ def wide(t: torch.Tensor) -> torch.Tensor:
     return t if t.dtype == torch.float64 else t.float()
 
 PAD = torch.iinfo(torch.long).max  # the position of a pad entry: no query is late enough to see it
+KEY_NORM = "key_norm"  # the aux buffer of the keys' norms, kept by the cache (see the module's docstring)
+
+
+def key_norm(k: torch.Tensor) -> torch.Tensor:
+    """||k||_2 of each key, in the precision of statistics: (..., D) -> (...)."""
+    return torch.linalg.vector_norm(wide(k), dim=-1)
 
 
 def along(idx: torch.Tensor, buf: torch.Tensor) -> torch.Tensor:
@@ -85,6 +94,8 @@ class LayerCache:
             name, dtype, shape = (spec, wide(self._k).dtype, ()) if isinstance(spec, str) else (*spec, ())[:3]
             if name not in self._aux:
                 self._aux[name] = torch.zeros(*self._pos.shape, *shape, dtype=dtype, device=self._pos.device)
+                if name == KEY_NORM:  # the keys held already (pads' zero keys have norm 0)
+                    self._aux[name][:, :, : self.length] = key_norm(self.keys)
 
     def aux(self, name: str) -> torch.Tensor:
         """Per-token statistic `name` of the held entries, (B, H_kv, S, *shape); a name never declared is an error."""
@@ -109,6 +120,8 @@ class LayerCache:
             self._k.scatter_(2, at[..., None].expand_as(k), k)
             self._v.scatter_(2, at[..., None].expand_as(v), v)
             self._pos.scatter_(2, at, pos[:, None, :].expand_as(at))
+            if KEY_NORM in self._aux:
+                self._aux[KEY_NORM].scatter_(2, at, key_norm(k))
             self.counts = self.counts + T
             self.length = end
             return
@@ -117,7 +130,17 @@ class LayerCache:
         self._pos[:, :, self.length : end] = pos[:, None, :]
         for buf in self._aux.values():
             buf[:, :, self.length : end] = 0
+        if KEY_NORM in self._aux:
+            self._aux[KEY_NORM][:, :, self.length : end] = key_norm(k)
         self.length = end
+
+    def set_keys(self, idx: torch.Tensor, k: torch.Tensor) -> None:
+        """Overwrite held keys in place (a merge, D2O's Eq. 11): entries idx (B, H_kv, s) get k (B, H_kv, s, D),
+        and their norms in KEY_NORM when it is declared."""
+        k = k.to(self.keys.dtype)
+        self.keys.scatter_(2, idx[..., None].expand_as(k), k)
+        if KEY_NORM in self.aux_names():
+            self.aux(KEY_NORM).scatter_(2, idx, key_norm(k))
 
     def keep(self, idx: torch.Tensor) -> None:
         """Keep only entries `idx` (B, H_kv, S') of every head, in that order; S' may be < S.
@@ -273,7 +296,7 @@ class KVCache:
             for _ in range(config.num_layers)
         ]
         self.seen_tokens = 0  # position of the next token (not the cache length: eviction shrinks that)
-        self.joined: tuple | None = None  # (layers, their shared buffers, lengths, counts, pad mask): see join
+        self.joined: dict[tuple, tuple] = {}  # layers -> (their shared buffers, lengths, counts, pad mask): see join
 
     def __getitem__(self, layer: int) -> LayerCache:
         return self.layers[layer]
@@ -294,12 +317,16 @@ class KVCache:
         Built with `room` free places per row beyond the longest layer, by copying the layers in
         (O(S·D) per layer, once); afterwards each call only reads the layers' lengths, until a layer
         leaves (it outgrew its room and was resized, or gained a statistic the others lack): then the
-        layers are copied into new shared buffers. The layers must not be padded batches themselves.
+        layers are copied into new shared buffers. Several disjoint sets of layers may be joined at a time
+        (kvmini.at_once joins the layers far longer than the rest apart); a set that shares a layer with
+        a new one is forgotten. The layers must not be padded batches themselves.
         """
         held = tuple(self.layers[l].length for l in layers)
-        if self.joined is None or self.joined[0] != layers or not all(self._is_view(l) for l in layers):
-            self.joined = (layers, self._share([self.layers[l] for l in layers], room), None, None, None)
-        _, joint, last_held, counts, after = self.joined
+        if layers not in self.joined or not all(self._is_view(l, self.joined[layers][0]) for l in layers):
+            for other in [o for o in self.joined if not set(o).isdisjoint(layers)]:
+                del self.joined[other]
+            self.joined[layers] = (self._share([self.layers[l] for l in layers], room), None, None, None)
+        joint, last_held, counts, after = self.joined[layers]
         joint.length = max(held)
         if min(held) == joint.length:
             joint.counts = None
@@ -308,14 +335,14 @@ class KVCache:
             B = joint._k.shape[0] // len(layers)
             counts = torch.tensor(held, device=joint._pos.device).repeat_interleave(B)  # (len(layers) * B,)
             after = torch.arange(joint.capacity, device=joint._pos.device) >= counts[:, None, None]  # (rows, 1, cap)
-            self.joined = (layers, joint, held, counts, after)
+            self.joined[layers] = (joint, held, counts, after)
         joint.counts = counts
         joint._pos.masked_fill_(after, PAD)  # a row's places after its entries are pads
         return joint
 
-    def _is_view(self, layer: int) -> bool:
-        """Are layer's buffers still views of the joined ones (see join)?"""
-        lc, joint = self.layers[layer], self.joined[1]
+    def _is_view(self, layer: int, joint: LayerCache) -> bool:
+        """Are layer's buffers still views of `joint`'s (see join)?"""
+        lc = self.layers[layer]
         shared = lc._k.untyped_storage().data_ptr() == joint._k.untyped_storage().data_ptr()
         return shared and lc._aux.keys() == joint._aux.keys()
 
@@ -409,6 +436,11 @@ class SequenceView:
 
     def declare(self, *names: str) -> None:
         self.lc.declare(*names)
+
+    def aux_names(self) -> list[str]:
+        return self.lc.aux_names()
+
+    set_keys = LayerCache.set_keys  # on this row's entries
 
     def keep(self, idx: torch.Tensor) -> None:
         self.lc.keep_row(self.b, idx)

@@ -265,3 +265,39 @@ def test_evict_keeps_the_set_keep_keeps():
         assert torch.equal(a.positions.gather(2, order), b.positions)
         assert torch.equal(a.keys.gather(2, order[..., None].expand(-1, -1, -1, 4)), b.keys)
         assert torch.equal(a.values.gather(2, order[..., None].expand(-1, -1, -1, 4)), b.values)
+
+
+def test_key_norms_are_kept_by_the_cache_through_appends_evictions_joins_and_set_keys():
+    """KEY_NORM, once declared, holds the norm of every held key: the keys held when it is declared,
+    each appended one (also in padded rows), after evictions and in a join, and after `set_keys`."""
+    from kvmini.cache import KEY_NORM, key_norm
+    from kvmini.config import ModelConfig
+
+    def check(lc):
+        torch.testing.assert_close(lc.aux(KEY_NORM), key_norm(lc.keys), rtol=1e-6, atol=0)
+
+    gen = torch.Generator().manual_seed(0)
+    kv = lambda T: (torch.randn(2, 3, T, 4, generator=gen), torch.randn(2, 3, T, 4, generator=gen))  # noqa: E731
+    lc = LayerCache(batch=2, kv_heads=3, head_dim=4, dtype=torch.float32, device="cpu", capacity=2)
+    lc.append(*kv(5), torch.arange(5).expand(2, 5))
+    lc.declare(KEY_NORM)
+    check(lc)
+    lc.append(*kv(3), torch.arange(5, 8).expand(2, 3))  # through a resize
+    lc.evict_one(torch.tensor([[1, 2, 3], [0, 6, 7]]))
+    lc.set_keys(torch.tensor([[[0], [1], [2]], [[3], [4], [5]]]), 3 * torch.randn(2, 3, 1, 4, generator=gen))
+    check(lc)
+    lc.keep_row(1, torch.arange(4).expand(1, 3, 4))  # row 1 shorter: padded rows
+    lc.append(*kv(1), torch.tensor([[8], [8]]))
+    check(lc)
+    assert lc.aux(KEY_NORM)[1, :, 5:].eq(0).all()  # pads
+    cache = KVCache(ModelConfig(model_type="llama", vocab_size=8, hidden_size=4, intermediate_size=8, num_layers=2,
+                                num_heads=1, num_kv_heads=1, head_dim=4), batch=1)
+    for i, lc in enumerate(cache.layers):
+        lc.declare(KEY_NORM)
+        lc.append(torch.randn(1, 1, 6 + i, 4, generator=gen), torch.randn(1, 1, 6 + i, 4, generator=gen),
+                  torch.arange(6 + i)[None])
+    joint = cache.join((0, 1))
+    joint.set_keys(torch.tensor([[[1]], [[6]]]), torch.randn(2, 1, 1, 4, generator=gen))
+    joint.evict_one(torch.tensor([[2], [0]]))
+    for lc in (joint, *cache.layers):
+        check(lc)

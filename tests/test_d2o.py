@@ -536,3 +536,43 @@ def test_nearest_by_chunks_is_nearest_in_one_call():
             assert torch.equal(got[1], want[1])
             assert torch.allclose(got[0], want[0], rtol=0, atol=4 * torch.finfo(dtype).eps)
         assert torch.equal(nearest_by_chunks(k_evict, k_keep)[0], want[0])  # small: one call
+
+
+@pytest.mark.parametrize("together", [True, False])
+@pytest.mark.parametrize("options", [{}, {"variant": "paper"}, {"protected_layers": ""}], ids=str)
+def test_key_norms_kept_by_the_cache_change_nothing(options, together):
+    """Eq. 9 reads the kept keys' norms from the cache (KEY_NORM, set when a key is appended or merged
+    into) instead of computing them from the keys: the same caches, merges and thresholds as without
+    that buffer, for a prompt in chunks and decode steps with merges, all layers at once or one by one;
+    and the kept norms are those of the keys held."""
+    from kvmini.cache import KEY_NORM, key_norm
+
+    model = random_model(L=4).to(torch.float64)
+    ids = torch.randint(0, 61, (1, 48), generator=torch.Generator().manual_seed(1))
+
+    def run(kept: bool):
+        policy = make_policy("d2o", 12, **options)
+        one = policy.one  # the batch-1 policy (kvmini.per_sequence)
+        one.together = together
+        if not kept:
+            one.scorer.aux = CumulativeAttention.aux  # the norms computed from the keys at every step
+        policy.start(40, 48)
+        cache = model.new_cache(1, 4)
+        with torch.no_grad():
+            for a, b in [(0, 16), (16, 32), (32, 40)] + [(t, t + 1) for t in range(40, 48)]:
+                model(ids[:, a:b], cache, policy)
+        return cache, one
+
+    (fast, p_fast), (slow, p_slow) = run(True), run(False)
+    assert sum(p_fast.merged) > 0 and p_fast.merged == pytest.approx(p_slow.merged, abs=1e-9)
+    norms = 0
+    for a, b in zip(fast.layers, slow.layers):
+        assert torch.equal(a.positions, b.positions)
+        torch.testing.assert_close(a.keys, b.keys, rtol=1e-12, atol=1e-12)
+        torch.testing.assert_close(a.values, b.values, rtol=1e-12, atol=1e-12)
+        if KEY_NORM in a.aux_names():
+            norms += 1
+            torch.testing.assert_close(a.aux(KEY_NORM), key_norm(a.keys), rtol=1e-12, atol=0)
+    assert norms > 0 and KEY_NORM not in slow[0].aux_names() + slow[2].aux_names()
+    for layer, tau in p_fast.compressor.merge.tau.items():
+        torch.testing.assert_close(tau, p_slow.compressor.merge.tau[layer], rtol=1e-12, atol=1e-12)

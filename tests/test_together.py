@@ -248,3 +248,25 @@ def test_d2o_first_compression_by_chunks_equals_one_call(model, options, monkeyp
         monkeypatch.undo()
         same(chunked, whole)
         assert sum(whole[1].merged) > 0  # the merges happened
+
+
+@pytest.mark.parametrize("L, budgets", [(6, [40, 8, 8, 24, 8, 8]), (8, [40, 8, 8, 40, 8, 8, 8, 8])])
+def test_several_layers_far_longer_than_the_others_are_joined_apart(L, budgets, monkeypatch):
+    """Layers budgeted over twice the median, when there are several, are evicted at once as a second
+    joined group (their rows padded to the longest of them, not the others'), with the same result as
+    layer by layer."""
+    model = random_model(L=L).to(torch.float64)
+    joins = []
+    real = KVCache.join
+    monkeypatch.setattr(KVCache, "join", lambda self, layers, room=1: joins.append(layers) or real(self, layers, room))
+    joint = run(model, "d2o", 0.4, SKEWED, True)
+    assert joint[1].budgets == budgets and joint[1].one.long_together
+    short = tuple(l for l, b in enumerate(budgets) if b == 8)
+    assert joins.count((0, 3)) >= 7 and joins.count(short) >= 7 and set(joins) == {(0, 3), short}
+    by_layer = lambda out: (*out[:3], sorted(out[3], key=lambda r: r.layer))  # noqa: E731  stable: steps in order
+    alone = run(model, "d2o", 0.4, SKEWED, False)
+    same(by_layer(joint), by_layer(alone))  # a step's trace: the long group first
+    tau, other = joint[1].parts[2].merge.tau, alone[1].parts[2].merge.tau  # each group's thresholds, split
+    assert tau.keys() == other.keys() == set(range(L))
+    for layer in tau:
+        torch.testing.assert_close(tau[layer], other[layer], **TOL)

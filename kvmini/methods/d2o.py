@@ -52,6 +52,7 @@ A prompt in chunks (kvmini.policy) gives the same F_v, scores and budgets as the
 from dataclasses import dataclass
 from typing import Literal
 
+from kvmini.cache import KEY_NORM
 from kvmini.methods import options
 from kvmini.methods.ema_merging import EMAMerge
 from kvmini.methods.scorers import CumulativeAttention
@@ -98,5 +99,8 @@ def build(budget: float, o: Options = Options()) -> Policy:
     budgeter = VarianceSoftmax(o.allocation, o.softmax_temperature, o.sinks + 4, o.reduce, o.protected_layers,
                                parts=(N, M), measure_in_prompt=first_decode, clamp=o.clamp_budgets)
     merging = None if o.merge == "off" else EMAMerge(o.beta, weights=o.merge, tau=o.tau)
-    return Policy("d2o", budget, CumulativeAttention(o.reduce), budgeter, TopK(o.sinks, recent, merge=merging),
+    scorer = CumulativeAttention(o.reduce)
+    if merging is not None:  # Eq. 9 divides by the kept keys' norms: the cache keeps them from each append
+        scorer.aux = scorer.aux + (KEY_NORM,)  # in a buffer the policy declares with the scorer's own
+    return Policy("d2o", budget, scorer, budgeter, TopK(o.sinks, recent, merge=merging),
                   schedule=DECODE if first_decode else AFTER_PROMPT)

@@ -24,7 +24,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-from kvmini.cache import PAD, LayerCache, wide
+from kvmini.cache import KEY_NORM, PAD, LayerCache, wide
 from kvmini.errors import one_of
 from kvmini.parts import Merged
 
@@ -45,23 +45,21 @@ class EMAMerge:
 
     def reset(self) -> None:
         self._tau: dict[int, torch.Tensor] = {}  # layer -> (B, H_kv), or (B, 1) per layer
-        self._joint: tuple | None = None  # (layers, their thresholds as one tensor): the last tuple decided
+        self._joint: dict[tuple, torch.Tensor] = {}  # layers decided at once -> their thresholds as one tensor
         if self.trace is not None:
             self.trace.clear()  # a new run
 
     @property
     def tau(self) -> dict[int, torch.Tensor]:
         """Each layer's threshold (Eq. 10), (B, H_kv), or (B, 1) per layer. The layers of a decode step
-        taken at once keep theirs as one tensor (`decide`), split into this dict when it is read."""
+        taken at once (one tuple or more) keep theirs as one tensor each (`decide`), split into this dict when it is read."""
         self._split()
         return self._tau
 
-    def _split(self) -> None:
-        """The joined thresholds into the per-layer dict."""
-        if self._joint is not None:
-            layers, tau = self._joint
-            self._tau.update(zip(layers, tau.chunk(len(layers))))
-            self._joint = None
+    def _split(self, layers: tuple | None = None) -> None:
+        """The joined thresholds of the tuples that share a layer with `layers` (None: all) into the per-layer dict."""
+        for group in [g for g in self._joint if layers is None or not set(g).isdisjoint(layers)]:
+            self._tau.update(zip(group, self._joint.pop(group).chunk(len(group))))
 
     def __call__(self, layer: int, lc: LayerCache, keep: torch.Tensor) -> torch.Tensor:
         B, H_kv, S = lc.positions.shape
@@ -75,10 +73,9 @@ class EMAMerge:
         if self.trace is not None:
             self.record(layer, lc.positions, evict, keep.gather(2, j_star), best, merge, S)
         combine = convex_merge if self.weights == "paper" else scatter_mean_merge
-        v_keep, v_evict = gather(lc.values, keep), gather(lc.values, evict)
-        for cache, x_keep, x_evict in ((lc.keys, k_keep, k_evict), (lc.values, v_keep, v_evict)):
-            merged = combine(x_keep, x_evict, j_star, best, merge)  # (B, H_kv, b, D), Eq. 11-12
-            cache.scatter_(2, keep[..., None].expand(-1, -1, -1, D), merged.to(cache.dtype))
+        lc.set_keys(keep, combine(k_keep, k_evict, j_star, best, merge))  # (B, H_kv, b, D), Eq. 11-12
+        v_merged = combine(gather(lc.values, keep), gather(lc.values, evict), j_star, best, merge)  # likewise
+        lc.values.scatter_(2, keep[..., None].expand(-1, -1, -1, D), v_merged.to(lc.values.dtype))
         return merge.float().mean(1).sum()  # tokens merged, mean over heads
 
     def one(self, layer, lc: LayerCache, victim: torch.Tensor) -> torch.Tensor:
@@ -90,7 +87,8 @@ class EMAMerge:
         D = lc.keys.shape[-1]
         at = victim[:, :, None, None].expand(-1, -1, 1, D)  # (B, H_kv, 1, D)
         k_evict = wide(lc.keys.gather(2, at))  # (B, H_kv, 1, D)
-        u = cosine(k_evict, wide(lc.keys))  # (B, H_kv, 1, S)
+        norms = lc.aux(KEY_NORM) if KEY_NORM in lc.aux_names() else None  # (B, H_kv, S), kept by the cache
+        u = cosine(k_evict, wide(lc.keys), norms)  # (B, H_kv, 1, S)
         if lc.padded:
             u.masked_fill_((lc.positions == PAD)[:, :, None], float("-inf"))
         best, j_star = u.scatter_(3, victim[:, :, None, None], float("-inf")).max(-1)  # (B, H_kv, 1): not itself
@@ -103,7 +101,7 @@ class EMAMerge:
         x_near = wide(torch.cat([lc.keys.gather(2, near), lc.values.gather(2, near)], -1))
         x_evict = torch.cat([k_evict, wide(lc.values.gather(2, at))], -1)
         merged = combine(x_near, x_evict, torch.zeros_like(j_star), best, merge)  # Eq. 11-12
-        lc.keys.scatter_(2, near, merged[..., :D].to(lc.keys.dtype))
+        lc.set_keys(j_star, merged[..., :D])
         lc.values.scatter_(2, near, merged[..., D:].to(lc.values.dtype))
         return merge.float().mean(1)[:, 0]  # (B,)
 
@@ -129,11 +127,10 @@ class EMAMerge:
         sim = best.mean(1, keepdim=True) if self.per_layer else best  # official: one threshold per layer,
         new = sim.mean(-1)  # (B, H_kv) or (B, 1)                    # similarities averaged over heads
         layers = layer if isinstance(layer, tuple) else (layer,)
-        if self._joint is not None and self._joint[0] == layers:  # the same layers as the last step, at once:
-            tau = ema_threshold(self._joint[1], new, self.beta)  # their thresholds are one tensor already
+        if layers in self._joint:  # the same layers as at the last step, at once:
+            tau = ema_threshold(self._joint[layers], new, self.beta)  # their thresholds are one tensor already
         else:
-            if self._joint is not None and not set(layers).isdisjoint(self._joint[0]):
-                self._split()  # only when some of the joined thresholds are needed apart
+            self._split(layers)  # only the joined thresholds some of these layers need apart
             prev, rows = [self._tau.get(one) for one in layers], new.chunk(len(layers))
             if all(p is None for p in prev):
                 tau = new  # tau_0
@@ -143,19 +140,19 @@ class EMAMerge:
                     fresh = torch.tensor([p is None for p in prev], device=new.device).repeat_interleave(rows[0].shape[0])
                     tau = torch.where(fresh[:, None], new, tau)
         if isinstance(layer, tuple):
-            if self._joint is not None and self._joint[0] != layers:
-                self._split()  # another tuple's thresholds, before they are replaced
-            self._joint = (layers, tau)  # (len(layers) * B, H_kv) or (len(layers) * B, 1), split when read
+            self._joint[layers] = tau  # (len(layers) * B, H_kv) or (len(layers) * B, 1), split when read
         else:
             self._tau[layer] = tau  # (B, H_kv), or (B, 1) per layer
         return (sim >= tau[..., None]).expand_as(best)
 
 
-def cosine(a: torch.Tensor, b: torch.Tensor, eps: float = 1e-12) -> torch.Tensor:
+def cosine(a: torch.Tensor, b: torch.Tensor, b_norm: torch.Tensor | None = None, eps: float = 1e-12) -> torch.Tensor:
     """u_ij = a_i . b_j / (|a_i| |b_j|), as F.normalize computes it: a (..., E, D), b (..., S, D) -> (..., E, S).
-    Divides by the norms instead of normalizing b, so the S keys are only read."""
+    Divides by the norms instead of normalizing b, so the S keys are only read: once, given their
+    norms `b_norm` (..., S) (the cache's KEY_NORM), else twice."""
     norm = torch.linalg.vector_norm
-    norms = norm(a, dim=-1).clamp_min(eps)[..., :, None] * norm(b, dim=-1).clamp_min(eps)[..., None, :]
+    b_norm = norm(b, dim=-1) if b_norm is None else b_norm
+    norms = norm(a, dim=-1).clamp_min(eps)[..., :, None] * b_norm.clamp_min(eps)[..., None, :]
     return (a @ b.transpose(-1, -2)) / norms
 
 
