@@ -72,7 +72,7 @@ PROFILES = {
         "speed": dict(prefill_n=2048, reps=1, decode_n=2048, steps=16, rounds=5, peak_n=2048, budget=0.2, batch_n=2048,
                       cap_gib=8),
         "ablations": dict(n=1024, k=128, budgets=[0.2], methods=ABLATIONS),
-        "queryaware": dict(length=512, depths=[0.1, 0.5, 0.9], budgets=[0.1, 0.3], k=4),
+        "queryaware": dict(length=512, depths=[0.25, 0.75], budgets=[0.1, 0.3], k=4),
     },
     "full": {
         "streaming": dict(n=4096, capacities=[256, 1024], chunk=16),
