@@ -250,6 +250,19 @@ def summary(results: dict) -> str:
         out += [_fidelity_line([{"prompt": 0, **r} for r in results["ablations"]], key) for key in dict.fromkeys(
             (r["method"], r["budget"]) for r in results["ablations"] if r["method"] != "full")]
         out.append("")
+    if "queryaware" in results:
+        m = query_aware.by_condition(results["queryaware"])
+        out += ["## Query-aware: the question in the prompt, or after the context was compressed", "",
+                "| method | budget | accuracy: in prompt | after | KL: in prompt | after | top-1: in prompt | after | "
+                "depends |", "|---|---|---|---|---|---|---|---|---|"]
+        for (spec, b), conds in m.items():
+            if spec != "full":
+                x, y = conds["in prompt"], conds["after"]
+                out.append(f"| {spec} | {'self-chosen' if b is None else f'{b:g}'} | {x['accuracy']:.2f} | "
+                           f"{y['accuracy']:.2f} | {x['kl']:.3f} | {y['kl']:.3f} | {x['top1']:.2f} | {y['top1']:.2f} | "
+                           f"{'yes' if query_aware.depends(conds) else 'no'} |")
+        out += ["", f"Full cache accuracy: {m[('full', None)]['in prompt']['accuracy']:.2f}. Depending on the question "
+                f"(kvmini.eval.query_aware.depends): {', '.join(query_aware.question_dependent(results['queryaware'])) or 'none'}.", ""]
     if results.get("plots_skipped"):
         out += [f"Plots skipped: {results['plots_skipped']}", ""]
     if results.get("provenance"):
