@@ -90,3 +90,22 @@ def test_accuracy_kl_and_the_dependence_rule_by_hand():
     assert m[("b", 0.1)]["after"]["kl"] == pytest.approx(0.25)  # 2.5 x 0.1, and 0.15 nats more
     assert m[("c", 0.1)]["after"]["kl"] == pytest.approx(0.03)  # 3 x, but only 0.02 nats more
     assert query_aware.question_dependent(data) == ["a", "b"]
+
+
+def test_the_summary_table_and_figure_name_the_dependent_methods(tmp_path):
+    from kvmini.eval import plots, suite, tables
+
+    data = [{"method": "full", "budget": None, "condition": "in prompt", "correct": c, "kl": 0.0, "top1": 1.0}
+            for c in (1, 1, 0)] + rows("a", "in prompt", [1, 1, 0], [0.1, 0.2, 0.3]) + rows("a", "after", [0, 1, 0], [0.1, 0.2, 0.3])
+    data += rows("c", "in prompt", [1, 0, 0], [0.01] * 3) + rows("c", "after", [1, 0, 0], [0.03] * 3)
+    for r in data:
+        r.update(context_tokens=500, question_tokens=20)
+    results = {"profile": "quick", "device": "cpu", "queryaware": data,
+               "sizes": {"queryaware": {"length": 512, "depths": [0.1, 0.5, 0.9], "budgets": [0.1], "k": 4}}}
+    assert "| a | 0.1 | 0.67 | 0.33 | 0.200 | 0.200 | 0.50 | 0.50 | yes |" in suite.summary(results)
+    table = tables.queryaware_table(results)
+    assert "| `c` | 10% | 33% → 33% | 0.010 → 0.030 | 0.50 → 0.50 | no |" in table
+    assert "**depending on the question**: `a`; **not**: `c`." in table and "(the full cache: 67%)" in table
+    pytest.importorskip("matplotlib", reason="matplotlib (requirements-dev.txt) is not installed")
+    [png] = plots.write_plots({"queryaware": data}, tmp_path)
+    assert png.endswith("queryaware.png") and (tmp_path / "queryaware.png").stat().st_size > 1000
