@@ -3,7 +3,7 @@
     python -m kvmini.eval.suite                              # quick profile, all experiments -> results/
     python -m kvmini.eval.suite --profile full --out results-full
     python -m kvmini.eval.suite --only streaming passkey     # a subset
-    python -m kvmini.eval.suite --profile smoke --out /tmp/x # every code path (56 s on a quiet 2-core machine)
+    python -m kvmini.eval.suite --profile smoke --out /tmp/x # every code path (56 s on a quiet 2-core machine before queryaware)
 
 Experiments (sizes per profile in PROFILES):
     streaming  streaming perplexity at fixed cache capacities (WeightedKV Table I, D2O Fig. 6)
