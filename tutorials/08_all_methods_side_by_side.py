@@ -118,9 +118,58 @@ for cache, policy, trace, spec, generated in runs:  # what the page encodes: eac
 show_page(page)
 
 # %% [markdown]
+# ## Does a method need to see the question?
+#
+# A compressed cache is often used again: a second question about the same document. Then the
+# context is compressed *before* the question arrives. SnapKV scores the context by the attention of
+# the prompt's last 32 tokens, which is where a question sits; fed after the compression, the
+# question arrives too late to choose. `kvmini.eval.query_aware` feeds the same ids both ways: one
+# prompt, or the context as a run's first prompt (compressed at once) and the question as its next
+# prompt (`prefill` on a cache that already holds tokens). Here on one 512-token passkey prompt:
+
+# %%
+from kvmini.chat import load_chat_format, stop_token_ids  # noqa: E402
+from kvmini.eval import query_aware  # noqa: E402
+
+tok, chat = load_tokenizer(folder), load_chat_format(folder)
+stop = stop_token_ids(model.config.eos_token_ids, tok, chat)
+ctx, q = (torch.tensor([x]) for x in query_aware.split_prompt(tok, chat, 512, 0.5, 27182))
+for condition, prompts in (("in the prompt", [torch.cat([ctx, q], 1)]), ("after", [ctx, q])):
+    if usable("snapkv"):
+        answer, _, kept = query_aware.answer_and_logits(model, prompts, make_policy("snapkv", 0.1), [], stop)
+        print(f"SnapKV 10%, question {condition:<13}: {tok.decode(answer).strip()!r} (key 27182, {kept[0]} kept per layer)")
+_, cache = query_aware.feed(model, [ctx], None)
+assert cache.lengths() == [ctx.shape[1]] * 30  # the full cache: nothing compressed
+
+# %% [markdown]
+# The suite measures this for every method and two budgets (`python -m kvmini.eval.suite --only
+# queryaware`): passkey accuracy, and the KL from the full cache over its answer. The committed
+# results, and the methods that depend on seeing the question by the rule printed under the table:
+
+# %%
+import json  # noqa: E402
+
+from kvmini.eval.tables import queryaware_table  # noqa: E402
+from kvmini.notebooks import ROOT  # noqa: E402
+
+committed = ROOT / "results" / "quick" / "results.json"
+results = json.loads(committed.read_text()) if committed.exists() else {}  # a student copy has no results/
+if "queryaware" in results:
+    print(queryaware_table(results))
+    print("depend on the question:", ", ".join(query_aware.question_dependent(results["queryaware"])))
+    fig, ax = plt.subplots(figsize=(13, 7.5))
+    ax.imshow(plt.imread(committed.with_name("queryaware.png")))  # the suite's figure, as committed
+    ax.axis("off")
+    show(fig, "08_queryaware")
+else:
+    print(f"no committed results in {committed.parent}: python -m kvmini.eval.suite --only queryaware --out results/quick")
+
+# %% [markdown]
 # ## Exercises
 #
 # 1. Which method is best at 20% here, and is it the same at the full profile's N = 2048? Why might the
 #    ranking depend on the prompt length?
 # 2. Compose a new method from the parts — e.g. DynamicKV's progressive budgets with H2O's
 #    cumulative scores — and add it to the table.
+# 3. Which methods lose the most when the question comes after the context? Read each one's scorer
+#    (docs/methods.md): which queries does it look at, and when?

@@ -24,7 +24,8 @@ def _pyplot():
 def write_plots(results: dict, folder: Path) -> list[str]:
     plt = _pyplot()
     written = []
-    for name, draw in (("streaming", _streaming), ("passkey", _passkey), ("layers", _layers)):
+    for name, draw in (("streaming", _streaming), ("passkey", _passkey), ("layers", _layers),
+                       ("queryaware", _queryaware)):
         if results.get(name):
             for fig_name, fig in draw(plt, results[name]):
                 path = Path(folder) / fig_name
@@ -108,3 +109,47 @@ def _layers(plt, res):
            ylabel="entries kept")
     ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.02, 1))
     yield "layers_retention.png", fig
+
+
+def _queryaware(plt, rows):
+    """Per method, accuracy and answer KL with the question in the prompt (filled) and after (open),
+    joined by a line; one pair of panels per budget; red labels: question-dependent at some budget
+    (kvmini.eval.query_aware.depends)."""
+    from kvmini.eval import query_aware
+
+    m = query_aware.by_condition(rows)
+    budgets = sorted({b for (_, b) in m if b is not None})
+    methods = list(dict.fromkeys(name for (name, _) in m if name != "full"))[::-1]  # first method on top
+    full_acc = m[("full", None)]["in prompt"]["accuracy"]
+    fig, axes = plt.subplots(1, 2 * len(budgets), figsize=(3.3 * 2 * len(budgets), 0.3 * len(methods) + 1.6),
+                             sharey=True, squeeze=False)
+    for i, b in enumerate(budgets):
+        keys = [(name, b) if (name, b) in m else (name, None) for name in methods]  # self-budgeted: its own
+        labels = [name + (" (own budget)" if key[1] is None else "") for name, key in zip(methods, keys)]
+        for ax, metric, title in ((axes[0, 2 * i], "accuracy", "passkey accuracy"),
+                                  (axes[0, 2 * i + 1], "kl", "answer KL(full‖method), nats")):
+            before = [m[k]["in prompt"][metric] for k in keys]
+            after = [m[k]["after"][metric] for k in keys]
+            ys = range(len(keys))
+            ax.hlines(ys, before, after, color="gray", linewidth=1.5, zorder=1)
+            ax.scatter(before, ys, color="tab:blue", zorder=2, label="question in the prompt")
+            ax.scatter(after, ys, facecolors="white", edgecolors="tab:orange", linewidths=1.5, zorder=3,
+                       label="question after (context compressed first)")
+            if metric == "accuracy":
+                ax.axvline(full_acc, color="gray", linestyle="--", linewidth=1, label="full cache")
+                ax.set_xlim(-0.08, 1.08)
+            ax.set_title(f"budget {b:g}: {title}", fontsize=9)
+            ax.grid(axis="x", alpha=0.3)
+            ax.set_yticks(list(ys), labels, fontsize=8)
+    dependent = set(query_aware.question_dependent(rows))
+    for tick, name in zip(axes[0, 0].get_yticklabels(), methods):
+        if name in dependent:
+            tick.set_color("tab:red")
+    top = max(max(c["kl"] for c in conds.values()) for conds in m.values())
+    for ax in axes[0, 1::2]:
+        ax.set_xlim(0, 1.05 * top)  # the same scale at every budget
+    axes[0, 0].legend(fontsize=7, loc="lower left", bbox_to_anchor=(0, 1.06))
+    fig.suptitle("the same context compressed with the question in the prompt and before it arrives "
+                 "(red: depends on seeing it at some budget)", fontsize=10, y=1.0)
+    fig.tight_layout()
+    yield "queryaware.png", fig

@@ -5,7 +5,7 @@ Each experiment in a results.json carries `provenance`: the command, the date an
 made it (the commit is for people; the check below never reads git), the method specs it measured,
 and a fingerprint of what it depends on:
 
-    accuracy (streaming, passkey, fidelity, layers, ablations)
+    accuracy (streaming, passkey, fidelity, layers, ablations, queryaware)
         per method measured, and `full` (the model itself), a digest of that method's entries in the
         engine's behaviour recording (tests/data/engine_regression.*); plus a digest of the
         experiment's own module. tests/test_engine_regression.py proves the code still behaves as
@@ -29,7 +29,7 @@ ROOT = Path(__file__).resolve().parents[2]
 RECORDING = ROOT / "tests" / "data" / "engine_regression"
 EXPERIMENT_MODULE = {"streaming": "kvmini/eval/streaming.py", "passkey": "kvmini/eval/passkey.py",
                      "fidelity": "kvmini/eval/fidelity.py", "layers": "kvmini/eval/layers.py",
-                     "ablations": "kvmini/eval/fidelity.py"}
+                     "ablations": "kvmini/eval/fidelity.py", "queryaware": "kvmini/eval/query_aware.py"}
 
 
 def digest(data: bytes) -> str:

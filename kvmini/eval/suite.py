@@ -3,7 +3,7 @@
     python -m kvmini.eval.suite                              # quick profile, all experiments -> results/
     python -m kvmini.eval.suite --profile full --out results-full
     python -m kvmini.eval.suite --only streaming passkey     # a subset
-    python -m kvmini.eval.suite --profile smoke --out /tmp/x # every code path (56 s on a quiet 2-core machine)
+    python -m kvmini.eval.suite --profile smoke --out /tmp/x # every code path (56 s on a quiet 2-core machine before queryaware)
 
 Experiments (sizes per profile in PROFILES):
     streaming  streaming perplexity at fixed cache capacities (WeightedKV Table I, D2O Fig. 6)
@@ -12,6 +12,7 @@ Experiments (sizes per profile in PROFILES):
     layers     attention density, variance and per-layer retention (D2O Fig. 1/4, DynamicKV Fig. 2)
     speed      prefill overhead, decode speed, kept bytes and peak memory relative to the full cache
     ablations  fidelity of each difference between a paper and its authors' code, one prompt (docs/methods.md)
+    queryaware passkey accuracy and answer fidelity with the question in the prompt and after it (issue 31)
 
 Writes results.json (everything), summary.md (the tables) and PNG plots (with matplotlib). Experiments
 that an earlier run of the same profile wrote to the folder and this run skips are kept. Each experiment
@@ -30,7 +31,7 @@ cli.exit_on_ctrl_c(__name__)  # before the imports below
 import torch  # noqa: E402
 
 from kvmini.errors import KvminiError  # noqa: E402
-from kvmini.eval import fidelity, layers, passkey, plots, provenance, speed, streaming  # noqa: E402
+from kvmini.eval import fidelity, layers, passkey, plots, provenance, query_aware, speed, streaming  # noqa: E402
 from kvmini.methods import registry  # noqa: E402
 
 EVERY = registry.specs()  # every registered method and variant: a method added to METHODS is measured everywhere
@@ -61,6 +62,7 @@ PROFILES = {
         "speed": dict(prefill_n=256, reps=1, decode_n=256, steps=2, rounds=1, peak_n=256, budget=0.5, batch_n=256,
                       cap_gib=2),
         "ablations": dict(n=128, k=16, budgets=[0.5], methods=["h2o", "d2o[merge=off]", "h2o[evict_every=8]"]),
+        "queryaware": dict(length=256, depths=[0.5], budgets=[0.5], k=2),
     },
     "quick": {
         "streaming": dict(n=2048, capacities=[256], chunk=16),
@@ -70,6 +72,7 @@ PROFILES = {
         "speed": dict(prefill_n=2048, reps=1, decode_n=2048, steps=16, rounds=5, peak_n=2048, budget=0.2, batch_n=2048,
                       cap_gib=8),
         "ablations": dict(n=1024, k=128, budgets=[0.2], methods=ABLATIONS),
+        "queryaware": dict(length=512, depths=[0.25, 0.75], budgets=[0.1, 0.3], k=4),
     },
     "full": {
         "streaming": dict(n=4096, capacities=[256, 1024], chunk=16),
@@ -79,6 +82,7 @@ PROFILES = {
         "speed": dict(prefill_n=4096, reps=1, decode_n=8128, steps=16, rounds=3, peak_n=8192, budget=0.2, batch_n=4096,
                       cap_gib=16),
         "ablations": dict(n=2048, k=256, budgets=[0.2], methods=ABLATIONS),
+        "queryaware": dict(length=2048, depths=[0.1, 0.5, 0.9], budgets=[0.1, 0.2, 0.3], k=8),
     },
 }
 EXPERIMENTS = list(PROFILES["quick"])
@@ -92,6 +96,11 @@ def run_streaming(model, text_ids, p, log):
 def run_passkey(model, tok, chat, stop_ids, p, log):
     runs = [("full", None)] + [(m, b) for b in p["budgets"] for m in BUDGETED] + [(m, None) for m in SELF_BUDGETED]
     return passkey.run(model, tok, chat, runs, p["lengths"], p["depths"], stop_ids, log=log)
+
+
+def run_queryaware(model, tok, chat, stop_ids, p, log):
+    runs = [(m, b) for b in p["budgets"] for m in BUDGETED] + [(m, None) for m in SELF_BUDGETED]
+    return query_aware.run(model, tok, chat, runs, p["length"], p["depths"], p["k"], stop_ids, log=log)
 
 
 def run_fidelity(model, text_ids, p, log):
@@ -115,7 +124,8 @@ def measured(name: str, p: dict) -> list[str]:
     """The method specs experiment `name` runs with sizes `p` (the full cache first)."""
     return {"streaming": list(streaming.METHODS), "passkey": ["full", *BUDGETED, *SELF_BUDGETED],
             "fidelity": ["full", *p.get("methods", [])], "layers": ["full", *layers.ADAPTIVE],
-            "speed": ["full", *EVERY], "ablations": ["full", *p.get("methods", [])]}[name]
+            "speed": ["full", *EVERY], "ablations": ["full", *p.get("methods", [])],
+            "queryaware": ["full", *BUDGETED, *SELF_BUDGETED]}[name]
 
 
 def today(profile: str) -> dict[str, dict]:
@@ -240,6 +250,19 @@ def summary(results: dict) -> str:
         out += [_fidelity_line([{"prompt": 0, **r} for r in results["ablations"]], key) for key in dict.fromkeys(
             (r["method"], r["budget"]) for r in results["ablations"] if r["method"] != "full")]
         out.append("")
+    if "queryaware" in results:
+        m = query_aware.by_condition(results["queryaware"])
+        out += ["## Query-aware: the question in the prompt, or after the context was compressed", "",
+                "| method | budget | accuracy: in prompt | after | KL: in prompt | after | top-1: in prompt | after | "
+                "depends |", "|---|---|---|---|---|---|---|---|---|"]
+        for (spec, b), conds in m.items():
+            if spec != "full":
+                x, y = conds["in prompt"], conds["after"]
+                out.append(f"| {spec} | {'self-chosen' if b is None else f'{b:g}'} | {x['accuracy']:.2f} | "
+                           f"{y['accuracy']:.2f} | {x['kl']:.3f} | {y['kl']:.3f} | {x['top1']:.2f} | {y['top1']:.2f} | "
+                           f"{'yes' if query_aware.depends(conds) else 'no'} |")
+        out += ["", f"Full cache accuracy: {m[('full', None)]['in prompt']['accuracy']:.2f}. Depending on the question "
+                f"(kvmini.eval.query_aware.depends): {', '.join(query_aware.question_dependent(results['queryaware'])) or 'none'}.", ""]
     if results.get("plots_skipped"):
         out += [f"Plots skipped: {results['plots_skipped']}", ""]
     if results.get("provenance"):
@@ -313,6 +336,8 @@ def tokens_needed(name: str, p: dict) -> int:
     """The longest sequence (prompt and generated tokens) experiment `name` runs with sizes `p`."""
     if name == "passkey":
         return max(p["lengths"]) + 10  # prompts of about `length` tokens, answers of up to 10
+    if name == "queryaware":
+        return p["length"] + max(p["k"], query_aware.ANSWER_TOKENS)
     if name in ("fidelity", "ablations"):
         return p["n"] + p["k"]
     if name == "speed":
@@ -352,6 +377,7 @@ def run_suite(profile: str, only: list[str], model_folder: str | None, device: s
         "layers": lambda: run_layers(model, text_ids, P["layers"], log),
         "speed": lambda: run_speed(model, text_ids, P["speed"], model_folder, log),
         "ablations": lambda: run_ablations(model, text_ids, P["ablations"], log),
+        "queryaware": lambda: run_queryaware(model, tok, chat, stop_ids, P["queryaware"], log),
     }
     for name in only:
         t0 = time.perf_counter()
