@@ -354,7 +354,6 @@ def queryaware_table(quick: dict) -> str:
     m = qa.by_condition(rows)
     cells = sum(1 for r in rows if r["method"] == "full")
     ctx, q = mean([r["context_tokens"] for r in rows]), mean([r["question_tokens"] for r in rows])
-    dependent = qa.question_dependent(rows)
     pct = lambda x: f"{x:.0%}"  # noqa: E731
     out = [f"Quick profile: passkey prompts of about {size['length']:,} tokens ({ctx:.0f} of context, {q:.0f} of "
            f"question and answer start), needle at depths {', '.join(f'{d:g}' for d in size['depths'])}; accuracy "
@@ -370,12 +369,20 @@ def queryaware_table(quick: dict) -> str:
         out.append(f"| {name(spec)} | {budget_text(b) if b is not None else 'own'} | {pct(x['accuracy'])} → "
                    f"{pct(y['accuracy'])} | {x['kl']:.3f} → {y['kl']:.3f} | {x['top1']:.2f} → {y['top1']:.2f} | "
                    f"{'**yes**' if qa.depends(conds) else 'no'} |")
+    return "\n".join(out + ["", queryaware_verdict(quick)])
+
+
+def queryaware_verdict(quick: dict) -> str:
+    """The rule and the methods it names, from the same results (the README shows this, the docs the table)."""
+    from kvmini.eval import query_aware as qa
+
+    m = qa.by_condition(need(quick, "queryaware"))
+    dependent = qa.question_dependent(need(quick, "queryaware"))
     rest = [s for s in dict.fromkeys(spec for spec, _ in m) if s != "full" and s not in dependent]
-    out += ["", f"The rule: a method depends on seeing the question when, at some budget, the question arriving "
-            f"after the compression costs it at least {qa.DROP:.0%} accuracy, or multiplies its answer KL by at "
-            f"least {qa.KL_RATIO:g} and adds at least {qa.KL_FLOOR:g} nats. By it, **depending on the question**: "
-            + (", ".join(name(s) for s in dependent) or "none") + "; **not**: " + (", ".join(name(s) for s in rest) or "none") + "."]
-    return "\n".join(out)
+    return (f"The rule: a method depends on seeing the question when, at some budget, the question arriving after "
+            f"the compression costs it at least {qa.DROP:.0%} accuracy, or multiplies its answer KL by at least "
+            f"{qa.KL_RATIO:g} and adds at least {qa.KL_FLOOR:g} nats. By it, **depending on the question**: "
+            + (", ".join(name(s) for s in dependent) or "none") + "; **not**: " + (", ".join(name(s) for s in rest) or "none") + ".")
 
 
 # Where the numbers came from (docs/evaluation.md)
@@ -405,6 +412,7 @@ TABLES = {
     "speed-2k": ((QUICK,), speed_table),
     "together-2k": ((QUICK,), together_table),
     "queryaware": ((QUICK,), queryaware_table),
+    "queryaware-verdict": ((QUICK,), queryaware_verdict),
 }
 # the command that measures an experiment into each file, for a table that finds it missing
 MEASURE = {QUICK: "python -m kvmini.eval.suite --only {experiment} --out results/quick",
