@@ -164,18 +164,20 @@ def nearest(k_evict: torch.Tensor, k_keep: torch.Tensor):
     # END EXERCISE
 
 
-def nearest_by_chunks(k_evict: torch.Tensor, k_keep: torch.Tensor, at_once: int = 2**22):
+def nearest_by_chunks(k_evict: torch.Tensor, k_keep: torch.Tensor, at_once: int = 2**18):
     """`nearest` (Eq. 9) for many evicted keys (B, H_kv, E, D), a chunk of them at a time, so that at
     most about `at_once` similarities are held: the first compression of an 8k prompt would otherwise
     hold E x b = 6,500 x 1,600 of them per head (125 MB a layer) and read them back from memory to find
-    each row's maximum. Each evicted key's row of similarities is its own, so the result is `nearest`'s
-    up to float rounding: the matrix product may add up a dot product in another order for another
-    number of rows (at most a few units in the last place; tests/test_d2o.py). Below `at_once`
-    (every prompt of the tests and of the recording) it is one call."""
+    each row's maximum; a chunk of 2**18 (1 MiB) is read back from the core's cache. The keys are
+    normalized once, not once per chunk. Each evicted key's row of similarities is its own, so the
+    result is `nearest`'s up to float rounding: the matrix product may add up a dot product in another
+    order for another number of rows (at most a few units in the last place; tests/test_d2o.py). Below
+    `at_once` (every prompt of the tests and of the recording) it is one call."""
     rows = max(1, at_once // max(1, k_keep.shape[:-1].numel()))  # evicted keys per chunk
     if rows >= k_evict.shape[2]:
         return nearest(k_evict, k_keep)
-    parts = [nearest(chunk, k_keep) for chunk in k_evict.split(rows, dim=2)]  # (B, H_kv, rows) each
+    a, k_t = F.normalize(k_evict, dim=-1), F.normalize(k_keep, dim=-1).transpose(-1, -2)  # (B, H_kv, E, D), (B, H_kv, D, b)
+    parts = [(chunk @ k_t).max(-1) for chunk in a.split(rows, dim=2)]  # (B, H_kv, rows) each
     return torch.cat([best for best, _ in parts], -1), torch.cat([j for _, j in parts], -1)  # (B, H_kv, E) each
 
 
