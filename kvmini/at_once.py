@@ -15,11 +15,9 @@ the rows of the first are not as long as theirs.
 Every other call runs kvmini.policy's layer-by-layer loop, the specification; `together = False`
 runs it for decode steps too, and tests/test_together.py proves both leave the same caches.
 """
-import functools
 import sys
 
 import torch
-import torch.nn.functional as F
 
 from kvmini.cache import KVCache, LayerCache
 from kvmini.parts import PREFILL
@@ -123,17 +121,10 @@ class Stacked:
             rows = [getattr(stats, name) for stats in self.per_layer]  # (B, H_kv, S_l) each
             if all(t.shape[-1] == self.S for t in rows):
                 self.stacked[name] = torch.cat(rows)  # (len(layers) * B, H_kv, S)
-            else:  # one copy of all rows side by side, then each layer's part read out, zero-padded
-                side = F.pad(torch.cat(rows, -1), (0, 1))  # (B, H_kv, sum S_l + 1): the last column is 0
-                at = padded_index(tuple(t.shape[-1] for t in rows), self.S, side.device)  # (len(layers), S)
-                self.stacked[name] = side[:, :, at].permute(2, 0, 1, 3).reshape(-1, side.shape[1], self.S)
+            else:  # each layer's rows copied into zeros as long as the longest
+                B = rows[0].shape[0]
+                out = rows[0].new_zeros(len(rows) * B, *rows[0].shape[1:-1], self.S)  # (len(layers) * B, H_kv, S)
+                for i, t in enumerate(rows):
+                    out[i * B : (i + 1) * B, :, : t.shape[-1]] = t
+                self.stacked[name] = out
         return self.stacked[name]
-
-
-@functools.lru_cache(maxsize=16)
-def padded_index(lengths: tuple[int, ...], S: int, device) -> torch.Tensor:
-    """Where row l's place j is in rows of these lengths laid side by side (plus one zero column at the
-    end, for the places past a row's length): (len(lengths), S). Made once per set of lengths."""
-    S_l = torch.tensor(lengths, device=device)  # (len(lengths),)
-    j = torch.arange(S, device=device)  # (S,)
-    return torch.where(j < S_l[:, None], (S_l.cumsum(0) - S_l)[:, None] + j, int(sum(lengths)))
