@@ -307,17 +307,17 @@ def speed_table(fs: dict) -> str:
     pre_full, dec_full = sp["prefill"]["full"], sp["decode"]["full"]
     out = [f"Prefill {sp['prefill_n']:,} tokens; decode after {sp['decode_n']:,} tokens, {sp['rounds']} rounds of "
            f"{sp['steps']} steps; budget {sp['budget']:.0%}:", "",
-           "| method | prefill / full | policy in prefill | decode / full | decode / SnapKV's | policy per decode step "
-           "(share) | policy ops per step | first decode step | peak memory / full |",
-           "|---|---|---|---|---|---|---|---|---|"]
+           "| method | prefill / full | policy in prefill | decode / full | decode / SnapKV's | K/V kept / full "
+           "| policy per decode step (share) | policy ops per step | first decode step | peak memory / full |",
+           "|---|---|---|---|---|---|---|---|---|---|"]
     for m, pre in sp["prefill"].items():
         dec, peak = sp["decode"][m], sp.get("peak", {}).get(m)
         if m == "full":
             cells = [f"1.00 ({pre_full['seconds']:.1f} s)", "—", f"1.00 ({dec_full['tokens_per_s']:.1f} tokens/s)",
-                     "—", "—", "—", "—"]
+                     "—", "1.000", "—", "—", "—"]
         else:
             cells = [f"{pre['ratio']:.2f}", f"{pre['policy_s']:.2f} s", f"{dec['ratio']:.2f}",
-                     f"{dec['ratio'] / snap:.2f}",
+                     f"{dec['ratio'] / snap:.2f}", f"{pre['kept_bytes_ratio']:.3f}",
                      f"{dec['policy_ms_per_step']:.2f} ms ({dec['policy_share']:.1%})", f"{dec['ops_per_step']:,}",
                      f"{dec['first_step_s']:.2f} s"]
         if peak is None:
