@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from kvmini.attention import attend
-from kvmini.cache import LayerCache
+from kvmini.cache import PAD, LayerCache
 from kvmini.errors import KvminiError
 from kvmini.methods.registry import make_policy
 from kvmini.methods.robust_scope import COLUMN_SQUARES, robust_set
@@ -155,6 +155,45 @@ def test_robust_set_by_hand():
     # sinks and window are sigma = inf: with rho 2 < 1 + 2 the newest win the tie (EasyKV's leak)
     assert robust_set(sigma, pos, 2, 1, 2, later_first=True).tolist() == [[[False, False, True, True]]]
 
+
+
+def literal_robust_set(sigma, positions, rho, sinks, recent, later_first):
+    """R3 one row at a time: the held entries in position order, the first `sinks` and last `recent`
+    at +inf, ranked by sigma (descending) and then by position (later or earlier first); the first rho."""
+    out = []
+    for row_s, row_p, r in zip(sigma.tolist(), positions.tolist(), rho):
+        held = sorted((p, s) for p, s in zip(row_p, row_s) if p != PAD)
+        n = len(held)
+        value = {p: math.inf if i < sinks or i >= n - recent else s for i, (p, s) in enumerate(held)}
+        ranked = sorted(value, key=lambda p: (-value[p], -p if later_first else p))
+        chosen = set(ranked[:max(r, 0)])
+        out.append([p in chosen for p in row_p])
+    return out
+
+
+@pytest.mark.parametrize("later_first", [False, True])
+@pytest.mark.parametrize("per_row", [False, True], ids=["one rho", "rho per row"])
+def test_robust_set_equals_ranking_every_entry(later_first, per_row):
+    """The robust set is found by a selection (the rho-th largest sigma, then the ties by position), not a
+    sort: the same set as ranking every entry, on rows with many equal sigmas (0 and a few values), the
+    buffer out of position order, pads, guards, and rho from 0 to past the row."""
+    gen = torch.Generator().manual_seed(5)
+    R, H, S = 6, 2, 23
+    for trial in range(40):
+        sigma = torch.randint(0, 4, (R, H, S), generator=gen).to(torch.float64) / 4  # many ties, 0 most of all
+        positions = torch.stack([torch.randperm(S, generator=gen) * 3 for _ in range(R * H)]).view(R, H, S)
+        pads = torch.rand(R, 1, S, generator=gen) < 0.2
+        positions = positions.masked_fill(pads, PAD)  # a joined row's pads: the same slots in every head
+        sinks, recent = trial % 3, trial % 4
+        if per_row:
+            rho = torch.randint(0, S + 3, (R, 1, 1), generator=gen)
+            rows = rho.repeat_interleave(H, 1).flatten().tolist()
+        else:
+            rho = trial % (S + 3)
+            rows = [rho] * (R * H)
+        got = robust_set(sigma, positions, rho, sinks, recent, later_first)
+        want = literal_robust_set(sigma.flatten(0, 1), positions.flatten(0, 1), rows, sinks, recent, later_first)
+        assert got.flatten(0, 1).tolist() == want, trial
 
 # --------------------------------------------------------------------------- the statistic
 @pytest.mark.parametrize("T", [1, 5])

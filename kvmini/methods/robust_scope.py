@@ -83,17 +83,29 @@ def robust_set(sigma: torch.Tensor, positions: torch.Tensor, rho, sinks: int, re
     the rows of KVCache.join) are never in it.
     Example: sigma [.3, .1, .2, .0] at positions 0..3, rho 2, sinks 0, recent 1 -> [True, False, False, True]."""
     S = positions.shape[-1]
-    order = positions.argsort(-1)  # (B, H_kv, S): buffer slots in position order
+    order = positions.argsort(dim=-1, stable=True)  # (B, H_kv, S): buffer slots in position order (stable: faster
+    # on a buffer that is nearly in order, as a decode step leaves it)
     real = positions.gather(2, order) != PAD
     rank = torch.arange(S, device=positions.device).expand_as(order)  # place in position order
     guard = (rank < sinks) | (rank >= real.sum(-1, keepdim=True) - recent)
     s = sigma.gather(2, order).masked_fill(guard, float("inf")).masked_fill(~real, float("-inf"))
-    if later_first:  # a stable sort of the reversed row puts the later of two equal sigmas first
-        ranked = S - 1 - s.flip(-1).argsort(dim=-1, descending=True, stable=True)  # (B, H_kv, S): places by sigma
-    else:
-        ranked = s.argsort(dim=-1, descending=True, stable=True)
-    first = (rank < rho).expand_as(ranked)  # the first rho of them are robust
-    return torch.zeros_like(real).scatter_(2, order.gather(2, ranked), first) & (positions != PAD)
+    t = largest(s, rho)  # (B, H_kv, 1): the rho-th largest; every entry above it is robust ...
+    above, tied = s > t, s == t
+    need = rho - above.sum(-1, keepdim=True)  # ... and this many of those equal to it, by position
+    run = tied.flip(-1).cumsum(-1).flip(-1) if later_first else tied.cumsum(-1)  # ties from the preferred end
+    robust = above | (tied & (run <= need))  # (B, H_kv, S) in position order
+    return torch.zeros_like(real).scatter_(2, order, robust) & (positions != PAD)
+
+
+def largest(s: torch.Tensor, rho) -> torch.Tensor:
+    """The rho-th largest value of each row of s (B, H_kv, S), (B, H_kv, 1); rho an int or one per row
+    (B, 1, 1), taken within [1, S] (rho <= 0 then selects nothing above it, rho >= S everything).
+    A selection (kthvalue), not a sort, when rho is one int."""
+    S = s.shape[-1]
+    if isinstance(rho, int):
+        return s.kthvalue(S - min(max(rho, 1), S) + 1, dim=-1, keepdim=True).values
+    at = (rho - 1).clamp(0, S - 1).expand(-1, s.shape[1], 1)  # (B, H_kv, 1)
+    return s.sort(dim=-1, descending=True).values.gather(-1, at)
 
 
 class RobustScope(Compressor):
