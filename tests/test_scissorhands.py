@@ -108,3 +108,23 @@ def test_the_drop_amount_is_the_engines_evict_every_with_its_own_default():
     assert make_policy("scissorhands", 32).evict_every == 16
     assert make_policy("scissorhands", 32, evict_every=4).evict_every == 4
     assert make_policy("h2o", 32).evict_every == 1
+
+
+@pytest.mark.parametrize("chunks", [[20], [7, 11], [1] * 9], ids=["one call", "two chunks", "token by token"])
+def test_the_record_kept_as_the_ring_turns_is_the_rings_sum(chunks):
+    """I_j is kept as the ring turns ("low_count": the step a slot held leaves as the new one comes), not
+    summed from the ring: after every call (a prompt in one call or chunks, the window wrapping, entries
+    moved by evictions) it equals the sum of each entry's ring."""
+    model = random_model(L=2, H=4, H_kv=2, seed=4).to(torch.float64)
+    gen = torch.Generator().manual_seed(6)
+    calls = [torch.randint(0, 61, (2, t), generator=gen) for t in chunks]
+    calls += [torch.randint(0, 61, (2, 1), generator=gen) for _ in range(14)]
+    policy = make_policy("scissorhands", 8, history=5, recent=2, evict_every=3)
+    cache = model.new_cache(2, 4)
+    policy.start(sum(chunks), sum(ids.shape[1] for ids in calls))
+    for ids in calls:
+        model(ids, cache, policy)
+        for layer in range(2):
+            ring = cache[layer].aux("low_history")  # (B, H_kv, S, w)
+            assert torch.equal(cache[layer].aux("low_count"), ring.sum(-1, dtype=torch.int32))
+    assert sum(policy.evicted) > 0 and int(cache[0].aux("low_count").max()) > 0

@@ -323,7 +323,9 @@ print("low counts over the last 3 queries:", stats.low_counts[0, 0].tolist())
 # %% [markdown]
 # **The history.** The scorer keeps, per cached token, the low counts of the last $w$ steps: an aux
 # buffer of its own dtype and shape, `("low_history", torch.int16, (w,))`, a ring whose slot is the
-# step modulo $w$. The cache moves it with its token through every eviction and counts its bytes
+# step modulo $w$, and the ring's sum, `("low_count", torch.int32)`, kept as the ring turns (the step
+# a slot held leaves as the new one comes), so that an eviction reads $I_j$ without summing $w$ values
+# per token. The cache moves both with their token through every eviction and counts their bytes
 # (`aux` in run.py's report). The hand-worked stream of `tests/test_scissorhands.py` (cache of
 # $B = 6$, $m = 2$, $w = 3$, $r = 2$) runs the scorer and TopK on a cache by hand:
 

@@ -59,7 +59,9 @@ def below_average(rows: torch.Tensor) -> torch.Tensor:
 
 class LowHistory(Scorer):
     r"""The importance record I_j: per entry a ring of the last w steps' low counts (aux "low_history",
-    (B, H_kv, S, w) int16, slot = step mod w); score = -I, ties broken towards keeping the newer token."""
+    (B, H_kv, S, w) int16, slot = step mod w) and their sum, kept as the ring turns (aux "low_count",
+    (B, H_kv, S) int32: the step a slot held leaves as the new one comes, so the ring is never summed);
+    score = -I, ties broken towards keeping the newer token."""
 
     accumulates = True
 
@@ -67,19 +69,22 @@ class LowHistory(Scorer):
         self.w = w
         self.low = Statistic("low_counts", w, below_average, "sum")  # (B, H_kv, S): sum_{i in last w rows} low_ij
         self.request = Request(self.low)
-        self.aux = (("low_history", torch.int16, (w,)),)
+        self.aux = (("low_history", torch.int16, (w,)), ("low_count", torch.int32))
 
     def update(self, lc: LayerCache, stats: Stats, start: int, T: int) -> None:
         """After a call of T queries at positions start..start+T-1: its rows are one step, at start+T-1."""
-        ring = lc.aux("low_history")  # (B, H_kv, S, w)
+        ring, count = lc.aux("low_history"), lc.aux("low_count")  # (B, H_kv, S, w), (B, H_kv, S)
         if T > 1:  # the slots of this call's other steps held steps that have left the window
             earlier = torch.arange(max(start, start + T - self.w), start + T - 1, device=ring.device) % self.w
+            count.sub_(ring[..., earlier].sum(-1, dtype=torch.int32))
             ring.index_fill_(-1, earlier, 0)
-        ring[..., (start + T - 1) % self.w] = stats.low_counts.round().to(ring.dtype)
+        last, new = (start + T - 1) % self.w, stats.low_counts.round().to(ring.dtype)  # (B, H_kv, S)
+        count.add_(new - ring[..., last])  # the step w ago leaves the window, this one enters
+        ring[..., last] = new
 
     def importance(self, lc: LayerCache) -> torch.Tensor:
-        """I_j: low steps in the history window (Alg. 2), (B, H_kv, S)."""
-        return lc.aux("low_history").sum(-1)
+        """I_j: low steps in the history window (Alg. 2), (B, H_kv, S): the ring's sum, kept as it turns."""
+        return lc.aux("low_count")
 
     def __call__(self, lc: LayerCache, stats: Stats) -> torch.Tensor:
         position = lc.positions.to(torch.float64) / 2**40  # < 1: breaks ties only (keeps the newer)
