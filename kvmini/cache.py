@@ -48,6 +48,13 @@ def along(idx: torch.Tensor, buf: torch.Tensor) -> torch.Tensor:
     return idx.view(*idx.shape, *(1,) * len(rest)).expand(*idx.shape, *rest)
 
 
+def entry_buffer(lead: tuple, cap: int, rest: tuple, dtype, device) -> torch.Tensor:
+    """Zeros for a per-entry buffer (*lead, cap, *rest), lead = (B, H_kv). Several values per entry (a
+    history of w steps, rest = (w,)) are laid out value-major in memory, (*lead, *rest, cap): a step
+    writes one value of every entry, which is then contiguous instead of one value every w."""
+    return torch.zeros(*lead, *rest, cap, dtype=dtype, device=device).movedim(-1, len(lead))
+
+
 class LayerCache:
     """One layer's keys, values, positions and aux tensors in a growable buffer."""
 
@@ -93,7 +100,7 @@ class LayerCache:
         for spec in buffers:
             name, dtype, shape = (spec, wide(self._k).dtype, ()) if isinstance(spec, str) else (*spec, ())[:3]
             if name not in self._aux:
-                self._aux[name] = torch.zeros(*self._pos.shape, *shape, dtype=dtype, device=self._pos.device)
+                self._aux[name] = entry_buffer(self._pos.shape[:2], self._pos.shape[2], shape, dtype, self._pos.device)
                 if name == KEY_NORM:  # the keys held already (pads' zero keys have norm 0)
                     self._aux[name][:, :, : self.length] = key_norm(self.keys)
 
@@ -279,7 +286,7 @@ class LayerCache:
     def _resize(self, cap: int) -> None:
         """Move the held entries into buffers of `cap` entries (cap >= length)."""
         def resized(buf):
-            new = buf.new_empty(buf.shape[:2] + (cap,) + buf.shape[3:])
+            new = entry_buffer(buf.shape[:2], cap, buf.shape[3:], buf.dtype, buf.device)
             new[:, :, : self.length] = buf[:, :, : self.length]
             return new
 
@@ -358,7 +365,8 @@ class KVCache:
         joint._pos = first._pos.new_full((B * len(members), H_kv, cap), PAD)  # (len(layers) * B, H_kv, cap)
         names = dict.fromkeys(name for lc in members for name in lc._aux)  # every statistic any member keeps
         like = {name: lc._aux[name] for lc in members for name in lc._aux}  # its dtype and per-entry shape
-        joint._aux = {name: like[name].new_zeros(*joint._pos.shape, *like[name].shape[3:]) for name in names}
+        joint._aux = {name: entry_buffer(joint._pos.shape[:2], joint._pos.shape[2], like[name].shape[3:], like[name].dtype,
+                                         like[name].device) for name in names}
         for i, lc in enumerate(members):
             rows, S = slice(i * B, (i + 1) * B), lc.length
             for name, buf in (("_k", lc._k), ("_v", lc._v), ("_pos", lc._pos)):

@@ -230,6 +230,31 @@ def test_an_aux_buffer_of_several_values_per_entry_moves_whole():
     assert cache[1].aux("history")[0, 0, :2].int().tolist() == [[0, 1], [0, 0]]
 
 
+def test_a_buffer_of_several_values_per_entry_holds_each_value_of_every_entry_side_by_side():
+    """One value of every entry (a history's slot, which a decode step writes) is contiguous in memory:
+    in the declared buffer, after it grows and shrinks, and in a joined cache."""
+    from kvmini.cache import KVCache
+    from kvmini.config import ModelConfig
+
+    side_by_side = lambda buf: buf[..., 1].stride(2) == 1  # noqa: E731  entries one element apart
+    lc = LayerCache(1, 2, 1, torch.float32, "cpu")
+    lc.declare(("history", torch.int16, (5,)))
+    assert side_by_side(lc.aux("history"))
+    lc.append(torch.zeros(1, 2, 300, 1), torch.zeros(1, 2, 300, 1), torch.arange(300)[None, None].expand(1, 2, 300))
+    lc.aux("history")[..., 3] = torch.arange(300, dtype=torch.int16)
+    assert side_by_side(lc.aux("history"))  # grown
+    lc.keep(torch.arange(0, 300, 10)[None, None].expand(1, 2, 30))
+    assert lc.capacity < 300 and side_by_side(lc.aux("history"))  # shrunk
+    assert lc.aux("history")[0, 1, :, 3].tolist() == list(range(0, 300, 10))
+    config = ModelConfig(model_type="llama", vocab_size=8, hidden_size=4, intermediate_size=8, num_layers=2,
+                         num_heads=1, num_kv_heads=1, head_dim=2)
+    cache = KVCache(config, 1)
+    for layer in cache.layers:
+        layer.declare(("history", torch.int16, (5,)))
+        layer.append(torch.zeros(1, 1, 4, 2), torch.zeros(1, 1, 4, 2), torch.arange(4)[None])
+    assert side_by_side(cache.join((0, 1), room=1).aux("history"))
+
+
 def test_evict_moves_the_last_surviving_entries_into_the_victims_slots():
     """evict(slots), worked by hand: per head, the victims below S - m take the surviving entries of the
     last m places, smallest hole first; an aux buffer of several values per entry moves whole."""
