@@ -2,6 +2,7 @@
 of the whole suite on the default model."""
 import json
 import math
+import subprocess
 import sys
 import zlib
 
@@ -136,6 +137,20 @@ def test_speed_ratios_are_relative_to_the_full_cache():
     assert dec["h2o"]["layer_by_layer_tokens_per_s"] > 0 and "joint_speedup" not in dec["snapkv"]
     assert 0 < dec["h2o"]["ops_per_step"] < dec["h2o"]["layer_by_layer_ops_per_step"]
 
+
+
+def test_first_step_profile_names_where_the_time_goes(default_model_dir):
+    """`python -m kvmini.eval.speed --first-step METHOD --n N`: D2O's official variant compresses the prompt
+    at its first decode step; the profile says how long the step took, how much of the cache it left, and
+    which tensor operations took the time, largest first."""
+    out = subprocess.run([sys.executable, "-m", "kvmini.eval.speed", "--first-step", "d2o", "--n", "96",
+                          "--model", str(default_model_dir)], capture_output=True, text=True, check=True).stdout
+    head, columns, *rows = [line for line in out.splitlines() if line.strip()]
+    assert head.startswith("d2o: first decode step after 96 tokens at budget 0.2: ")
+    assert 0 < float(head.split("cache ")[1].split(" of the full")[0]) < 1  # it compressed there
+    assert columns.split() == ["operation", "self", "CPU", "share", "calls"] and len(rows) == 8
+    seconds = [float(row.split()[1]) for row in rows]
+    assert all(row.startswith("aten::") for row in rows) and seconds == sorted(seconds, reverse=True)
 
 # --- outputs --------------------------------------------------------------------------------------
 

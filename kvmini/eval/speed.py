@@ -21,6 +21,7 @@
 
 Times on a shared machine are noisy: read the ratios, not the seconds.
     python -m kvmini.eval.speed --peak METHOD --n N --budget B    (one child measurement; JSON on stdout)
+    python -m kvmini.eval.speed --first-step METHOD --n N          (where the first decode step's time goes)
 """
 import argparse
 import json
@@ -277,11 +278,46 @@ def _peak_child(name: str, n: int, budget: float, model_folder: str | None) -> d
     return {"peak_growth_mib": (_memory_kib()["VmHWM"] - before) / 1024, "kept_mib": cache.nbytes() / 2**20}
 
 
+def first_step_profile(method: str, n: int, budget: float, model_folder: str | None, rows: int = 8) -> str:
+    """Where a method's first decode step after an n-token prompt spends its time (D2O's official variant
+    compresses the whole prompt there): the step's wall time, then its tensor operations by self CPU time
+    (torch.profiler), the `rows` largest with their share of the profiled total."""
+    from kvmini.eval.fidelity import pydoc_text
+    from kvmini.loading import load_model
+    from kvmini.tokenizer import load_tokenizer
+    from kvmini.weights import ensure_default_model
+
+    folder = model_folder or ensure_default_model(log=lambda m: None)
+    model = load_model(folder, "cpu", "float32")
+    ids = torch.tensor([load_tokenizer(folder).encode(pydoc_text())[:n]])
+    with torch.inference_mode():
+        policy = policy_for(method, budget)
+        cache = model.new_cache(1, n + 1)
+        nxt = prefill(model, ids, cache, policy, total_len=n + 1).argmax(-1, keepdim=True)
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+            t0 = time.perf_counter()
+            model(nxt, cache, policy)
+            wall = time.perf_counter() - t0
+    ops = sorted(prof.key_averages(), key=lambda e: -e.self_cpu_time_total)
+    total = sum(e.self_cpu_time_total for e in ops)
+    lines = [f"{method}: first decode step after {n:,} tokens at budget {budget:g}: {wall:.2f} s (profiled), "
+             f"cache {cache.nbytes() / cache.full_nbytes():.3f} of the full cache after it",
+             f"{'operation':<28} {'self CPU':>10} {'share':>7} {'calls':>7}"]
+    lines += [f"{e.key:<28} {e.self_cpu_time_total / 1e6:>8.3f} s {e.self_cpu_time_total / total:>7.1%} {e.count:>7,}"
+              for e in ops[:rows]]
+    return "\n".join(lines)
+
+
 if __name__ == "__main__":
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--peak", required=True, help="method whose prefill peak memory to measure")
+    job = p.add_mutually_exclusive_group(required=True)
+    job.add_argument("--peak", metavar="METHOD", help="method whose prefill peak memory to measure (JSON on stdout)")
+    job.add_argument("--first-step", metavar="METHOD", help="method whose first decode step to profile")
     p.add_argument("--n", type=int, required=True)
     p.add_argument("--budget", type=float, default=0.2)
     p.add_argument("--model")
     a = p.parse_args()
-    print(json.dumps(_peak_child(a.peak, a.n, a.budget, a.model)))
+    if a.peak:
+        print(json.dumps(_peak_child(a.peak, a.n, a.budget, a.model)))
+    else:
+        print(first_step_profile(a.first_step, a.n, a.budget, a.model))
