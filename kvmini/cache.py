@@ -285,13 +285,14 @@ class LayerCache:
 
     def _resize(self, cap: int) -> None:
         """Move the held entries into buffers of `cap` entries (cap >= length)."""
-        def resized(buf):
-            new = entry_buffer(buf.shape[:2], cap, buf.shape[3:], buf.dtype, buf.device)
+        def resized(buf, new):
             new[:, :, : self.length] = buf[:, :, : self.length]
             return new
 
-        self._k, self._v, self._pos = resized(self._k), resized(self._v), resized(self._pos)
-        self._aux = {name: resized(buf) for name, buf in self._aux.items()}
+        grown = lambda buf: buf.new_empty(buf.shape[:2] + (cap,) + buf.shape[3:])  # noqa: E731  K, V, positions
+        self._k, self._v, self._pos = (resized(buf, grown(buf)) for buf in (self._k, self._v, self._pos))
+        self._aux = {name: resized(buf, entry_buffer(buf.shape[:2], cap, buf.shape[3:], buf.dtype, buf.device))
+                     for name, buf in self._aux.items()}
 
 
 class KVCache:

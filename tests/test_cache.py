@@ -245,6 +245,7 @@ def test_a_buffer_of_several_values_per_entry_holds_each_value_of_every_entry_si
     assert side_by_side(lc.aux("history"))  # grown
     lc.keep(torch.arange(0, 300, 10)[None, None].expand(1, 2, 30))
     assert lc.capacity < 300 and side_by_side(lc.aux("history"))  # shrunk
+    assert lc.keys.stride(3) == 1 and lc.values.stride(3) == 1  # keys and values stay entry by entry
     assert lc.aux("history")[0, 1, :, 3].tolist() == list(range(0, 300, 10))
     config = ModelConfig(model_type="llama", vocab_size=8, hidden_size=4, intermediate_size=8, num_layers=2,
                          num_heads=1, num_kv_heads=1, head_dim=2)
