@@ -79,7 +79,7 @@ PROFILES = {
         "passkey": dict(lengths=[1024, 2048, 4096, 8000], depths=[0.0, 0.25, 0.5, 0.75, 1.0], budgets=[64, 128, 0.2]),
         "fidelity": dict(n=2048, k=256, prompts=3, budgets=[0.2], methods=EVERY),
         "layers": dict(n=2048, budget=0.2, bins=64),
-        "speed": dict(prefill_n=4096, reps=1, decode_n=8128, steps=16, rounds=5, peak_n=8192, budget=0.2, batch_n=4096,
+        "speed": dict(prefill_n=4096, reps=1, decode_n=8128, steps=16, rounds=3, peak_n=8192, budget=0.2, batch_n=4096,
                       cap_gib=16),
         "ablations": dict(n=2048, k=256, budgets=[0.2], methods=ABLATIONS),
         "queryaware": dict(length=2048, depths=[0.1, 0.5, 0.9], budgets=[0.1, 0.2, 0.3], k=8),
