@@ -284,15 +284,18 @@ class LayerCache:
         return per_entry * sum(self.held())
 
     def _resize(self, cap: int) -> None:
-        """Move the held entries into buffers of `cap` entries (cap >= length)."""
-        def resized(buf, new):
-            new[:, :, : self.length] = buf[:, :, : self.length]
-            return new
-
-        grown = lambda buf: buf.new_empty(buf.shape[:2] + (cap,) + buf.shape[3:])  # noqa: E731  K, V, positions
-        self._k, self._v, self._pos = (resized(buf, grown(buf)) for buf in (self._k, self._v, self._pos))
-        self._aux = {name: resized(buf, entry_buffer(buf.shape[:2], cap, buf.shape[3:], buf.dtype, buf.device))
-                     for name, buf in self._aux.items()}
+        """Move the held entries into buffers of `cap` entries (cap >= length): keys, values and positions
+        uninitialized beyond them, aux buffers as `entry_buffer` lays them out."""
+        S = self.length
+        for name in ("_k", "_v", "_pos"):
+            buf = getattr(self, name)
+            new = buf.new_empty(buf.shape[:2] + (cap,) + buf.shape[3:])  # (B, H_kv, cap, ...)
+            new[:, :, :S] = buf[:, :, :S]
+            setattr(self, name, new)
+        for name, buf in self._aux.items():
+            new = entry_buffer(buf.shape[:2], cap, buf.shape[3:], buf.dtype, buf.device)
+            new[:, :, :S] = buf[:, :, :S]
+            self._aux[name] = new
 
 
 class KVCache:
