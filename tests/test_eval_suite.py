@@ -136,6 +136,44 @@ def test_speed_ratios_are_relative_to_the_full_cache():
     # H2O evicts while decoding: both paths measured, the joint one running fewer ops (3 layers here)
     assert dec["h2o"]["layer_by_layer_tokens_per_s"] > 0 and "joint_speedup" not in dec["snapkv"]
     assert 0 < dec["h2o"]["ops_per_step"] < dec["h2o"]["layer_by_layer_ops_per_step"]
+    # every round of every run is recorded, the layer-by-layer copy's too; the median round gives tokens/s
+    assert all(len(dec[m]["rounds_s"]) == 2 for m in ("full", "h2o", "snapkv")) and len(dec["h2o"]["layer_by_layer_rounds_s"]) == 2
+    assert dec["h2o"]["tokens_per_s"] == pytest.approx(3 / (sum(dec["h2o"]["rounds_s"]) / 2))
+
+
+def test_decode_speed_stays_within_the_sequence_it_promised(monkeypatch):
+    """Every cache of `decode_speed` (the layer-by-layer copies too) holds at most `decode_length` tokens,
+    the length each policy is told the run ends at (and the suite checks against the model's context)."""
+    model = random_model(seed=6)
+    ids = torch.randint(0, 61, (1, 30), generator=torch.Generator().manual_seed(4))
+    seen, forward = [], type(model).forward
+    monkeypatch.setattr(type(model), "forward", lambda self, x, cache, policy=None, **kw:
+                        seen.append(cache.seen_tokens + x.shape[1]) or forward(self, x, cache, policy, **kw))
+    speed.decode_speed(model, ids, ["h2o"], 0.25, steps=3, rounds=2, log=lambda m: None)
+    assert max(seen) == speed.decode_length(30, 3, 2) == 30 + 1 + 3 * 2 + 1
+
+
+def test_a_timed_policy_forks():
+    """`kvmini.generate.fork` deep-copies a run; a timed policy (`speed.Timed`) is copied with it, its own."""
+    from kvmini.generate import fork
+    model, timed = random_model(seed=6), speed._policy("h2o", 0.5)
+    cache = model.new_cache(1, 16)
+    ids = torch.randint(0, 61, (1, 8), generator=torch.Generator().manual_seed(4))
+    from kvmini.generate import prefill
+    prefill(model, ids, cache, timed, total_len=16)
+    cache2, timed2 = fork(cache, timed)
+    assert isinstance(timed2, speed.Timed) and timed2.policy is not timed.policy and timed2.seconds == timed.seconds
+    model(ids[:, :1], cache2, timed2)
+    assert cache2.seen_tokens == 9 and cache.seen_tokens == 8
+
+
+def test_of_snapkv_pairs_the_rounds():
+    """decode / SnapKV's: the median over rounds of SnapKV's round over the method's, worked by hand:
+    SnapKV [1.0, 2.0, 1.0] s and the method [1.25, 2.0, 1.1] s -> 0.8, 1.0, 0.909... -> 0.909...;
+    results without rounds: the ratio of the ratios to the full cache."""
+    from kvmini.eval.tables import of_snapkv
+    assert of_snapkv({"rounds_s": [1.25, 2.0, 1.1]}, {"rounds_s": [1.0, 2.0, 1.0]}) == pytest.approx(1 / 1.1)
+    assert of_snapkv({"ratio": 1.2}, {"ratio": 1.5}) == pytest.approx(0.8)
 
 
 

@@ -35,7 +35,7 @@ import time
 import torch
 
 from kvmini.statistics import Stats
-from kvmini.generate import prefill, synchronize
+from kvmini.generate import fork, prefill, synchronize
 from kvmini.methods import registry
 from kvmini.methods.registry import policy_for
 from kvmini.parts import DECODE
@@ -54,6 +54,8 @@ class Timed:
         self.policy, self.seconds, self.marked = policy, 0.0, False
 
     def __getattr__(self, name):
+        if name == "policy":  # not set yet (copy.deepcopy builds the object before its state)
+            raise AttributeError(name)
         return getattr(self.policy, name)
 
     def _timed(self, hook, *args):
@@ -139,13 +141,15 @@ def decode_speed(model, ids: torch.Tensor, methods: list[str], budget: float, st
                  log=print) -> dict:
     """method -> {"tokens_per_s", "ratio": / full's, ...} for decode steps after the prompt ids (1, n).
 
-    Every method prefills and takes its first decode step (timed apart), then the methods take turns:
-    `rounds` rounds of `steps` timed steps each, so a slow moment of a shared machine hits them all
-    alike; each method keeps its median round. The policy's time and share are of the same rounds.
-    A method that evicts while decoding also runs, in each round, `steps` steps layer by layer
-    (`AtOnce.together = False`, kvmini.at_once; the same evictions: tests/test_together.py) on the same cache:
-    "layer_by_layer_*", and "joint_speedup", its tokens/s with all layers at once over layer by layer."""
-    total = ids.shape[1] + 1 + steps * rounds
+    Every method prefills and takes its first decode step (timed apart). A method that evicts while
+    decoding is then forked (`kvmini.generate.fork`): the copy decodes layer by layer
+    (`AtOnce.together = False`, kvmini.at_once; the same evictions: tests/test_together.py), as run
+    "layer_by_layer_*", and "joint_speedup" is its tokens/s with all layers at once over layer by layer.
+    Then `rounds` rounds of `steps` steps, interleaved: at each step every run decodes one token, in
+    an order rotated from step to step, so that a slow moment of a shared machine falls on all of them
+    alike. A run's round is the sum of its `steps` step times; each run keeps its median round, and
+    "rounds_s" records every round. The policy's time and share are of the same rounds."""
+    total = decode_length(ids.shape[1], steps, rounds)
     runs = {}
     for name in ["full", *methods]:
         policy = _policy(name, budget)
@@ -155,43 +159,53 @@ def decode_speed(model, ids: torch.Tensor, methods: list[str], budget: float, st
         t0 = time.perf_counter()
         nxt = model(nxt, cache, policy)[:, -1].argmax(-1, keepdim=True)  # the first decode step
         synchronize(model.device)
-        runs[name] = {"policy": policy, "cache": cache, "next": nxt, "first_step_s": time.perf_counter() - t0,
-                      "seconds": [], "policy_s": []}
+        runs[name] = {"policy": policy, "cache": cache, "next": nxt, "first_step_s": time.perf_counter() - t0}
+        if evicts_while_decoding(policy):
+            lbl_cache, lbl_policy = fork(cache, policy)
+            set_together(lbl_policy, False)
+            runs["layer_by_layer_" + name] = {"policy": lbl_policy, "cache": lbl_cache, "next": nxt}
+    order = list(runs.values())
+    for run in order:
+        run["rounds_s"], run["policy_rounds_s"] = [], []
     for r in range(rounds):
-        for name, run in runs.items():
-            for together in (True, False) if evicts_while_decoding(run["policy"]) else (True,):
+        for run in order:
+            run["rounds_s"].append(0.0)
+            run["policy_rounds_s"].append(0.0)
+        for step in range(steps):
+            turn = (r * steps + step) % len(order)
+            for run in order[turn:] + order[:turn]:
                 policy, hooks = run["policy"], 0.0 if run["policy"] is None else run["policy"].seconds
-                set_together(policy, together)
                 t1 = time.perf_counter()
-                for _ in range(steps):
-                    run["next"] = model(run["next"], run["cache"], policy)[:, -1].argmax(-1, keepdim=True)
+                run["next"] = model(run["next"], run["cache"], policy)[:, -1].argmax(-1, keepdim=True)
                 synchronize(model.device)
-                key = "" if together else "layer_by_layer_"
-                run.setdefault(key + "seconds", []).append(time.perf_counter() - t1)
-                run.setdefault(key + "policy_s", []).append(0.0 if policy is None else policy.seconds - hooks)
-            set_together(run["policy"], True)
+                run["rounds_s"][-1] += time.perf_counter() - t1
+                run["policy_rounds_s"][-1] += 0.0 if policy is None else policy.seconds - hooks
         log(f"decode after {ids.shape[1]} tokens, round {r + 1}/{rounds}: "
-            + ", ".join(f"{name} {steps / run['seconds'][-1]:.1f}" for name, run in runs.items()) + " tokens/s")
-    out = {}
+            + ", ".join(f"{name} {steps / run['rounds_s'][-1]:.1f}" for name, run in runs.items()) + " tokens/s")
+    measured = {}
     for name, run in runs.items():
-        seconds, policy_s = statistics.median(run["seconds"]), statistics.median(run["policy_s"])
-        policy = run["policy"]
-        out[name] = {"tokens_per_s": steps / seconds, "first_step_s": run["first_step_s"],
-                     "policy_ms_per_step": policy_s / steps * 1e3, "policy_share": policy_s / seconds,
-                     "ops_per_step": 0 if policy is None else ops_per_step(model, run["next"], run["cache"], policy)}
-        if "layer_by_layer_seconds" in run:
-            lbl, lbl_policy = statistics.median(run["layer_by_layer_seconds"]), statistics.median(run["layer_by_layer_policy_s"])
-            set_together(policy, False)
-            lbl_ops = ops_per_step(model, run["next"], run["cache"], policy)
-            set_together(policy, True)
-            out[name].update(layer_by_layer_tokens_per_s=steps / lbl, layer_by_layer_policy_ms_per_step=lbl_policy / steps * 1e3,
-                             layer_by_layer_ops_per_step=lbl_ops, joint_speedup=lbl / seconds)
+        seconds, policy_s = statistics.median(run["rounds_s"]), statistics.median(run["policy_rounds_s"])
+        measured[name] = {"tokens_per_s": steps / seconds, "policy_ms_per_step": policy_s / steps * 1e3,
+                          "policy_share": policy_s / seconds, "rounds_s": run["rounds_s"],
+                          "ops_per_step": 0 if run["policy"] is None else ops_per_step(model, run["next"], run["cache"], run["policy"])}
+    out = {}
+    for name in ["full", *methods]:
+        out[name] = dict(measured[name], first_step_s=runs[name]["first_step_s"])
+        if (lbl := measured.get("layer_by_layer_" + name)) is not None:
+            out[name].update({"layer_by_layer_" + key: lbl[key] for key in ("tokens_per_s", "policy_ms_per_step", "ops_per_step", "rounds_s")},
+                             joint_speedup=out[name]["tokens_per_s"] / lbl["tokens_per_s"])
         log(f"decode after {ids.shape[1]} tokens, {name}: {out[name]['tokens_per_s']:.1f} tokens/s "
-            f"(first step {run['first_step_s']:.2f} s; policy {out[name]['policy_share']:.1%} of a step, "
+            f"(first step {out[name]['first_step_s']:.2f} s; policy {out[name]['policy_share']:.1%} of a step, "
             f"{out[name]['ops_per_step']} ops)")
     for name in out:
         out[name]["ratio"] = out[name]["tokens_per_s"] / out["full"]["tokens_per_s"]
     return out
+
+
+def decode_length(n: int, steps: int, rounds: int) -> int:
+    """The longest sequence `decode_speed` runs after an n-token prompt: its first decode step, the
+    rounds, and the step `ops_per_step` profiles. (A layer-by-layer copy decodes its own positions.)"""
+    return n + 1 + steps * rounds + 1
 
 
 @torch.inference_mode()

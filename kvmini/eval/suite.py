@@ -218,15 +218,19 @@ def summary(results: dict) -> str:
                        f"{dec['ratio']:.2f} ({dec['tokens_per_s']:.1f}/s) | {step('policy_ms_per_step', '{:.2f} ms')} | "
                        f"{step('policy_share', '{:.1%}')} | {step('ops_per_step', '{}')} | "
                        f"{step('first_step_s', '{:.2f} s')} | {pre['kept_bytes_ratio']:.3f} | {peak_txt} |")
+        interleaved = "rounds_s" in sp["decode"]["full"]  # older results: the methods took turns
         out += ["", "Decode is timed after the first decode step (shown apart: D2O's official variant compresses "
-                f"there), the methods taking turns, {sp.get('rounds', 1)} round(s) of {sp.get('steps', '?')} steps, "
-                "each method's median round; policy time is spent in the method's hooks (scoring, budgeting, compressing), the rest of "
+                f"there), {sp.get('rounds', 1)} round(s) of {sp.get('steps', '?')} steps, "
+                + ("interleaved (at each step every method decodes one token, in an order rotated from step to step), "
+                   if interleaved else "the methods taking turns, ") + "each method's median round; policy time is spent in the method's hooks (scoring, budgeting, compressing), the rest of "
                 "a method's extra prefill time is its attention statistics; policy ops are the tensor operations its "
                 "hooks run in one decode step (torch.profiler's count, views included)."]
         together = {name: dec for name, dec in sp["decode"].items() if "joint_speedup" in dec}
         if together:
             out += ["", "A decode step's evictions for all layers at once (the default) against layer by layer "
-                    "(`AtOnce.together = False`, kvmini.at_once; the same evictions), in the same rounds on the same caches:", "",
+                    "(`AtOnce.together = False`, kvmini.at_once; the same evictions), "
+                    + ("on a copy of the cache forked after the first decode step, interleaved in the same rounds:"
+                       if interleaved else "in the same rounds on the same caches:"), "",
                     "| method | decode tokens/s: at once | layer by layer | at once / layer by layer | policy per step: "
                     "at once | layer by layer | policy ops per step: at once | layer by layer |",
                     "|---|---|---|---|---|---|---|---|"]
@@ -341,7 +345,7 @@ def tokens_needed(name: str, p: dict) -> int:
     if name in ("fidelity", "ablations"):
         return p["n"] + p["k"]
     if name == "speed":
-        return max(p["prefill_n"], p["decode_n"] + p["steps"] * p["rounds"] + 1, p["peak_n"], p["batch_n"])
+        return max(p["prefill_n"], speed.decode_length(p["decode_n"], p["steps"], p["rounds"]), p["peak_n"], p["batch_n"])
     return p["n"]  # streaming, layers
 
 
