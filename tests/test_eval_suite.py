@@ -186,9 +186,24 @@ def test_first_step_profile_names_where_the_time_goes(default_model_dir):
     head, columns, *rows = [line for line in out.splitlines() if line.strip()]
     assert head.startswith("d2o: first decode step after 96 tokens at budget 0.2: ")
     assert 0 < float(head.split("cache ")[1].split(" of the full")[0]) < 1  # it compressed there
-    assert columns.split() == ["operation", "self", "CPU", "share", "calls"] and len(rows) == 8
+    assert columns.split() == ["operation", "self", "CPU", "share", "calls", "input", "shapes"] and len(rows) == 8
     seconds = [float(row.split()[1]) for row in rows]
     assert all(row.startswith("aten::") for row in rows) and seconds == sorted(seconds, reverse=True)
+
+
+def test_step_profile_of_later_decode_steps(default_model_dir):
+    """`--step METHOD --n N --after K --steps S`: S decode steps after K untimed ones, per step; the policy's
+    share is named; a sequence past the model's context, or a count below 1, is a one-line error (exit 2)."""
+    run = lambda *args: subprocess.run([sys.executable, "-m", "kvmini.eval.speed", *args, "--model", str(default_model_dir)],  # noqa: E731
+                                       capture_output=True, text=True)
+    done = run("--step", "d2o", "--n", "96", "--after", "2", "--steps", "2")
+    assert done.returncode == 0, done.stderr
+    head, columns, *rows = [line for line in done.stdout.splitlines() if line.strip()]
+    assert head.startswith("d2o: decode steps 3 to 4 after 96 tokens at budget 0.2: ")
+    assert float(head.split(" ms of it in the policy")[0].split(", ")[-1]) > 0 and len(rows) == 8
+    for args in (("--steps", "0"), ("--n", "8190", "--after", "16")):
+        bad = run("--step", "h2o", *(("--n", "96") if "--n" not in args else ()), *args)
+        assert bad.returncode == 2 and len(bad.stderr.strip().splitlines()) == 1 and "Traceback" not in bad.stderr
 
 # --- outputs --------------------------------------------------------------------------------------
 

@@ -22,6 +22,7 @@
 Times on a shared machine are noisy: read the ratios, not the seconds.
     python -m kvmini.eval.speed --peak METHOD --n N --budget B    (one child measurement; JSON on stdout)
     python -m kvmini.eval.speed --first-step METHOD --n N          (where the first decode step's time goes)
+    python -m kvmini.eval.speed --step METHOD --n N [--after 16 --steps 4]   (where later decode steps' time goes)
 """
 import argparse
 import json
@@ -34,6 +35,8 @@ import time
 
 import torch
 
+from kvmini import cli
+from kvmini.errors import KvminiError
 from kvmini.statistics import Stats
 from kvmini.generate import fork, prefill, synchronize
 from kvmini.methods import registry
@@ -292,10 +295,13 @@ def _peak_child(name: str, n: int, budget: float, model_folder: str | None) -> d
     return {"peak_growth_mib": (_memory_kib()["VmHWM"] - before) / 1024, "kept_mib": cache.nbytes() / 2**20}
 
 
-def first_step_profile(method: str, n: int, budget: float, model_folder: str | None, rows: int = 8) -> str:
-    """Where a method's first decode step after an n-token prompt spends its time (D2O's official variant
-    compresses the whole prompt there): the step's wall time, then its tensor operations by self CPU time
-    (torch.profiler), the `rows` largest with their share of the profiled total."""
+def step_profile(method: str, n: int, budget: float, model_folder: str | None, after: int = 0, steps: int = 1,
+                 rows: int = 8) -> str:
+    """Where a method's decode steps after an n-token prompt spend their time: `steps` steps after `after`
+    untimed ones (after = 0: the first decode step, where D2O's official variant compresses the whole
+    prompt). Their wall time and the time in the policy's hooks per step, then the tensor operations by self
+    CPU time per step (torch.profiler, grouped by operation and input shapes), the `rows` largest with their
+    share of the profiled total."""
     from kvmini.eval.fidelity import pydoc_text
     from kvmini.loading import load_model
     from kvmini.tokenizer import load_tokenizer
@@ -304,34 +310,60 @@ def first_step_profile(method: str, n: int, budget: float, model_folder: str | N
     folder = model_folder or ensure_default_model(log=lambda m: None)
     model = load_model(folder, "cpu", "float32")
     ids = torch.tensor([load_tokenizer(folder).encode(pydoc_text())[:n]])
+    if ids.shape[1] + after + steps > model.config.max_position_embeddings:
+        raise KvminiError(f"--n {n} with --after {after} and --steps {steps} is past the model's "
+                          f"{model.config.max_position_embeddings:,}-token context")
+    total = ids.shape[1] + after + steps
     with torch.inference_mode():
-        policy = policy_for(method, budget)
-        cache = model.new_cache(1, n + 1)
-        nxt = prefill(model, ids, cache, policy, total_len=n + 1).argmax(-1, keepdim=True)
-        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        policy = _policy(method, budget)
+        cache = model.new_cache(1, total)
+        nxt = prefill(model, ids, cache, policy, total_len=total).argmax(-1, keepdim=True)  # (1, 1)
+        for _ in range(after):
+            nxt = model(nxt, cache, policy)[:, -1].argmax(-1, keepdim=True)
+        hooks = 0.0 if policy is None else policy.seconds
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], record_shapes=True) as prof:
             t0 = time.perf_counter()
-            model(nxt, cache, policy)
-            wall = time.perf_counter() - t0
-    ops = sorted(prof.key_averages(), key=lambda e: -e.self_cpu_time_total)
-    total = sum(e.self_cpu_time_total for e in ops)
-    lines = [f"{method}: first decode step after {n:,} tokens at budget {budget:g}: {wall:.2f} s (profiled), "
-             f"cache {cache.nbytes() / cache.full_nbytes():.3f} of the full cache after it",
-             f"{'operation':<28} {'self CPU':>10} {'share':>7} {'calls':>7}"]
-    lines += [f"{e.key:<28} {e.self_cpu_time_total / 1e6:>8.3f} s {e.self_cpu_time_total / total:>7.1%} {e.count:>7,}"
-              for e in ops[:rows]]
+            for _ in range(steps):
+                nxt = model(nxt, cache, policy)[:, -1].argmax(-1, keepdim=True)
+            wall = (time.perf_counter() - t0) / steps
+        hooks = (0.0 if policy is None else policy.seconds - hooks) / steps
+    ops = sorted(prof.key_averages(group_by_input_shape=True), key=lambda e: -e.self_cpu_time_total)
+    total_us = sum(e.self_cpu_time_total for e in ops)
+    which = "first decode step" if after == 0 and steps == 1 else f"decode steps {after + 1} to {after + steps}"
+    lines = [f"{method}: {which} after {n:,} tokens at budget {budget:g}: {wall:.3f} s per step (profiled), "
+             f"{hooks * 1e3:.2f} ms of it in the policy's hooks, cache {cache.nbytes() / cache.full_nbytes():.3f} "
+             "of the full cache after it",
+             f"{'operation':<28} {'self CPU':>10} {'share':>7} {'calls':>7}  input shapes"]
+    lines += [f"{e.key:<28} {e.self_cpu_time_total / 1e6 / steps:>8.4f} s {e.self_cpu_time_total / total_us:>7.1%} "
+              f"{e.count / steps:>7,.0f}  {e.input_shapes}" for e in ops[:rows]]
     return "\n".join(lines)
 
 
-if __name__ == "__main__":
+def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     job = p.add_mutually_exclusive_group(required=True)
     job.add_argument("--peak", metavar="METHOD", help="method whose prefill peak memory to measure (JSON on stdout)")
     job.add_argument("--first-step", metavar="METHOD", help="method whose first decode step to profile")
+    job.add_argument("--step", metavar="METHOD", help="method whose decode steps to profile (after --after steps)")
     p.add_argument("--n", type=int, required=True)
     p.add_argument("--budget", type=float, default=0.2)
+    p.add_argument("--after", type=int, default=16, help="--step: untimed decode steps before the profiled ones")
+    p.add_argument("--steps", type=int, default=4, help="--step: decode steps profiled")
     p.add_argument("--model")
-    a = p.parse_args()
-    if a.peak:
-        print(json.dumps(_peak_child(a.peak, a.n, a.budget, a.model)))
-    else:
-        print(first_step_profile(a.first_step, a.n, a.budget, a.model))
+    a = p.parse_args(argv)
+
+    def work() -> int:
+        if a.n < 1 or a.after < 0 or a.steps < 1:
+            raise KvminiError(f"need --n >= 1, --after >= 0 and --steps >= 1, got {a.n}, {a.after}, {a.steps}")
+        if a.peak:
+            print(json.dumps(_peak_child(a.peak, a.n, a.budget, a.model)))
+        elif a.first_step:
+            print(step_profile(a.first_step, a.n, a.budget, a.model))
+        else:
+            print(step_profile(a.step, a.n, a.budget, a.model, after=a.after, steps=a.steps))
+        return 0
+    return cli.run(work)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
