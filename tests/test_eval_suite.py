@@ -176,6 +176,26 @@ def test_of_snapkv_pairs_the_rounds():
     assert of_snapkv({"ratio": 1.2}, {"ratio": 1.5}) == pytest.approx(0.8)
 
 
+def test_parts_table_adds_one_part_per_rung():
+    """parts_speed's table, worked by hand (4 steps a round). SnapKV [0.40, 0.40, 0.44] s; H2O [0.42, 0.41,
+    0.46]: extra 0.02, 0.01, 0.02 s -> median 0.02 / 4 steps = +5 ms, over SnapKV's 0.952, 0.976, 0.957 ->
+    0.96; the next rung [0.44, 0.43, 0.48]: +10 ms, of which its part +5 ms, 0.909, 0.930, 0.917 -> 0.92;
+    hooks: policy ms per step minus SnapKV's 0.25."""
+    from kvmini.eval.tables import parts_table
+
+    run = lambda rounds, policy: {"rounds_s": rounds, "policy_ms_per_step": policy, "tokens_per_s": 10.0}  # noqa: E731
+    res = {"parts_speed": {"budget": 0.2, "decode_n": 64, "steps": 4, "rounds": 3,
+                           "ladders": {"d2o": [["H2O rung", "h2o"], ["+ budgets", "d2o[merge=off]"]]},
+                           "kept_bytes_ratio": {"snapkv": 0.2, "h2o": 0.2, "d2o[merge=off]": 0.275},
+                           "decode": {"snapkv": run([0.40, 0.40, 0.44], 0.25), "h2o": run([0.42, 0.41, 0.46], 1.25),
+                                      "d2o[merge=off]": run([0.44, 0.43, 0.48], 2.75)}}}
+    table = parts_table(res)
+    assert "SnapKV decodes 10.0 tokens/s (100.0 ms per step)" in table
+    assert "| D2O (official) | H2O rung | 0.96 | +5.00 | — | +1.00 | 0.200 |" in table
+    assert "|  | + budgets | 0.92 | +10.00 | +5.00 | +2.50 | 0.275 |" in table
+    assert "## Where D2O's decode step goes" in suite.summary({"profile": "quick", "device": "cpu", **res})
+
+
 
 def test_first_step_profile_names_where_the_time_goes(default_model_dir):
     """`python -m kvmini.eval.speed --first-step METHOD --n N`: D2O's official variant compresses the prompt

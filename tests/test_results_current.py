@@ -56,11 +56,15 @@ def test_a_refactor_leaves_accuracy_current_and_makes_speed_stale(tmp_path, monk
     (tmp_path / "a").mkdir(), (tmp_path / "b").mkdir()
     fidelity = made_now(tmp_path / "a", "fidelity", ["full", "h2o"], {})
     speed = made_now(tmp_path / "b", "speed", ["full"], {})
+    (tmp_path / "c").mkdir()
+    parts = made_now(tmp_path / "c", "parts_speed", ["full", "snapkv"], {})  # timed, as speed is
     with open(root / "kvmini" / "cache.py", "a") as f:
         f.write("\n# a refactor: same behaviour, other code\n")
     assert provenance.stale(fidelity, {"fidelity": {"methods": ["full", "h2o"], "sizes": {}}}) == []
     [line] = provenance.stale(speed, {"speed": {"methods": ["full"], "sizes": {}}})
     assert "speed is stale (kvmini/cache.py changed)" in line
+    [line] = provenance.stale(parts, {"parts_speed": {"methods": ["full", "snapkv"], "sizes": {}}})
+    assert "parts_speed is stale (kvmini/cache.py changed)" in line
 
 
 def test_a_result_without_a_fingerprint_or_of_other_sizes_or_methods_is_stale(tmp_path):

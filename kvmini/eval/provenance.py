@@ -10,7 +10,7 @@ and a fingerprint of what it depends on:
         engine's behaviour recording (tests/data/engine_regression.*); plus a digest of the
         experiment's own module. tests/test_engine_regression.py proves the code still behaves as
         recorded, so a refactor that changes no behaviour leaves these results current.
-    speed
+    speed, parts_speed
         a digest of every source file on the timed path: kvmini/eval/speed.py, every method module,
         and every kvmini module they import. Any edit there may change a time.
 
@@ -30,6 +30,8 @@ RECORDING = ROOT / "tests" / "data" / "engine_regression"
 EXPERIMENT_MODULE = {"streaming": "kvmini/eval/streaming.py", "passkey": "kvmini/eval/passkey.py",
                      "fidelity": "kvmini/eval/fidelity.py", "layers": "kvmini/eval/layers.py",
                      "ablations": "kvmini/eval/fidelity.py", "queryaware": "kvmini/eval/query_aware.py"}
+
+TIMED = ("speed", "parts_speed")  # experiments that measure time: fingerprinted by the code on the timed path
 
 
 def digest(data: bytes) -> str:
@@ -94,7 +96,7 @@ def speed_path() -> list[str]:
 
 
 def fingerprint(experiment: str, specs: list[str]) -> dict:
-    if experiment == "speed":
+    if experiment in TIMED:
         return {"code": {path: file_digest(path) for path in speed_path()}}
     names = sorted({"full", *map(method_of, specs)})
     module = EXPERIMENT_MODULE[experiment]

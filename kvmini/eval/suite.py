@@ -11,6 +11,7 @@ Experiments (sizes per profile in PROFILES):
     fidelity   prefill-compression fidelity over several prompts (DBudgetKV, SnapKV, PyramidKV, ...)
     layers     attention density, variance and per-layer retention (D2O Fig. 1/4, DynamicKV Fig. 2)
     speed      prefill overhead, decode speed, kept bytes and peak memory relative to the full cache
+    parts_speed  D2O's decode step with its parts switched on in turn (PARTS): what each costs over SnapKV's
     ablations  fidelity of each difference between a paper and its authors' code, one prompt (docs/methods.md)
     queryaware passkey accuracy and answer fidelity with the question in the prompt and after it (issue 31)
 
@@ -53,6 +54,18 @@ ABLATIONS = [
     "dynamickv", "dynamickv[tail_reallocation=true]", "dynamickv[rounding=floor]", "dynamickv[variant=official]",
     "streaming_llm", "tova", "weightedkv",
 ] + [f"{m}[evict_every={n}]" for m in ("streaming_llm", "h2o", "tova", "weightedkv", "d2o") for n in (8, 32)]
+# D2O's decode step built up one part at a time, each row adding one part to the row before: the cost of
+# each part is the difference between its row and the row before (docs/speed.md, "Where D2O's decode
+# step goes"). The same interleaved rounds as `speed`, with SnapKV as the reference.
+PARTS = {
+    "d2o": [("H2O: accumulated attention, one eviction per decode step, the same budget in every layer", "h2o"),
+            ("+ D2O's layer budgets (layers 0, 1 and the last kept whole), merging off", "d2o[merge=off]"),
+            ("+ merging (Eq. 9-12): D2O", "d2o")],
+    "d2o[variant=paper]": [
+        ("H2O: accumulated attention, one eviction per decode step, the same budget in every layer", "h2o"),
+        ("+ D2O's layer budgets (Eq. 5), merging off", "d2o[variant=paper,merge=off]"),
+        ("+ merging (Eq. 9-12): D2O", "d2o[variant=paper]")],
+}
 PROFILES = {
     "smoke": {  # every code path, about a minute on a quiet machine; the numbers mean nothing
         "streaming": dict(n=160, capacities=[32], chunk=16),
@@ -61,6 +74,7 @@ PROFILES = {
         "layers": dict(n=128, budget=0.5, bins=16),
         "speed": dict(prefill_n=256, reps=1, decode_n=256, steps=2, rounds=1, peak_n=256, budget=0.5, batch_n=256,
                       cap_gib=2),
+        "parts_speed": dict(decode_n=256, steps=2, rounds=1, budget=0.5),
         "ablations": dict(n=128, k=16, budgets=[0.5], methods=["h2o", "d2o[merge=off]", "h2o[evict_every=8]"]),
         "queryaware": dict(length=256, depths=[0.5], budgets=[0.5], k=2),
     },
@@ -71,6 +85,7 @@ PROFILES = {
         "layers": dict(n=1024, budget=0.2, bins=32),
         "speed": dict(prefill_n=2048, reps=1, decode_n=2048, steps=16, rounds=5, peak_n=2048, budget=0.2, batch_n=2048,
                       cap_gib=8),
+        "parts_speed": dict(decode_n=2048, steps=16, rounds=8, budget=0.2),
         "ablations": dict(n=1024, k=128, budgets=[0.2], methods=ABLATIONS),
         "queryaware": dict(length=512, depths=[0.25, 0.75], budgets=[0.1, 0.3], k=4),
     },
@@ -81,6 +96,7 @@ PROFILES = {
         "layers": dict(n=2048, budget=0.2, bins=64),
         "speed": dict(prefill_n=4096, reps=1, decode_n=8128, steps=16, rounds=3, peak_n=8192, budget=0.2, batch_n=4096,
                       cap_gib=16),
+        "parts_speed": dict(decode_n=8128, steps=8, rounds=6, budget=0.2),
         "ablations": dict(n=2048, k=256, budgets=[0.2], methods=ABLATIONS),
         "queryaware": dict(length=2048, depths=[0.1, 0.5, 0.9], budgets=[0.1, 0.2, 0.3], k=8),
     },
@@ -124,7 +140,8 @@ def measured(name: str, p: dict) -> list[str]:
     """The method specs experiment `name` runs with sizes `p` (the full cache first)."""
     return {"streaming": list(streaming.METHODS), "passkey": ["full", *BUDGETED, *SELF_BUDGETED],
             "fidelity": ["full", *p.get("methods", [])], "layers": ["full", *layers.ADAPTIVE],
-            "speed": ["full", *EVERY], "ablations": ["full", *p.get("methods", [])],
+            "speed": ["full", *EVERY], "parts_speed": ["full", "snapkv", *dict.fromkeys(
+                spec for rungs in PARTS.values() for _, spec in rungs)], "ablations": ["full", *p.get("methods", [])],
             "queryaware": ["full", *BUDGETED, *SELF_BUDGETED]}[name]
 
 
@@ -158,6 +175,17 @@ def run_speed(model, text_ids, p, model_folder, log):
         out["batch"] = speed.batch_under_cap(model, ids(p["batch_n"]), methods, p["budget"], p["cap_gib"], log=log)
         out["cap_gib"], out["batch_n"] = p["cap_gib"], p["batch_n"]
     return out
+
+
+def run_parts_speed(model, text_ids, p, log):
+    """`speed.decode_speed` of SnapKV and every rung of PARTS, in the same interleaved rounds, and each
+    one's kept bytes (`speed.prefill_times`: after the prompt, or after the first decode step)."""
+    methods = measured("parts_speed", p)[1:]
+    ids = torch.tensor([text_ids[: p["decode_n"]]], device=model.device)
+    kept = speed.prefill_times(model, ids, methods, p["budget"], log=log)
+    return {"budget": p["budget"], "decode_n": p["decode_n"], "steps": p["steps"], "rounds": p["rounds"],
+            "ladders": PARTS, "kept_bytes_ratio": {m: r["kept_bytes_ratio"] for m, r in kept.items()},
+            "decode": speed.decode_speed(model, ids, methods, p["budget"], p["steps"], p["rounds"], log)}
 
 
 def summary(results: dict) -> str:
@@ -247,6 +275,10 @@ def summary(results: dict) -> str:
             out += [f"| {m} | {b['batch']} | {b['tokens_per_s']:.0f} | {b['peak_gib']:.2f} |" if b else f"| {m} | none fits | — | — |"
                     for m, b in sp["batch"].items()]
         out.append("")
+    if "parts_speed" in results:
+        from kvmini.eval import tables
+
+        out += ["## Where D2O's decode step goes", "", tables.parts_table(results), ""]
     if "ablations" in results:
         out += ["## Ablations: one prompt, each difference on its own", "",
                 "| method | budget | kept share | perplexity / full | KL(full‖method) | top-1 agree |",
@@ -346,6 +378,8 @@ def tokens_needed(name: str, p: dict) -> int:
         return p["n"] + p["k"]
     if name == "speed":
         return max(p["prefill_n"], speed.decode_length(p["decode_n"], p["steps"], p["rounds"]), p["peak_n"], p["batch_n"])
+    if name == "parts_speed":
+        return speed.decode_length(p["decode_n"], p["steps"], p["rounds"])
     return p["n"]  # streaming, layers
 
 
@@ -380,6 +414,7 @@ def run_suite(profile: str, only: list[str], model_folder: str | None, device: s
         "fidelity": lambda: run_fidelity(model, text_ids, P["fidelity"], log),
         "layers": lambda: run_layers(model, text_ids, P["layers"], log),
         "speed": lambda: run_speed(model, text_ids, P["speed"], model_folder, log),
+        "parts_speed": lambda: run_parts_speed(model, text_ids, P["parts_speed"], log),
         "ablations": lambda: run_ablations(model, text_ids, P["ablations"], log),
         "queryaware": lambda: run_queryaware(model, tok, chat, stop_ids, P["queryaware"], log),
     }

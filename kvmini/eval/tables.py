@@ -350,6 +350,31 @@ def together_table(fs: dict) -> str:
     return "\n".join(out)
 
 
+def parts_table(res: dict) -> str:
+    """D2O's decode step built up one part at a time (kvmini.eval.suite.PARTS): each rung's decode speed over
+    SnapKV's and its extra time per step, in the same interleaved rounds; a part costs the difference
+    between its rung and the one above."""
+    ps = need(res, "parts_speed")
+    dec, snap = ps["decode"], ps["decode"]["snapkv"]
+    over = lambda d: statistics.median(m - s for m, s in zip(d["rounds_s"], snap["rounds_s"])) / ps["steps"] * 1e3  # noqa: E731
+    out = [f"Decode after {ps['decode_n']:,} tokens, {ps['rounds']} interleaved rounds of {ps['steps']} steps, budget "
+           f"{ps['budget']:.0%}; SnapKV decodes {snap['tokens_per_s']:.1f} tokens/s ({1e3 / snap['tokens_per_s']:.1f} ms "
+           "per step). Extra time: the median over rounds of the rung's round time minus SnapKV's, per step.", "",
+           "| variant | rung (each adds one part to the rung above) | decode / SnapKV's | extra ms per step | "
+           "the part's own ms per step | of the extra, in the policy's hooks | K/V kept / full |",
+           "|---|---|---|---|---|---|---|"]
+    for variant, rungs in ps["ladders"].items():
+        before = None
+        for label, spec in rungs:
+            d, extra = dec[spec], over(dec[spec])
+            own = "—" if before is None else f"{extra - before:+.2f}"
+            out.append(f"| {name(variant) if before is None else ''} | {label} | {of_snapkv(d, snap):.2f} | {extra:+.2f} | "
+                       f"{own} | {d['policy_ms_per_step'] - snap['policy_ms_per_step']:+.2f} | "
+                       f"{ps['kept_bytes_ratio'][spec]:.3f} |")
+            before = extra
+    return "\n".join(out)
+
+
 # Query-aware or not (README.md, docs/evaluation.md)
 
 def queryaware_table(quick: dict) -> str:
@@ -418,10 +443,12 @@ TABLES = {
     "together-8k": ((FULL_SPEED,), together_table),
     "speed-2k": ((QUICK,), speed_table),
     "together-2k": ((QUICK,), together_table),
+    "parts-8k": ((FULL_SPEED,), parts_table),
+    "parts-2k": ((QUICK,), parts_table),
     "queryaware": ((QUICK,), queryaware_table),
     "queryaware-verdict": ((QUICK,), queryaware_verdict),
 }
 # the command that measures an experiment into each file, for a table that finds it missing
 MEASURE = {QUICK: "python -m kvmini.eval.suite --only {experiment} --out results/quick",
            FULL: "python -m kvmini.eval.suite --profile full --only {experiment} --out results/full",
-           FULL_SPEED: "python -m kvmini.eval.suite --profile full --only speed --out results/full-speed"}
+           FULL_SPEED: "python -m kvmini.eval.suite --profile full --only {experiment} --out results/full-speed"}
