@@ -32,7 +32,7 @@ cli.exit_on_ctrl_c(__name__)  # before the imports below
 import torch  # noqa: E402
 
 from kvmini.errors import KvminiError  # noqa: E402
-from kvmini.eval import fidelity, layers, passkey, plots, provenance, query_aware, speed, streaming  # noqa: E402
+from kvmini.eval import fidelity, layers, passkey, plots, provenance, query_aware, speed, streaming, tables  # noqa: E402
 from kvmini.methods import registry  # noqa: E402
 
 EVERY = registry.specs()  # every registered method and variant: a method added to METHODS is measured everywhere
@@ -57,14 +57,12 @@ ABLATIONS = [
 # D2O's decode step built up one part at a time, each row adding one part to the row before: the cost of
 # each part is the difference between its row and the row before (docs/speed.md, "Where D2O's decode
 # step goes"). The same interleaved rounds as `speed`, with SnapKV as the reference.
+H2O_RUNG = ("H2O: accumulated attention, one eviction per decode step, the same budget in every layer", "h2o")
 PARTS = {
-    "d2o": [("H2O: accumulated attention, one eviction per decode step, the same budget in every layer", "h2o"),
-            ("+ D2O's layer budgets (layers 0, 1 and the last kept whole), merging off", "d2o[merge=off]"),
+    "d2o": [H2O_RUNG, ("+ D2O's layer budgets (layers 0, 1 and the last kept whole), merging off", "d2o[merge=off]"),
             ("+ merging (Eq. 9-12): D2O", "d2o")],
-    "d2o[variant=paper]": [
-        ("H2O: accumulated attention, one eviction per decode step, the same budget in every layer", "h2o"),
-        ("+ D2O's layer budgets (Eq. 5), merging off", "d2o[variant=paper,merge=off]"),
-        ("+ merging (Eq. 9-12): D2O", "d2o[variant=paper]")],
+    "d2o[variant=paper]": [H2O_RUNG, ("+ D2O's layer budgets (Eq. 5), merging off", "d2o[variant=paper,merge=off]"),
+                           ("+ merging (Eq. 9-12): D2O", "d2o[variant=paper]")],
 }
 PROFILES = {
     "smoke": {  # every code path, about a minute on a quiet machine; the numbers mean nothing
@@ -276,8 +274,6 @@ def summary(results: dict) -> str:
                     for m, b in sp["batch"].items()]
         out.append("")
     if "parts_speed" in results:
-        from kvmini.eval import tables
-
         out += ["## Where D2O's decode step goes", "", tables.parts_table(results), ""]
     if "ablations" in results:
         out += ["## Ablations: one prompt, each difference on its own", "",
