@@ -171,16 +171,19 @@ def literal_robust_set(sigma, positions, rho, sinks, recent, later_first):
     return out
 
 
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["float64: ties by a sort", "float32: one key"])
 @pytest.mark.parametrize("later_first", [False, True])
 @pytest.mark.parametrize("per_row", [False, True], ids=["one rho", "rho per row"])
-def test_robust_set_equals_ranking_every_entry(later_first, per_row):
-    """The robust set is found by a selection (the rho-th largest sigma, then the ties by position), not a
-    sort: the same set as ranking every entry, on rows with many equal sigmas (0 and a few values), the
-    buffer out of position order, pads, guards, and rho from 0 to past the row."""
+def test_robust_set_equals_ranking_every_entry(later_first, per_row, dtype):
+    """The robust set is found by a selection (float32: the rho-th largest (sigma, position) key; float64: the
+    rho-th largest sigma, then its ties by position), not a ranking: the same set as ranking every entry, on
+    rows with many equal sigmas (0, -0.0 and a few values, negative ones too), the buffer out of position
+    order, pads, guards, and rho from 0 to past the row."""
     gen = torch.Generator().manual_seed(5)
     R, H, S = 6, 2, 23
     for trial in range(40):
-        sigma = torch.randint(0, 4, (R, H, S), generator=gen).to(torch.float64) / 4  # many ties, 0 most of all
+        sigma = torch.randint(-2, 4, (R, H, S), generator=gen).to(dtype) / 4  # many ties, 0 most of all
+        sigma = torch.where(torch.rand(R, H, S, generator=gen) < 0.2, -0.0, sigma)  # -0.0 ties 0.0
         positions = torch.stack([torch.randperm(S, generator=gen) * 3 for _ in range(R * H)]).view(R, H, S)
         pads = torch.rand(R, 1, S, generator=gen) < 0.2
         positions = positions.masked_fill(pads, PAD)  # a joined row's pads: the same slots in every head

@@ -81,20 +81,60 @@ def robust_set(sigma: torch.Tensor, positions: torch.Tensor, rho, sinks: int, re
     last `recent` held entries (by position) count as sigma = +inf. Ties: the later position first if
     `later_first`, else the earlier. rho and recent: ints, or one per row (R, 1, 1). Pads (position PAD,
     the rows of KVCache.join) are never in it.
-    Example: sigma [.3, .1, .2, .0] at positions 0..3, rho 2, sinks 0, recent 1 -> [True, False, False, True]."""
-    S = positions.shape[-1]
+    Example: sigma [.3, .1, .2, .0] at positions 0..3, rho 2, sinks 0, recent 1 -> [True, False, False, True].
+
+    Ranked by the pair (sigma, position), the set is the rho largest pairs. With a sigma of 32 bits or
+    fewer, the pair fits one int64 (`ranking_key`) and the set is one selection (kthvalue), no sort; a
+    float64 sigma ranks its ties by position in position order (a sort)."""
+    real = positions != PAD
+    s = sigma.masked_fill(first_held(positions, sinks) | last_held(positions, recent), float("inf"))
+    if isinstance(rho, int) and rho <= 0:
+        return torch.zeros_like(real)
+    if sigma.element_size() <= 4:
+        key = ranking_key(s.float(), positions, later_first).masked_fill(~real, torch.iinfo(torch.long).min)
+        robust = (key >= largest(key, rho)) & real  # the keys of a row are distinct: rho of them (or every real one)
+        return robust if isinstance(rho, int) else robust & (rho > 0)
     order = positions.argsort(dim=-1, stable=True)  # (B, H_kv, S): buffer slots in position order (stable: faster
     # on a buffer that is nearly in order, as a decode step leaves it)
-    real = positions.gather(2, order) != PAD
-    rank = torch.arange(S, device=positions.device).expand_as(order)  # place in position order
-    guard = (rank < sinks) | (rank >= real.sum(-1, keepdim=True) - recent)
-    s = sigma.gather(2, order).masked_fill(guard, float("inf")).masked_fill(~real, float("-inf"))
+    s = s.gather(2, order).masked_fill(~real.gather(2, order), float("-inf"))
     t = largest(s, rho)  # (B, H_kv, 1): the rho-th largest; every entry above it is robust ...
     above, tied = s > t, s == t
     need = rho - above.sum(-1, keepdim=True)  # ... and this many of those equal to it, by position
     run = tied.flip(-1).cumsum(-1).flip(-1) if later_first else tied.cumsum(-1)  # ties from the preferred end
     robust = above | (tied & (run <= need))  # (B, H_kv, S) in position order
-    return torch.zeros_like(real).scatter_(2, order, robust) & (positions != PAD)
+    return torch.zeros_like(real).scatter_(2, order, robust) & real
+
+
+def first_held(positions: torch.Tensor, k: int) -> torch.Tensor:
+    """The k held entries of lowest position, (B, H_kv, S) bool (pads, at PAD, come last)."""
+    if k <= 0:
+        return torch.zeros_like(positions, dtype=torch.bool)
+    nth = positions.topk(min(k, positions.shape[-1]), dim=-1, largest=False).values[..., -1:]  # (B, H_kv, 1)
+    return (positions <= nth) & (positions != PAD)
+
+
+def last_held(positions: torch.Tensor, k) -> torch.Tensor:
+    """The k held entries of highest position, (B, H_kv, S) bool; k an int or one per row (R, 1, 1)."""
+    most = k if isinstance(k, int) else int(k.max())
+    if most <= 0:
+        return torch.zeros_like(positions, dtype=torch.bool)
+    held = positions.masked_fill(positions == PAD, -1)  # pads first from the top
+    top = held.topk(min(most, held.shape[-1]), dim=-1).values  # (B, H_kv, most): the latest, descending
+    nth = top[..., -1:] if isinstance(k, int) else top.gather(-1, (k - 1).clamp(0, top.shape[-1] - 1).expand(
+        -1, held.shape[1], 1))  # (B, H_kv, 1): each row's k-th latest
+    latest = (held >= nth) & (held >= 0)
+    return latest if isinstance(k, int) else latest & (k > 0)
+
+
+def ranking_key(s: torch.Tensor, positions: torch.Tensor, later_first: bool) -> torch.Tensor:
+    """float32 s (B, H_kv, S) and positions -> int64 keys ordered as the pairs (s, position) are, the
+    later position above on a tie if `later_first`, else the earlier: the high 32 bits are s's bits
+    turned into an int32 of the same order (IEEE 754: a negative float's magnitude bits are flipped),
+    the low 32 bits the position (positions < 2**32)."""
+    bits = (s + 0.0).view(torch.int32)  # + 0.0 turns -0.0 (which equals 0.0) into 0.0
+    ordered = bits ^ ((bits >> 31) & 0x7FFFFFFF)  # int32, ordered as s
+    tie = positions if later_first else 2**32 - 1 - positions  # in [0, 2**32)
+    return ordered.long() * 2**32 + tie
 
 
 def largest(s: torch.Tensor, rho) -> torch.Tensor:
