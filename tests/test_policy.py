@@ -303,6 +303,35 @@ def test_lowest_drops_what_keep_top_drops_in_any_buffer_order(S, sinks, recent, 
     assert positions[perm][victim].item() == dropped
 
 
+@settings(max_examples=60, deadline=None)
+@given(S=st.integers(3, 30), sinks=st.integers(0, 4), recent=st.integers(0, 6), m=st.integers(1, 8),
+       seed=st.integers(0, 10**6))
+def test_lowest_few_drops_what_keep_top_drops_in_any_buffer_order(S, sinks, recent, m, seed):
+    """evict_every's m victims (`lowest_few`, two selections of m, buffer in any order) are the m entries
+    keep_top leaves out, per head, on scores with many ties."""
+    from kvmini.methods.selectors import keep_top, lowest_few
+
+    if sinks + recent + m > S:
+        return
+    gen = torch.Generator().manual_seed(seed)
+    positions = torch.stack([torch.randperm(3 * S, generator=gen)[:S].sort().values for _ in range(2)])  # (2, S)
+    score = torch.randint(0, 4, (2, S), generator=gen).double()  # few values: many ties
+    kept = keep_top(score.view(1, 2, S), S - m, sinks, recent)[0]  # (2, S - m), position order
+    want = [sorted(set(row) - set(k)) for row, k in zip(positions.tolist(), positions.gather(1, kept).tolist())]
+    perm = torch.stack([torch.randperm(S, generator=gen) for _ in range(2)])  # each head's buffer in its own order
+    slots = lowest_few(score.gather(1, perm).view(1, 2, S), positions.gather(1, perm).view(1, 2, S), sinks, recent, m)
+    assert positions.gather(1, perm).gather(1, slots[0]).sort().values.tolist() == want
+
+
+def test_lowest_few_worked_example():
+    from kvmini.methods.selectors import lowest_few
+
+    score, positions = torch.tensor([[[5.0, 1, 9, 1, 7, 2]]]), torch.arange(6).view(1, 1, 6)
+    assert lowest_few(score, positions, 1, 1, 2).tolist() == [[[1, 3]]]
+    assert lowest_few(score, positions, 1, 1, 1).tolist() == [[[3]]]  # of the tied 1s, the later goes
+    assert lowest_few(score, positions, 0, 3, 2).tolist() == [[[0, 1]]]  # the window 3, 4, 5 stays
+
+
 def test_every_part_refuses_a_mode_it_does_not_know():
     from kvmini.methods.convex_value_merge import ConvexValueMerge
     from kvmini.methods.ema_merging import EMAMerge

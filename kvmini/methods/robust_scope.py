@@ -29,7 +29,7 @@ import torch
 from kvmini.cache import PAD, LayerCache
 from kvmini.errors import one_of
 from kvmini.methods.convex_value_merge import AverageAttention
-from kvmini.methods.selectors import TopK
+from kvmini.methods.selectors import TopK, first_held, last_held
 from kvmini.parts import Budgeter, Compressor, Rule
 from kvmini.statistics import Request, Statistic, Stats, column_sums
 
@@ -103,27 +103,6 @@ def robust_set(sigma: torch.Tensor, positions: torch.Tensor, rho, sinks: int, re
     run = tied.flip(-1).cumsum(-1).flip(-1) if later_first else tied.cumsum(-1)  # ties from the preferred end
     robust = above | (tied & (run <= need))  # (B, H_kv, S) in position order
     return torch.zeros_like(real).scatter_(2, order, robust) & real
-
-
-def first_held(positions: torch.Tensor, k: int) -> torch.Tensor:
-    """The k held entries of lowest position, (B, H_kv, S) bool (pads, at PAD, come last)."""
-    if k <= 0:
-        return torch.zeros_like(positions, dtype=torch.bool)
-    nth = positions.topk(min(k, positions.shape[-1]), dim=-1, largest=False).values[..., -1:]  # (B, H_kv, 1)
-    return (positions <= nth) & (positions != PAD)
-
-
-def last_held(positions: torch.Tensor, k) -> torch.Tensor:
-    """The k held entries of highest position, (B, H_kv, S) bool; k an int or one per row (R, 1, 1)."""
-    most = k if isinstance(k, int) else int(k.max())
-    if most <= 0:
-        return torch.zeros_like(positions, dtype=torch.bool)
-    held = positions.masked_fill(positions == PAD, -1)  # pads first from the top
-    top = held.topk(min(most, held.shape[-1]), dim=-1).values  # (B, H_kv, most): the latest, descending
-    nth = top[..., -1:] if isinstance(k, int) else top.gather(-1, (k - 1).clamp(0, top.shape[-1] - 1).expand(
-        -1, held.shape[1], 1))  # (B, H_kv, 1): each row's k-th latest
-    latest = (held >= nth) & (held >= 0)
-    return latest if isinstance(k, int) else latest & (k > 0)
 
 
 def ranking_key(s: torch.Tensor, positions: torch.Tensor, later_first: bool) -> torch.Tensor:
