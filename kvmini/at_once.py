@@ -12,6 +12,16 @@ one LayerCache (`KVCache.join`), in one op per step instead of one per layer:
 The layers whose budget is far above the others' (`joinable`) are a second such group, so that
 the rows of the first are not as long as theirs.
 
+With `evict_every = N > 1` a layer holds up to budget + N - 1 entries and evicts N at once, so
+most decode steps evict nowhere; an accumulating scorer (Scissorhands' history) still updates its
+sums in every layer. In such a step `end` does only that, for all layers at once,
+
+    scorer.update(cache.join(layers, room=N), stacked stats)
+
+and in the step that evicts, the layers N over their budget drop N entries each, at once
+(`compressor.evict_few_each`), or, where the compressor cannot (a merge, rows of different
+lengths), one layer after the other from the joined score.
+
 Every other call runs kvmini.policy's layer-by-layer loop, the specification; `together = False`
 runs it for decode steps too, and tests/test_together.py proves both leave the same caches.
 """
@@ -45,13 +55,26 @@ class AtOnce(Policy):
         self.join_limit: int | None = None  # the longest budget a layer may have to be evicted with the others
         self.long_together = False  # are the layers budgeted over join_limit evicted together? (set with it)
         self.deferred: list[tuple[int, Stats]] | None = None  # this step's (layer, stats) waiting for `end`
+        self.update_only = False  # evict_every > 1 and no layer evicts in this step: `end` only updates the sums
 
     def begin(self, cache: KVCache, T: int) -> None:
         super().begin(cache, T)
         call = self.call
-        at_once = (self.together and call.compress_now and T == 1 and not call.in_prompt and self.evict_every == 1
+        at_once = (self.together and call.compress_now and T == 1 and not call.in_prompt
                    and isinstance(cache, KVCache) and self.budgeter.known(0) is not None)
+        self.update_only = False
+        if at_once and self.evict_every > 1 and not self.evicts_anywhere(cache):  # only the scorer's update, at once
+            at_once = self.update_only = self.accumulating()
         self.deferred = [] if at_once else None  # None: this call runs layer by layer
+
+    def evicts_anywhere(self, cache: KVCache) -> bool:
+        """Will some layer exceed its budget + evict_every - 1 entries in this decode step (or is a budget unknown)?"""
+        for layer in range(len(cache)):
+            if not self.budgeter.skips(layer):
+                known = self.budgeter.known(layer)
+                if known is None or cache[layer].length + 1 > known + self.evict_every - 1:
+                    return True
+        return False
 
     def request(self, layer: int) -> Request | None:
         if self.deferred is None:
@@ -63,9 +86,9 @@ class AtOnce(Policy):
 
     def after_attention(self, layer: int, cache: KVCache, stats: Stats) -> None:
         if (self.deferred is not None and not self.budgeter.skips(layer)
-                and cache[layer].length - 1 == self.budgeter.known(layer)
+                and (self.update_only or cache[layer].length - self.evict_every == self.budgeter.known(layer))
                 and (self.budgeter.known(layer) <= self.joinable() or self.long_together)):
-            self.deferred.append((layer, stats))  # updated, scored and evicted with the other layers in `end`
+            self.deferred.append((layer, stats))  # updated (scored and evicted) with the other layers in `end`
             return
         super().after_attention(layer, cache, stats)
 
@@ -81,8 +104,8 @@ class AtOnce(Policy):
         return self.join_limit
 
     def end(self, cache: KVCache) -> None:
-        """The deferred one-entry evictions of this decode step: the layers far longer than the rest
-        (`joinable`) at once, then all the others at once."""
+        """The deferred one-entry evictions (or only updates) of this decode step: the layers far longer
+        than the rest (`joinable`) at once, then all the others at once."""
         if not self.deferred:
             return
         long = {layer for layer, _ in self.deferred if self.budgeter.known(layer) > self.joinable()}
@@ -92,18 +115,30 @@ class AtOnce(Policy):
         self.deferred = []
 
     def evict_together(self, cache: KVCache, deferred: list[tuple[int, Stats]]) -> None:
-        """One entry out of each of these (layer, stats), held as the rows of one joined cache."""
+        """evict_every entries out of each of these (layer, stats), held as the rows of one joined cache;
+        in an `update_only` step, only the scorer's update. The joined buffers have room for evict_every
+        new entries, so that the layers grow between evictions without leaving them (KVCache.join)."""
         call, layers = self.call, tuple(layer for layer, _ in deferred)
-        joint = cache.join(layers)
+        joint = cache.join(layers, room=self.evict_every)
         stats = Stacked([stats for _, stats in deferred], joint)
         if self.accumulating():
             self.scorer.update(joint, stats, call.start, call.T)
+        if self.update_only:
+            return
         score = self.scorer(joint, stats)  # (R, H_kv, S), R = len(layers) * B
-        budgets = [self.budgeter.known(layer) for layer in layers]
-        self.compressor.evict_one_each(layers, joint, score, budgets, call.start + call.T - 1)
-        for layer in layers:  # each dropped one entry
-            cache[layer].length -= 1
-            self.evicted[layer] += 1
+        budgets, N = [self.budgeter.known(layer) for layer in layers], self.evict_every
+        if N == 1:
+            joined = True
+            self.compressor.evict_one_each(layers, joint, score, budgets, call.start + call.T - 1)
+        else:
+            joined = self.compressor.evict_few_each(layers, joint, score, budgets)
+        B = cache[layers[0]].keys.shape[0]
+        for i, (layer, b) in enumerate(zip(layers, budgets)):  # each drops N entries
+            if joined:  # from the joined rows, which are views of the layer's buffers
+                cache[layer].length -= N
+            else:  # the compressor cannot (a merge, rows of different lengths): layer after layer, from its rows of the score
+                self.compressor(layer, cache[layer], score[i * B : (i + 1) * B, :, : cache[layer].length], b)
+            self.evicted[layer] += N
 
 
 class Stacked:

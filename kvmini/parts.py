@@ -145,7 +145,9 @@ class Compressor:
     A compressor with `one_each` also has `evict_one_each(layers, lc, score, budgets, newest)`: a decode
     step of many layers at once, each one entry over its budget, held as the rows of one LayerCache
     (`KVCache.join`, kvmini.at_once); it must do per row exactly what `__call__` does per layer
-    (tests/test_together.py).
+    (tests/test_together.py). `evict_few_each(layers, lc, score, budgets)` is the same for evict_every's
+    batches (each row N over its budget drops N); it returns False where it cannot (by default), and
+    kvmini.at_once then calls `__call__` layer by layer.
     """
 
     one_each = False  # has evict_one_each
@@ -189,6 +191,9 @@ class Compressor:
         if b <= self.sinks or recent < 0 or self.sinks + recent > b:
             return f"too small for {self.sinks} sinks and a window of {max(recent, 0)} tokens"
         return None
+
+    def evict_few_each(self, layers: tuple, lc, score: torch.Tensor, budgets: list[int]) -> bool:
+        return False
 
     def __call__(self, layer: int, lc, score: torch.Tensor, b: int) -> torch.Tensor | None:
         raise NotImplementedError

@@ -37,6 +37,12 @@ DECODE_TIME = [  # every method and variant that evicts while decoding
     ("d2o", 12, {"variant": "official", "split": "paper", "nm": "3:1", "protected_layers": "1"}),
     ("d2o", 12, SKEWED),  # budgets [24, 8, 8, 8]: layer 0, over twice the median, is evicted on its own
     ("d2o", 0.4, SKEWED),  # [40, 8, 8, 8]: layer 0 holds the whole prompt, its first eviction a decode step's
+    ("scissorhands", 30, {"evict_every": 3}),  # steps that only update the history at once, and steps that evict
+    ("scissorhands", 30, {"evict_every": 3, "history": 2}),  # a few (3 of 33): evict_few_each; the ring turns
+    ("scissorhands", 12, {"evict_every": 3}),  # 3 of 15 is not a few: layer after layer from the joined score
+    ("h2o", 30, {"evict_every": 4}),
+    ("tova", 12, {"evict_every": 4}),  # nothing to update between evictions
+    ("d2o", 12, {"variant": "paper", "evict_every": 3}),  # merges, rows of different lengths: layer after layer
 ]
 DECODE_TIME += [(name, 12, {}) for name in METHODS  # a method added later is checked with its defaults
                 if evicts_while_decoding(name) and name not in {case[0] for case in DECODE_TIME}]
@@ -115,6 +121,19 @@ def test_the_joint_path_runs(model, name, monkeypatch):
     assert joins == []
     run(model, name, 12, {"protected_layers": ""} if name == "d2o" else {}, True)
     assert len(joins) >= 7 and all(layers == (0, 1, 2, 3) for layers in joins)
+
+
+def test_steps_between_evictions_update_at_once_without_copying(model, monkeypatch):
+    """evict_every = 3: the steps that evict nowhere update Scissorhands' history for all layers joined,
+    and the steps that evict drop 3 entries from each of them joined; the layers grow between evictions
+    inside the joined buffers' room, so they are copied in once."""
+    joins, shares = [], []
+    real_join, real_share = KVCache.join, KVCache._share
+    monkeypatch.setattr(KVCache, "join", lambda self, layers, room=1: joins.append(room) or real_join(self, layers, room))
+    monkeypatch.setattr(KVCache, "_share", staticmethod(lambda members, room: shares.append(room) or real_share(members, room)))
+    _, policy, _, _ = run(model, "scissorhands", 30, {"evict_every": 3}, True)
+    assert sum(policy.evicted) == 4 * (40 - 30) + 4 * 6  # the prompt, then 3 entries at steps 3 and 6 of 8
+    assert joins == [3] * 8 and shares == [3]
 
 
 def test_a_layer_far_longer_than_the_others_is_evicted_on_its_own(model, monkeypatch):
