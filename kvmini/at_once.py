@@ -104,8 +104,8 @@ class AtOnce(Policy):
         return self.join_limit
 
     def end(self, cache: KVCache) -> None:
-        """The deferred one-entry evictions (or only updates) of this decode step: the layers far longer
-        than the rest (`joinable`) at once, then all the others at once."""
+        """The deferred evictions of this decode step (one entry each, or evict_every's batch; or only the
+        scorer's updates): the layers far longer than the rest (`joinable`) at once, then all the others at once."""
         if not self.deferred:
             return
         long = {layer for layer, _ in self.deferred if self.budgeter.known(layer) > self.joinable()}

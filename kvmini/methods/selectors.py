@@ -109,8 +109,7 @@ class TopK(Compressor):
             lc.evict_one(victim)
             kept = torch.arange(b + 1, device=score.device).expand_as(score).clone()  # (B, H_kv, b + 1)
             return kept.scatter_(2, victim[..., None], b)[..., :b]  # the victim's slot now holds entry b
-        if (self.merge is None and isinstance(lc, LayerCache) and lc.counts is None
-                and 8 * (lc.length - b) <= lc.length):  # a few: evict_every's batches
+        if isinstance(lc, LayerCache) and self.few(lc, lc.length - b):  # evict_every's batches
             victims = lowest_few(score, lc.positions, self.sinks, self.recent(b), lc.length - b)  # (B, H_kv, m)
             return lc.evict(victims)  # moves only the last entries
         order = lc.positions.argsort(dim=-1)  # (B, H_kv, S): position order (earlier steps may have mixed the buffer)
@@ -119,6 +118,11 @@ class TopK(Compressor):
             self.merged[layer] = self.merged[layer] + self.merge(layer, lc, idx)
         lc.keep(idx)
         return idx
+
+    def few(self, lc, m: int) -> bool:
+        """Whether dropping m entries from every row of `lc` takes the few path (`lowest_few`): no merge,
+        rows all as long (no pads), and m at most an eighth of them."""
+        return self.merge is None and lc.counts is None and 8 * m <= lc.length
 
     def evict_one_each(self, layers: tuple, lc, score: torch.Tensor, budgets: list[int], newest: int) -> None:
         """One decode step of many layers at once (kvmini.at_once): `lc` holds them as rows
@@ -135,7 +139,7 @@ class TopK(Compressor):
         with one budget, each drop the same m entries `__call__`'s few path drops (`lowest_few`, moved
         by `LayerCache.evict`). False (nothing done) for a merge or rows that differ."""
         m = lc.length - budgets[0]
-        if self.merge is not None or lc.counts is not None or min(budgets) != max(budgets) or 8 * m > lc.length:
+        if min(budgets) != max(budgets) or not self.few(lc, m):
             return False
         lc.evict(lowest_few(score, lc.positions, self.sinks, self.recent(budgets[0]), m))
         return True
