@@ -78,7 +78,7 @@ class LowHistory(Scorer):
             earlier = torch.arange(max(start, start + T - self.w), start + T - 1, device=ring.device) % self.w
             count.sub_(ring[..., earlier].sum(-1, dtype=torch.int32))
             ring.index_fill_(-1, earlier, 0)
-        last, new = (start + T - 1) % self.w, stats.low_counts.round().to(ring.dtype)  # (B, H_kv, S)
+        last, new = (start + T - 1) % self.w, stats.low_counts.to(ring.dtype)  # (B, H_kv, S): sums of 0/1 flags, exact
         count.add_(new - ring[..., last])  # the step w ago leaves the window, this one enters
         ring[..., last] = new
 
