@@ -170,16 +170,21 @@ def test_a_timed_policy_forks():
 def test_of_snapkv_pairs_the_rounds():
     """decode / SnapKV's: the median over rounds of SnapKV's round over the method's, worked by hand:
     SnapKV [1.0, 2.0, 1.0] s and the method [1.25, 2.0, 1.1] s -> 0.8, 1.0, 0.909... -> 0.909...;
-    results without rounds: the ratio of the ratios to the full cache."""
-    from kvmini.eval.tables import of_snapkv
+    results without rounds: the ratio of the ratios to the full cache. The table's cell adds the lowest and
+    highest round, 0.80 and 1.00; one round (or none) has no range to show."""
+    from kvmini.eval.tables import of_snapkv, of_snapkv_cell
     assert of_snapkv({"rounds_s": [1.25, 2.0, 1.1]}, {"rounds_s": [1.0, 2.0, 1.0]}) == pytest.approx(1 / 1.1)
     assert of_snapkv({"ratio": 1.2}, {"ratio": 1.5}) == pytest.approx(0.8)
+    assert of_snapkv_cell({"rounds_s": [1.25, 2.0, 1.1]}, {"rounds_s": [1.0, 2.0, 1.0]}) == "0.91 (0.80–1.00)"
+    assert of_snapkv_cell({"rounds_s": [1.25]}, {"rounds_s": [1.0]}) == "0.80"
+    assert of_snapkv_cell({"ratio": 1.2}, {"ratio": 1.5}) == "0.80"
 
 
 def test_parts_table_adds_one_part_per_rung():
     """parts_speed's table, worked by hand (4 steps a round). SnapKV [0.40, 0.40, 0.44] s; H2O [0.42, 0.41,
     0.46]: extra 0.02, 0.01, 0.02 s -> median 0.02 / 4 steps = +5 ms, over SnapKV's 0.952, 0.976, 0.957 ->
-    0.96; the next rung [0.44, 0.43, 0.48]: +10 ms, of which its part +5 ms, 0.909, 0.930, 0.917 -> 0.92;
+    0.96 (0.95–0.98); the next rung [0.44, 0.43, 0.48]: +10 ms, of which its part +5 ms, 0.909, 0.930, 0.917 ->
+    0.92 (0.91–0.93);
     hooks: policy ms per step minus SnapKV's 0.25."""
     from kvmini.eval.tables import parts_table
 
@@ -191,8 +196,8 @@ def test_parts_table_adds_one_part_per_rung():
                                       "d2o[merge=off]": run([0.44, 0.43, 0.48], 2.75)}}}
     table = parts_table(res)
     assert "SnapKV decodes 10.0 tokens/s (100.0 ms per step)" in table
-    assert "| D2O (official) | H2O rung | 0.96 | +5.00 | — | +1.00 | 0.200 |" in table
-    assert "|  | + budgets | 0.92 | +10.00 | +5.00 | +2.50 | 0.275 |" in table
+    assert "| D2O (official) | H2O rung | 0.96 (0.95–0.98) | +5.00 | — | +1.00 | 0.200 |" in table
+    assert "|  | + budgets | 0.92 (0.91–0.93) | +10.00 | +5.00 | +2.50 | 0.275 |" in table
     assert "## Where D2O's decode step goes" in suite.summary({"profile": "quick", "device": "cpu", **res})
 
 

@@ -306,8 +306,8 @@ def speed_table(fs: dict) -> str:
     pre_full, dec_full = sp["prefill"]["full"], sp["decode"]["full"]
     out = [f"Prefill {sp['prefill_n']:,} tokens; decode after {sp['decode_n']:,} tokens, {sp['rounds']} rounds of "
            f"{sp['steps']} steps{', interleaved' if 'rounds_s' in sp['decode']['full'] else ''}; budget {sp['budget']:.0%}:", "",
-           "| method | prefill / full | policy in prefill | decode / full | decode / SnapKV's | K/V kept / full "
-           "| policy per decode step (share) | policy ops per step | first decode step | peak memory / full |",
+           "| method | prefill / full | policy in prefill | decode / full | decode / SnapKV's (rounds' range) "
+           "| K/V kept / full | policy per decode step (share) | policy ops per step | first decode step | peak memory / full |",
            "|---|---|---|---|---|---|---|---|---|---|"]
     for m, pre in sp["prefill"].items():
         dec, peak = sp["decode"][m], sp.get("peak", {}).get(m)
@@ -316,7 +316,7 @@ def speed_table(fs: dict) -> str:
                      "—", "1.000", "—", "—", "—"]
         else:
             cells = [f"{pre['ratio']:.2f}", f"{pre['policy_s']:.2f} s", f"{dec['ratio']:.2f}",
-                     f"{of_snapkv(dec, sp['decode']['snapkv']):.2f}", f"{pre['kept_bytes_ratio']:.3f}",
+                     of_snapkv_cell(dec, sp['decode']['snapkv']), f"{pre['kept_bytes_ratio']:.3f}",
                      f"{dec['policy_ms_per_step']:.2f} ms ({dec['policy_share']:.1%})", f"{dec['ops_per_step']:,}",
                      f"{dec['first_step_s']:.2f} s"]
         if peak is None:
@@ -327,12 +327,24 @@ def speed_table(fs: dict) -> str:
     return "\n".join(out)
 
 
-def of_snapkv(dec: dict, snapkv: dict) -> float:
-    """A method's decode speed over SnapKV's: the median over the rounds of SnapKV's round time over the
-    method's, each pair from the same interleaved round (older results without rounds: the ratio of medians)."""
+def paired(dec: dict, snapkv: dict) -> list[float]:
+    """SnapKV's round time over the method's, round by round (each pair from the same interleaved round);
+    older results without rounds: one value, the ratio of the ratios to the full cache."""
     if "rounds_s" in dec and "rounds_s" in snapkv:
-        return statistics.median(s / m for s, m in zip(snapkv["rounds_s"], dec["rounds_s"]))
-    return dec["ratio"] / snapkv["ratio"]
+        return [s / m for s, m in zip(snapkv["rounds_s"], dec["rounds_s"])]
+    return [dec["ratio"] / snapkv["ratio"]]
+
+
+def of_snapkv(dec: dict, snapkv: dict) -> float:
+    """A method's decode speed over SnapKV's: the median of the paired rounds (`paired`)."""
+    return statistics.median(paired(dec, snapkv))
+
+
+def of_snapkv_cell(dec: dict, snapkv: dict) -> str:
+    """'0.93 (0.91–0.96)': the median of the paired rounds and, in brackets, the lowest and highest round
+    (how far one round of the same run strays: a difference inside it is not one the run can tell)."""
+    rounds, cell = paired(dec, snapkv), f"{of_snapkv(dec, snapkv):.2f}"
+    return cell if len(rounds) < 2 else f"{cell} ({min(rounds):.2f}–{max(rounds):.2f})"
 
 
 def together_table(fs: dict) -> str:
@@ -360,16 +372,16 @@ def parts_table(res: dict) -> str:
     out = [f"Decode after {ps['decode_n']:,} tokens, {ps['rounds']} interleaved rounds of {ps['steps']} steps, budget "
            f"{ps['budget']:.0%}; SnapKV decodes {snap['tokens_per_s']:.1f} tokens/s ({1e3 / snap['tokens_per_s']:.1f} ms "
            "per step). Extra time: the median over rounds of the rung's round time minus SnapKV's, per step.", "",
-           "| variant | rung (each adds one part to the rung above) | decode / SnapKV's | extra ms per step | "
-           "the part's own ms per step | of the extra, in the policy's hooks | K/V kept / full |",
+           "| variant | rung (each adds one part to the rung above) | decode / SnapKV's (rounds' range) | "
+           "extra ms per step | the part's own ms per step | of the extra, in the policy's hooks | K/V kept / full |",
            "|---|---|---|---|---|---|---|"]
     for variant, rungs in ps["ladders"].items():
         before = None
         for label, spec in rungs:
             d, extra = dec[spec], over(dec[spec])
             own = "—" if before is None else f"{extra - before:+.2f}"
-            out.append(f"| {name(variant) if before is None else ''} | {label} | {of_snapkv(d, snap):.2f} | {extra:+.2f} | "
-                       f"{own} | {d['policy_ms_per_step'] - snap['policy_ms_per_step']:+.2f} | "
+            out.append(f"| {name(variant) if before is None else ''} | {label} | {of_snapkv_cell(d, snap)} | "
+                       f"{extra:+.2f} | {own} | {d['policy_ms_per_step'] - snap['policy_ms_per_step']:+.2f} | "
                        f"{ps['kept_bytes_ratio'][spec]:.3f} |")
             before = extra
     return "\n".join(out)
