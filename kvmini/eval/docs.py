@@ -6,7 +6,7 @@
 A generated region of a markdown file reads
 
     <!-- generated: NAME (from results/quick/results.json) -->
-    ... kvmini.eval.tables.TABLES[NAME] of those files ...
+    ... TABLES[NAME] of those files (kvmini.eval.tables, kvmini.eval.claims) ...
     <!-- end generated -->
 
 and whatever is typed between the two lines is replaced (so a number edited by hand fails --check).
@@ -21,10 +21,34 @@ from kvmini import cli
 
 cli.exit_on_ctrl_c(__name__)  # before the imports below
 from kvmini.errors import KvminiError  # noqa: E402
-from kvmini.eval import tables  # noqa: E402
+from kvmini.eval import claims, tables  # noqa: E402
+from kvmini.eval.tables import FULL, FULL_SPEED, QUICK  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 REGION = re.compile(r"<!-- generated: (\S+)[^\n]*-->\n(.*?)<!-- end generated -->", re.DOTALL)
+
+# name -> (the results files it reads, the function of their contents)
+TABLES = {
+    "claims": ((QUICK, FULL, FULL_SPEED), claims.claims),
+    "provenance": ((QUICK, FULL, FULL_SPEED),
+                   lambda q, f, s: tables.provenance_table((QUICK, q), (FULL, f), (FULL_SPEED, s))),
+    "d2o-ablations": ((QUICK,), lambda q: tables.ablations(q, "d2o")),
+    "dbudgetkv-ablations": ((QUICK,), lambda q: tables.ablations(q, "dbudgetkv")),
+    "dynamickv-ablations": ((QUICK,), lambda q: tables.ablations(q, "dynamickv")),
+    "evict-every": ((QUICK,), lambda q: tables.ablations(q, "evict_every")),
+    "speed-8k": ((FULL_SPEED,), tables.speed_table),
+    "together-8k": ((FULL_SPEED,), tables.together_table),
+    "speed-2k": ((QUICK,), tables.speed_table),
+    "together-2k": ((QUICK,), tables.together_table),
+    "parts-8k": ((FULL_SPEED,), tables.parts_table),
+    "parts-2k": ((QUICK,), tables.parts_table),
+    "queryaware": ((QUICK,), tables.queryaware_table),
+    "queryaware-verdict": ((QUICK,), tables.queryaware_verdict),
+}
+# the command that measures an experiment into each file, for a table that finds it missing
+MEASURE = {QUICK: "python -m kvmini.eval.suite --only {experiment} --out results/quick",
+           FULL: "python -m kvmini.eval.suite --profile full --only {experiment} --out results/full",
+           FULL_SPEED: "python -m kvmini.eval.suite --profile full --only {experiment} --out results/full-speed"}
 
 
 def documents(root: Path = ROOT) -> list[Path]:
@@ -33,15 +57,15 @@ def documents(root: Path = ROOT) -> list[Path]:
 
 def region(name: str, root: Path = ROOT) -> str:
     """The whole region NAME as the generator writes it."""
-    if name not in tables.TABLES:
-        raise KvminiError(f"unknown generated region {name!r}; known: {', '.join(tables.TABLES)}")
-    sources, make = tables.TABLES[name]
+    if name not in TABLES:
+        raise KvminiError(f"unknown generated region {name!r}; known: {', '.join(TABLES)}")
+    sources, make = TABLES[name]
     loaded = [json.loads((root / s).read_text()) for s in sources]
     try:
         body = make(*loaded)
     except tables.Missing as e:
         lacking = next(s for s, res in zip(sources, loaded) if str(e) not in res)
-        body = f"*Not measured yet: `{tables.MEASURE[lacking].format(experiment=e)}` writes it.*"
+        body = f"*Not measured yet: `{MEASURE[lacking].format(experiment=e)}` writes it.*"
     return f"<!-- generated: {name} (from {', '.join(sources)}) -->\n{body}\n<!-- end generated -->"
 
 
