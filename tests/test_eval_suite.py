@@ -244,14 +244,17 @@ FAKE = {
     "layers": {"n": 16, "budget": 0.5, "statistics": [{"layer": 0, "variance": 0.5, "top10_share": 0.3,
                                                           "sink_share": 0.2}],
                "density_maps": {0: [[1.0, 0.0], [0.5, 0.5]]}, "retention": {"d2o": [8]}},
-    "speed": {"budget": 0.2, "prefill_n": 16, "decode_n": 16, "peak_n": 16,
+    "speed": {"budget": 0.2, "prefill_n": 16, "decode_n": 16, "peak_n": 16, "steps": 4, "rounds": 2,
               "prefill": {"full": {"seconds": 1.0, "ratio": 1.0, "kept_bytes_ratio": 1.0},
-                          "h2o": {"seconds": 1.2, "ratio": 1.2, "policy_s": 0.05, "kept_bytes_ratio": 0.2}},
-              "decode": {"full": {"tokens_per_s": 10.0, "ratio": 1.0},
+                          "h2o": {"seconds": 1.2, "ratio": 1.2, "policy_s": 0.05, "kept_bytes_ratio": 0.2},
+                          "snapkv": {"seconds": 1.1, "ratio": 1.1, "policy_s": 0.04, "kept_bytes_ratio": 0.2}},
+              "decode": {"full": {"tokens_per_s": 10.0, "ratio": 1.0, "rounds_s": [0.4, 0.4]},
                          "h2o": {"tokens_per_s": 15.0, "ratio": 1.5, "policy_ms_per_step": 2.5, "first_step_s": 0.25,
                                  "policy_share": 0.0375, "ops_per_step": 91, "layer_by_layer_tokens_per_s": 12.0,
                                  "layer_by_layer_policy_ms_per_step": 5.0, "layer_by_layer_ops_per_step": 1350,
-                                 "joint_speedup": 1.25}},
+                                 "joint_speedup": 1.25, "rounds_s": [0.28, 0.26]},
+                         "snapkv": {"tokens_per_s": 16.0, "ratio": 1.6, "policy_ms_per_step": 0.5, "first_step_s": 0.2,
+                                    "policy_share": 0.008, "ops_per_step": 0, "rounds_s": [0.25, 0.25]}},
               "peak": {"full": {"peak_growth_mib": 100.0, "ratio": 1.0}}},
 }
 
@@ -263,9 +266,10 @@ def test_summary_tables():
     # perplexity / full averaged over prompts: (10/9 + 11/10) / 2
     assert f"| dbudgetkv | self-chosen | 40.0% | {(10 / 9 + 11 / 10) / 2:.3f} | 0.300 [0.300–0.300] | 0.900 |" in md
     assert "| 0 | 0.5 | 0.30 | 0.20 | 8 |" in md
-    assert "| full | 1.00 (1.0 s) | 0.00 s | 1.00 (10.0/s) | — | — | — | — | 1.000 | 1.00 (100 MiB) |" in md  # older results
-    assert "| h2o | 1.20 (1.2 s) | 0.05 s | 1.50 (15.0/s) | 2.50 ms | 3.8% | 91 | 0.25 s | 0.200 | — |" in md
-    assert "| h2o | 15.0 | 12.0 | 1.25 | 2.50 ms | 5.00 ms | 91 | 1350 |" in md
+    # the speed tables of docs/speed.md; H2O over SnapKV: rounds 0.25 / 0.28 = 0.89 and 0.25 / 0.26 = 0.96
+    assert "| full cache | 1.00 (1.0 s) | — | 1.00 (10.0 tokens/s) | — | 1.000 | — | — | — | 1.00 (100 MiB) |" in md
+    assert "| H2O | 1.20 | 0.05 s | 1.50 | 0.93 (0.89–0.96) | 0.200 | 2.50 ms (3.8%) | 91 | 0.25 s | — |" in md
+    assert "| H2O | 15.0 | 12.0 | 1.25 | 2.50 ms | 5.00 ms | 91 | 1,350 |" in md
     gpu = dict(FAKE, speed=dict(FAKE["speed"], batch={"full": {"batch": 4, "tokens_per_s": 800.0, "peak_gib": 1.5},
                                                      "h2o": None}, batch_n=16, cap_gib=2))
     md = suite.summary(gpu)

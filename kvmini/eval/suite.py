@@ -231,40 +231,17 @@ def summary(results: dict) -> str:
         out.append("")
     if "speed" in results:
         sp = results["speed"]
-        out += [f"## Speed and memory (budget {sp['budget']:g})", "",
-                f"| method | prefill time / full ({sp['prefill_n']} tokens) | of which policy | decode tokens/s / full "
-                f"(after {sp['decode_n']}) | policy per step | policy share of a step | policy ops per step | "
-                f"first step | kept bytes / full | peak memory growth / full ({sp['peak_n']}-token prefill) |",
-                "|---|---|---|---|---|---|---|---|---|---|"]
-        for name, pre in sp["prefill"].items():
-            peak, dec = sp.get("peak", {}).get(name), sp["decode"][name]
-            peak_txt = f"{peak['ratio']:.2f} ({peak['peak_growth_mib']:.0f} MiB)" if peak else "—"
-            step = lambda key, fmt: fmt.format(dec[key]) if key in dec else "—"  # noqa: E731 (older results)
-            out.append(f"| {name} | {pre['ratio']:.2f} ({pre['seconds']:.1f} s) | {pre.get('policy_s', 0):.2f} s | "
-                       f"{dec['ratio']:.2f} ({dec['tokens_per_s']:.1f}/s) | {step('policy_ms_per_step', '{:.2f} ms')} | "
-                       f"{step('policy_share', '{:.1%}')} | {step('ops_per_step', '{}')} | "
-                       f"{step('first_step_s', '{:.2f} s')} | {pre['kept_bytes_ratio']:.3f} | {peak_txt} |")
-        interleaved = "rounds_s" in sp["decode"]["full"]  # older results: the methods took turns
-        out += ["", "Decode is timed after the first decode step (shown apart: D2O's official variant compresses "
-                f"there), {sp.get('rounds', 1)} round(s) of {sp.get('steps', '?')} steps, "
-                + ("interleaved (at each step every method decodes one token, in an order rotated from step to step), "
-                   if interleaved else "the methods taking turns, ") + "each method's median round; policy time is spent in the method's hooks (scoring, budgeting, compressing), the rest of "
-                "a method's extra prefill time is its attention statistics; policy ops are the tensor operations its "
-                "hooks run in one decode step (torch.profiler's count, views included)."]
-        together = {name: dec for name, dec in sp["decode"].items() if "joint_speedup" in dec}
-        if together:
+        out += [f"## Speed and memory (budget {sp['budget']:g})", "", tables.speed_table(results), "",
+                "Decode is timed after the first decode step (shown apart: D2O's official variant compresses there), "
+                "in rounds interleaved (at each step every method decodes one token, in an order rotated from step to "
+                "step), each method's median round; decode / SnapKV's is the median of the paired rounds, their lowest "
+                "and highest in brackets. Policy time is spent in the method's hooks (scoring, budgeting, compressing), "
+                "the rest of a method's extra prefill time is its attention statistics; policy ops are the tensor "
+                "operations its hooks run in one decode step (torch.profiler's count, views included)."]
+        if any("joint_speedup" in dec for dec in sp["decode"].values()):
             out += ["", "A decode step's evictions for all layers at once (the default) against layer by layer "
-                    "(`AtOnce.together = False`, kvmini.at_once; the same evictions), "
-                    + ("on a copy of the cache forked after the first decode step, interleaved in the same rounds:"
-                       if interleaved else "in the same rounds on the same caches:"), "",
-                    "| method | decode tokens/s: at once | layer by layer | at once / layer by layer | policy per step: "
-                    "at once | layer by layer | policy ops per step: at once | layer by layer |",
-                    "|---|---|---|---|---|---|---|---|"]
-            for name, dec in together.items():
-                out.append(f"| {name} | {dec['tokens_per_s']:.1f} | {dec['layer_by_layer_tokens_per_s']:.1f} | "
-                           f"{dec['joint_speedup']:.2f} | {dec['policy_ms_per_step']:.2f} ms | "
-                           f"{dec['layer_by_layer_policy_ms_per_step']:.2f} ms | {dec['ops_per_step']} | "
-                           f"{dec['layer_by_layer_ops_per_step']} |")
+                    "(`AtOnce.together = False`, kvmini.at_once; the same evictions), on a copy of the cache forked "
+                    "after the first decode step, interleaved in the same rounds:", "", tables.together_table(results)]
         if "peak_skipped" in sp:
             out.append(f"\n{sp['peak_skipped']}")
         if "batch" in sp:
