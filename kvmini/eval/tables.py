@@ -1,10 +1,10 @@
 """The generated tables of README.md and docs/: each is a function of committed results files
 (the reproduction table of the papers' claims is kvmini.eval.claims, built on the helpers here).
 
-kvmini.eval.docs writes them into the documents' marked regions (its TABLES names each region's function). A function reads what it needs with
-`need(results, experiment)`; when a file lacks the experiment, the region says so and names the
-command that measures it. Verdicts are computed from the numbers by the rule written beside them,
-so a re-run that changes a number changes its verdict too.
+kvmini.eval.docs writes them into the documents' marked regions (its TABLES names each region's
+function). A function reads what it needs with `need(results, experiment)`; when a file lacks the
+experiment, the region says so and names the command that measures it. Verdicts are computed from the
+numbers by the rule written beside them, so a re-run that changes a number changes its verdict too.
 """
 import statistics
 
