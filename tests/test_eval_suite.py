@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from kvmini.eval import layers, passkey, plots, speed, streaming, suite
+from kvmini.eval.summary import summary
 from kvmini.methods.registry import make_policy
 from reference import random_model
 
@@ -198,7 +199,7 @@ def test_parts_table_adds_one_part_per_rung():
     assert "SnapKV decodes 10.0 tokens/s (100.0 ms per step)" in table
     assert "| D2O (official) | H2O rung | 0.96 (0.95–0.98) | +5.00 | — | +1.00 | 0.200 |" in table
     assert "|  | + budgets | 0.92 (0.91–0.93) | +10.00 | +5.00 | +2.50 | 0.275 |" in table
-    assert "## Where D2O's decode step goes" in suite.summary({"profile": "quick", "device": "cpu", **res})
+    assert "## Where D2O's decode step goes" in summary({"profile": "quick", "device": "cpu", **res})
 
 
 
@@ -260,7 +261,7 @@ FAKE = {
 
 
 def test_summary_tables():
-    md = suite.summary(FAKE)
+    md = summary(FAKE)
     assert "| 8 | h2o | 10 | 11.000 |" in md
     assert "| full | — | 1.00 | 1.00 | 1.00 |" in md and "| h2o | 64 | 0.50 | 0.50 | 0.50 |" in md
     # perplexity / full averaged over prompts: (10/9 + 11/10) / 2
@@ -272,7 +273,7 @@ def test_summary_tables():
     assert "| H2O | 15.0 | 12.0 | 1.25 | 2.50 ms | 5.00 ms | 91 | 1,350 |" in md
     gpu = dict(FAKE, speed=dict(FAKE["speed"], batch={"full": {"batch": 4, "tokens_per_s": 800.0, "peak_gib": 1.5},
                                                      "h2o": None}, batch_n=16, cap_gib=2))
-    md = suite.summary(gpu)
+    md = summary(gpu)
     assert "| full | 4 | 800 | 1.50 |" in md and "| h2o | none fits | — | — |" in md
 
 
@@ -297,8 +298,8 @@ def test_smoke_profile_end_to_end(tmp_path, default_model_dir, monkeypatch):
     results = json.loads((tmp_path / "results.json").read_text())
     assert set(suite.EXPERIMENTS) <= set(results) and "matplotlib" in results["plots_skipped"]
     assert results["speed"]["peak"]["full"]["ratio"] == 1.0
-    summary = (tmp_path / "summary.md").read_text()
-    assert "## Passkey retrieval" in summary and "Smoke profile: these numbers mean nothing" in summary
+    md = (tmp_path / "summary.md").read_text()
+    assert "## Passkey retrieval" in md and "Smoke profile: these numbers mean nothing" in md
     from kvmini.eval import provenance  # a fresh run records how it was made, and is current
 
     assert results["provenance"]["fidelity"]["command"] == f"python -m kvmini.eval.suite --profile smoke --out {tmp_path}"

@@ -93,7 +93,8 @@ def test_accuracy_kl_and_the_dependence_rule_by_hand():
 
 
 def test_the_summary_table_and_figure_name_the_dependent_methods(tmp_path):
-    from kvmini.eval import plots, suite, tables
+    from kvmini.eval import plots, tables
+    from kvmini.eval.summary import summary
 
     data = [{"method": "full", "budget": None, "condition": "in prompt", "correct": c, "kl": 0.0, "top1": 1.0}
             for c in (1, 1, 0)] + rows("a", "in prompt", [1, 1, 0], [0.1, 0.2, 0.3]) + rows("a", "after", [0, 1, 0], [0.1, 0.2, 0.3])
@@ -102,7 +103,7 @@ def test_the_summary_table_and_figure_name_the_dependent_methods(tmp_path):
         r.update(context_tokens=500, question_tokens=20)
     results = {"profile": "quick", "device": "cpu", "queryaware": data,
                "sizes": {"queryaware": {"length": 512, "depths": [0.1, 0.5, 0.9], "budgets": [0.1], "k": 4}}}
-    assert "| a | 0.1 | 0.67 | 0.33 | 0.200 | 0.200 | 0.50 | 0.50 | yes |" in suite.summary(results)
+    assert "| a | 0.1 | 0.67 | 0.33 | 0.200 | 0.200 | 0.50 | 0.50 | yes |" in summary(results)
     table = tables.queryaware_table(results)
     assert "| `c` | 10% | 33% → 33% | 0.010 → 0.030 | 0.50 → 0.50 | no |" in table
     assert "**depending on the question**: `a`; **not**: `c`." in table and "(the full cache: 67%)" in table

@@ -10,7 +10,7 @@ A generated region of a markdown file reads
     <!-- end generated -->
 
 and whatever is typed between the two lines is replaced (so a number edited by hand fails --check).
-Each results folder's summary.md is kvmini.eval.suite.summary of its results.json, rewritten alike.
+Each results folder's summary.md is kvmini.eval.summary.summary of its results.json, rewritten alike.
 """
 import json
 import re
@@ -75,7 +75,7 @@ def rewritten(text: str, root: Path = ROOT) -> str:
 
 def outputs(root: Path = ROOT) -> dict[Path, tuple[str, str]]:
     """file -> (its text now, the text the generator writes)."""
-    from kvmini.eval.suite import summary
+    from kvmini.eval.summary import summary
 
     out = {}
     for path in documents(root):
