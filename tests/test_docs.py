@@ -59,3 +59,37 @@ def test_every_generated_table_has_its_results():
     missing = [f"{path.relative_to(ROOT)}: {line}" for path in docs.documents()
                for line in path.read_text().splitlines() if line.startswith("*Not measured yet:")]
     assert not missing, "\n".join(missing)
+
+
+def test_the_profiles_table_names_every_size_of_every_experiment():
+    """A size added to a profile must appear in docs/evaluation.md's table: each is a field of its cell."""
+    from string import Formatter
+
+    from kvmini.eval import suite, tables
+
+    assert list(tables.PROFILE_CELLS) == suite.EXPERIMENTS
+    for profile in ("quick", "full"):
+        for experiment, sizes in suite.PROFILES[profile].items():
+            fields = {f for _, f, _, _ in Formatter().parse(tables.PROFILE_CELLS[experiment]) if f}
+            assert fields == set(sizes), (profile, experiment)
+
+
+def test_profile_cells_by_hand():
+    from kvmini.eval import suite, tables
+
+    assert tables.profile_cell("streaming", dict(n=4096, capacities=[256, 1024], chunk=4)) == (
+        "4,096 tokens, capacities 256, 1,024, chunks of 4")
+    assert tables.profile_cell("passkey", dict(lengths=[1024], depths=[0.1, 0.5], budgets=[128, 0.2])) == (
+        "1,024 tokens × depths 0.1, 0.5; budgets 128 tokens, 20%")
+    assert tables.profile_cell("fidelity", dict(n=64, k=8, prompts=2, budgets=[0.2], methods=["h2o", "tova"])) == (
+        "N=64, K=8, 2 prompts, budgets 20%; 2 method specs")
+    table = tables.profiles_table(suite.PROFILES).splitlines()
+    assert table[:2] == ["| experiment | quick profile | full profile |", "|---|---|---|"]
+    assert [row.split(" | ")[0] for row in table[2:]] == [f"| {e}" for e in suite.EXPERIMENTS]
+
+
+def test_not_run_names_the_experiments_no_file_holds():
+    from kvmini.eval import tables
+
+    assert tables.not_run({"streaming": {}, "fidelity": {}}, {"speed": {}, "parts_speed": {}, "layers": {}}) == (
+        "Not measured in the full profile (no results file holds them): passkey, ablations, queryaware.")

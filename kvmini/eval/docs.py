@@ -9,6 +9,8 @@ A generated region of a markdown file reads
     ... TABLES[NAME] of those files (kvmini.eval.tables, kvmini.eval.claims) ...
     <!-- end generated -->
 
+(one region, "profiles", is made from the code instead: the sizes of kvmini.eval.suite.PROFILES)
+
 and whatever is typed between the two lines is replaced (so a number edited by hand fails --check).
 Each results folder's summary.md is kvmini.eval.summary.summary of its results.json, rewritten alike.
 """
@@ -27,8 +29,11 @@ from kvmini.eval.tables import FULL, FULL_SPEED, QUICK  # noqa: E402
 ROOT = Path(__file__).resolve().parents[2]
 REGION = re.compile(r"<!-- generated: (\S+)[^\n]*-->\n(.*?)<!-- end generated -->", re.DOTALL)
 
+PROFILES_SOURCE = "kvmini/eval/suite.py"  # not a results file: the profiles' sizes, read from the module
 # name -> (the results files it reads, the function of their contents)
 TABLES = {
+    "profiles": ((PROFILES_SOURCE,), lambda _: profiles()),
+    "not-run-full": ((FULL, FULL_SPEED), tables.not_run),
     "claims": ((QUICK, FULL, FULL_SPEED), claims.claims),
     "provenance": ((QUICK, FULL, FULL_SPEED),
                    lambda q, f, s: tables.provenance_table((QUICK, q), (FULL, f), (FULL_SPEED, s))),
@@ -51,6 +56,12 @@ MEASURE = {QUICK: "python -m kvmini.eval.suite --only {experiment} --out results
            FULL_SPEED: "python -m kvmini.eval.suite --profile full --only {experiment} --out results/full-speed"}
 
 
+def profiles() -> str:
+    from kvmini.eval.suite import PROFILES  # imports the experiments (and torch): only when this region is written
+
+    return tables.profiles_table(PROFILES)
+
+
 def documents(root: Path = ROOT) -> list[Path]:
     return [root / "README.md", *sorted((root / "docs").glob("*.md"))]
 
@@ -60,7 +71,7 @@ def region(name: str, root: Path = ROOT) -> str:
     if name not in TABLES:
         raise KvminiError(f"unknown generated region {name!r}; known: {', '.join(TABLES)}")
     sources, make = TABLES[name]
-    loaded = [json.loads((root / s).read_text()) for s in sources]
+    loaded = [None if s == PROFILES_SOURCE else json.loads((root / s).read_text()) for s in sources]
     try:
         body = make(*loaded)
     except tables.Missing as e:

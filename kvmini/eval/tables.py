@@ -207,6 +207,49 @@ def queryaware_verdict(quick: dict) -> str:
             + (", ".join(name(s) for s in dependent) or "none") + "; **not**: " + (", ".join(name(s) for s in rest) or "none") + ".")
 
 
+# Each experiment's sizes in each profile (docs/evaluation.md), from kvmini.eval.suite.PROFILES
+
+PROFILE_CELLS = {  # experiment -> its sizes in words: every key of its entry in a profile is a field here
+    "streaming": "{n} tokens, capacities {capacities}, chunks of {chunk}",
+    "passkey": "{lengths} tokens × depths {depths}; budgets {budgets}",
+    "fidelity": "N={n}, K={k}, {prompts} prompts, budgets {budgets}; {methods}",
+    "layers": "{n}-token prompt, budget {budget}, {bins} bins",
+    "speed": "prefill {prefill_n} tokens, {reps} round(s); decode after {decode_n} tokens, {rounds} rounds of {steps} "
+             "steps; peak memory of a prefill of {peak_n}; budget {budget}; GPU batch: {batch_n} tokens under {cap_gib} GiB",
+    "parts_speed": "decode after {decode_n} tokens, {rounds} rounds of {steps} steps, budget {budget}",
+    "ablations": "one prompt, N={n}, K={k}, budgets {budgets}; {methods}",
+    "queryaware": "{length} tokens × depths {depths}; budgets {budgets}; K={k}",
+}
+
+
+def size_text(key: str, value) -> str:
+    """One size of a profile in words: budgets as budget_text, depths as fractions, a list of method specs as its count."""
+    if key == "methods":
+        return f"{len(value)} method specs"
+    if isinstance(value, list):
+        return ", ".join(size_text(key, v) for v in value)
+    if key.startswith("budget"):
+        return budget_text(value)
+    return f"{value:,}" if isinstance(value, int) else f"{value:g}"
+
+
+def profile_cell(experiment: str, sizes: dict) -> str:
+    return PROFILE_CELLS[experiment].format(**{k: size_text(k, v) for k, v in sizes.items()})
+
+
+def profiles_table(profiles: dict, shown=("quick", "full")) -> str:
+    out = ["| experiment | " + " | ".join(f"{p} profile" for p in shown) + " |", "|---|" + "---|" * len(shown)]
+    for experiment in PROFILE_CELLS:
+        out.append(f"| {experiment} | " + " | ".join(profile_cell(experiment, profiles[p][experiment]) for p in shown) + " |")
+    return "\n".join(out)
+
+
+
+def not_run(*results: dict) -> str:
+    """The experiments that none of these results files (one profile's) holds, named in a sentence."""
+    missing = [e for e in PROFILE_CELLS if not any(e in r for r in results)]
+    return "Not measured in the full profile (no results file holds them): " + (", ".join(missing) or "none") + "."
+
 # Where the numbers came from (docs/evaluation.md)
 
 def provenance_table(*files: tuple[str, dict]) -> str:
