@@ -239,7 +239,9 @@ def compare(args) -> int:
     runs = []
     for spec in args.methods:
         runs.append(run_method(model, ids, spec, args.budget, args.max_new_tokens))
-        print(f"{spec}: {runs[-1][0].summary()}", file=sys.stderr)
+        cache, policy = runs[-1][:2]
+        note = f"; {policy.note}" if getattr(policy, "note", None) else ""  # e.g. a budget raised to fit
+        print(f"{spec}: {cache.summary()}{note}", file=sys.stderr)
     write_comparison(out, runs, tok, prompt)
     print(f"wrote {out} ({out.stat().st_size / 2**20:.2f} MiB)")
     return 0

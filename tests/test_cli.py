@@ -63,6 +63,9 @@ def test_compressed_run_reports_what_was_kept(default_model_dir, tmp_path, real_
     assert report.count("kept      layers ") == 3  # 30 layers, 10 bars per line
     for field in ("MiB kept vs", "ratio 0.", "evicted   "):
         assert field in report
+    sample = (ROOT / "docs" / "usage.md").read_text().split("--- kvmini report ---\n")[1].split("```")[0]
+    labels = lambda text: [line[:10].strip() for line in text.strip().splitlines()]  # noqa: E731
+    assert labels(report) == labels(sample)  # docs/usage.md's sample has the report's lines, in order
 
 
 @pytest.mark.slow

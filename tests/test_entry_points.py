@@ -215,6 +215,19 @@ def test_view_bad_arguments_are_one_line(capsys, tmp_path, prompt, argv, fragmen
     assert out == "" and not (tmp_path / "kept.html").exists()
 
 
+
+def test_view_says_when_a_budget_was_raised_to_fit(capsys, tmp_path, model, prompt):
+    """A ratio of a short prompt below what SnapKV always keeps (its window) is raised, and the tool says so
+    on the method's stderr line, as run.py's report does (docs/design.md, "Budgets")."""
+    from kvmini import view
+
+    code, out, err = tool(capsys, view.main, "--methods", "snapkv", "h2o", "--prompt", prompt, "--out",
+                          tmp_path / "kept.html", "--model", model, "--budget", 0.1, "--max-new-tokens", 1, "--raw")
+    assert code == 0, err
+    snapkv = next(line for line in err.splitlines() if line.startswith("snapkv: "))
+    assert "; budget raised from " in snapkv and "the least snapkv can keep" in snapkv
+    assert "budget raised" not in next(line for line in err.splitlines() if line.startswith("h2o: "))
+
 # --- run.py ----------------------------------------------------------------------------------------
 
 def test_budget_with_a_plus_sign_is_read_as_without(capsys, model, prompt):
