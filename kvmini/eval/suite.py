@@ -188,7 +188,7 @@ def run_parts_speed(model, text_ids, p, log):
 
 def main(argv=None) -> int:
     p = cli.OneLineParser(description="Run the evaluation suite; write JSON, markdown and plots.")
-    p.add_argument("--profile", choices=list(PROFILES), default="quick", help="sizes (default: quick, minutes on CPU)")
+    p.add_argument("--profile", choices=list(PROFILES), default="quick", help="sizes (default: quick: about two hours on 2 CPU cores for every experiment; smoke: a minute)")
     p.add_argument("--only", nargs="+", choices=EXPERIMENTS, default=EXPERIMENTS, help="experiments to run (default: all)")
     p.add_argument("--out", default="results", help="output folder (default: results/; checked before the work)")
     p.add_argument("--model", help="HF-layout folder (default: SmolLM2-135M-Instruct)")
