@@ -53,7 +53,9 @@ class Exercise:
     section: str  # the heading in the tutorial
     holes: dict[str, list[str]] = field(default_factory=dict)  # file -> [function, ...]
     tests: dict[str, str] = field(default_factory=dict)  # "tests/test_x.py::test_y" -> its docstring
+    bodies: list[str] = field(default_factory=list)  # each region's body, in the order of the sources
     open: bool = True  # every region still the stub (a student copy that nobody touched)
+    unfinished: bool = False  # some region still the stub
 
     @property
     def check(self) -> str:
@@ -149,7 +151,10 @@ def exercises(root: Path = ROOT) -> dict[str, Exercise]:
             ex.holes.setdefault(path.relative_to(root).as_posix(), []).append(function_at(tree, i + 1))
             end = next((j for j in range(i, len(lines)) if END.match(lines[j])), len(lines))
             body = [b.strip() for b in lines[i + 1: end]]
-            ex.open &= body == [f"raise NotImplementedError({stub(name, tutorial, section)!r})"]
+            stubbed = body == [f"raise NotImplementedError({stub(name, tutorial, section)!r})"]
+            ex.bodies.append("\n".join(body))
+            ex.open &= stubbed
+            ex.unfinished |= stubbed
     for name, test, doc in declared_tests(root):
         if name in found:
             found[name].tests[test] = doc
@@ -169,12 +174,13 @@ def skipping(ex: Exercise) -> None:
 
 def solved(*names: str) -> bool:
     """For a tutorial cell: True when these exercises are written in this copy (always in the
-    repository itself); otherwise says which are open and where, and returns False: the cell skips."""
+    repository itself); otherwise says which are open (a region of theirs still the stub) and where,
+    and returns False: the cell skips."""
     found = exercises()
     unknown = [name for name in names if name not in found]
     if unknown:
         raise KvminiError(f"no exercise {', '.join(unknown)}; the exercises are {', '.join(found)}")
-    missing = [found[name] for name in names if found[name].open]
+    missing = [found[name] for name in names if found[name].unfinished]
     for ex in missing:
         skipping(ex)
     return not missing
@@ -217,9 +223,21 @@ def repository_files(root: Path) -> list[Path]:
 
 
 def graded(rel: str) -> bool:
-    """Whether the grade may depend on this file (a path relative to the copy): a change is reported."""
-    top = rel.split("/")[0]
-    return (top in GRADED or top.endswith(".py") or rel.endswith("/conftest.py")) and "__pycache__" not in rel
+    """Whether the grade may depend on this file (a path relative to the copy): a change is reported.
+    Not caches, nor what lies in a hidden folder or an installed package (a .venv in the copy holds
+    libraries' own conftest.py files)."""
+    parts = rel.split("/")
+    if "__pycache__" in parts or "site-packages" in parts or any(p.startswith(".") for p in parts[:-1]):
+        return False
+    return parts[0] in GRADED or parts[0].endswith(".py") or rel.endswith("/conftest.py")
+
+
+def fingerprints(root: Path = ROOT) -> dict[str, str]:
+    """What a copy of `root` holds as handed out: the fingerprint of every file the grade depends on
+    (a copy's are the same: its regions are not part of a fingerprint)."""
+    files = {p.relative_to(root).as_posix(): p for p in repository_files(root)}
+    return {rel: fingerprint(rel, path.read_text(encoding="utf-8", errors="surrogateescape"))
+            for rel, path in files.items() if graded(rel)}
 
 
 def fingerprint(rel: str, text: str) -> str:
@@ -253,7 +271,7 @@ def write_student_copy(dest: Path, root: Path = ROOT, names=None) -> list[str]:
     if unknown:
         raise KvminiError(f"no exercise {', '.join(unknown)}; the exercises are {', '.join(known)}")
     check_destination(dest, root)
-    stripped, files = [], {}
+    stripped = []
     for src in repository_files(root):
         rel = src.relative_to(root).as_posix()
         target = dest / rel
@@ -264,10 +282,9 @@ def write_student_copy(dest: Path, root: Path = ROOT, names=None) -> list[str]:
             stripped += found
         else:
             shutil.copy2(src, target)
-        if graded(rel):
-            files[rel] = fingerprint(rel, target.read_text(encoding="utf-8", errors="surrogateescape"))
     stripped = list(dict.fromkeys(stripped))  # an exercise may span several regions
-    (dest / MANIFEST).write_text(json.dumps({"exercises": stripped, "files": files}, indent=1) + "\n")
+    manifest = {"exercises": stripped, "files": fingerprints(root)}
+    (dest / MANIFEST).write_text(json.dumps(manifest, indent=1) + "\n")
     return stripped
 
 
@@ -298,8 +315,9 @@ def main(argv=None) -> int:
     grade.add_argument("dirs", nargs="+", metavar="DIR", help="student copies (made with `new`)")
     grade.add_argument("--json", metavar="FILE", help="also write the table as JSON")
     grade.add_argument("--csv", metavar="FILE", help="also write the table as CSV")
-    for sub in (check, grade):
-        sub.add_argument("--timeout", type=cli.at_least(1), default=900, help="seconds per copy (default 900)")
+    check.add_argument("--timeout", type=cli.at_least(1), default=900, help="seconds for the tests (default 900)")
+    grade.add_argument("--timeout", type=cli.at_least(1), default=900,
+                       help="seconds for one exercise's tests in one copy (default 900)")
 
     def work():
         args = p.parse_args(argv)

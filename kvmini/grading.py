@@ -1,12 +1,16 @@
 """Running exercises' tests in a copy (kvmini.assignments check) and grading a class (grade).
 
 The tests run in a child process, `python -m pytest` in the copy itself (its own kvmini, its own
-tests), and report through pytest's JUnit XML. Before grading, a copy is compared with the manifest
-written when it was handed out (kvmini.assignments.MANIFEST): a test, pytest's configuration or a
-module changed outside the exercise regions is reported beside the student's row, never hidden.
+tests), and report through pytest's JUnit XML. `grade` takes what was handed out from the repository
+it runs from, never from the copy (whose manifest a student could rewrite): each exercise's tests
+(run in the copy, so a test deleted there fails as not run) and the fingerprint of every file the
+grade depends on (a test, pytest's configuration or a module changed outside the exercise regions is
+reported beside the student's row, never hidden). Each exercise's tests run in their own child
+process and time limit, so one that hangs or breaks fails alone, with the reason beside the row.
 
-Status of an exercise: `pass` (every test passes), `fail k/n` (k of its n tests pass), `not
-attempted` (every region still raises the stub's NotImplementedError), `-` (not in this copy).
+Status of an exercise: `pass` (every test passes), `fail k/n` (k of its n test cases pass),
+`not attempted` (every region still raises the stub's NotImplementedError), `-` (not handed out in
+this copy: its regions hold the repository's solution and the manifest does not list it).
 """
 import csv
 import json
@@ -19,10 +23,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from kvmini import cli
-from kvmini.assignments import MANIFEST, Exercise, exercises, fingerprint, graded
+from kvmini.assignments import MANIFEST, ROOT, Exercise, exercises, fingerprint, fingerprints, graded
 from kvmini.errors import KvminiError
 
 NOT_ATTEMPTED = "not attempted"
+MESSAGE_LINES = 8  # of a failure's message, shown by `check` (torch's "not close" gives its numbers below line 1)
 
 
 @dataclass
@@ -30,7 +35,7 @@ class Result:
     test: str  # tests/test_x.py::test_y[param]
     ok: bool
     seconds: float
-    message: str = ""  # the first line of the failure
+    message: str = ""  # the failure's first lines
 
 
 def run_tests(folder: Path, tests: list[str], timeout: int) -> list[Result]:
@@ -44,7 +49,7 @@ def run_tests(folder: Path, tests: list[str], timeout: int) -> list[Result]:
                    f"--junitxml={report}", *tests]
         try:
             proc = subprocess.run(command, cwd=folder, capture_output=True, text=True, timeout=timeout)
-            why = (proc.stdout.strip().splitlines() or ["pytest wrote no report"])[-1]
+            why = ((proc.stdout + proc.stderr).strip().splitlines() or ["pytest wrote no report"])[-1]
         except subprocess.TimeoutExpired:
             why = f"not finished after {timeout} s"
         results, broken = parse(report) if report.exists() else ([], {})
@@ -68,7 +73,7 @@ def parse(report: Path) -> tuple[list[Result], dict[str, str]]:
                 ["the test module does not import:", *errors[-1:], f"({where})" if where else ""]).strip()
             continue
         results.append(Result(f"{module.replace('.', '/')}.py::{case.get('name')}", failed is None,
-                              float(case.get("time", 0)), (text.splitlines() or [""])[0][:300]))
+                              float(case.get("time", 0)), "\n".join(line[:300] for line in text.splitlines()[:MESSAGE_LINES])))
     return results, broken
 
 
@@ -82,6 +87,12 @@ def status(ex: Exercise, results: list[Result]) -> str:
     mine = of(ex, results)
     passed = sum(r.ok for r in mine)
     return "pass" if mine and passed == len(mine) else f"fail {passed}/{len(mine)}"
+
+
+def not_run(results: list[Result]) -> list[str]:
+    """Why tests did not run (a module that does not import, a time-out), each reason once with its count."""
+    why = [r.message.removeprefix("did not run: ") for r in results if r.message.startswith("did not run: ")]
+    return [f"{why.count(w)} test{'s' * (why.count(w) > 1)} did not run: {w}" for w in dict.fromkeys(why)]
 
 
 def known(folder: Path) -> dict[str, Exercise]:
@@ -98,6 +109,10 @@ def check(folder: Path, name: str, timeout: int) -> int:
     if name != "all" and name not in found:
         raise KvminiError(f"no exercise {name!r}; the exercises are {', '.join(found)}")
     chosen = list(found.values()) if name == "all" else [found[name]]
+    untested = [ex.name for ex in chosen if not ex.tests]
+    if untested:  # a test file, or its markers, deleted: nothing would run, and nothing would fail
+        print(f"no tests are declared for {', '.join(untested)} in this copy (a test file or its "
+              "@pytest.mark.exercise markers were removed?); a grade runs the tests as handed out")
     start = time.perf_counter()
     results = run_tests(folder, [t for ex in chosen for t in ex.tests], timeout)
     seconds = time.perf_counter() - start
@@ -117,19 +132,24 @@ def check(folder: Path, name: str, timeout: int) -> int:
             if not r.ok and (r.test.split("[")[0], r.message) not in told:
                 told.add((r.test.split("[")[0], r.message))
                 doc = ex.tests.get(r.test.split("[")[0], "")
-                print("".join(f"        {line}\n" for line in [*doc.splitlines(), r.message] if line), end="")
+                print("".join(f"        {line}\n" for line in [*doc.splitlines(), *r.message.splitlines()] if line), end="")
         print(f"{ex.name}: {sum(r.ok for r in results)} of {len(results)} tests pass ({seconds:.1f} s)")
-    return 0 if all(r.ok for r in results) else 1
+    return 0 if all(r.ok for r in results) and not untested else 1
 
 
-def problems(folder: Path) -> list[str]:
-    """How the copy differs from what was handed out, in what the grade depends on."""
-    try:
-        recorded = json.loads((folder / MANIFEST).read_text())["files"]
-    except (OSError, ValueError, KeyError, TypeError):
-        return [f"{MANIFEST} is missing or unreadable: not a copy made by `assignments new`, or edited"]
+def problems(folder: Path, handed_out: dict[str, str] | None = None) -> list[str]:
+    """How the copy differs from what was handed out, in what the grade depends on. What was handed
+    out is `handed_out` (default: this repository's `fingerprints`), not the copy's manifest: a
+    manifest that disagrees with it is one more difference."""
+    handed_out = fingerprints() if handed_out is None else handed_out
     found = []
-    for rel, digest in recorded.items():
+    try:
+        if json.loads((folder / MANIFEST).read_text())["files"] != handed_out:
+            found.append(f"{MANIFEST} differs from this repository: the copy was handed out from another version "
+                         "(grade from the one you handed out) or the manifest was edited")
+    except (OSError, ValueError, KeyError, TypeError):
+        found.append(f"{MANIFEST} is missing or unreadable: not a copy made by `assignments new`, or edited")
+    for rel, digest in handed_out.items():
         path = folder / rel
         try:
             same = fingerprint(rel, path.read_text(encoding="utf-8", errors="surrogateescape")) == digest
@@ -142,7 +162,7 @@ def problems(folder: Path) -> list[str]:
             found.append(f"{rel} changed" + (" outside the exercise regions" if rel.startswith("kvmini/") else ""))
     for path in sorted(folder.rglob("*")):
         rel = path.relative_to(folder).as_posix()
-        if rel not in recorded and graded(rel) and path.is_file():
+        if rel not in handed_out and graded(rel) and path.is_file():
             found.append(f"{rel} is new")
     return found
 
@@ -155,28 +175,49 @@ def student_copy(folder: Path) -> dict[str, Exercise]:
     return found
 
 
-def grade_one(folder: Path, timeout: int) -> dict:
-    found = student_copy(folder)
+def handed_out_here(root: Path = ROOT) -> tuple[dict[str, Exercise], dict[str, str]]:
+    """What a copy of the repository `root` was handed out with: its exercises (their tests, their
+    solutions) and the fingerprints of the files the grade depends on. `root` must hold every solution."""
+    reference = exercises(root)
+    if any(ex.unfinished for ex in reference.values()):
+        raise KvminiError(f"grade from the repository the copies were made from: {root} is itself a student copy "
+                          "(its exercises are open)")
+    return reference, fingerprints(root)
+
+
+def grade_one(folder: Path, timeout: int, reference: dict[str, Exercise], files: dict[str, str]) -> dict:
+    """One copy: each exercise handed out in it, by the repository's own tests (`reference`, `files`: handed_out_here)."""
+    mine = student_copy(folder)
     try:
-        handed_out = list(json.loads((folder / MANIFEST).read_text())["exercises"])
+        listed = set(json.loads((folder / MANIFEST).read_text())["exercises"])
     except (OSError, ValueError, KeyError, TypeError):
-        handed_out = list(found)  # (reported by `problems`)
-    chosen = [ex for name, ex in found.items() if name in handed_out]
-    results = run_tests(folder, [t for ex in chosen if not ex.open for t in ex.tests], timeout)
-    return {"student": str(folder), "problems": problems(folder),
-            "exercises": {ex.name: status(ex, results) for ex in chosen}}
+        listed = set()  # (reported by `problems`)
+    statuses, notes = {}, []
+    for name, ex in reference.items():
+        theirs = mine.get(name)  # None: its markers were removed (then its tests run all the same)
+        if name not in listed and theirs is not None and theirs.bodies == ex.bodies:
+            continue  # not handed out: the copy holds the repository's solution
+        if theirs is not None and theirs.open:
+            statuses[name] = NOT_ATTEMPTED
+            continue
+        results = run_tests(folder, list(ex.tests), timeout)
+        statuses[name] = status(ex, results)
+        notes += [f"{name}: {why}" for why in not_run(results)]
+    return {"student": str(folder), "exercises": statuses, "problems": problems(folder, files), "notes": notes}
 
 
 def grade(folders: list[Path], json_path, csv_path, timeout: int) -> int:
-    """Every copy's status per exercise, as a table (and JSON / CSV); problems listed under it."""
+    """Every copy's status per exercise, as a table (and JSON / CSV); under it, each copy's differences
+    from what was handed out and why tests did not run."""
+    reference, files = handed_out_here()
     for folder in folders:  # bad input is refused before any test runs
         student_copy(folder)
     outputs = [cli.writable_file(p, flag) for p, flag in ((json_path, "--json"), (csv_path, "--csv")) if p]
     rows = []
     for folder in folders:
         print(f"grading {folder} ...", file=sys.stderr, flush=True)
-        rows.append(grade_one(folder, timeout))
-    names = list(dict.fromkeys(n for row in rows for n in row["exercises"]))
+        rows.append(grade_one(folder, timeout, reference, files))
+    names = [n for n in reference if any(n in row["exercises"] for row in rows)]  # in the order a student meets them
     table = [["student", *names, "copy"]] + [
         [row["student"], *(row["exercises"].get(n, "-") for n in names), "changed" if row["problems"] else "as handed out"]
         for row in rows]
@@ -184,12 +225,12 @@ def grade(folders: list[Path], json_path, csv_path, timeout: int) -> int:
     for r in table:
         print("  ".join(cell.ljust(w) for cell, w in zip(r, widths)).rstrip())
     for row in rows:
-        for problem in row["problems"]:
-            print(f"{row['student']}: {problem}")
+        for line in row["problems"] + row["notes"]:
+            print(f"{row['student']}: {line}")
     if json_path:
         outputs.pop(0).write_text(json.dumps({"exercises": names, "students": rows}, indent=1) + "\n")
     if csv_path:
         with open(outputs.pop(0), "w", newline="") as f:
-            csv.writer(f).writerows([table[0] + ["problems"]] + [r + ["; ".join(row["problems"])]
-                                                                  for r, row in zip(table[1:], rows)])
+            csv.writer(f).writerows([table[0] + ["problems", "notes"]] + [
+                r + ["; ".join(row["problems"]), "; ".join(row["notes"])] for r, row in zip(table[1:], rows)])
     return 0

@@ -154,7 +154,7 @@ def test_grade_a_class(copies, tmp_path):
     assert re.split(r"\s{2,}", lines[3]) == [str(students[2]), NOT_ATTEMPTED, "pass", *[NOT_ATTEMPTED] * 5, "as handed out"]
     assert re.split(r"\s{2,}", lines[-1]) == [str(students[-1]), *["pass"] * 7, "as handed out"]
     csv_rows = (tmp_path / "g.csv").read_text().splitlines()
-    assert csv_rows[0] == ",".join(["student", *EXERCISES, "copy", "problems"]) and len(csv_rows) == 1 + len(students)
+    assert csv_rows[0] == ",".join(["student", *EXERCISES, "copy", "problems", "notes"]) and len(csv_rows) == 1 + len(students)
 
 
 @pytest.mark.slow
@@ -178,3 +178,109 @@ def test_a_module_that_does_not_parse_fails_its_tests_with_the_reason(tmp_path):
     assert re.search(r"^value_norm: kvmini/methods/vatp.py: line \d+$", proc.stdout, re.M)  # no parse: its line
     assert "did not run: the test module does not import: SyntaxError" in proc.stdout
     assert "value_norm: 0 of 3 tests pass" in proc.stdout
+
+
+def test_what_was_handed_out_comes_from_the_repository_not_the_copy(tmp_path):
+    """A student who loosens a test and rewrites the manifest to match is still reported: grade compares
+    the copy with the repository's own files, and the rewritten manifest is one more difference."""
+    from kvmini.assignments import fingerprint
+
+    copy = tmp_path / "copy"
+    write_student_copy(copy)
+    test = copy / "tests" / "test_dbudgetkv.py"
+    test.write_text(test.read_text().replace("assert ", "assert True or ", 1))
+    manifest = json.loads((copy / MANIFEST).read_text())
+    manifest["files"]["tests/test_dbudgetkv.py"] = fingerprint("tests/test_dbudgetkv.py", test.read_text())
+    (copy / MANIFEST).write_text(json.dumps(manifest))
+    found = problems(copy)
+    assert "tests/test_dbudgetkv.py changed" in found
+    assert any(line.startswith(f"{MANIFEST} differs from this repository") for line in found)
+
+
+def test_a_virtual_environment_in_the_copy_is_not_a_change():
+    from kvmini.assignments import graded
+
+    assert graded("tests/conftest.py") and graded("tools/conftest.py") and graded("kvmini/cache.py") and graded("run.py")
+    for rel in (".venv/lib/python3.11/site-packages/numpy/conftest.py", "venv/lib/python3.11/site-packages/x/conftest.py",
+                ".tox/py311/conftest.py", "kvmini/__pycache__/cache.cpython-311.pyc"):
+        assert not graded(rel), rel
+
+
+def test_a_partly_written_exercise_is_unfinished(tmp_path):
+    """ema_merging has three regions: with one written it is no longer open (its tests run when graded)
+    but still unfinished (a tutorial cell that needs it skips)."""
+    copy = tmp_path / "copy"
+    write_student_copy(copy)
+    module = copy / "kvmini" / "methods" / "ema_merging.py"
+    text = module.read_text()
+    first = text.index("raise NotImplementedError(\"exercise ema_merging")
+    module.write_text(text[:first] + "u = F.normalize(k_evict, dim=-1) @ F.normalize(k_keep, dim=-1).transpose(-1, -2)\n"
+                      "    return u.max(-1)" + text[text.index("\n", first):])
+    ex = exercises(copy)["ema_merging"]
+    assert not ex.open and ex.unfinished
+    assert exercises(copy)["frobenius_stop"].open and exercises(copy)["frobenius_stop"].unfinished  # untouched
+
+
+def test_an_exercise_not_handed_out_is_not_graded_and_one_that_was_cannot_be_hidden(tmp_path):
+    """A copy of one exercise (--only): the others hold the solution and are not in its row. Taking
+    the exercise out of the manifest does not hide it: its regions are not the solution."""
+    from kvmini.grading import grade_one, handed_out_here
+
+    copy = tmp_path / "copy"
+    write_student_copy(copy, names=["frobenius_stop"])
+    reference, files = handed_out_here()
+    assert grade_one(copy, 60, reference, files)["exercises"] == {"frobenius_stop": NOT_ATTEMPTED}
+    manifest = json.loads((copy / MANIFEST).read_text())
+    (copy / MANIFEST).write_text(json.dumps({**manifest, "exercises": []}))
+    assert grade_one(copy, 60, reference, files)["exercises"] == {"frobenius_stop": NOT_ATTEMPTED}
+
+
+def test_check_says_when_an_exercise_has_no_tests_left(tmp_path, capsys):
+    from kvmini.grading import check
+
+    copy = tmp_path / "copy"
+    write_student_copy(copy)
+    solve(copy, "value_norm")
+    (copy / "tests" / "test_vatp.py").unlink()
+    assert check(copy, "value_norm", 60) == 1
+    assert "no tests are declared for value_norm in this copy" in capsys.readouterr().out
+
+
+@pytest.mark.slow
+def test_grading_runs_the_repositorys_tests_each_exercise_apart(tmp_path):
+    """One student: frobenius_stop written, value_norm's region loops forever, convex_value_merge's tests
+    deleted with a wrong solution. Each exercise runs alone: frobenius_stop passes, value_norm fails
+    on its time limit, convex_value_merge fails on the tests it lost; the reasons are under the table."""
+    copy = tmp_path / "copy"
+    write_student_copy(copy)
+    solve(copy, "frobenius_stop")
+    vatp = copy / "kvmini" / "methods" / "vatp.py"
+    vatp.write_text(vatp.read_text().replace('        raise NotImplementedError("exercise value_norm',
+                                             '        while True:\n            pass\n        raise NotImplementedError("x'))
+    merge = copy / "kvmini" / "methods" / "convex_value_merge.py"
+    merge.write_text(merge.read_text().replace('    raise NotImplementedError("exercise convex_value_merge', '    return\n'
+                                               '    raise NotImplementedError("x'))
+    (copy / "tests" / "test_weightedkv.py").unlink()
+    proc = assignments(ROOT, "grade", copy, "--timeout", 30, "--json", tmp_path / "g.json")
+    assert proc.returncode == 0, proc.stderr
+    row = json.loads((tmp_path / "g.json").read_text())["students"][0]
+    assert row["exercises"]["frobenius_stop"] == "pass"
+    assert row["exercises"]["value_norm"].startswith("fail 0/")
+    assert row["exercises"]["convex_value_merge"].startswith("fail 0/")
+    assert row["exercises"]["ema_merging"] == NOT_ATTEMPTED
+    assert any(n.startswith("value_norm: ") and "did not run: not finished after 30 s" in n for n in row["notes"])
+    assert any(n.startswith("convex_value_merge: ") and "did not run: " in n for n in row["notes"])
+    assert "tests/test_weightedkv.py is missing" in row["problems"]
+    assert f"{copy}: value_norm: " in proc.stdout  # the reasons are printed under the table too
+
+
+def test_grading_from_a_student_copy_is_refused(tmp_path):
+    """What was handed out is read from the repository that grades: a copy, its exercises open, cannot be it."""
+    from kvmini.grading import handed_out_here
+
+    copy = tmp_path / "copy"
+    write_student_copy(copy)
+    with pytest.raises(KvminiError, match="grade from the repository the copies were made from: .* is itself a student copy"):
+        handed_out_here(copy)
+    reference, files = handed_out_here()
+    assert list(reference) == list(EXERCISES) and "tests/test_d2o.py" in files

@@ -41,6 +41,8 @@ def test_reciprocal_allocation_by_hand():
 
 @pytest.mark.exercise("variance_softmax")
 def test_paper_and_uniform_weights_by_hand():
+    """Eq. 5 on raw variances [1, 2, 3] (paper): softmax(-F_v); uniform: 1/3 each; a low temperature
+    sharpens towards the lowest variance; standardized weights do not depend on the variances' scale."""
     e = [math.exp(-f) for f in (1, 2, 3)]
     assert layer_weights([1, 2, 3], "paper") == pytest.approx([x / sum(e) for x in e])  # Eq. 5 on raw variances
     assert layer_weights([1, 2, 3], "uniform") == pytest.approx([1 / 3] * 3)
@@ -417,6 +419,8 @@ def random_cache(heads: int, D: int, n: int, gen: torch.Generator) -> LayerCache
 @pytest.mark.exercise("ema_merging")
 @pytest.mark.parametrize("seed", range(4))
 def test_official_merge_equals_literal_loops_over_several_heads_and_steps(seed):
+    """The official weights and per-layer threshold (Eq. 9-12 as the authors' code does them) over four
+    compressions of three heads equal a literal loop over every evicted token: threshold, keys, values."""
     gen = torch.Generator().manual_seed(seed)
     H, D, beta = 3, 4, 0.5
     lc = random_cache(H, D, 10, gen)

@@ -18,6 +18,8 @@ BY_POSITION_ONE_SINK = torch.tensor([1, 2, 3, 4, 5, 0]).view(1, 1, 6)  # earlies
 
 @pytest.mark.exercise("frobenius_stop")
 def test_six_token_cut_by_hand():
+    """Eq. 2 on one six-token row (worked in the comments): the number of tokens pruned is the last one
+    whose removal keeps the norm's drop within the threshold (0.01 -> 1, 0.03 -> 3, 0.05 -> 4, 0 -> 0)."""
     # ||A'||^2 = .16 + .0025 + .01 + .0025 + .01 + .09 = .275. Removing token 1 leaves .2725: the norm
     # drops by 1 - sqrt(.2725/.275) = 0.46%; also token 2 leaves .2625: 2.30%; token 3: .26, 2.77%;
     # token 4: .25, 4.65%; token 5: .16, 23.7%.
@@ -49,6 +51,8 @@ def sequential_prune(s: torch.Tensor, order: torch.Tensor, t: float) -> int:
        seed=st.integers(0, 10**6), shared_order=st.booleans())
 @pytest.mark.exercise("frobenius_stop")
 def test_vectorized_cut_equals_the_sequential_loop(H, S, t, seed, shared_order):
+    """`frobenius_stop` on random rows and orders (one order for every head, or one each) gives the count
+    that removing tokens one at a time (`sequential_prune`) gives."""
     gen = torch.Generator().manual_seed(seed)
     s = torch.rand(1, H, S, generator=gen).pow(3)
     s = s / s.sum(-1, keepdim=True)  # attention rows
@@ -101,6 +105,8 @@ def dbudgetkv_literal(g, threshold, k, sinks, protected, ranking, window=8, excl
 ])
 @pytest.mark.exercise("frobenius_stop")
 def test_whole_model_equals_the_literal_rule(options):
+    """The whole method on a random 3-layer model (a prompt and three decode steps) keeps the tokens, and
+    gives the logits, of Sec. 3.2 written out as a loop (`dbudgetkv_literal`), for each set of options."""
     model = random_model(L=3, H=4, H_kv=2, seed=9, sharp=1.5)
     gen = torch.Generator().manual_seed(1)
     calls = [torch.randint(0, 61, (1, 24), generator=gen)] + [torch.randint(0, 61, (1, 1), generator=gen)

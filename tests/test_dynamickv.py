@@ -78,6 +78,8 @@ def literal_dynamickv(n, w_t, ws, kernel, r_max, m, L, g, tail=True):
                                                 (3, 4, 9, 3, True), (5, 2, 12, 10, False), (5, 3, 10, 2, False)])
 @pytest.mark.exercise("progressive_budgets")
 def test_engine_equals_literal_algorithm_1(L, m, w_t, r_max, tail):
+    """The whole method on a random model of L layers, re-allocating every m (Eq. 5-8), keeps the tokens,
+    and gives the logits, of Alg. 1 written out as a loop (`literal_dynamickv`), L mod m != 0 included."""
     n, ws, kernel = 48, 4, 3
     model = random_model(L=L, H=4, H_kv=2, seed=L + m, sharp=2.0)
     gen = torch.Generator().manual_seed(m)

@@ -72,6 +72,9 @@ def vatp_literal(budget, g, sinks=4, recent=None, p=1):
 ])
 @pytest.mark.exercise("value_norm")
 def test_engine_equals_literal_masked_simulation(options, budget, chunks, p):
+    """The whole method (a batch of two, a prompt in chunks, six decode steps) keeps the tokens, and gives
+    the logits, of a full-attention model whose evicted tokens are masked by the rule written out
+    (`vatp_literal`: accumulated attention times each value's l_p norm)."""
     model = random_model(L=3, H=4, H_kv=2, seed=len(chunks))
     gen = torch.Generator().manual_seed(11)
     B, steps, n = 2, 6, sum(chunks)
@@ -87,6 +90,7 @@ def test_engine_equals_literal_masked_simulation(options, budget, chunks, p):
 
 @pytest.mark.exercise("value_norm")
 def test_without_the_value_norm_it_is_h2o():
+    """With value_norm off (and no sinks) VATP keeps what H2O keeps; with the norm it keeps something else."""
     model = random_model(L=3, seed=4)
     ids = torch.randint(0, 61, (1, 30), generator=torch.Generator().manual_seed(5))
     kept = {}

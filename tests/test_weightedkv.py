@@ -54,6 +54,8 @@ def test_fig3_toy_run_with_cache_size_4():
 
 @pytest.mark.exercise("convex_value_merge")
 def test_sinks_and_recent_window_are_never_merged_away():
+    """Seven tokens into a capacity of 5 with 2 sinks and 2 recent (the weakest ones): only positions 3-5
+    may merge; 5 merges into 6, then 4 into 6, each value a convex combination (worked below)."""
     lc = LayerCache(1, 1, 8, torch.float32, "cpu", capacity=8)
     for t in range(1, 8):
         append_token(lc, t)
@@ -154,6 +156,7 @@ def test_chunked_prompt_keeps_capacity_and_default_windows():
 
 @pytest.mark.exercise("convex_value_merge")
 def test_the_newest_token_is_never_merged_even_without_a_recent_window():
+    """Alg. 1 line 8 merges j into j + 1 for j < m: the newest token, here the weakest, is never merged away."""
     lc = LayerCache(1, 1, 8, torch.float32, "cpu", capacity=8)
     for t in range(1, 4):
         append_token(lc, t)
@@ -237,6 +240,8 @@ def test_merge_runs_by_hand():
 
 @pytest.mark.exercise("convex_value_merge")
 def test_merge_runs_equals_algorithm_1_when_no_two_deleted_entries_touch():
+    """`merge_runs` (all merges of a call at once) equals `convex_value_merge` (Alg. 1, one at a time) when
+    the deleted entries are apart."""
     from kvmini.methods.convex_value_merge import merge_runs
 
     caches = []

@@ -149,8 +149,10 @@ for variant in ("paper", "official") if solved("progressive_budgets") else ():
 # ## Exercises
 #
 # 1. *(assignment: `progressive_budgets`)* Implement Eq. 5–8, the re-allocation region in
-#    `ProgressiveBudgets.decide` (`kvmini/methods/progressive_budgets.py`). Check it with
-#    `python -m kvmini.assignments check progressive_budgets`: a literal Alg. 1 for several $L$ and
-#    $m$, including $L \bmod m \ne 0$, and the authors' rounding.
+#    `ProgressiveBudgets.decide` (`kvmini/methods/progressive_budgets.py`). The code after the region
+#    reads four names the region must set: `A` (the finished layers' scores side by side), `C` (Eq. 6's
+#    counts per layer), `held` (what each layer holds beyond the window) and `Z` (Eq. 7-8's budgets).
+#    Check it with `python -m kvmini.assignments check progressive_budgets`: a literal Alg. 1 for
+#    several $L$ and $m$, including $L \bmod m \ne 0$, and the authors' rounding.
 # 2. Set `--interval 30` (one re-allocation at the end) and `--interval 1`: which keeps more fidelity?
 # 3. What does `--r-max 1` reduce DynamicKV to?
