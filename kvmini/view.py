@@ -189,7 +189,10 @@ def write_turns(path, turns: list, tokenizer, trace, name: str, context=None) ->
 
 
 def trace_of(policy) -> list[Merged] | None:
-    """The merges a policy's compressor has recorded so far (`record_merges`), or None."""
+    """The merges a policy's compressor has recorded so far (`record_merges`), or None (also for the full
+    cache, which runs no policy)."""
+    if policy is None:
+        return None
     compressor = policy.parts[2]
     return getattr(getattr(compressor, "merge", compressor), "trace", None)
 

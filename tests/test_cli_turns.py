@@ -83,6 +83,20 @@ def test_the_page_shows_each_turn(capsys, monkeypatch, model, tmp_path):
     assert data["panels"][0]["seen"] < data["panels"][1]["seen"]
 
 
+@pytest.mark.parametrize("mode", ["chat", "context"])
+def test_the_page_of_the_full_cache_over_several_prompts(capsys, monkeypatch, model, prompt, tmp_path, mode):
+    """The default method (the full cache: no policy, nothing merged) writes its page too."""
+    page = tmp_path / "full.html"
+    argv = ("--model", model, "--max-new-tokens", 2, "--html", page)
+    if mode == "chat":
+        code, out, err = chat_run(capsys, monkeypatch, "Hi\nAgain\n", *argv)
+    else:
+        code, out, err = cli(capsys, *argv, "--context", prompt, "--question", "Why?")
+    assert code == 0, err
+    data = json.loads(page.read_text().split('id="data">')[1].split("</script>")[0])
+    assert len(data["panels"]) == 2 and f"page      {page}" in out
+
+
 @pytest.mark.parametrize("argv,stdin,fragment", [
     (["--chat"], "", "--chat read no turn"),
     (["--chat"], "\n  \n", "--chat read no turn"),
