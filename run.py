@@ -147,27 +147,14 @@ def mode_errors(p, args) -> None:
     for q in args.question or ():
         if not q.strip():
             p.error("--question must not be empty")
-
-
-def read_prompt(path: str) -> str:
-    file = Path(path)
-    if not file.exists():
-        raise KvminiError(f"prompt file not found: {path}")
-    if file.is_dir():
-        raise KvminiError(f"prompt {path} is a directory, not a text file")
-    try:
-        text = file.read_bytes().decode("utf-8")
-    except UnicodeDecodeError as e:
-        raise KvminiError(f"prompt file {path} is not UTF-8 text (byte {e.start})") from None
-    if not text.strip():
-        raise KvminiError(f"prompt file {path} is empty")
-    return text
+        if any("\udc80" <= c <= "\udcff" for c in q):  # bytes that are not UTF-8 arrive as lone surrogates
+            p.error("--question is not UTF-8 text")
 
 
 def generate_answer(args) -> int:
     """Check the input, load the model, generate (streaming the answer), report, write the page."""
     policy = make_policy(args.method, args.budget, **args.options)  # bad options fail before the model loads
-    text = read_prompt(args.context or args.prompt) if not args.chat else None
+    text = cli.read_prompt(args.context or args.prompt) if not args.chat else None
     if args.html is not None:
         cli.writable_file(args.html, "--html")
     if args.chat or args.context:
@@ -201,17 +188,7 @@ def prompt_ids(args, text: str, model, tok, chat) -> list[int]:
     """The prompt's token ids (in the chat template unless --raw), checked against the model's context."""
     if chat is not None:
         text = chat.render([{"role": "user", "content": text}])
-    ids = tok.encode(text)
-    if not ids:
-        raise KvminiError(f"the prompt encodes to zero tokens: none of its characters is in the tokenizer's "
-                          f"vocabulary ({args.prompt})")
-    context = model.config.max_position_embeddings
-    if len(ids) + args.max_new_tokens > context:
-        raise KvminiError(
-            f"prompt has {len(ids)} tokens; with --max-new-tokens {args.max_new_tokens} "
-            f"that exceeds the model's context of {context} tokens"
-        )
-    return ids
+    return cli.prompt_fits(tok.encode(text), args.max_new_tokens, model.config.max_position_embeddings, args.prompt)
 
 
 def answer(args, model, tok, chat, ids: list[int], policy, cache=None):
@@ -233,6 +210,8 @@ def answer(args, model, tok, chat, ids: list[int], policy, cache=None):
 def several_prompts(args, policy, context: str | None) -> int:
     """--chat or --context/--question: prompts over one cache (kvmini.conversation), a line after each
     answer, the report at the end."""
+    if args.chat and sys.stdin is None:  # started with stdin closed (`<&-`): before the model loads
+        raise KvminiError("--chat reads its turns from stdin, which is closed")
     folder, model, tok, chat = load(args)
     session = Session(model, tok, chat, policy, lambda ids, cache, p: answer(args, model, tok, chat, ids, p, cache),
                       args.max_new_tokens, keep_snapshots=args.html is not None)

@@ -9,7 +9,7 @@ checkpoint's Jinja chat template by its marker tokens (we never execute the temp
 import re
 from pathlib import Path
 
-from kvmini.errors import KvminiError
+from kvmini.errors import KvminiError, not_special
 
 
 class ChatML:
@@ -92,7 +92,7 @@ def load_chat_format(folder: str | Path):
     jinja = folder / "chat_template.jinja"
     if jinja.exists():
         try:
-            return chat_format(jinja.read_text(encoding="utf-8"))
+            return chat_format(not_special(jinja, "chat template").read_text(encoding="utf-8"))
         except UnicodeDecodeError as e:
             raise KvminiError(f"{jinja} is not UTF-8 text (byte {e.start})") from None
     template = read_json_object(folder / "tokenizer_config.json").get("chat_template")

@@ -24,7 +24,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from kvmini.errors import KvminiError
+from kvmini.errors import KvminiError, not_special
 
 INTERRUPTED = "\ninterrupted (Ctrl-C)"
 
@@ -109,10 +109,39 @@ def silence_stdout() -> None:
         pass
 
 
+def read_prompt(path: str) -> str:
+    """A prompt file's text: it exists, is a regular file of UTF-8 text and not only whitespace."""
+    file = Path(path)
+    if not file.exists():
+        raise KvminiError(f"prompt file not found: {path}")
+    if file.is_dir():
+        raise KvminiError(f"prompt {path} is a directory, not a text file")
+    not_special(file, "prompt")
+    try:
+        text = file.read_bytes().decode("utf-8-sig")  # a byte order mark is no part of the text
+    except UnicodeDecodeError as e:
+        raise KvminiError(f"prompt file {path} is not UTF-8 text (byte {e.start})") from None
+    if not text.strip():
+        raise KvminiError(f"prompt file {path} is empty")
+    return text
+
+
+def prompt_fits(ids: list[int], max_new_tokens: int, context: int, source) -> list[int]:
+    """A prompt's token ids, checked: at least one, and room in the model's context for the answer."""
+    if not ids:
+        raise KvminiError(f"the prompt encodes to zero tokens: none of its characters is in the tokenizer's "
+                          f"vocabulary ({source})")
+    if len(ids) + max_new_tokens > context:
+        raise KvminiError(f"prompt has {len(ids)} tokens; with --max-new-tokens {max_new_tokens} "
+                          f"that exceeds the model's context of {context} tokens")
+    return ids
+
+
 def writable_file(path: str, flag: str = "") -> Path:
     """An output file that can be written, checked before any work (so no result is lost to it);
     `flag` names the option in the message. Nothing is left behind."""
     file, name = Path(path), f"{flag} {path}".strip()
+    not_special(file, name)
     if file.is_dir():
         raise KvminiError(f"{name} is a folder, not a file")
     if not file.parent.is_dir():
@@ -160,5 +189,10 @@ def run(work, imports: tuple[str, ...] = ()) -> int:
             raise
         if isinstance(e, OSError) and e.filename is None:
             silence_stdout()
+        print(f"error: {one_line(e)}", file=sys.stderr)
+        return 2
+    except BaseException as e:  # a Rust library's panic reaches Python as pyo3's PanicException, not an Exception
+        if type(e).__name__ != "PanicException" or os.environ.get("KVMINI_DEBUG"):
+            raise
         print(f"error: {one_line(e)}", file=sys.stderr)
         return 2

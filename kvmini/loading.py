@@ -13,7 +13,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 
 from kvmini.config import ModelConfig
-from kvmini.errors import KvminiError
+from kvmini.errors import KvminiError, not_special
 from kvmini.model import Transformer
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -52,7 +52,7 @@ def safetensors_files(folder: Path) -> list[Path]:
         return [single]
     if index.exists():
         try:
-            weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
+            weight_map = json.loads(not_special(index, "shard index").read_text(encoding="utf-8"))["weight_map"]
             names = sorted(set(weight_map.values()))
         except (json.JSONDecodeError, KeyError, TypeError, AttributeError, UnicodeDecodeError) as e:
             raise KvminiError(f"broken shard index {index}: {type(e).__name__}: {e}") from None

@@ -13,7 +13,9 @@ import json
 import unicodedata
 from pathlib import Path
 
-from kvmini.errors import KvminiError
+import regex
+
+from kvmini.errors import KvminiError, not_special
 
 # GPT-2's pre-tokenizer: contractions, letters, numbers, punctuation, whitespace runs.
 GPT2_PATTERN = r"""'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
@@ -132,6 +134,26 @@ class SentencePieceTokenizer(Tokenizer):
         return self.sp.id_to_piece(i).replace("\u2581", " ").encode()
 
 
+# every printable ASCII character, white space and a few beyond: a split pattern must cut all of them into
+# non-empty pieces (tiktoken drops what no piece covers, and stops the process on an empty piece)
+PROBE = "".join(map(chr, range(32, 127))) + " \t\n\r\n  Àé ß ñ 中文 ١٢ 🙂 it's 2024."
+
+
+def _checked_pattern(pattern, path: Path) -> str:
+    """A pre_tokenizer's Split regex that compiles, and whose pieces of PROBE are non-empty and cover it."""
+    if not isinstance(pattern, str) or not pattern:
+        raise KvminiError(f"broken tokenizer.json {path}: the pre_tokenizer's Split pattern must be a non-empty regex")
+    try:
+        pieces = [m.group() for m in regex.finditer(pattern, PROBE)]
+    except regex.error as e:
+        raise KvminiError(f"broken tokenizer.json {path}: the pre_tokenizer's Split pattern does not compile ({e})") from None
+    if "" in pieces or "".join(pieces) != PROBE:
+        raise KvminiError(f"unsupported tokenizer.json {path}: its Split pattern {pattern!r} "
+                          f"{'matches an empty piece' if '' in pieces else 'leaves some characters out of every piece'}; "
+                          "kvmini supports patterns that cut a text into non-empty pieces covering all of it")
+    return pattern
+
+
 def _pattern_from_pre_tokenizer(pre: dict | None) -> str:
     steps = pre["pretokenizers"] if pre and pre.get("type") == "Sequence" else [pre] if pre else []
     kinds = [s["type"] for s in steps]
@@ -140,14 +162,14 @@ def _pattern_from_pre_tokenizer(pre: dict | None) -> str:
     if kinds == ["Digits", "ByteLevel"] and steps[0].get("individual_digits") and steps[1].get("use_regex", True):
         return DIGITS_GPT2_PATTERN
     if kinds == ["Split", "ByteLevel"] and not steps[1].get("use_regex", True) and "Regex" in steps[0]["pattern"]:
-        return steps[0]["pattern"]["Regex"]
+        return steps[0]["pattern"]["Regex"]  # checked by _checked_pattern
     raise KvminiError(f"unsupported tokenizer.json pre_tokenizer: {' + '.join(kinds) or 'none'}")
 
 
 def load_tokenizer_json(path: Path) -> TiktokenTokenizer:
     """Byte-level BPE tokenizer.json -> tiktoken: rank of a token = its id (= its merge order)."""
     try:
-        spec = json.loads(path.read_text(encoding="utf-8"))
+        spec = json.loads(not_special(path, "tokenizer file").read_text(encoding="utf-8"))
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise KvminiError(f"broken tokenizer.json {path}: {e}") from None
     try:
@@ -165,12 +187,13 @@ def _from_spec(spec, path: Path) -> TiktokenTokenizer:
     normalizer = (spec.get("normalizer") or {}).get("type")
     if normalizer not in (None, "NFC"):
         raise KvminiError(f"unsupported tokenizer.json normalizer {normalizer!r}")
-    pattern = _pattern_from_pre_tokenizer(spec.get("pre_tokenizer"))
+    pattern = _checked_pattern(_pattern_from_pre_tokenizer(spec.get("pre_tokenizer")), path)
     added = spec.get("added_tokens") or []
     if not isinstance(added, list) or not all(
-        isinstance(t, dict) and isinstance(t.get("content"), str) and _is_id(t.get("id")) for t in added
+        isinstance(t, dict) and isinstance(t.get("content"), str) and t["content"] and _is_id(t.get("id")) for t in added
     ):
-        raise KvminiError(f"broken tokenizer.json {path}: every added_tokens entry needs a string content and an id")
+        raise KvminiError(f"broken tokenizer.json {path}: every added_tokens entry needs a non-empty string content "
+                          "and an id")
     special = {t["content"]: t["id"] for t in added}
     vocab = model["vocab"]
     if not all(_is_id(i) for i in vocab.values()) or len(set(vocab.values())) != len(vocab):
@@ -201,7 +224,7 @@ def _from_spec(spec, path: Path) -> TiktokenTokenizer:
 
 
 def _is_id(x) -> bool:
-    return isinstance(x, int) and not isinstance(x, bool) and x >= 0
+    return isinstance(x, int) and not isinstance(x, bool) and 0 <= x < 2**31  # (tiktoken keeps ids in 32 bits)
 
 
 def load_tiktoken_model(path: Path) -> TiktokenTokenizer:
@@ -234,7 +257,7 @@ def load_tokenizer(folder: str | Path) -> Tokenizer:
     if (folder / "tokenizer.json").exists():
         tok = load_tokenizer_json(folder / "tokenizer.json")
     elif (folder / "tokenizer.model").exists():
-        path = folder / "tokenizer.model"
+        path = not_special(folder / "tokenizer.model", "tokenizer file")
         if _is_tiktoken_file(path):
             tok = load_tiktoken_model(path)
         else:
@@ -255,7 +278,7 @@ def read_json_object(path: Path) -> dict:
     if not path.exists():
         return {}
     try:
-        value = json.loads(path.read_text(encoding="utf-8"))
+        value = json.loads(not_special(path, "settings file").read_text(encoding="utf-8"))
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise KvminiError(f"broken {path.name} {path}: {e}") from None
     if not isinstance(value, dict):

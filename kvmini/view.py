@@ -233,11 +233,12 @@ def compare(args) -> int:
         if spec != "full":
             parse_spec(spec)  # unknown names and options fail before the model loads
     cli.writable_file(args.out, "--out")
-    out, text = Path(args.out), Path(args.prompt).read_text(encoding="utf-8")
+    out, text = Path(args.out), cli.read_prompt(args.prompt)  # as run.py reads it
     folder = Path(args.model) if args.model else ensure_default_model()
     model, tok = load_model(folder, "cpu", "float32"), load_tokenizer(folder)
     chat = None if args.raw else load_chat_format(folder)
     prompt = tok.encode(chat.render([{"role": "user", "content": text}]) if chat else text)
+    cli.prompt_fits(prompt, args.max_new_tokens, model.config.max_position_embeddings, args.prompt)
     ids = torch.tensor([prompt])
     runs = []
     for spec in args.methods:

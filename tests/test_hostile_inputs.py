@@ -160,7 +160,20 @@ TOKENIZER_CASES = {
     "char outside the byte alphabet": (lambda d: {**d, "model": {**d["model"], "vocab": {**d["model"]["vocab"], "中": 300}}},
                                        "'中' (id 300) is not written in the byte-level alphabet"),
     "added token without content": (lambda d: {**d, "added_tokens": [{"id": 256}]},
-                                    "every added_tokens entry needs a string content and an id"),
+                                    "every added_tokens entry needs a non-empty string content and an id"),
+    "added token with empty content": (lambda d: {**d, "added_tokens": [{"id": 256, "content": ""}]},
+                                       "every added_tokens entry needs a non-empty string content and an id"),
+    "added token id past 32 bits": (lambda d: {**d, "added_tokens": [{"id": 10**12, "content": "<x>"}]},
+                                    "every added_tokens entry needs a non-empty string content and an id"),
+    "empty split pattern": (lambda d: {**d, "pre_tokenizer": {"type": "Sequence", "pretokenizers": [
+        {"type": "Split", "pattern": {"Regex": ""}}, {"type": "ByteLevel", "use_regex": False}]}},
+                            "the pre_tokenizer's Split pattern must be a non-empty regex"),
+    "split pattern with empty pieces": (lambda d: {**d, "pre_tokenizer": {"type": "Sequence", "pretokenizers": [
+        {"type": "Split", "pattern": {"Regex": "a*"}}, {"type": "ByteLevel", "use_regex": False}]}},
+                                        "matches an empty piece"),
+    "split pattern that drops text": (lambda d: {**d, "pre_tokenizer": {"type": "Sequence", "pretokenizers": [
+        {"type": "Split", "pattern": {"Regex": "(?<=a+)b"}}, {"type": "ByteLevel", "use_regex": False}]}},
+                                      "leaves some characters out of every piece"),
     "string id": (lambda d: {**d, "model": {**d["model"], "vocab": {**d["model"]["vocab"], "Ā": "0"}}},
                   "vocab must map each token to its own id"),
     "pre_tokenizer a list": (lambda d: {**d, "pre_tokenizer": ["ByteLevel"]}, "unexpected structure"),
@@ -450,6 +463,47 @@ def test_stdout_closed(model, prompt):
     assert_one_line(proc.returncode, proc.stderr, "standard output is closed")
 
 
+def test_chat_with_stdin_closed(model):
+    proc = subprocess.run(["bash", "-c", f'"{sys.executable}" run.py --chat --model "{model}" <&-'],
+                          capture_output=True, text=True, cwd=ROOT, timeout=300)
+    assert_one_line(proc.returncode, proc.stderr, "--chat reads its turns from stdin, which is closed")
+
+
+@pytest.mark.parametrize("content,fragment", [
+    (b"", "is empty"), (b"  \n\t", "is empty"), (b"caf\xe9", "is not UTF-8 text (byte 3)"),
+])
+def test_the_comparison_page_reads_the_prompt_as_run_py_does(capsys, model, tmp_path, content, fragment):
+    from kvmini import view
+
+    bad = tmp_path / "bad.txt"
+    bad.write_bytes(content)
+    code = view.main(["--methods", "h2o", "--prompt", str(bad), "--out", str(tmp_path / "k.html"), "--model", str(model)])
+    assert_one_line(code, capsys.readouterr().err, fragment)
+
+
+def test_a_byte_order_mark_is_not_part_of_the_prompt(tmp_path):
+    from kvmini.cli import read_prompt
+
+    p = tmp_path / "bom.txt"
+    p.write_bytes(b"\xef\xbb\xbfHello")
+    assert read_prompt(str(p)) == "Hello"
+
+
+def test_a_rust_panic_is_one_line(capsys):
+    """pyo3 turns a Rust library's panic into PanicException, a BaseException: the boundary catches it too."""
+    from kvmini import cli as boundary
+
+    class PanicException(BaseException):
+        pass
+
+    def work():
+        raise PanicException("range end index 2 out of range for slice of length 0")
+
+    assert boundary.run(work) == 2
+    assert capsys.readouterr().err == ("error: unexpected PanicException: range end index 2 out of range for slice of "
+                                       "length 0 (a case kvmini does not check yet; KVMINI_DEBUG=1 shows where)\n")
+
+
 def test_ascii_terminal_gets_ascii_bars(model, prompt):
     code, out, err = child("--prompt", prompt, "--model", model, "--method", "h2o", "--budget", 8,
                            "--max-new-tokens", 3, env={"PYTHONIOENCODING": "ascii"})
@@ -461,3 +515,31 @@ def test_debug_variable_shows_the_traceback(model, prompt):
     (model / "config.json").write_text("[]")
     code, _, err = child("--prompt", prompt, "--model", model, env={"KVMINI_DEBUG": "1"})
     assert code == 1 and "Traceback" in err and "KvminiError" in err
+
+
+FIFO_CASES = [  # (where the FIFO goes, the arguments; MODEL / PROMPT / FIFO are filled in)
+    ("prompt", ["run.py", "--model", "MODEL", "--prompt", "FIFO"]),
+    ("prompt", ["run.py", "--model", "MODEL", "--context", "FIFO", "--question", "why?"]),
+    ("output", ["run.py", "--model", "MODEL", "--prompt", "PROMPT", "--html", "FIFO"]),
+    ("tokenizer.json", ["run.py", "--model", "MODEL", "--prompt", "PROMPT"]),
+    ("tokenizer_config.json", ["run.py", "--model", "MODEL", "--prompt", "PROMPT"]),
+    ("chat_template.jinja", ["run.py", "--model", "MODEL", "--prompt", "PROMPT"]),
+    ("prompt", ["-m", "kvmini.view", "--model", "MODEL", "--methods", "h2o", "--prompt", "FIFO", "--out", "OUT"]),
+    ("output", ["-m", "kvmini.view", "--model", "MODEL", "--methods", "h2o", "--prompt", "PROMPT", "--out", "FIFO"]),
+    ("output", ["-m", "kvmini.eval.fidelity", "--model", "MODEL", "--n", 8, "--k", 2, "--methods", "h2o",
+                "--budgets", 4, "--json", "FIFO"]),
+]
+
+
+@pytest.mark.parametrize("where,argv", FIFO_CASES)
+def test_a_fifo_is_refused_not_waited_on(model, prompt, tmp_path, where, argv):
+    """Opening a FIFO nobody writes to (or reads from) waits forever: a prompt, a model file or an output
+    that is one is refused at once, in a child process (a hang fails on the time limit, not the session)."""
+    fifo = model / where if where not in ("prompt", "output") else tmp_path / f"{where}.fifo"
+    if fifo.exists():
+        fifo.unlink()
+    os.mkfifo(fifo)
+    fill = {"MODEL": model, "PROMPT": prompt, "FIFO": fifo, "OUT": tmp_path / "out.html"}
+    proc = subprocess.run([sys.executable, *(str(fill.get(a, a)) for a in argv)], capture_output=True, text=True,
+                          cwd=ROOT, timeout=120)
+    assert_one_line(proc.returncode, proc.stderr, "is not a regular file")
