@@ -134,6 +134,9 @@ def parse_args(argv=None):
 
 def mode_errors(p, args) -> None:
     """One of three ways to give prompts: --prompt FILE, --chat, or --context FILE with --question TEXT."""
+    for flag in ("prompt", "context", "model", "html"):
+        if getattr(args, flag) is not None and not getattr(args, flag).strip():
+            p.error(f"--{flag} must not be empty (a path)")  # "" would read as absent, or as the current folder
     if args.chat and (args.prompt or args.context):
         p.error("--chat reads its turns from stdin; it takes no --prompt or --context")
     if args.context and args.prompt:

@@ -212,7 +212,14 @@ def grade(folders: list[Path], json_path, csv_path, timeout: int) -> int:
     reference, files = handed_out_here()
     for folder in folders:  # bad input is refused before any test runs
         student_copy(folder)
-    outputs = [cli.writable_file(p, flag) for p, flag in ((json_path, "--json"), (csv_path, "--csv")) if p]
+    wanted = [(Path(p), flag) for p, flag in ((json_path, "--json"), (csv_path, "--csv")) if p]
+    if len({p.resolve() for p, _ in wanted}) < len(wanted):
+        raise KvminiError("--json and --csv name the same file; give each its own")
+    for p, flag in wanted:
+        inside = next((f for f in folders if f.resolve() in p.resolve().parents), None)
+        if inside is not None:
+            raise KvminiError(f"{flag} {p} is inside the copy {inside} being graded; write it elsewhere")
+    outputs = [cli.writable_file(p, flag) for p, flag in wanted]
     rows = []
     for folder in folders:
         print(f"grading {folder} ...", file=sys.stderr, flush=True)

@@ -18,6 +18,7 @@ from kvmini.model import Transformer
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)  # buffers some old checkpoints saved; recomputed here
+LAYER = re.compile(r"model\.layers\.(\d+)\.")  # a decoder layer's tensors (HF names)
 
 
 def resolve_device(name: str = "auto") -> torch.device:
@@ -48,6 +49,9 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
 def safetensors_files(folder: Path) -> list[Path]:
     """The checkpoint's safetensors files: one file, or the shards named by the index."""
     single, index = folder / "model.safetensors", folder / "model.safetensors.index.json"
+    for link in (single, index):
+        if link.is_symlink() and not link.exists():
+            raise KvminiError(f"{link} is a link to nothing ({link.readlink()})")
     if single.exists():
         return [single]
     if index.exists():
@@ -64,25 +68,48 @@ def safetensors_files(folder: Path) -> list[Path]:
     raise KvminiError(f"no model.safetensors or model.safetensors.index.json in {folder}")
 
 
+def readable_shard(path: Path) -> Path:
+    if not path.exists():
+        raise KvminiError(f"missing weight shard: {path}")
+    if not path.is_file():
+        raise KvminiError(f"{path} is not a file")
+    path.open("rb").close()  # an unreadable file fails here with the OS's own reason
+    return path
+
+
+def layers_held(files: list[Path]) -> int:
+    """How many decoder layers the checkpoint's tensors hold (model.layers.<i>.*), from the files' headers."""
+    found = set()
+    for path in files:
+        try:
+            with safe_open(str(readable_shard(path)), framework="pt", device="cpu") as f:
+                found.update(int(m.group(1)) for name in f.keys() if (m := LAYER.match(name)))
+        except SafetensorError as e:
+            raise KvminiError(f"cannot read {path}: {e}") from None
+    return max(found, default=-1) + 1
+
+
 def load_model(folder: str | Path, device: str = "auto", dtype: str = "auto") -> Transformer:
     folder = Path(folder)
+    if folder.exists() and not folder.is_dir():
+        raise KvminiError(f"{folder} is a file, not a checkpoint folder (config.json and safetensors)")
     if not folder.is_dir():
         raise KvminiError(f"model folder not found: {folder}")
     config = ModelConfig.from_file(folder / "config.json")
     dev = resolve_device(device)
     dt = resolve_dtype(dtype, dev)
+    files = safetensors_files(folder)
+    held = layers_held(files)  # before the model is built, which a config of absurd size would make take forever
+    if held != config.num_layers:
+        raise KvminiError(f"config.json has num_hidden_layers {config.num_layers} but the weights in {folder} hold "
+                          f"{held} layers: config and weights do not match")
     with torch.device("meta"):
         model = Transformer(config)
     expected = {name: t.shape for name, t in model.state_dict().items()}
     if config.tie_word_embeddings:
         expected.pop("lm_head.weight")
     state = {}
-    for path in safetensors_files(folder):
-        if not path.exists():
-            raise KvminiError(f"missing weight shard: {path}")
-        if not path.is_file():
-            raise KvminiError(f"{path} is not a file")
-        path.open("rb").close()  # an unreadable file fails here with the OS's own reason
+    for path in files:
         try:
             with safe_open(str(path), framework="pt", device="cpu") as f:
                 for name in f.keys():

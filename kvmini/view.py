@@ -30,6 +30,7 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 from kvmini.cache import KVCache  # noqa: E402
+from kvmini.errors import KvminiError  # noqa: E402
 from kvmini.parts import PREFILL, Merged  # noqa: E402
 
 LAZY_IMPORTS = ("kvmini.chat", "kvmini.generate", "kvmini.loading", "kvmini.methods.registry", "kvmini.tokenizer",
@@ -229,6 +230,9 @@ def compare(args) -> int:
     from kvmini.tokenizer import load_tokenizer
     from kvmini.weights import ensure_default_model
 
+    for flag in ("prompt", "out", "model"):
+        if getattr(args, flag) is not None and not getattr(args, flag).strip():
+            raise KvminiError(f"--{flag} must not be empty (a path)")
     for spec in args.methods:
         if spec != "full":
             parse_spec(spec)  # unknown names and options fail before the model loads

@@ -284,3 +284,16 @@ def test_grading_from_a_student_copy_is_refused(tmp_path):
         handed_out_here(copy)
     reference, files = handed_out_here()
     assert list(reference) == list(EXERCISES) and "tests/test_d2o.py" in files
+
+
+def test_grade_outputs_that_would_overwrite_each_other_or_a_copy_are_refused(tmp_path, capsys):
+    from kvmini.grading import grade
+
+    copy = tmp_path / "copy"
+    write_student_copy(copy)
+    same = tmp_path / "grades.txt"
+    with pytest.raises(KvminiError, match="--json and --csv name the same file"):
+        grade([copy], same, same, 60)
+    with pytest.raises(KvminiError, match=f"--json {copy / 'tests' / 'test_vatp.py'} is inside the copy {copy}"):
+        grade([copy], copy / "tests" / "test_vatp.py", None, 60)
+    assert (copy / "tests" / "test_vatp.py").read_text() == (ROOT / "tests" / "test_vatp.py").read_text()

@@ -105,6 +105,10 @@ def test_the_page_of_the_full_cache_over_several_prompts(capsys, monkeypatch, mo
     (["--question", "why?"], "", "--question asks about a --context FILE; give one"),
     (["--prompt", "PROMPT", "--context", "PROMPT", "--question", "q"], "", "--prompt and --context are two ways"),
     (["--context", "PROMPT", "--question", " "], "", "--question must not be empty"),
+    (["--prompt", ""], "", "--prompt must not be empty (a path)"),
+    (["--context", "", "--question", "q"], "", "--context must not be empty (a path)"),
+    (["--prompt", "PROMPT", "--html", " "], "", "--html must not be empty (a path)"),
+    (["--prompt", "PROMPT", "--model", ""], "", "--model must not be empty (a path)"),
     (["--context", "PROMPT", "--question", "caf\udce9?"], "", "--question is not UTF-8 text"),  # argv b"caf\xe9?"
     (["--context", "MISSING", "--question", "q"], "", "prompt file not found"),
     ([], "", "give the prompt: --prompt FILE, --chat (turns on stdin) or --context FILE --question TEXT"),

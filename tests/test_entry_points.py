@@ -87,6 +87,13 @@ def test_suite_out_an_existing_file_is_refused_before_the_work(capsys, model, tm
     assert existing.read_text() == "mine"
 
 
+def test_suite_out_empty_is_refused_not_read_as_the_current_folder(capsys, model):
+    from kvmini.eval import suite
+
+    code, out, err = tool(capsys, suite.main, "--model", model, "--profile", "smoke", "--only", "layers", "--out", "")
+    assert_one_line(code, err, "--out must not be empty")
+
+
 def test_suite_unknown_profile_is_one_line(capsys):
     from kvmini.eval import suite
 

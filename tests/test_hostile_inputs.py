@@ -131,6 +131,8 @@ CONFIG_CASES = {
     "rope_scaling string": (lambda d: {**d, "rope_scaling": "linear"}, 'rope_scaling must be an object (or null), got "linear"'),
     "bool vocab": (lambda d: {**d, "vocab_size": True}, "vocab_size must be a positive integer, got true"),
     "float layers": (lambda d: {**d, "num_hidden_layers": 2.0}, "num_hidden_layers must be a positive integer, got 2.0"),
+    "more layers than the weights": (lambda d: {**d, "num_hidden_layers": 10**7},  # refused before the model is built
+                                     "config.json has num_hidden_layers 10000000 but the weights in"),
     "inf eps": (lambda d: {**d, "rms_norm_eps": -1}, "rms_norm_eps must be a positive number"),
     "eos a string": (lambda d: {**d, "eos_token_id": "</s>"}, "eos_token_id must be token ids"),
     "no heads": (lambda d: {k: v for k, v in d.items() if k != "num_attention_heads"},
@@ -212,6 +214,13 @@ def test_broken_settings_files(capsys, model, prompt, name, content, fragment):
     assert_one_line(*cli(capsys, "--prompt", prompt, "--model", model)[::2], fragment)
 
 
+def test_weights_that_link_to_nothing_and_a_model_that_is_a_file(capsys, model, prompt):
+    (model / "model.safetensors").unlink()
+    (model / "model.safetensors").symlink_to(model / "gone.safetensors")
+    assert_one_line(*cli(capsys, "--prompt", prompt, "--model", model)[::2], "model.safetensors is a link to nothing")
+    assert_one_line(*cli(capsys, "--prompt", prompt, "--model", prompt)[::2], "is a file, not a checkpoint folder")
+
+
 def test_weights_file_that_is_a_directory(capsys, model, prompt):
     replace_with_dir(model / "model.safetensors")
     assert_one_line(*cli(capsys, "--prompt", prompt, "--model", model)[::2], "model.safetensors is not a file")
@@ -288,7 +297,9 @@ def test_comparison_page_of_several_methods(capsys, model, prompt, tmp_path):
 
 
 @pytest.mark.parametrize("args,fragment", [(["--methods", "h2o", "nope"], "unknown method 'nope'"),
-                                           (["--methods", "h2o", "--out", "missing/x.html"], "does not exist")])
+                                           (["--methods", "h2o", "--out", "missing/x.html"], "does not exist"),
+                                           (["--methods", "h2o", "--out", ""], "--out must not be empty"),
+                                           (["--methods", "h2o", "--model", ""], "--model must not be empty")])
 def test_comparison_page_refuses_bad_input_before_any_work(capsys, prompt, tmp_path, args, fragment):
     from kvmini import view
 

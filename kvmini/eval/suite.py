@@ -200,6 +200,9 @@ def main(argv=None) -> int:
 
 def evaluate(args) -> int:
     log = lambda m: print(m, file=sys.stderr, flush=True)  # noqa: E731
+    for flag in ("out", "model"):
+        if getattr(args, flag) is not None and not getattr(args, flag).strip():
+            raise KvminiError(f"--{flag} must not be empty (a path; '' would be the current folder)")
     out = cli.writable_folder(args.out, "--out")
     results = run_suite(args.profile, args.only, args.model, args.device, log, argv=args.argv)
     results = kept_from(out / "results.json", results, log)
