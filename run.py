@@ -147,6 +147,11 @@ def mode_errors(p, args) -> None:
         p.error("--question asks about a --context FILE; give one")
     if not (args.prompt or args.chat or args.context):
         p.error("give the prompt: --prompt FILE, --chat (turns on stdin) or --context FILE --question TEXT")
+    if args.temperature == 0:  # greedy decoding draws nothing: a sampling option would be silently ignored
+        for flag, off in (("top_k", 0), ("top_p", 1.0), ("seed", None)):
+            if getattr(args, flag) != off:
+                p.error(f"--{flag.replace('_', '-')} sets sampling, and --temperature 0 (the default) decodes "
+                        "greedily; give --temperature above 0 to sample")
     for q in args.question or ():
         if not q.strip():
             p.error("--question must not be empty")

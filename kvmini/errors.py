@@ -33,3 +33,8 @@ def not_special(path, what: str):
     if not (stat.S_ISREG(mode) or stat.S_ISDIR(mode)):
         raise KvminiError(f"{what} {path} is not a regular file (a FIFO, socket or device would block or never end)")
     return path
+
+
+def tokens(n: int) -> str:
+    """'1 token', '1,024 tokens': a count in a message."""
+    return f"{n:,} token" + ("" if n == 1 else "s")

@@ -84,7 +84,10 @@ def sample(logits: torch.Tensor, s: Sampling, generator: torch.Generator | None)
     logits = logits[:, : s.vocab]  # (B, vocab): ids the tokenizer has no text for are never chosen
     if s.temperature <= 0:
         return logits.argmax(-1)
-    logits = logits.float() / s.temperature
+    # (logits - max) / T in float64, the best token's 0 left alone: any T > 0 works (a tiny T sends the
+    # others to -inf, never to inf or 0/0), and neither the softmax nor the top-k/top-p order changes
+    shifted = logits.double() - logits.double().amax(-1, keepdim=True)  # (B, V), <= 0
+    logits = torch.where(shifted == 0, shifted, shifted / s.temperature)
     if s.top_k > 0:
         kth = logits.topk(min(s.top_k, logits.shape[-1]), dim=-1).values[:, -1:]  # (B, 1)
         logits = logits.masked_fill(logits < kth, float("-inf"))

@@ -21,7 +21,7 @@ from typing import NamedTuple
 import torch
 
 from kvmini.statistics import Request, Stats
-from kvmini.errors import KvminiError
+from kvmini.errors import KvminiError, tokens
 
 PREFILL = "prefill"  # once, layer by layer, in the forward call that completes the prompt
 AFTER_PROMPT = "after_prompt"  # in the call that completes the prompt, then after every later call
@@ -189,7 +189,7 @@ class Compressor:
         """Why a layer budget of b tokens cannot work, or None."""
         recent = self.recent(b)
         if b <= self.sinks or recent < 0 or self.sinks + recent > b:
-            return f"too small for {self.sinks} sinks and a window of {max(recent, 0)} tokens"
+            return f"too small for {self.sinks} sinks and a window of {tokens(max(recent, 0))}"
         return None
 
     def evict_few_each(self, layers: tuple, lc, score: torch.Tensor, budgets: list[int]) -> bool:

@@ -27,9 +27,12 @@ import math
 from dataclasses import dataclass
 
 from kvmini.cache import KVCache
-from kvmini.errors import KvminiError
+from kvmini.errors import KvminiError, tokens
 from kvmini.parts import AFTER_PROMPT, DECODE, EVERY_CALL, PREFILL
 from kvmini.statistics import Gathering, Request, Stats
+
+
+NO_LIMIT = 2**30  # tokens per layer: a budget no prompt reaches (asks a compressor whether any budget works)
 
 
 def resolve_budget(budget: float, prompt_len: int) -> int:
@@ -72,6 +75,9 @@ class Policy:
         self.name, self.budget, self.schedule, self.prefill_chunk = name, budget, schedule, prefill_chunk
         self.scorer, self.budgeter, self.compressor = scorer, budgeter, compressor
         self.evict_every = 1  # N: during decoding, let a layer hold budget + N - 1 and evict N at once
+        if budget is not None and (never := compressor.problem(NO_LIMIT)) is not None:  # e.g. d2o nm=0:1 with sinks
+            raise KvminiError(f"{name}: no budget can work with these options: even a budget of {NO_LIMIT:,} "
+                              f"tokens is {never}; use fewer sinks or a smaller window")
         self.start(None)
 
     def start(self, prompt_len: int | None, total_len: int | None = None) -> None:
@@ -160,9 +166,9 @@ class Policy:
                               f"this model has layers 0 to {L - 1}")
         n, b, self.note = self.prompt_end, None if self.budget is None else resolve_budget(self.budget, self.prompt_end), None
         self.planned = True
+        fit = None if b is None or self._fits(b, L) else next((x for x in range(b + 1, n + 1) if self._fits(x, L)), None)
         if isinstance(self.budget, float) and self.budget <= 1 and not self._fits(b, L):  # a ratio (resolve_budget)
             # a share of a short prompt smaller than what the method always keeps: raise it to the least that works
-            fit = next((x for x in range(b + 1, n + 1) if self._fits(x, L)), None)
             if fit is None:
                 self.note = f"not compressed: the {n}-token prompt is no longer than what {self.name} always keeps"
                 self.unchanged, self.active = [n] * L, False
@@ -170,7 +176,9 @@ class Policy:
             self.note, b = f"budget raised from {b} to {fit} tokens per layer, the least {self.name} can keep", fit
         self.budgeter.start(b, L, n)
         if b is not None:
-            self._check({layer: b_l for layer, b_l in enumerate(self.budgets)})
+            least = (f"the least budget that works on this {n}-token prompt is {fit} tokens per layer" if fit else
+                     f"no budget up to the prompt's {n} tokens works: use fewer sinks or a smaller window")
+            self._check({layer: b_l for layer, b_l in enumerate(self.budgets)}, f"; {least}", mean=b)
         self.active = b is None or not self._is_noop(b, n, self.total_len)
 
     def _fits(self, b: int, L: int) -> bool:
@@ -187,11 +195,12 @@ class Policy:
         return [(layer, b, why) for layer, b in budgets.items()
                 if layer not in protected and (why := self.compressor.problem(b)) is not None]
 
-    def _check(self, budgets: dict[int, int]) -> None:
+    def _check(self, budgets: dict[int, int], advice: str = "; raise --budget, or use fewer sinks or a smaller window",
+               mean: int | None = None) -> None:
         if problems := self._problems(budgets, len(self.evicted)):
             layer, b, why = problems[0]
-            raise KvminiError(f"{self.name}: a budget of {b} tokens (layer {layer}) is {why}; "
-                              "raise --budget or lower --sinks/--window")
+            source = f", from a mean budget of {tokens(mean)}" if mean not in (None, b) else ""
+            raise KvminiError(f"{self.name}: a budget of {tokens(b)} (layer {layer}{source}) is {why}{advice}")
 
     def accumulating(self) -> bool:
         """Does the scorer keep running sums now? (Always for decode-time methods, during the prompt otherwise.)"""

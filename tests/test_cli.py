@@ -112,6 +112,11 @@ def test_prompt_longer_than_context(default_model_dir, tmp_path, real_text):
     (["--method", "d2o", "--nm", "3-1"], "argument --nm: must look like N:M"),
     (["--method", "d2o", "--allocation", "random"], "argument --allocation: must be official, paper, zscore, reciprocal or uniform"),
     (["--method", "d2o", "--beta", "1.5"], "--beta must be in [0, 1]"),
+    (["--top-k", "5"], "--top-k sets sampling, and --temperature 0 (the default) decodes greedily"),
+    (["--seed", "3", "--temperature", "0"], "--seed sets sampling"),
+    (["--method", "d2o", "--merge", "off", "--beta", "0.3"], "--beta does nothing with --merge off"),
+    (["--method", "d2o", "--softmax-temperature", "2"], "does nothing with --allocation official"),
+    (["--method", "d2o", "--nm", "0:1"], "no budget can work with these options"),
 ])
 def test_bad_options(prompt, tiny_llama, args, fragment):
     assert_one_line_error(*run("--prompt", prompt, "--model", tiny_llama, *args)[::2], fragment)

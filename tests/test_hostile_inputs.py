@@ -9,6 +9,7 @@ byte-level tokenizer written here (256 byte tokens + 3 ChatML specials), so noth
 """
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -310,6 +311,24 @@ def test_comparison_page_refuses_bad_input_before_any_work(capsys, prompt, tmp_p
 
 
 # --- nothing silently wrong ------------------------------------------------------------------------
+
+@pytest.mark.parametrize("method", [("snapkv",), ("pyramidkv",), ("d2o", "--variant", "paper")])  # official: all protected
+def test_a_budget_too_small_names_the_least_that_works(capsys, model, prompt, method):
+    code, _, err = cli(capsys, "--prompt", prompt, "--model", model, "--method", *method, "--budget", "3")
+    assert_one_line(code, err, "the least budget that works on this ")
+    least = int(re.search(r"is (\d+) tokens per layer$", err.strip()).group(1))
+    if method[0] == "snapkv":
+        assert least == 32  # no sinks, a 32-token window: the window alone
+    if method[0] == "d2o":
+        assert least == 5  # Eq. 8 with 4 sinks and N:M = 3:1: more than the sinks, and (5 - 4) // 4 = 0 recent
+    if method[0] == "pyramidkv":
+        assert "(layer 0, from a mean budget of 3 tokens)" in err  # its schedule gives layer 0 less than the mean
+    fails, _, _ = cli(capsys, "--prompt", prompt, "--model", model, "--method", *method, "--budget", str(least - 1),
+                      "--max-new-tokens", "2")
+    works, _, err = cli(capsys, "--prompt", prompt, "--model", model, "--method", *method, "--budget", str(least),
+                        "--max-new-tokens", "2")
+    assert (fails, works) == (2, 0), err
+
 
 def test_protected_layer_that_does_not_exist(capsys, model, prompt):
     code, _, err = cli(capsys, "--prompt", prompt, "--model", model, "--method", "dbudgetkv", "--protected-layers", "0,5")

@@ -28,3 +28,13 @@ def test_seed_makes_sampling_repeatable():
     logits = torch.randn(1, 50, generator=torch.Generator().manual_seed(1))
     run = lambda: [sample(logits, Sampling(1.0), g).item() for g in [torch.Generator().manual_seed(7)] for _ in range(20)]  # noqa: E731
     assert run() == run()
+
+
+def test_any_positive_temperature_samples_a_token():
+    # logits / 1e-40 overflows float32; a tiny temperature is greedy, a huge one is uniform
+    logits = torch.tensor([[1.0, 30.0, -20.0, 29.0]])
+    g = torch.Generator().manual_seed(0)
+    for t in (1e-40, 5e-324, 1e-300):
+        assert {sample(logits, Sampling(temperature=t), g).item() for _ in range(50)} == {1}
+    assert {sample(logits, Sampling(temperature=1e300), g).item() for _ in range(400)} == {0, 1, 2, 3}
+    assert {sample(logits, Sampling(temperature=1e300, top_k=2), g).item() for _ in range(200)} == {1, 3}

@@ -89,6 +89,15 @@ VARIANTS = {"paper": Options(allocation="paper", protected_layers=(), nm=(3, 1),
 DEFAULT_VARIANT = "official"
 
 
+def idle(o: Options) -> dict[str, str]:
+    """The options that do nothing in these settings -> the setting that makes them idle (given, they
+    are refused: kvmini.methods.registry.make_policy)."""
+    found = options.idle_temperature(o)
+    if o.merge == "off":
+        found.update(beta="--merge off (beta and tau set the merge)", tau="--merge off (beta and tau set the merge)")
+    return found
+
+
 def build(budget: float, o: Options = Options()) -> Policy:
     N, M = o.nm
     if o.split == "paper":  # Eq. 8: S_l = T + N + M, N:M of what is not a sink

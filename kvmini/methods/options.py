@@ -97,6 +97,12 @@ def softmax_temperature(default: float = 1.0):
 TRUTH = {"true": True, "yes": True, "on": True, "1": True, "false": False, "no": False, "off": False, "0": False}
 
 
+def idle_temperature(o) -> dict[str, str]:
+    """softmax_temperature does nothing unless allocation=zscore (methods with both: `idle` below)."""
+    return {} if o.allocation == "zscore" else {
+        "softmax_temperature": f"--allocation {o.allocation} (only zscore divides by a temperature)"}
+
+
 def read(kind, text: str):
     """A value of type `kind` written as text; ValueError (with what was expected) if it is not one."""
     return kind_of(kind).read(text.strip())

@@ -224,6 +224,10 @@ def make_policy(name: str, budget: float | None = None, **given) -> Policy | Per
         budget = DEFAULT_BUDGET if budget is None else budget
     every = given.get("evict_every", engine_option(name).default if evicts_while_decoding(name) else 1)
     o = chosen(name, given)
+    idle = getattr(METHODS[name], "idle", lambda o: {})(o)  # options these settings ignore: never silently
+    for key in given:
+        if key in idle:
+            raise KvminiError(f"--{key.replace('_', '-')} does nothing with {idle[key]}; leave it out")
 
     def build() -> Policy:
         policy = METHODS[name].build(budget, o)

@@ -30,6 +30,9 @@ class Options:
     reduce: options.Reduce = options.reduce()
 
 
+idle = options.idle_temperature  # given with allocation other than zscore, softmax_temperature is refused
+
+
 def build(budget: float, o: Options = Options()) -> Policy:
     return Policy("snapkv_d2o", budget, WindowAttention(o.window, o.kernel, o.pooling, o.reduce),
                   VarianceSoftmax(o.allocation, o.softmax_temperature, o.window + 4, o.reduce),
