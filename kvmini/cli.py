@@ -95,9 +95,12 @@ def one_line(e: BaseException) -> str:
         if e.errno in (errno.EPIPE, errno.ENOSPC, errno.EBADF, errno.EIO) or isinstance(e, BrokenPipeError):
             return f"cannot write the output: {what}"
         return what
-    if isinstance(e, MemoryError):
-        return "out of memory (try a shorter prompt, a smaller --chunk-size or a smaller model)"
     text = (str(e).strip().splitlines() or [""])[0][:300]
+    asked = re.search(r"(?:can't allocate memory|out of memory).*?(\d+) bytes", text)  # torch's allocators
+    if isinstance(e, MemoryError) or (isinstance(e, RuntimeError) and (asked or "out of memory" in text.lower())):
+        size = f": a tensor of {int(asked.group(1)) / 2**30:,.1f} GiB" if asked else ""
+        return (f"out of memory{size} (a shorter prompt, a smaller budget, --chunk-size, --evict-every or --history, "
+                "or a smaller model needs less)")
     return f"unexpected {type(e).__name__}: {text} (a case kvmini does not check yet; KVMINI_DEBUG=1 shows where)"
 
 

@@ -437,6 +437,23 @@ def test_an_unexpected_error_is_still_one_line(capsys, model, prompt, monkeypatc
                     "unexpected ZeroDivisionError: division by zero")
 
 
+
+@pytest.mark.parametrize("error,fragment", [
+    (RuntimeError("[enforce fail at alloc_cpu.cpp:127] err == 0. DefaultCPUAllocator: can't allocate memory: you "
+                  "tried to allocate 2304000000207360 bytes. Error code 12 (Cannot allocate memory)"),
+     "out of memory: a tensor of 2,145,767.2 GiB"),  # 2,304,000,000,207,360 / 2**30, by hand
+    (MemoryError(), "out of memory (a shorter prompt"),
+    (RuntimeError("CUDA out of memory. Tried to allocate 20.00 GiB"), "out of memory (a shorter prompt"),
+])
+def test_an_allocation_that_fails_says_out_of_memory(capsys, model, prompt, monkeypatch, error, fragment):
+    import kvmini.generate
+
+    def fail(*args, **kwargs):  # what scissorhands --history 10**11 met: a ring buffer of 24,587 GiB
+        raise error
+    monkeypatch.setattr(kvmini.generate, "generate", fail)
+    assert_one_line(*cli(capsys, "--prompt", prompt, "--model", model)[::2], fragment)
+
+
 # --- the operating system ------------------------------------------------------------------------
 
 def unprivileged():
