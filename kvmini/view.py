@@ -233,7 +233,9 @@ def compare(args) -> int:
     for flag in ("prompt", "out", "model"):
         if getattr(args, flag) is not None and not getattr(args, flag).strip():
             raise KvminiError(f"--{flag} must not be empty (a path)")
-    for spec in args.methods:
+    for i, spec in enumerate(args.methods):
+        if spec in args.methods[:i]:
+            raise KvminiError(f"--methods names {spec} twice (each method gets one text on the page)")
         if spec != "full":
             parse_spec(spec)  # unknown names and options fail before the model loads
     cli.writable_file(args.out, "--out")

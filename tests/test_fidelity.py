@@ -59,7 +59,10 @@ def test_method_specs():
     assert parse_spec("dbudgetkv[norm_excludes_kept=yes]") == ("dbudgetkv", {"norm_excludes_kept": True})
     for bad, msg in [("h3o", "unknown method 'h3o'"), ("d2o[beta]", "bad option"), ("d2o[beta=x]", "bad value"),
                      ("d2o[beta=1.5]", "--beta must be in"), ("d2o[protected_layers=0,x]", "bad value '0,x'"),
-                     ("h2o[kernel=3]", "bad option 'kernel=3'")]:
+                     ("h2o[kernel=3]", "bad option 'kernel=3'"), ("d2o[merge=off", "bad spec"),
+                     ("d2o[merge=off]x", "bad spec"), ("d2o[[merge=off]]", "bad spec"),
+                     ("d2o[beta=0.3,beta=0.4]", "beta is given twice"),
+                     ("d2o[merge=off,beta=0.2]", "--beta does nothing with --merge off")]:
         with pytest.raises(KvminiError, match=msg):
             parse_spec(bad)
 

@@ -95,9 +95,11 @@ def parse_spec(spec: str) -> tuple[str, dict]:
     ("d2o", {"allocation": "uniform", "nm": (1, 1), "protected_layers": (0, 1)}).
     Options are separated by commas; a comma not followed by `name=` continues a list (a
     semicolon may separate a list's items too: protected_layers=0;1)."""
-    name, _, rest = spec.partition("[")
+    name, bracket, rest = spec.partition("[")
     if name not in METHODS or name == "full":
         raise KvminiError(f"unknown method {name!r}; choose from {', '.join(list(METHODS)[1:])}")
+    if bracket and (not rest.endswith("]") or "[" in rest or "]" in rest[:-1]):
+        raise KvminiError(f"bad spec {spec!r}: write name[key=value,...], one pair of brackets closing at the end")
     known = {d.name: d for d in declarations(name)}
     given = {}
     for item in re.split(r",(?=\s*[A-Za-z_]\w*=)", rest.removesuffix("]")) if rest else []:
@@ -106,12 +108,16 @@ def parse_spec(spec: str) -> tuple[str, dict]:
             accepted = ", ".join(known) or "none"
             raise KvminiError(f"bad option {item!r} in {spec!r} (write name[key=value,...]; {name}'s options: "
                               f"{accepted})")
+        if key in given:
+            raise KvminiError(f"{key} is given twice in {spec!r}")
         try:
             given[key] = options.read(known[key].kind, value)
         except ValueError as e:
             raise KvminiError(f"bad value {value!r} for {key} in {spec!r}: it must {e}") from None
     try:
-        return name, check(name, given)
+        given = check(name, given)
+        refuse_idle(name, given)
+        return name, given
     except KvminiError as e:  # a value of the right type that the method refuses: say which spec
         raise KvminiError(f"{spec}: {e}") from None
 
@@ -201,6 +207,14 @@ def check(name: str, given: dict) -> dict:
 
 
 
+def refuse_idle(name: str, given: dict) -> None:
+    """An option the other settings make do nothing (d2o's beta with merge=off) is refused, never ignored."""
+    idle = getattr(METHODS[name], "idle", lambda o: {})(chosen(name, given))
+    for key in given:
+        if key in idle:
+            raise KvminiError(f"--{key.replace('_', '-')} does nothing with {idle[key]}; leave it out")
+
+
 def make_policy(name: str, budget: float | None = None, **given) -> Policy | PerSequence | None:
     """A fresh policy for method `name`; clear errors for unknown names, options and values.
     Option values are typed (int, float, bool, a tuple for layers or N:M) or text as on the command
@@ -224,10 +238,7 @@ def make_policy(name: str, budget: float | None = None, **given) -> Policy | Per
         budget = DEFAULT_BUDGET if budget is None else budget
     every = given.get("evict_every", engine_option(name).default if evicts_while_decoding(name) else 1)
     o = chosen(name, given)
-    idle = getattr(METHODS[name], "idle", lambda o: {})(o)  # options these settings ignore: never silently
-    for key in given:
-        if key in idle:
-            raise KvminiError(f"--{key.replace('_', '-')} does nothing with {idle[key]}; leave it out")
+    refuse_idle(name, given)
 
     def build() -> Policy:
         policy = METHODS[name].build(budget, o)
