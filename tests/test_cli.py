@@ -69,6 +69,32 @@ def test_compressed_run_reports_what_was_kept(default_model_dir, tmp_path, real_
 
 
 @pytest.mark.slow
+def test_the_report_sample_of_usage_md_is_what_run_py_prints(default_model_dir, tmp_path, real_text):
+    """docs/usage.md's sample, line by line, times aside: pyramidkv's budgets and every count and size
+    of the report follow from the prompt's length alone, so any raw prompt of that length gives them."""
+    import re
+
+    from kvmini.tokenizer import load_tokenizer
+
+    sample = (ROOT / "docs" / "usage.md").read_text().split("--- kvmini report ---\n")[1].split("```")[0]
+    n = int(re.search(r"^prompt +(\d+) tokens", sample, re.M).group(1))
+    method = re.search(r"^method +(\w+), budget (\d+) ", sample, re.M)
+    new = int(re.search(r"^decode +(\d+) new tokens", sample, re.M).group(1))
+    tok = load_tokenizer(default_model_dir)
+    text = tok.decode(tok.encode(real_text)[:n])
+    while len(tok.encode(text)) > n:  # decoding and encoding again can join two tokens or split one
+        text = text[:-1]
+    assert len(tok.encode(text)) == n
+    (tmp_path / "p.txt").write_text(text)
+    code, out, err = run("--prompt", tmp_path / "p.txt", "--raw", "--method", method.group(1), "--budget",
+                         method.group(2), "--max-new-tokens", new)
+    assert code == 0, err
+    timeless = lambda text: [line[:10] if line.startswith("prefill") else line.split(",")[0]  # noqa: E731
+                             if line.startswith("decode") else line for line in text.strip().splitlines()]
+    assert timeless(out.split("--- kvmini report ---\n")[1]) == timeless(sample)
+
+
+@pytest.mark.slow
 def test_budget_too_small_for_the_window(default_model_dir, prompt):
     assert_one_line_error(*run("--prompt", prompt, "--method", "snapkv", "--budget", "16")[::2],
                           "too small for 0 sinks and a window of 32 tokens")

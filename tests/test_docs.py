@@ -1,5 +1,6 @@
 """The measured numbers of README.md and docs/ are what `python -m kvmini.eval.docs` writes from the
 committed results files (kvmini/eval/docs.py)."""
+import json
 import re
 import shutil
 from pathlib import Path
@@ -19,6 +20,10 @@ def test_the_documents_are_what_the_generator_writes(capsys):
 def copy_of_the_documents(tmp_path) -> Path:
     shutil.copy(ROOT / "README.md", tmp_path)
     shutil.copytree(ROOT / "docs", tmp_path / "docs")
+    (tmp_path / "tutorials").mkdir()
+    shutil.copy(ROOT / "tutorials" / "README.md", tmp_path / "tutorials")
+    (tmp_path / "results" / "tests").mkdir(parents=True)
+    shutil.copy(ROOT / docs.TESTS, tmp_path / docs.TESTS)
     for results in ROOT.glob("results/*/results.json"):
         (tmp_path / results.parent.relative_to(ROOT)).mkdir(parents=True)
         for name in ("results.json", "summary.md"):
@@ -93,3 +98,25 @@ def test_not_run_names_the_experiments_no_file_holds():
 
     assert tables.not_run({"streaming": {}, "fidelity": {}}, {"speed": {}, "parts_speed": {}, "layers": {}}) == (
         "Not measured in the full profile (no results file holds them): passkey, ablations, queryaware.")
+
+
+def test_what_the_tutorials_say_of_the_committed_ablations():
+    """Tutorials 3, 4 and 5 describe the committed ablations in words, not numbers; these are those
+    words, checked against results/quick/results.json (a re-measure that changes them fails here)."""
+    rows = {r["method"]: r for r in json.loads((ROOT / "results/quick/results.json").read_text())["ablations"]}
+    kl = {spec: r["kl"] for spec, r in rows.items()}
+    # tutorial 3: Eq. 5's allocation and the zscore reading far behind the official allocation and
+    # uniform budgets (paper merge), and the whole official variant ahead of them all
+    behind = min(kl["d2o[variant=paper]"], kl["d2o[variant=paper,allocation=zscore]"])
+    ahead = max(kl["d2o[variant=paper,allocation=official]"], kl["d2o[variant=paper,allocation=uniform]"])
+    assert behind > 2 * ahead and kl["d2o"] < min(kl[s] for s in rows if s.startswith("d2o[variant=paper"))
+    # tutorial 4: from the official variant, the paper's merge and a per-head threshold each lower the
+    # KL a little, no merging lowers it most, a 3:1 split costs more than any of them
+    assert kl["d2o[merge=off]"] < min(kl["d2o[merge=paper]"], kl["d2o[tau=per_head]"])
+    assert max(kl["d2o[merge=paper]"], kl["d2o[tau=per_head]"]) < kl["d2o"] < kl["d2o[nm=3:1]"]
+    # tutorial 5: the official variant prunes to a few percent and loses more than the paper variant;
+    # the paper variant with norm_excludes_kept keeps more than either and loses least
+    share = {spec: r["kept_share"] for spec, r in rows.items()}
+    official, paper, excluded = "dbudgetkv[variant=official]", "dbudgetkv", "dbudgetkv[norm_excludes_kept=true]"
+    assert share[official] < 0.1 and share[official] < share[paper] < share[excluded]
+    assert kl[excluded] < kl[paper] < kl[official]

@@ -173,16 +173,17 @@ show(fig, "03_density_and_budgets")
 # %% [markdown]
 # ## What the authors' code does differently
 #
-# Eq. 5 as printed takes the softmax of the *raw* variances. On this model they run from about 1
-# to several hundred, so $e^{-F_v}$ is a one-hot: the `paper` allocation gives one layer all it
+# Eq. 5 as printed takes the softmax of the *raw* variances. On this model they differ between
+# layers by far more than 1 (the figure above), so $e^{-F_v}$ is a one-hot: the `paper` allocation gives one layer all it
 # can hold and the others the floor. The authors' code (AIoT-MLSys-Lab/D2O) never does that: per
 # query head it takes the unbiased variance, min-max normalizes it across the heads of the layer
 # and averages ($v_l \in [0, 1]$), then $S_l = \mathrm{clamp}(\mathrm{softmax}(-v)_l L \rho, 0.01, 1)(n + 1)$,
 # budgets within a factor $e$ of each other. It also never compresses layers 0, 1 and $L-1$.
-# kvmini's earlier `zscore` reading sits in between. Measured with
-# `python -m kvmini.eval.fidelity --n 1024 --k 128 --budgets 0.2 --methods "d2o[variant=paper]" ...`
-# (KL to the full cache, lower is better): paper 0.664, zscore 0.681, official allocation 0.186,
-# uniform 0.172 (all with the paper's merge); the whole `official` variant 0.106.
+# kvmini's earlier `zscore` reading sits in between. The committed measurements (docs/methods.md,
+# the D2O table: KL to the full cache on one 1,024-token prompt at 20%, lower is better) put the
+# paper's allocation and the zscore reading far behind the official allocation and uniform budgets
+# (all with the paper's merge), and the whole `official` variant ahead of them all
+# (tests/test_docs.py holds this sentence to the committed numbers).
 
 # %%
 for how in ("paper", "zscore", "official", "uniform") if zscore else ("paper", "official", "uniform"):

@@ -170,9 +170,10 @@ if solved("ema_merging"):
 # threshold per layer and lets the head-averaged similarity decide (`tau=per_layer`), with
 # $\alpha = \beta = 0.5$; it splits the budget 1:1 with the 4 sinks inside the heavy part
 # (`nm=1:1`, `split=official`) and starts compressing at the first decode step. On this model
-# (N = 1,024, K = 128, 20%): from the official variant, the paper's merge gives KL 0.097 instead
-# of 0.106, a per-head threshold 0.089, no merging at all 0.052 — merging costs accuracy here; a
-# 3:1 split costs the most (0.172).
+# (docs/methods.md, the D2O table of the committed measurements: N = 1,024, K = 128, 20%), from
+# the official variant, the paper's merge and a per-head threshold each lower the KL a little, and
+# no merging at all lowers it most: merging costs accuracy here; a 3:1 split costs more than any
+# of them (tests/test_docs.py holds this sentence to the committed numbers).
 
 # %%
 merged = {}

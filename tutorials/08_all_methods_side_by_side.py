@@ -3,9 +3,9 @@
 #
 # One fidelity table for every method in kvmini, and a picture of how each layer-adaptive method
 # spreads its budget over SmolLM2's 30 layers. The prompt here is short (512 tokens, 64
-# continuation tokens) so the tutorial runs in under a minute (29 s as a notebook on a quiet 2-core machine, before the
-# page of what each method keeps was added: four more 256-token runs); results/full/summary.md has N = 2048,
-# K = 256 over five prompts (`python -m kvmini.eval.suite --profile full --only fidelity`).
+# continuation tokens) so that the tutorial runs in a minute or two (tutorials/README.md has the
+# recorded times); results/full/summary.md has the full profile's longer prompts (docs/evaluation.md
+# lists its sizes; `python -m kvmini.eval.suite --profile full --only fidelity`).
 # Open it as an executed notebook: `python -m kvmini.notebooks 08` (into notebooks/).
 
 # %%

@@ -1,6 +1,10 @@
 """Benchmark: kvmini vs HF transformers generate() on the default model, same process, side by side.
 
     python -m kvmini.eval.bench_hf [--prompt-tokens 2048] [--new-tokens 128] [--repeats 3] [--dtype bfloat16]
+    python -m kvmini.eval.bench_hf --out results/hf/bench.json [--dtype bfloat16]   # also record it
+
+With --out the run is recorded under its dtype in that JSON file (other dtypes' entries stay), with
+the command, commit, date and machine: docs/speed.md's tables are written from it (kvmini.eval.docs).
 
 Both libraries are measured the same way, alternating, and the median of `repeats` is kept:
     time to first token (TTFT) = wall time of generating 1 token after the prompt
@@ -11,9 +15,14 @@ Then it profiles kvmini's decode steps: where the time per token goes (the weigh
 attention's matmuls, every other tensor op, and Python between them), next to the floor that
 memory bandwidth sets. Absolute times vary between runs on shared machines; compare the ratios.
 """
+import datetime
+import json
+import os
+import shlex
 import statistics
 import sys
 import time
+from pathlib import Path
 
 from kvmini import cli
 
@@ -47,11 +56,18 @@ def main(argv=None) -> int:
     p.add_argument("--new-tokens", type=cli.at_least(1), default=128)
     p.add_argument("--repeats", type=cli.at_least(1), default=3)
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
-    return cli.run(lambda: benchmark(p.parse_args(argv)))
+    p.add_argument("--out", help="record the run in this JSON file, under its dtype (checked before the work)")
+    argv = sys.argv[1:] if argv is None else argv
+    return cli.run(lambda: benchmark(p.parse_args(argv), argv))
 
 
-def benchmark(args) -> int:
+def benchmark(args, argv: list[str]) -> int:
     dtype = getattr(torch, args.dtype)
+    if args.out is not None and not args.out.strip():
+        raise KvminiError("--out must not be empty (a path)")
+    out = cli.writable_file(args.out, "--out") if args.out else None
+    recorded = read_record(out) if out else {}
+    load = os.getloadavg()[0]
     try:
         from transformers import AutoModelForCausalLM
     except ImportError:
@@ -106,8 +122,56 @@ def benchmark(args) -> int:
     print(f"ratios   TTFT kvmini/hf = {res['kvmini'][0] / res['hf'][0]:.2f} (target <= 1.0), "
           f"decode kvmini/hf = {res['kvmini'][1] / res['hf'][1]:.2f}x (target >= 1.5x)")
     print(f"bytes read per decode token {bytes_per_token / 2**20:.0f} MiB, copy bandwidth {bw / 1e9:.1f} GB/s")
-    decode_profile(ours, ids, bytes_per_token / bw)
+    profile = decode_profile(ours, ids, bytes_per_token / bw)
+    if out:
+        from kvmini.eval.provenance import commit
+
+        recorded[args.dtype] = {
+            "command": shlex.join(["python", "-m", "kvmini.eval.bench_hf", *argv]),
+            "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"), "commit": commit(),
+            "machine": {"threads": torch.get_num_threads(), "load_at_start": round(load, 1)},
+            "prompt_tokens": ids.shape[1], "new_tokens": n, "repeats": args.repeats, "same_tokens": same,
+            **{name: {"ttft_s": round(ttft, 4), "decode_tokens_per_s": round(rate, 2)} for name, (ttft, rate) in res.items()},
+            "bytes_per_token": bytes_per_token, "copy_bandwidth": round(bw), "profile": profile}
+        out.write_text(json.dumps(recorded, indent=1) + "\n")
+        print(f"recorded under {args.dtype} in {out}")
     return 0
+
+
+def table(recorded: dict) -> str:
+    """docs/speed.md's table and profile of the recorded runs (one per dtype)."""
+    rows = ["| dtype | TTFT kvmini / HF | decode kvmini (tokens/s) | decode HF | kvmini / HF | greedy tokens equal |",
+            "|---|---|---|---|---|---|"]
+    notes = []
+    for dtype, r in recorded.items():
+        ours, hf, prof = r["kvmini"], r["hf"], r["profile"]
+        rows.append(f"| {dtype} | {ours['ttft_s'] / hf['ttft_s']:.2f} ({ours['ttft_s']:.2f} s) | "
+                    f"{ours['decode_tokens_per_s']:.1f} | {hf['decode_tokens_per_s']:.1f} | "
+                    f"{ours['decode_tokens_per_s'] / hf['decode_tokens_per_s']:.2f}x | {'yes' if r['same_tokens'] else 'no'} |")
+        parts = prof["parts_ms"]
+        notes.append(f"- {dtype} ({r['prompt_tokens']:,}-token prompt, {r['new_tokens']} new tokens, median of "
+                     f"{r['repeats']}): {prof['ms_per_token']:.1f} ms per step ({prof['op_calls']:,} op calls): the linear "
+                     f"layers {parts['weights (linear layers)']:.1f} ms, against {prof['floor_ms']:.1f} ms for the "
+                     f"bytes a step reads at the measured copy bandwidth ({r['copy_bandwidth'] / 1e9:.1f} GB/s); "
+                     f"attention {parts['attention (q K^T, softmax, p V)']:.1f} ms, other tensor ops "
+                     f"{parts['other tensor ops']:.1f} ms, Python between ops {parts['Python between ops']:.1f} ms")
+    runs = "; ".join(f"`{r['command']}` at commit {r['commit']}, {r['date']}, {r['machine']['threads']} threads, "
+                     f"load average {r['machine']['load_at_start']} at its start" for r in recorded.values())
+    return ("\n".join(rows) + "\n\nWhere kvmini's decode step goes (torch.profiler's self time per kind of op, which "
+            "inflates small ops):\n\n" + "\n".join(notes) + f"\n\nRecorded by {runs} (results/hf/bench.json).")
+
+
+def read_record(path: Path) -> dict:
+    """The file's entries by dtype, {} for a new file; anything else is refused before the work."""
+    if not path.exists() or not path.stat().st_size:
+        return {}
+    try:
+        data = json.loads(path.read_text())
+    except (ValueError, UnicodeDecodeError):
+        raise KvminiError(f"--out {path} is not a JSON file of this benchmark's runs") from None
+    if not isinstance(data, dict) or not all(isinstance(v, dict) and "kvmini" in v for v in data.values()):
+        raise KvminiError(f"--out {path} is not a JSON file of this benchmark's runs")
+    return data
 
 
 WEIGHTS = {"aten::mm", "aten::addmm", "aten::linear"}  # x W^T of the linear layers (one query row)
@@ -115,8 +179,9 @@ ATTENTION = {"aten::bmm", "aten::_softmax"}  # q K^T, softmax, p V over the cach
 
 
 @torch.inference_mode()
-def decode_profile(model, ids: torch.Tensor, floor_s: float, steps: int = 16) -> None:
-    """Where kvmini's decode time per token goes, from torch.profiler's self time per op."""
+def decode_profile(model, ids: torch.Tensor, floor_s: float, steps: int = 16) -> dict:
+    """Where kvmini's decode time per token goes, from torch.profiler's self time per op (printed, and
+    returned in ms for the record)."""
     from kvmini.generate import prefill
 
     cache = model.new_cache(1, ids.shape[1] + 2 * steps + 1)
@@ -141,6 +206,8 @@ def decode_profile(model, ids: torch.Tensor, floor_s: float, steps: int = 16) ->
     for name, t in parts.items():
         print(f"  {name:34} {t * 1e3:6.1f} ms  {t / wall:6.1%}")
     print(f"  {'floor: bytes read / copy bandwidth':34} {floor_s * 1e3:6.1f} ms")
+    return {"ms_per_token": round(wall * 1e3, 2), "op_calls": round(calls),
+            "parts_ms": {name: round(t * 1e3, 2) for name, t in parts.items()}, "floor_ms": round(floor_s * 1e3, 2)}
 
 
 if __name__ == "__main__":

@@ -1,4 +1,4 @@
-"""Write every measured number of README.md and docs/ from the committed results files.
+"""Write every measured number of README.md, docs/ and tutorials/README.md from the committed results files.
 
     python -m kvmini.eval.docs           # rewrite the generated regions and results/*/summary.md
     python -m kvmini.eval.docs --check   # exit 1, naming the document and region, where they differ
@@ -24,11 +24,14 @@ from kvmini import cli
 cli.exit_on_ctrl_c(__name__)  # before the imports below
 from kvmini.errors import KvminiError  # noqa: E402
 from kvmini.eval import claims, tables  # noqa: E402
+from kvmini.eval import bench_hf, test_run  # noqa: E402
 from kvmini.eval.tables import FULL, FULL_SPEED, QUICK  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 REGION = re.compile(r"<!-- generated: (\S+)[^\n]*-->\n(.*?)<!-- end generated -->", re.DOTALL)
 
+TESTS = test_run.OUT  # the last recorded run of the test suite
+HF = "results/hf/bench.json"  # kvmini against HF transformers (kvmini.eval.bench_hf --out)
 PROFILES_SOURCE = "kvmini/eval/suite.py"  # not a results file: the profiles' sizes, read from the module
 # name -> (the results files it reads, the function of their contents)
 TABLES = {
@@ -49,11 +52,18 @@ TABLES = {
     "parts-2k": ((QUICK,), tables.parts_table),
     "queryaware": ((QUICK,), tables.queryaware_table),
     "queryaware-verdict": ((QUICK,), tables.queryaware_verdict),
+    "test-run": ((TESTS,), test_run.summary),
+    "hf": ((HF,), bench_hf.table),
+    "tutorial-times": ((TESTS,), test_run.tutorials),
 }
 # the command that measures an experiment into each file, for a table that finds it missing
 MEASURE = {QUICK: "python -m kvmini.eval.suite --only {experiment} --out results/quick",
            FULL: "python -m kvmini.eval.suite --profile full --only {experiment} --out results/full",
            FULL_SPEED: "python -m kvmini.eval.suite --profile full --only {experiment} --out results/full-speed"}
+
+# the command that records each file read by a region but not made by the suite
+RECORD = {TESTS: "python -m kvmini.eval.test_run",
+          HF: "python -m kvmini.eval.bench_hf --out results/hf/bench.json`, then with `--dtype bfloat16"}
 
 
 def profiles() -> str:
@@ -63,7 +73,7 @@ def profiles() -> str:
 
 
 def documents(root: Path = ROOT) -> list[Path]:
-    return [root / "README.md", *sorted((root / "docs").glob("*.md"))]
+    return [root / "README.md", *sorted((root / "docs").glob("*.md")), root / "tutorials" / "README.md"]
 
 
 def region(name: str, root: Path = ROOT) -> str:
@@ -71,6 +81,9 @@ def region(name: str, root: Path = ROOT) -> str:
     if name not in TABLES:
         raise KvminiError(f"unknown generated region {name!r}; known: {', '.join(TABLES)}")
     sources, make = TABLES[name]
+    if absent := [s for s in sources if s in RECORD and not (root / s).exists()]:
+        body = f"*Not measured yet: `{RECORD[absent[0]]}` writes {absent[0]}.*"
+        return f"<!-- generated: {name} (from {', '.join(sources)}) -->\n{body}\n<!-- end generated -->"
     loaded = [None if s == PROFILES_SOURCE else json.loads((root / s).read_text()) for s in sources]
     try:
         body = make(*loaded)
