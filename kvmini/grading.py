@@ -1,11 +1,12 @@
 """Running exercises' tests in a copy (kvmini.assignments check) and grading a class (grade).
 
-The tests run in a child process, `python -m pytest` in the copy itself (its own kvmini, its own
-tests), and report through pytest's JUnit XML. `grade` takes what was handed out from the repository
-it runs from, never from the copy (whose manifest a student could rewrite): each exercise's tests
-(run in the copy, so a test deleted there fails as not run) and the fingerprint of every file the
-grade depends on (a test, pytest's configuration or a module changed outside the exercise regions is
-reported beside the student's row, never hidden). Each exercise's tests run in their own child
+The tests run in a child process, `python -m pytest`, and report through pytest's JUnit XML: `check`
+runs them in the copy itself (its own kvmini, its own tests). `grade` takes what was handed out from
+the repository it runs from, never from the copy (whose manifest a student could rewrite): each
+exercise's tests run with the copy's kvmini but the repository's tests/ and pytest.ini (`graded_tree`:
+a test the copy loosened or deleted grades as handed out), and the fingerprint of every file the
+grade depends on is compared (a test, pytest's configuration or a module changed outside the
+exercise regions is reported beside the student's row, never hidden). Each exercise's tests run in their own child
 process and time limit, so one that hangs or breaks fails alone, with the reason beside the row.
 
 Status of an exercise: `pass` (every test passes), `fail k/n` (k of its n test cases pass),
@@ -14,6 +15,7 @@ this copy: its regions hold the repository's solution and the manifest does not 
 """
 import csv
 import json
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -185,6 +187,20 @@ def handed_out_here(root: Path = ROOT) -> tuple[dict[str, Exercise], dict[str, s
     return reference, fingerprints(root)
 
 
+def graded_tree(folder: Path, into: Path, root: Path = ROOT) -> Path:
+    """The copy as `grade` runs it: a folder `into`/graded whose entries link to the copy's, for the
+    names the repository has at its top level (kvmini/, tutorials/ ...; weights/ too), except tests/
+    and pytest.ini, which are the repository's own: the grade uses the tests that were handed out."""
+    tree = into / "graded"
+    tree.mkdir()
+    for name in sorted({p.name for p in root.iterdir()} - {"tests", "pytest.ini", ".git"} | {"weights"}):
+        if (folder / name).exists():
+            (tree / name).symlink_to((folder / name).resolve())
+    shutil.copytree(root / "tests", tree / "tests", ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copy(root / "pytest.ini", tree / "pytest.ini")
+    return tree
+
+
 def grade_one(folder: Path, timeout: int, reference: dict[str, Exercise], files: dict[str, str]) -> dict:
     """One copy: each exercise handed out in it, by the repository's own tests (`reference`, `files`: handed_out_here)."""
     mine = student_copy(folder)
@@ -193,16 +209,18 @@ def grade_one(folder: Path, timeout: int, reference: dict[str, Exercise], files:
     except (OSError, ValueError, KeyError, TypeError):
         listed = set()  # (reported by `problems`)
     statuses, notes = {}, []
-    for name, ex in reference.items():
-        theirs = mine.get(name)  # None: its markers were removed (then its tests run all the same)
-        if name not in listed and theirs is not None and theirs.bodies == ex.bodies:
-            continue  # not handed out: the copy holds the repository's solution
-        if theirs is not None and theirs.open:
-            statuses[name] = NOT_ATTEMPTED
-            continue
-        results = run_tests(folder, list(ex.tests), timeout)
-        statuses[name] = status(ex, results)
-        notes += [f"{name}: {why}" for why in not_run(results)]
+    with tempfile.TemporaryDirectory() as tmp:
+        tree = graded_tree(folder, Path(tmp))
+        for name, ex in reference.items():
+            theirs = mine.get(name)  # None: its markers were removed (then its tests run all the same)
+            if name not in listed and theirs is not None and theirs.bodies == ex.bodies:
+                continue  # not handed out: the copy holds the repository's solution
+            if theirs is not None and theirs.open:
+                statuses[name] = NOT_ATTEMPTED
+                continue
+            results = run_tests(tree, list(ex.tests), timeout)
+            statuses[name] = status(ex, results)
+            notes += [f"{name}: {why}" for why in not_run(results)]
     return {"student": str(folder), "exercises": statuses, "problems": problems(folder, files), "notes": notes}
 
 
