@@ -166,8 +166,9 @@ class Policy:
                               f"this model has layers 0 to {L - 1}")
         n, b, self.note = self.prompt_end, None if self.budget is None else resolve_budget(self.budget, self.prompt_end), None
         self.planned = True
-        fit = None if b is None or self._fits(b, L) else next((x for x in range(b + 1, n + 1) if self._fits(x, L)), None)
-        if isinstance(self.budget, float) and self.budget <= 1 and not self._fits(b, L):  # a ratio (resolve_budget)
+        fits = b is None or self._fits(b, L)
+        fit = None if fits else next((x for x in range(b + 1, n + 1) if self._fits(x, L)), None)  # the least that does
+        if isinstance(self.budget, float) and self.budget <= 1 and not fits:  # a ratio (resolve_budget)
             # a share of a short prompt smaller than what the method always keeps: raise it to the least that works
             if fit is None:
                 self.note = f"not compressed: the {n}-token prompt is no longer than what {self.name} always keeps"

@@ -206,7 +206,6 @@ def check(name: str, given: dict) -> dict:
     return typed
 
 
-
 def refuse_idle(name: str, given: dict) -> None:
     """An option the other settings make do nothing (d2o's beta with merge=off) is refused, never ignored."""
     idle = getattr(METHODS[name], "idle", lambda o: {})(chosen(name, given))
