@@ -25,7 +25,7 @@ from kvmini.progress import Progress  # noqa: E402
 from kvmini.report import run_report  # noqa: E402
 from kvmini.tokenizer import StreamDecoder, load_tokenizer  # noqa: E402
 from kvmini.view import record_merges, write_html, write_turns  # noqa: E402
-from kvmini.weights import ensure_default_model  # noqa: E402
+from kvmini.weights import DEFAULT_MODEL_DIR, ensure_default_model  # noqa: E402
 
 EXAMPLES = """examples:
   python run.py --prompt prompt.txt                       # default model (prepared on first use)
@@ -93,14 +93,14 @@ def parse_args(argv=None):
         epilog=methods_help() + "\n" + EXAMPLES,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p.add_argument("--prompt", help="UTF-8 text file with the prompt (special-token strings count)")
+    p.add_argument("--prompt", type=cli.path, help="UTF-8 text file with the prompt (special-token strings count)")
     p.add_argument("--chat", action="store_true",
                    help="a conversation: turns from stdin, one per line (typed on a terminal: end with Ctrl-D), one "
                         "answer each, every turn continuing the same compressed cache")
-    p.add_argument("--context", metavar="FILE", help="UTF-8 text file compressed once, before any --question is known")
+    p.add_argument("--context", type=cli.path, metavar="FILE", help="UTF-8 text file compressed once, before any --question is known")
     p.add_argument("--question", action="append", metavar="TEXT",
                    help="a question about --context (repeat it), each answered from its own copy of the compressed cache")
-    p.add_argument("--model", help="HF-layout checkpoint folder (default: SmolLM2-135M-Instruct, prepared under weights/)")
+    p.add_argument("--model", type=cli.path, help="HF-layout checkpoint folder (default: SmolLM2-135M-Instruct, prepared under weights/)")
     p.add_argument("--method", default="full", choices=list(METHODS), metavar="NAME",
                    help="KV-cache method, listed below (default: full)")
     p.add_argument("--budget", type=cli.budget, default=None,
@@ -116,7 +116,7 @@ def parse_args(argv=None):
                         f"complete keep what one call keeps; {', '.join(compress_every_call())} compress after every "
                         "chunk by design, so the size changes what they keep)")
     p.add_argument("--raw", action="store_true", help="feed the prompt as is, without the chat template")
-    p.add_argument("--html", metavar="FILE", help="also write a web page of what each layer and KV head kept, "
+    p.add_argument("--html", type=cli.path, metavar="FILE", help="also write a web page of what each layer and KV head kept, "
                                                   "token by token (one self-contained file)")
     p.add_argument("--quiet", action="store_true", help="no progress on stderr (it shows only on a terminal, for long work)")
     p.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N (default: auto)")
@@ -134,9 +134,6 @@ def parse_args(argv=None):
 
 def mode_errors(p, args) -> None:
     """One of three ways to give prompts: --prompt FILE, --chat, or --context FILE with --question TEXT."""
-    for flag in ("prompt", "context", "model", "html"):
-        if getattr(args, flag) is not None and not getattr(args, flag).strip():
-            p.error(f"--{flag} must not be empty (a path)")  # "" would read as absent, or as the current folder
     if args.chat and (args.prompt or args.context):
         p.error("--chat reads its turns from stdin; it takes no --prompt or --context")
     if args.context and args.prompt:
@@ -164,7 +161,8 @@ def generate_answer(args) -> int:
     policy = make_policy(args.method, args.budget, **args.options)  # bad options fail before the model loads
     text = cli.read_prompt(args.context or args.prompt) if not args.chat else None
     if args.html is not None:
-        cli.writable_file(args.html, "--html")
+        cli.writable_file(cli.not_an_input(args.html, "--html", args.prompt, args.context,
+                                           args.model or DEFAULT_MODEL_DIR), "--html")
     if args.chat or args.context:
         return several_prompts(args, policy, text)
     folder, model, tok, chat = load(args)
@@ -249,7 +247,8 @@ def stdin_lines():
     stream = getattr(sys.stdin, "buffer", None)
     for number, raw in enumerate(stream if stream is not None else sys.stdin, 1):
         try:
-            yield raw.decode("utf-8") if isinstance(raw, bytes) else raw
+            text = raw.decode("utf-8") if isinstance(raw, bytes) else raw
+            yield text.removeprefix("\ufeff") if number == 1 else text  # a byte order mark, as --prompt drops it
         except UnicodeDecodeError as e:
             raise KvminiError(f"--chat: line {number} of stdin is not UTF-8 text (byte {e.start})") from None
 

@@ -306,17 +306,17 @@ def main(argv=None) -> int:
                           description="Course mode: hand out a student copy of kvmini, check an exercise, grade a class.")
     commands = p.add_subparsers(dest="command", required=True, parser_class=cli.OneLineParser)
     new = commands.add_parser("new", help="write a student copy with the mechanisms left as exercises")
-    new.add_argument("dest", help="folder for the copy (new or empty, outside the repository)")
+    new.add_argument("dest", type=cli.path, help="folder for the copy (new or empty, outside the repository)")
     new.add_argument("--only", nargs="+", metavar="NAME", help="strip only these exercises (default: all)")
     check = commands.add_parser("check", help="run one exercise's tests (or every exercise's) in a copy")
     check.add_argument("name", nargs="?", default="all", help="the exercise (default: all of them, one line each)")
-    check.add_argument("dir", nargs="?", default=".", help="the copy (default: the current folder)")
+    check.add_argument("dir", type=cli.path, nargs="?", default=".", help="the copy (default: the current folder)")
     grade = commands.add_parser("grade", help="a table student x exercise over student copies")
-    grade.add_argument("dirs", nargs="+", metavar="DIR", help="student copies (made with `new`)")
-    grade.add_argument("--json", metavar="FILE", help="also write the table as JSON")
-    grade.add_argument("--csv", metavar="FILE", help="also write the table as CSV")
-    check.add_argument("--timeout", type=cli.at_least(1), default=900, help="seconds for the tests (default 900)")
-    grade.add_argument("--timeout", type=cli.at_least(1), default=900,
+    grade.add_argument("dirs", type=cli.path, nargs="+", metavar="DIR", help="student copies (made with `new`)")
+    grade.add_argument("--json", type=cli.path, metavar="FILE", help="also write the table as JSON")
+    grade.add_argument("--csv", type=cli.path, metavar="FILE", help="also write the table as CSV")
+    check.add_argument("--timeout", type=cli.seconds, default=900, help="seconds for the tests (default 900)")
+    grade.add_argument("--timeout", type=cli.seconds, default=900,
                        help="seconds for one exercise's tests in one copy (default 900)")
 
     def work():

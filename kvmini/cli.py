@@ -30,10 +30,38 @@ INTERRUPTED = "\ninterrupted (Ctrl-C)"
 
 
 class OneLineParser(argparse.ArgumentParser):
-    """argparse, but a usage error is one line on stderr (exit code 2)."""
+    """argparse, but a usage error is one line on stderr (exit code 2), an option is never abbreviated,
+    and an option that takes a value given twice is refused (argparse would keep the last silently)."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, allow_abbrev=False, **kwargs)
 
     def error(self, message):
         self.exit(2, f"error: {message} (see --help)\n")
+
+    def parse_known_args(self, args=None, namespace=None):
+        given = sys.argv[1:] if args is None else list(args)
+        seen = set()
+        for word in given[: given.index("--")] if "--" in given else given:
+            action = self._option_string_actions.get(str(word).split("=", 1)[0])
+            if type(action) is argparse._StoreAction:  # not append, count or a flag
+                if action.dest in seen:
+                    self.error(f"{'/'.join(action.option_strings)} is given twice; give it once")
+                seen.add(action.dest)
+        return super().parse_known_args(given, namespace)
+
+
+def seconds(text: str) -> int:
+    """An argparse type: a time limit in whole seconds, 1 to a week."""
+    return whole_number(text, 1, 7 * 24 * 3600)
+
+
+def path(text: str) -> str:
+    """An argparse type for a file or folder: '' (or spaces) is refused, not read as absent or as the
+    current folder."""
+    if not text.strip():
+        raise argparse.ArgumentTypeError("must not be empty (a path)")
+    return text
 
 
 def whole_number(text: str, low: int = 0, high: int | None = None) -> int:
@@ -54,7 +82,7 @@ def at_least(low: int):
 def real_number(text: str) -> float:
     """A finite number written in ASCII ('inf', 'nan' and '١.٥' are refused)."""
     try:
-        value = float(text) if text.isascii() else math.nan
+        value = float(text) if text.isascii() and "_" not in text else math.nan  # float() reads '1_0' as 10
     except ValueError:
         value = math.nan
     if not math.isfinite(value):
@@ -145,6 +173,8 @@ def writable_file(path: str, flag: str = "") -> Path:
     `flag` names the option in the message. Nothing is left behind."""
     file, name = Path(path), f"{flag} {path}".strip()
     not_special(file, name)
+    if file.is_symlink() and not file.exists():
+        raise KvminiError(f"{name} is a link to a missing file ({os.readlink(file)}); name the file itself")
     if file.is_dir():
         raise KvminiError(f"{name} is a folder, not a file")
     if not file.parent.is_dir():
@@ -165,6 +195,23 @@ def writable_folder(path: str, flag: str) -> Path:
     out.mkdir(parents=True, exist_ok=True)  # PermissionError, FileExistsError ...: one line
     tempfile.TemporaryFile(dir=out).close()
     return out
+
+
+def debugging() -> bool:
+    """KVMINI_DEBUG=1 (any value but empty or 0) lets a failure's traceback through."""
+    return os.environ.get("KVMINI_DEBUG", "").strip() not in ("", "0")
+
+
+def not_an_input(output: Path, flag: str, *inputs) -> Path:
+    """`output` unless it is one of the files or inside one of the folders the run reads (an --html
+    page written over the prompt or into the model folder)."""
+    out = Path(output).resolve()
+    for given in (Path(i) for i in inputs if i):
+        held = given.resolve()
+        if out == held or (held.is_dir() and held in out.parents):
+            raise KvminiError(f"{flag} {output} would overwrite {'a file in ' if out != held else ''}{given}, "
+                              "which this run reads; write it elsewhere")
+    return Path(output)
 
 
 def run(work, imports: tuple[str, ...] = ()) -> int:
@@ -188,14 +235,14 @@ def run(work, imports: tuple[str, ...] = ()) -> int:
     except SystemExit as e:  # argparse: --help (0) or a usage error (2, its line already written)
         return e.code if isinstance(e.code, int) else 2
     except Exception as e:
-        if os.environ.get("KVMINI_DEBUG"):
+        if debugging():
             raise
         if isinstance(e, OSError) and e.filename is None:
             silence_stdout()
         print(f"error: {one_line(e)}", file=sys.stderr)
         return 2
     except BaseException as e:  # a Rust library's panic reaches Python as pyo3's PanicException, not an Exception
-        if type(e).__name__ != "PanicException" or os.environ.get("KVMINI_DEBUG"):
+        if type(e).__name__ != "PanicException" or debugging():
             raise
         print(f"error: {one_line(e)}", file=sys.stderr)
         return 2

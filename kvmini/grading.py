@@ -228,8 +228,10 @@ def grade(folders: list[Path], json_path, csv_path, timeout: int) -> int:
     """Every copy's status per exercise, as a table (and JSON / CSV); under it, each copy's differences
     from what was handed out and why tests did not run."""
     reference, files = handed_out_here()
-    for folder in folders:  # bad input is refused before any test runs
+    for i, folder in enumerate(folders):  # bad input is refused before any test runs
         student_copy(folder)
+        if any(folder.resolve() == other.resolve() for other in folders[:i]):
+            raise KvminiError(f"{folder} is given twice; grade each copy once")
     wanted = [(Path(p), flag) for p, flag in ((json_path, "--json"), (csv_path, "--csv")) if p]
     if len({p.resolve() for p, _ in wanted}) < len(wanted):
         raise KvminiError("--json and --csv name the same file; give each its own")

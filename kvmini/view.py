@@ -213,10 +213,10 @@ def run_method(model, ids: torch.Tensor, spec: str, budget: float | None, max_ne
 def main(argv=None) -> int:
     p = cli.OneLineParser(description="One web page of what several methods keep of the same prompt.")
     p.add_argument("--methods", nargs="+", required=True, help="method names or specs, e.g. h2o snapkv d2o[variant=paper]")
-    p.add_argument("--prompt", required=True, help="UTF-8 text file")
-    p.add_argument("--out", required=True, help="the HTML file to write (checked before the work)")
-    p.add_argument("--model", help="HF-layout checkpoint folder (default: SmolLM2-135M-Instruct)")
-    p.add_argument("--budget", type=cli.budget, default=0.2,
+    p.add_argument("--prompt", type=cli.path, required=True, help="UTF-8 text file")
+    p.add_argument("--out", type=cli.path, required=True, help="the HTML file to write (checked before the work)")
+    p.add_argument("--model", type=cli.path, help="HF-layout checkpoint folder (default: SmolLM2-135M-Instruct)")
+    p.add_argument("--budget", type=cli.budget, default=None,
                    help="a ratio of the prompt (0.2, 1.0) or whole tokens per layer (128) (default: 0.2)")
     p.add_argument("--max-new-tokens", type=cli.at_least(1), default=8, help="tokens generated after the prompt (default: 8)")
     p.add_argument("--raw", action="store_true", help="no chat template")
@@ -226,19 +226,20 @@ def main(argv=None) -> int:
 def compare(args) -> int:
     from kvmini.chat import load_chat_format
     from kvmini.loading import load_model
-    from kvmini.methods.registry import parse_spec
+    from kvmini.methods.registry import DEFAULT_BUDGET, make_policy, parse_spec
     from kvmini.tokenizer import load_tokenizer
-    from kvmini.weights import ensure_default_model
+    from kvmini.weights import DEFAULT_MODEL_DIR, ensure_default_model
 
-    for flag in ("prompt", "out", "model"):
-        if getattr(args, flag) is not None and not getattr(args, flag).strip():
-            raise KvminiError(f"--{flag} must not be empty (a path)")
-    for i, spec in enumerate(args.methods):
-        if spec in args.methods[:i]:
-            raise KvminiError(f"--methods names {spec} twice (each method gets one text on the page)")
-        if spec != "full":
-            parse_spec(spec)  # unknown names and options fail before the model loads
-    cli.writable_file(args.out, "--out")
+    seen = {}
+    for spec in args.methods:  # unknown names, options and budgets fail before the model loads
+        name, given = ("full", {}) if spec == "full" else parse_spec(spec)
+        key = (name, repr(sorted(given.items())))
+        if key in seen:
+            raise KvminiError(f"--methods names one method twice ({seen[key]}, {spec}): each gets one text on the page")
+        seen[key] = spec
+        if args.budget is not None:
+            make_policy(name, args.budget, **given)  # as run.py: full and self-budgeted methods take no --budget
+    cli.writable_file(cli.not_an_input(args.out, "--out", args.prompt, args.model or DEFAULT_MODEL_DIR), "--out")
     out, text = Path(args.out), cli.read_prompt(args.prompt)  # as run.py reads it
     folder = Path(args.model) if args.model else ensure_default_model()
     model, tok = load_model(folder, "cpu", "float32"), load_tokenizer(folder)
@@ -248,7 +249,8 @@ def compare(args) -> int:
     ids = torch.tensor([prompt])
     runs = []
     for spec in args.methods:
-        runs.append(run_method(model, ids, spec, args.budget, args.max_new_tokens))
+        runs.append(run_method(model, ids, spec, DEFAULT_BUDGET if args.budget is None else args.budget,
+                               args.max_new_tokens))
         cache, policy = runs[-1][:2]
         note = f"; {policy.note}" if getattr(policy, "note", None) else ""  # e.g. a budget raised to fit
         print(f"{spec}: {cache.summary()}{note}", file=sys.stderr)

@@ -41,6 +41,6 @@ def test_a_record_keeps_the_other_dtypes(tmp_path):
 
 def test_bad_out_is_one_line_before_any_work(capsys, tmp_path):
     assert bench_hf.main(["--out", ""]) == 2
-    assert capsys.readouterr().err == "error: --out must not be empty (a path)\n"
+    assert capsys.readouterr().err == "error: argument --out: must not be empty (a path) (see --help)\n"
     assert bench_hf.main(["--out", str(tmp_path / "missing" / "b.json")]) == 2
     assert "does not exist" in capsys.readouterr().err

@@ -22,8 +22,9 @@ def copy_of_the_documents(tmp_path) -> Path:
     shutil.copytree(ROOT / "docs", tmp_path / "docs")
     (tmp_path / "tutorials").mkdir()
     shutil.copy(ROOT / "tutorials" / "README.md", tmp_path / "tutorials")
-    (tmp_path / "results" / "tests").mkdir(parents=True)
-    shutil.copy(ROOT / docs.TESTS, tmp_path / docs.TESTS)
+    for record in (r for r in docs.RECORD if (ROOT / r).exists()):  # the test run's, bench_hf's
+        (tmp_path / record).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy(ROOT / record, tmp_path / record)
     for results in ROOT.glob("results/*/results.json"):
         (tmp_path / results.parent.relative_to(ROOT)).mkdir(parents=True)
         for name in ("results.json", "summary.md"):

@@ -91,7 +91,7 @@ def test_suite_out_empty_is_refused_not_read_as_the_current_folder(capsys, model
     from kvmini.eval import suite
 
     code, out, err = tool(capsys, suite.main, "--model", model, "--profile", "smoke", "--only", "layers", "--out", "")
-    assert_one_line(code, err, "--out must not be empty")
+    assert_one_line(code, err, "argument --out: must not be empty")
 
 
 def test_suite_unknown_profile_is_one_line(capsys):

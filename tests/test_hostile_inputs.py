@@ -299,8 +299,8 @@ def test_comparison_page_of_several_methods(capsys, model, prompt, tmp_path):
 
 @pytest.mark.parametrize("args,fragment", [(["--methods", "h2o", "nope"], "unknown method 'nope'"),
                                            (["--methods", "h2o", "--out", "missing/x.html"], "does not exist"),
-                                           (["--methods", "h2o", "--out", ""], "--out must not be empty"),
-                                           (["--methods", "h2o", "--model", ""], "--model must not be empty"),
+                                           (["--methods", "h2o", "--out", ""], "argument --out: must not be empty"),
+                                           (["--methods", "h2o", "--model", ""], "argument --model: must not be empty"),
                                            (["--methods", "h2o", "snapkv", "h2o"], "--methods names h2o twice")])
 def test_comparison_page_refuses_bad_input_before_any_work(capsys, prompt, tmp_path, args, fragment):
     from kvmini import view

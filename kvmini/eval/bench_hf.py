@@ -56,15 +56,13 @@ def main(argv=None) -> int:
     p.add_argument("--new-tokens", type=cli.at_least(1), default=128)
     p.add_argument("--repeats", type=cli.at_least(1), default=3)
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
-    p.add_argument("--out", help="record the run in this JSON file, under its dtype (checked before the work)")
+    p.add_argument("--out", type=cli.path, help="record the run in this JSON file, under its dtype (checked before the work)")
     argv = sys.argv[1:] if argv is None else argv
     return cli.run(lambda: benchmark(p.parse_args(argv), argv))
 
 
 def benchmark(args, argv: list[str]) -> int:
     dtype = getattr(torch, args.dtype)
-    if args.out is not None and not args.out.strip():
-        raise KvminiError("--out must not be empty (a path)")
     out = cli.writable_file(args.out, "--out") if args.out else None
     recorded = read_record(out) if out else {}
     load = os.getloadavg()[0]

@@ -84,13 +84,28 @@ def region(name: str, root: Path = ROOT) -> str:
     if absent := [s for s in sources if s in RECORD and not (root / s).exists()]:
         body = f"*Not measured yet: `{RECORD[absent[0]]}` writes {absent[0]}.*"
         return f"<!-- generated: {name} (from {', '.join(sources)}) -->\n{body}\n<!-- end generated -->"
-    loaded = [None if s == PROFILES_SOURCE else json.loads((root / s).read_text()) for s in sources]
+    loaded = [None if s == PROFILES_SOURCE else read(root, s) for s in sources]
     try:
         body = make(*loaded)
     except tables.Missing as e:
         lacking = next(s for s, res in zip(sources, loaded) if str(e) not in res)
         body = f"*Not measured yet: `{MEASURE[lacking].format(experiment=e)}` writes it.*"
+    except (KeyError, TypeError, ValueError, AttributeError, IndexError) as e:  # a file of another shape
+        raise KvminiError(f"region {name}: {', '.join(sources)} lack what it needs ({type(e).__name__}: {e}); "
+                          "measure them again") from None
     return f"<!-- generated: {name} (from {', '.join(sources)}) -->\n{body}\n<!-- end generated -->"
+
+
+def read(root: Path, source: str) -> dict:
+    """A results file, or a KvminiError naming it (and the command that makes it, where one does)."""
+    make = RECORD.get(source) or MEASURE.get(source, "").format(experiment="...")
+    try:
+        data = json.loads((root / source).read_text())
+    except (OSError, ValueError) as e:
+        raise KvminiError(f"{source} cannot be read ({cli.one_line(e)}): `{make}` makes it") from None
+    if not isinstance(data, dict):
+        raise KvminiError(f"{source} is not a results file (a JSON object): `{make}` makes it")
+    return data
 
 
 def rewritten(text: str, root: Path = ROOT) -> str:
@@ -107,7 +122,12 @@ def outputs(root: Path = ROOT) -> dict[Path, tuple[str, str]]:
         out[path] = (now, rewritten(now, root))
     for results in sorted(root.glob("results/*/results.json")):
         md = results.with_name("summary.md")
-        out[md] = (md.read_text() if md.exists() else "", summary(json.loads(results.read_text())))
+        try:
+            written = summary(read(root, results.relative_to(root).as_posix()))
+        except (KeyError, TypeError, ValueError, AttributeError, IndexError) as e:
+            raise KvminiError(f"{results.relative_to(root)} lacks what its summary needs ({type(e).__name__}: {e}); "
+                              "measure it again") from None
+        out[md] = (md.read_text() if md.exists() else "", written)
     return out
 
 

@@ -190,8 +190,8 @@ def main(argv=None) -> int:
     p = cli.OneLineParser(description="Run the evaluation suite; write JSON, markdown and plots.")
     p.add_argument("--profile", choices=list(PROFILES), default="quick", help="sizes (default: quick: about two hours on 2 CPU cores for every experiment; smoke: a minute)")
     p.add_argument("--only", nargs="+", choices=EXPERIMENTS, default=EXPERIMENTS, help="experiments to run (default: all)")
-    p.add_argument("--out", default="results", help="output folder (default: results/; checked before the work)")
-    p.add_argument("--model", help="HF-layout folder (default: SmolLM2-135M-Instruct)")
+    p.add_argument("--out", type=cli.path, default="results", help="output folder (default: results/; checked before the work)")
+    p.add_argument("--model", type=cli.path, help="HF-layout folder (default: SmolLM2-135M-Instruct)")
     p.add_argument("--device", default="cpu")
     argv = sys.argv[1:] if argv is None else list(argv)
     p.set_defaults(argv=argv)  # recorded in each experiment's provenance
@@ -200,9 +200,11 @@ def main(argv=None) -> int:
 
 def evaluate(args) -> int:
     log = lambda m: print(m, file=sys.stderr, flush=True)  # noqa: E731
-    for flag in ("out", "model"):
-        if getattr(args, flag) is not None and not getattr(args, flag).strip():
-            raise KvminiError(f"--{flag} must not be empty (a path; '' would be the current folder)")
+    if twice := sorted({e for i, e in enumerate(args.only) if e in args.only[:i]}):
+        raise KvminiError(f"--only names {', '.join(twice)} twice; each experiment runs once")
+    from kvmini.loading import resolve_device
+
+    resolve_device(args.device)  # a bad device is refused before the output folder is made
     out = cli.writable_folder(args.out, "--out")
     results = run_suite(args.profile, args.only, args.model, args.device, log, argv=args.argv)
     results = kept_from(out / "results.json", results, log)

@@ -40,6 +40,13 @@ def outcome(case: ET.Element) -> tuple[str, str]:
     return "passed", ""
 
 
+def is_record(path: Path) -> bool:
+    try:
+        return isinstance(data := json.loads(path.read_text()), dict) and "tests" in data and "command" in data
+    except (ValueError, UnicodeDecodeError):
+        return False
+
+
 def read_report(xml: Path) -> dict:
     """Counts, skip reasons and seconds per test file and per test of a JUnit report."""
     counts = {"passed": 0, "failed": 0, "skipped": 0, "xfailed": 0}
@@ -101,12 +108,14 @@ def tutorials(run: dict) -> str:
 
 
 def record(pytest_args: list[str], out: Path) -> int:
-    if not str(out).strip():
-        raise KvminiError("--out must not be empty (a path)")
-    path = ROOT / out if not out.is_absolute() else out
+    path = ROOT / OUT if str(out) == OUT else out.resolve()  # the default in this repository; others from here
     if str(out) == OUT:
         path.parent.mkdir(parents=True, exist_ok=True)
     path = cli.writable_file(path, "--out")  # before the run, so that no run is lost to it
+    if path.exists() and path.stat().st_size and not is_record(path):
+        raise KvminiError(f"--out {out} is not a record of this tool's (a JSON file it wrote); write it elsewhere")
+    pytest_args = [str(Path(a).resolve()) if not a.startswith("-") and Path(a.split("::")[0]).exists() and "::" not in a
+                   else a for a in pytest_args]  # paths given from here; pytest runs in the repository
     command = shlex.join(["python", "-m", "kvmini.eval.test_run", *(["--out", str(out)] if str(out) != OUT else []),
                           *(["--", *pytest_args] if pytest_args else [])])
     started, load = datetime.datetime.now(datetime.timezone.utc), os.getloadavg()[0]
@@ -119,9 +128,11 @@ def record(pytest_args: list[str], out: Path) -> int:
         if not xml.exists():
             raise KvminiError(f"pytest wrote no report (exit code {code}): nothing recorded")
         report = read_report(xml)
-    if code != 0 or report["failed"]:
-        print(f"error: the run did not pass (pytest exit code {code}, {report['failed']} failed); "
-              f"{out} is not written", file=sys.stderr)
+    if code in (4, 5) or not report["tests"]:  # pytest's usage error, or no test collected
+        raise KvminiError(f"no test ran (pytest exit code {code}): check the arguments after --; nothing recorded")
+    if code != 0 or report["failed"] or report["passed"] == 0:
+        print(f"error: the run did not pass (pytest exit code {code}, {report['failed']} failed, {report['passed']} "
+              f"passed); {out} is not written", file=sys.stderr)
         return 1
     import torch
 
@@ -131,7 +142,7 @@ def record(pytest_args: list[str], out: Path) -> int:
                                                         "python": platform.python_version(), "torch": torch.__version__},
               **report}
     path.write_text(json.dumps(result, indent=1) + "\n")
-    print(f"wrote {out}: {report['tests']} tests in {seconds / 60:.1f} minutes")
+    print(f"wrote {out}: {report['tests']:,} test{'' if report['tests'] == 1 else 's'} in {seconds / 60:.1f} minutes")
     return 0
 
 
@@ -139,7 +150,7 @@ def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     ours, pytest_args = (argv[: argv.index("--")], argv[argv.index("--") + 1:]) if "--" in argv else (argv, [])
     p = cli.OneLineParser(description="Run the test suite and record its counts and seconds (results/tests/run.json).")
-    p.add_argument("--out", default=OUT, help=f"the JSON file to write (default: {OUT}); pytest's arguments follow --")
+    p.add_argument("--out", type=cli.path, default=OUT, help=f"the JSON file to write (default: {OUT}); pytest's arguments follow --")
     return cli.run(lambda: record(pytest_args, Path(p.parse_args(ours).out)))
 
 

@@ -88,6 +88,11 @@ class AccumulatedAttention(CumulativeAttention):
         return "accumulated attention (CaM's Eq. 14 reads it; eviction goes by position)", self(lc, None)
 
 
+def idle(o: Options) -> dict[str, str]:
+    """merge_seed seeds the Bernoulli draws only (given with another merge_mask, it is refused)."""
+    return {} if o.merge_mask == "bernoulli" else {"merge_seed": f"--merge-mask {o.merge_mask} (it draws nothing)"}
+
+
 def build(budget: float, o: Options = Options()) -> Policy:
     scorer = AccumulatedAttention(o.reduce) if o.merge_score == "accumulated" else LastRowAttention(o.reduce)
     return Policy("cam", budget, scorer, Uniform(),

@@ -166,7 +166,8 @@ def kind_of(kind) -> Kind:
     if kind is bool:
         return Kind("true or false", "BOOL", read_bool, lambda v: isinstance(v, bool))
     if kind is int or (isinstance(kind, types.UnionType) and set(typing.get_args(kind)) == {int, Rule}):
-        return Kind("whole number", "N", read_int, lambda v: whole(v) or (kind is not int and isinstance(v, Rule)))
+        return Kind(f"whole number of at most {LARGEST:,} in size", "N", read_int,
+                    lambda v: (whole(v) and abs(v) <= LARGEST) or (kind is not int and isinstance(v, Rule)))
     if kind is float:
         return Kind("finite number", "X", read_float,
                     lambda v: isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v))
@@ -177,6 +178,9 @@ def kind_of(kind) -> Kind:
         return Kind("pair of whole numbers (N, M)", "N:M", read_ratio,
                     lambda v: isinstance(v, tuple) and len(v) == 2 and all(whole(x) and x >= 0 for x in v))
     raise TypeError(f"no option type {kind}")
+
+
+LARGEST = 2**31 - 1  # a whole-number option beyond this overflows torch's int32 sizes (a kernel, a window)
 
 
 def whole(value) -> bool:
@@ -192,6 +196,8 @@ def read_bool(text: str) -> bool:
 def read_int(text: str) -> int:
     if not re.fullmatch(r"[+-]?[0-9]+", text):
         raise ValueError("be a whole number")
+    if abs(int(text)) > LARGEST:
+        raise ValueError(f"be a whole number of at most {LARGEST:,} in size")
     return int(text)
 
 
@@ -203,9 +209,11 @@ def read_float(text: str) -> float:
 
 
 def read_layers(text: str) -> Layers:
-    parts = [p.strip() for p in re.split(r"[,;]", text) if p.strip()]
+    parts = [p.strip() for p in re.split(r"[,;]", text)] if text.strip() else []
     if not all(re.fullmatch(r"-?[0-9]+", p) for p in parts):
         raise ValueError("be layer numbers separated by commas, e.g. 0,1,-1 (empty: none)")
+    if len(set(map(int, parts))) < len(parts):
+        raise ValueError("name each layer once")
     return tuple(int(p) for p in parts)
 
 
