@@ -116,7 +116,7 @@ def test_the_page_of_the_full_cache_over_several_prompts(capsys, monkeypatch, mo
 def test_bad_input_is_one_line(capsys, monkeypatch, model, prompt, tmp_path, argv, stdin, fragment):
     monkeypatch.setattr("sys.stdin", io.StringIO(stdin))
     argv = [str(prompt) if a == "PROMPT" else str(tmp_path / "missing.txt") if a == "MISSING" else a for a in argv]
-    code, _, err = cli(capsys, "--model", model, *argv)
+    code, _, err = cli(capsys, *([] if "--model" in argv else ["--model", model]), *argv)  # an option given once
     assert_one_line(code, err, fragment)
 
 

@@ -301,11 +301,12 @@ def test_comparison_page_of_several_methods(capsys, model, prompt, tmp_path):
                                            (["--methods", "h2o", "--out", "missing/x.html"], "does not exist"),
                                            (["--methods", "h2o", "--out", ""], "argument --out: must not be empty"),
                                            (["--methods", "h2o", "--model", ""], "argument --model: must not be empty"),
-                                           (["--methods", "h2o", "snapkv", "h2o"], "--methods names h2o twice")])
+                                           (["--methods", "h2o", "snapkv", "h2o"], "--methods names one method twice (h2o, h2o)")])
 def test_comparison_page_refuses_bad_input_before_any_work(capsys, prompt, tmp_path, args, fragment):
     from kvmini import view
 
-    argv = ["--prompt", str(prompt), "--model", str(tmp_path / "no-model"), "--out", str(tmp_path / "x.html"), *args]
+    base = {"--prompt": str(prompt), "--model": str(tmp_path / "no-model"), "--out": str(tmp_path / "x.html")}
+    argv = [x for flag, value in base.items() if flag not in args for x in (flag, value)] + args  # each flag once
     argv = [str(tmp_path / a) if a.startswith("missing/") else a for a in argv]
     code = view.main(argv)
     assert_one_line(code, capsys.readouterr().err, fragment)

@@ -69,7 +69,7 @@ def test_text_and_typed_values_build_the_same_policy():
         assert o.protected == (0, -1) and o.parts == (3, 1) and o.clamp is False
     with pytest.raises(KvminiError, match=r"--nm must be a pair of whole numbers \(N, M\), got \[3, 1\]"):
         make_policy("d2o", 0.2, nm=[3, 1])
-    with pytest.raises(KvminiError, match="--recent must be a whole number, got 2.5"):
+    with pytest.raises(KvminiError, match="--recent must be a whole number of at most 2,147,483,647 in size, got 2.5"):
         make_policy("h2o", 0.2, recent=2.5)
     with pytest.raises(KvminiError, match="--pooling must be avg or max, got mean"):
         make_policy("snapkv", 0.2, pooling="mean")
