@@ -29,7 +29,7 @@ def run_report(folder: str, model, tok, chat, method: str, options: dict, policy
 
 
 def describe(method: str, given: dict, policy) -> str:
-    """`h2o, budget 0.2 = 123 tokens per layer (window budget // 2, reduce mean)`."""
+    """`h2o, budget 0.2 (a ratio) = 123 tokens per layer (window budget // 2, reduce mean)`."""
     if policy is None:
         return method
     options, kinds = resolved_options(method, given), {d.name: d.kind for d in declarations(method)}
@@ -42,7 +42,9 @@ def describe(method: str, given: dict, policy) -> str:
     every = policy.evict_every
     amortised = (f"; evicting {every} entries every {every} decode steps, so a layer holds up to {every - 1} "
                  "more than its budget between evictions") if every > 1 else ""
-    return f"{method}, budget {policy.budget:g} = {per_layer} tokens per layer{budget_note(policy)}{amortised}{shown}"
+    given_as = f"{policy.budget} (a ratio)" if isinstance(policy.budget, float) and policy.budget <= 1 else f"{policy.budget:g}"
+    unit = "token" if per_layer == "1" else "tokens"
+    return f"{method}, budget {given_as} = {per_layer} {unit} per layer{budget_note(policy)}{amortised}{shown}"
 
 
 def budget_note(policy) -> str:

@@ -244,7 +244,7 @@ def test_budget_with_a_plus_sign_is_read_as_without(capsys, model, prompt):
                              "--recent", 0, "--max-new-tokens", 1)
         assert code == 0, err
         reports.append(next(line for line in out.splitlines() if line.startswith("method")))
-    assert reports[0] == reports[1] == reports[2] and "budget 1 = 1 tokens per layer" in reports[0]
+    assert reports[0] == reports[1] == reports[2] and "budget 1 = 1 token per layer" in reports[0]
 
 
 @pytest.mark.parametrize("method", ["snapkv", "pyramidkv", "dynamickv"])
