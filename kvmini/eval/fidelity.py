@@ -136,9 +136,9 @@ def main(argv=None) -> int:
     p.add_argument("--methods", nargs="+", default=[m for m in METHODS if m != "full"],
                    help="methods, optionally with options: name[key=value,...] (default: all)")
     p.add_argument("--offset", type=cli.at_least(0), default=0, help="first token of the text to use (default 0)")
-    p.add_argument("--model", type=cli.path, help="HF-layout folder (default: SmolLM2-135M-Instruct)")
+    p.add_argument("--model", help="HF-layout folder (default: SmolLM2-135M-Instruct)")
     p.add_argument("--device", default="cpu")
-    p.add_argument("--json", type=cli.path, help="also write the rows to this JSON file (checked before the work)")
+    p.add_argument("--json", help="also write the rows to this JSON file (checked before the work)")
     return cli.run(lambda: compare_methods(p.parse_args(argv)), imports=LAZY_IMPORTS)
 
 
