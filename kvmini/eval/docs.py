@@ -90,10 +90,13 @@ def region(name: str, root: Path = ROOT) -> str:
     except tables.Missing as e:
         lacking = next(s for s, res in zip(sources, loaded) if str(e) not in res)
         body = f"*Not measured yet: `{MEASURE[lacking].format(experiment=e)}` writes it.*"
-    except (KeyError, TypeError, ValueError, AttributeError, IndexError) as e:  # a file of another shape
+    except SHAPE_ERRORS as e:
         raise KvminiError(f"region {name}: {', '.join(sources)} lack what it needs ({type(e).__name__}: {e}); "
                           "measure them again") from None
     return f"<!-- generated: {name} (from {', '.join(sources)}) -->\n{body}\n<!-- end generated -->"
+
+
+SHAPE_ERRORS = (KeyError, TypeError, ValueError, AttributeError, IndexError)  # a results file of another shape
 
 
 def read(root: Path, source: str) -> dict:
@@ -124,7 +127,7 @@ def outputs(root: Path = ROOT) -> dict[Path, tuple[str, str]]:
         md = results.with_name("summary.md")
         try:
             written = summary(read(root, results.relative_to(root).as_posix()))
-        except (KeyError, TypeError, ValueError, AttributeError, IndexError) as e:
+        except SHAPE_ERRORS as e:
             raise KvminiError(f"{results.relative_to(root)} lacks what its summary needs ({type(e).__name__}: {e}); "
                               "measure it again") from None
         out[md] = (md.read_text() if md.exists() else "", written)
