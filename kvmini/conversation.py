@@ -133,6 +133,9 @@ class Session:
         parts = [split_at_context(self.chat, context, q) for q in questions]
         ctx_ids = self.context_ids = self.encode(parts[0][0], "the context")
         self.check(0, len(ctx_ids), "the context")
+        asked = [self.encode(rest, f"question {i}") for i, (_, rest) in enumerate(parts, 1)]
+        for i, ids in enumerate(asked, 1):  # every question fits after the context, known before its prefill
+            self.check(len(ctx_ids), len(ids), f"question {i}")
         cache = self.model.new_cache(1, capacity=len(ctx_ids) + 64)
         t0 = time.perf_counter()
         prefill(self.model, torch.tensor([ctx_ids]), cache, self.policy,  # no total_len: the run goes on
@@ -141,9 +144,9 @@ class Session:
         print(f"context     {len(ctx_ids)} tokens, compressed to {sum(cache.lengths()) / len(cache):.0f} entries per "
               f"layer (mean) before any question", flush=True)
         turns = []
-        for i, (question, (_, rest)) in enumerate(zip(questions, parts), 1):
+        for i, (question, ids) in enumerate(zip(questions, asked), 1):
             print(f"\nquestion {i}: {question}", flush=True)
             copy, policy = fork(cache, self.policy)
-            turns.append(self.turn(f"question {i}", self.encode(rest, f"question {i}"), copy, policy))
+            turns.append(self.turn(f"question {i}", ids, copy, policy))
             print(line(turns[-1]), flush=True)
         return compressed, turns

@@ -124,3 +124,19 @@ def test_stdin_that_is_not_utf8_is_one_line(model):
     proc = subprocess.run([sys.executable, str(ROOT / "run.py"), "--chat", "--model", str(model), "--max-new-tokens", "2"],
                           input=b"hi \xff\xfe\n", capture_output=True, timeout=300, cwd=ROOT)
     assert_one_line(proc.returncode, proc.stderr.decode(), "--chat: line 1 of stdin is not UTF-8 text (byte 3)")
+
+
+def test_a_question_too_long_for_the_context_is_refused_before_the_context_is_read(capsys, monkeypatch, model, tmp_path):
+    """Every question is measured against the model's context before the context's prefill starts (a long
+    context would otherwise be compressed first, then refused at the question)."""
+    doc = tmp_path / "doc.txt"
+    doc.write_text("The harbour lamps were lit one by one.")
+    context = json.loads((model / "config.json").read_text())["max_position_embeddings"]
+
+    def no_prefill(*args, **kwargs):
+        raise AssertionError("the context was prefilled before the question was refused")
+    monkeypatch.setattr("kvmini.conversation.prefill", no_prefill)
+    code, _, err = cli(capsys, "--model", model, "--max-new-tokens", 2, "--context", doc,
+                       "--question", "Who lit them?", "--question", "why " * context)
+    assert_one_line(code, err, "question 2: ")
+    assert f"exceeds the model's context of {context} tokens" in err
