@@ -22,6 +22,7 @@ still run to the end: `solved(name)` and `usable(method)` tell a cell to skip wh
 not done yet, and say so. docs/course.md is the instructors' guide.
 """
 import ast
+import difflib
 import hashlib
 import json
 import os
@@ -300,7 +301,8 @@ def describe(dest: Path, names: list[str]) -> str:
 
 def main(argv=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    if argv and argv[0] not in COMMANDS and not argv[0].startswith("-"):
+    older = bool(argv) and argv[0] not in COMMANDS and not argv[0].startswith("-")
+    if older:
         argv.insert(0, "new")  # the older form: python -m kvmini.assignments DIR
     p = cli.OneLineParser(prog="python -m kvmini.assignments",
                           description="Course mode: hand out a student copy of kvmini, check an exercise, grade a class.")
@@ -321,6 +323,10 @@ def main(argv=None) -> int:
 
     def work():
         args = p.parse_args(argv)
+        near = difflib.get_close_matches(argv[1], COMMANDS, n=1, cutoff=0.7) if older else []
+        if near and not Path(argv[1]).exists():  # a misspelt command would quietly become a new copy
+            raise KvminiError(f"{argv[1]!r} is not a command ({', '.join(COMMANDS)}): did you mean {near[0]}? "
+                              f"(a copy in a folder of that name: python -m kvmini.assignments new {argv[1]})")
         if args.command == "new":
             names = write_student_copy(Path(args.dest), names=args.only)
             print(describe(Path(args.dest), names))

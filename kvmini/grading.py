@@ -11,10 +11,13 @@ process and time limit, so one that hangs or breaks fails alone, with the reason
 
 Status of an exercise: `pass` (every test passes), `fail k/n` (k of its n test cases pass),
 `not attempted` (every region still raises the stub's NotImplementedError), `-` (not handed out in
-this copy: its regions hold the repository's solution and the manifest does not list it).
+this copy: its regions hold the repository's solution and the manifest does not list it). A test
+case passes when it passes, or when a test file skips it (no CUDA GPU); a skip the code under test
+raises, or an expected failure, does not count (`not_a_pass`), and the line under the table says why.
 """
 import csv
 import json
+import re
 import shutil
 import subprocess
 import sys
@@ -54,19 +57,24 @@ def run_tests(folder: Path, tests: list[str], timeout: int) -> list[Result]:
             why = ((proc.stdout + proc.stderr).strip().splitlines() or ["pytest wrote no report"])[-1]
         except subprocess.TimeoutExpired:
             why = f"not finished after {timeout} s"
-        results, broken = parse(report) if report.exists() else ([], {})
+        results, broken = parse(report, folder / "tests") if report.exists() else ([], {})
     ran = {r.test.split("[")[0] for r in results}
     return results + [Result(t, False, 0.0, f"did not run: {broken.get(t.split('::')[0], why)}")
                       for t in tests if t not in ran]
 
 
-def parse(report: Path) -> tuple[list[Result], dict[str, str]]:
+def parse(report: Path, tests: Path) -> tuple[list[Result], dict[str, str]]:
     """JUnit XML -> Results, and why each test module that did not import failed (its last error
-    line, where it was raised). A skipped test counts as passed: it is not the student's to fix."""
+    line, where it was raised). A test skipped by a test file in `tests` (a marker, or the test itself:
+    no CUDA GPU) counts as passed: it is not the student's to fix; a skip raised anywhere else (the
+    code under test) or an expected failure (no exercise's test is one) is a failure that says so."""
     results, broken = [], {}
     for case in ET.parse(report).iter("testcase"):
         failed = next((case.find(tag) for tag in ("failure", "error") if case.find(tag) is not None), None)
         text = "" if failed is None else (failed.get("message") or "").strip()
+        if failed is None and (skipped := case.find("skipped")) is not None:
+            text = not_a_pass(skipped, tests)
+            failed = skipped if text else None
         module = case.get("classname", "")
         if not module:  # a collection error: the module did not import
             errors = [line[1:].strip() for line in (failed.text or "").splitlines() if line.startswith("E ")]
@@ -77,6 +85,26 @@ def parse(report: Path) -> tuple[list[Result], dict[str, str]]:
         results.append(Result(f"{module.replace('.', '/')}.py::{case.get('name')}", failed is None,
                               float(case.get("time", 0)), "\n".join(line[:300] for line in text.splitlines()[:MESSAGE_LINES])))
     return results, broken
+
+
+def not_a_pass(skipped: ET.Element, tests: Path) -> str:
+    """Why a skipped test case is not a pass ('' when it is one). JUnit writes a skip as
+    'path:line: reason', where the skip was raised; an xfail without a place."""
+    reason = skipped.get("message") or ""
+    if skipped.get("type") == "pytest.xfail":
+        return f"did not count: expected to fail (xfail: {reason}), which no exercise's test is"
+    where = re.match(r"(.*?):(\d+): ", skipped.text or "")
+    path = tests / where[1] if where else None  # (tests / an absolute path: that path)
+    if path is not None and tests.resolve() in path.resolve().parents:
+        return ""
+    folder = tests.parent  # where the tests ran: the place is shown inside it (kvmini/methods/vatp.py)
+    place = "an unknown place" if path is None else f"{shown(path, folder)}:{where[2]}"
+    return f"did not count: skipped by {place}: {reason} (only a test may skip itself)"
+
+
+def shown(path: Path, folder: Path) -> str:
+    """`path` relative to `folder` where it is inside it, else as it is."""
+    return path.relative_to(folder).as_posix() if path.is_relative_to(folder) else str(path)
 
 
 def of(ex: Exercise, results: list[Result]) -> list[Result]:
@@ -92,9 +120,10 @@ def status(ex: Exercise, results: list[Result]) -> str:
 
 
 def not_run(results: list[Result]) -> list[str]:
-    """Why tests did not run (a module that does not import, a time-out), each reason once with its count."""
-    why = [r.message.removeprefix("did not run: ") for r in results if r.message.startswith("did not run: ")]
-    return [f"{why.count(w)} test{'s' * (why.count(w) > 1)} did not run: {w}" for w in dict.fromkeys(why)]
+    """Why tests did not run (a module that does not import, a time-out) or did not count (a skip raised by
+    the code under test), each reason once with its count."""
+    why = [r.message for r in results if r.message.startswith(("did not run: ", "did not count: "))]
+    return [f"{why.count(w)} test{'s' * (why.count(w) > 1)} {w}" for w in dict.fromkeys(why)]
 
 
 def known(folder: Path) -> dict[str, Exercise]:
@@ -110,7 +139,8 @@ def check(folder: Path, name: str, timeout: int) -> int:
     found = known(folder)
     if name != "all" and name not in found:
         raise KvminiError(f"no exercise {name!r}; the exercises are {', '.join(found)}")
-    chosen = list(found.values()) if name == "all" else [found[name]]
+    listed = handed_out_in(folder, found)  # "all": the exercises handed out in this copy (`new --only`)
+    chosen = [ex for ex in found.values() if ex.name in listed] if name == "all" else [found[name]]
     untested = [ex.name for ex in chosen if not ex.tests]
     if untested:  # a test file, or its markers, deleted: nothing would run, and nothing would fail
         print(f"no tests are declared for {', '.join(untested)} in this copy (a test file or its "
@@ -120,10 +150,14 @@ def check(folder: Path, name: str, timeout: int) -> int:
     seconds = time.perf_counter() - start
     if name == "all":
         print(f"{'exercise':<24}{'tests':>6}{'passed':>8}  {'status':<15}{'time':>8}")
-        for ex in chosen:
+        for ex in found.values():
+            if ex.name not in listed:
+                print(f"{ex.name:<24}{'':>6}{'':>8}  {'-':<15}{'':>8}  (not handed out in this copy)")
+                continue
             mine = of(ex, results)
             print(f"{ex.name:<24}{len(mine):>6}{sum(r.ok for r in mine):>8}  {status(ex, results):<15}"
                   f"{sum(r.seconds for r in mine):>6.1f} s")
+        print("".join(f"{why}\n" for why in not_run(results)), end="")
         print(f"({seconds:.1f} s in all; one exercise's tests in detail: python -m kvmini.assignments check NAME)")
     else:
         ex = chosen[0]
@@ -201,13 +235,19 @@ def graded_tree(folder: Path, into: Path, root: Path = ROOT) -> Path:
     return tree
 
 
+def handed_out_in(folder: Path, exercises: dict) -> set[str]:
+    """The exercises the copy's manifest lists; every one when it has none (reported by `problems`:
+    such a copy is graded all the same)."""
+    try:
+        return set(json.loads((folder / MANIFEST).read_text())["exercises"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return set(exercises)
+
+
 def grade_one(folder: Path, timeout: int, reference: dict[str, Exercise], files: dict[str, str]) -> dict:
     """One copy: each exercise handed out in it, by the repository's own tests (`reference`, `files`: handed_out_here)."""
     mine = student_copy(folder)
-    try:
-        listed = set(json.loads((folder / MANIFEST).read_text())["exercises"])
-    except (OSError, ValueError, KeyError, TypeError):
-        listed = set()  # (reported by `problems`)
+    listed = handed_out_in(folder, reference)
     statuses, notes = {}, []
     with tempfile.TemporaryDirectory() as tmp:
         tree = graded_tree(folder, Path(tmp))
@@ -220,7 +260,7 @@ def grade_one(folder: Path, timeout: int, reference: dict[str, Exercise], files:
                 continue
             results = run_tests(tree, list(ex.tests), timeout)
             statuses[name] = status(ex, results)
-            notes += [f"{name}: {why}" for why in not_run(results)]
+            notes += [f"{name}: {why.replace(str(tree), str(folder))}" for why in not_run(results)]  # the copy's paths
     return {"student": str(folder), "exercises": statuses, "problems": problems(folder, files), "notes": notes}
 
 

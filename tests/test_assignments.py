@@ -179,6 +179,22 @@ def test_a_module_that_does_not_parse_fails_its_tests_with_the_reason(tmp_path):
     assert re.search(r"^value_norm: kvmini/methods/vatp.py: line \d+$", proc.stdout, re.M)  # no parse: its line
     assert "did not run: the test module does not import: SyntaxError" in proc.stdout
     assert "value_norm: 0 of 3 tests pass" in proc.stdout
+    proc = assignments(copy, "check")  # the table says why too: every method module is imported by the registry
+    assert re.search(r"^\d+ tests did not run: the test module does not import: SyntaxError", proc.stdout, re.M), proc.stdout
+    from kvmini.grading import grade_one, handed_out_here
+
+    note = grade_one(copy, 300, *handed_out_here())["notes"][0]  # where, in the copy (not the grade's own tree)
+    assert note.startswith("value_norm: ") and f'File "{copy}/kvmini/methods/vatp.py", line' in note, note
+
+
+@pytest.mark.slow
+def test_check_in_a_copy_of_some_exercises_shows_the_others_as_not_handed_out(tmp_path):
+    copy = tmp_path / "copy"
+    write_student_copy(copy, names=["frobenius_stop"])
+    proc = assignments(copy, "check")
+    assert re.search(rf"^frobenius_stop\s+(\d+)\s+0\s+{NOT_ATTEMPTED}\s", proc.stdout, re.M), proc.stdout
+    for name in EXERCISES.keys() - {"frobenius_stop"}:
+        assert re.search(rf"^{name}\s+-\s+\(not handed out in this copy\)$", proc.stdout, re.M), name
 
 
 def test_what_was_handed_out_comes_from_the_repository_not_the_copy(tmp_path):
@@ -303,3 +319,60 @@ def test_grade_outputs_that_would_overwrite_each_other_or_a_copy_are_refused(tmp
     with pytest.raises(KvminiError, match=f"--json {copy / 'tests' / 'test_vatp.py'} is inside the copy {copy}"):
         grade([copy], copy / "tests" / "test_vatp.py", None, 60)
     assert (copy / "tests" / "test_vatp.py").read_text() == (ROOT / "tests" / "test_vatp.py").read_text()
+
+
+JUNIT = """<testsuites><testsuite>
+<testcase classname="tests.test_vatp" name="test_marker"><skipped type="pytest.skip" message="no CUDA GPU on this machine">{tests}/conftest.py:52: no CUDA GPU on this machine</skipped></testcase>
+<testcase classname="tests.test_vatp" name="test_relative"><skipped type="pytest.skip" message="own">tests/test_vatp.py:9: own</skipped></testcase>
+<testcase classname="tests.test_vatp" name="test_from_code"><skipped type="pytest.skip" message="needs a GPU">{root}/kvmini/methods/vatp.py:44: needs a GPU</skipped></testcase>
+<testcase classname="tests.test_vatp" name="test_xfail"><skipped type="pytest.xfail" message="later" /></testcase>
+<testcase classname="tests.test_vatp" name="test_passes" />
+</testsuite></testsuites>"""
+
+
+def test_only_a_test_may_skip_itself(tmp_path):
+    """A skip raised in a test file (a CUDA marker) passes; one raised by the code under test, or an
+    expected failure, does not count, and says where (hand-written JUnit, as pytest writes it)."""
+    from kvmini.grading import not_run, parse
+
+    (tmp_path / "tests").mkdir()
+    report = tmp_path / "report.xml"
+    report.write_text(JUNIT.format(tests=tmp_path / "tests", root=tmp_path))
+    results, broken = parse(report, tmp_path / "tests")
+    assert broken == {} and [(r.test.split("::")[1], r.ok) for r in results] == [
+        ("test_marker", True), ("test_relative", True), ("test_from_code", False), ("test_xfail", False), ("test_passes", True)]
+    assert not_run(results) == [
+        "1 test did not count: skipped by kvmini/methods/vatp.py:44: needs a GPU (only a test may skip itself)",
+        "1 test did not count: expected to fail (xfail: later), which no exercise's test is"]
+
+
+@pytest.mark.slow
+def test_a_skip_in_the_solution_is_not_a_pass_and_a_copy_without_its_manifest_is_graded(tmp_path):
+    """A region that skips its tests grades as failed, with the reason under the table; a copy whose
+    manifest is gone is graded all the same: its solved exercise passes (not '-', not handed out)."""
+    from kvmini.grading import grade_one, handed_out_here
+
+    reference, files = handed_out_here()
+    skipping, unlisted = tmp_path / "skipping", tmp_path / "unlisted"
+    write_student_copy(skipping, names=["value_norm"])
+    vatp = skipping / "kvmini" / "methods" / "vatp.py"
+    vatp.write_text(vatp.read_text().replace('        raise NotImplementedError("exercise value_norm',
+                                             '        import pytest; pytest.skip("needs a CUDA GPU")\n'
+                                             '        raise NotImplementedError("x'))
+    row = grade_one(skipping, 300, reference, files)
+    assert row["exercises"] == {"value_norm": "fail 0/" + row["exercises"]["value_norm"].split("/")[1]}
+    assert any(n.startswith("value_norm: ") and "did not count: skipped by kvmini/methods/vatp.py:" in n
+               and n.endswith("needs a CUDA GPU (only a test may skip itself)") for n in row["notes"]), row["notes"]
+    write_student_copy(unlisted)
+    solve(unlisted, "value_norm")  # with the repository's own solution
+    (unlisted / MANIFEST).unlink()
+    row = grade_one(unlisted, 300, reference, files)
+    assert row["exercises"] == {name: "pass" if name == "value_norm" else NOT_ATTEMPTED for name in reference}
+    assert "is missing or unreadable" in row["problems"][0]
+
+
+def test_a_misspelt_command_is_not_a_new_copy():
+    proc = assignments(ROOT, "chek")  # (the older form `assignments DIR` would write a copy named chek)
+    assert proc.returncode == 2 and proc.stderr.count("\n") == 1, proc.stderr
+    assert "'chek' is not a command (new, check, grade): did you mean check?" in proc.stderr
+    assert not (ROOT / "chek").exists()
