@@ -85,3 +85,22 @@ def test_fidelity_tool_on_the_default_model(default_model_dir):
     assert full[5] == "0.0000" and full[6] == "1.000 |"
     assert snapkv[:3] == ["| snapkv", "64", "64.0"] and float(snapkv[5]) > 0
     assert "[3/3] tova budget 64" in proc.stderr  # progress on stderr
+
+
+@pytest.mark.parametrize("argv,line", [
+    (["--methods", "h2o", "snapkv", "h2o"], "error: the methods name h2o twice; give each method spec once (each is one row)"),
+    (["--methods", "d2o[nm=1:1]", "d2o[nm=1:1]"], "error: the methods name d2o[nm=1:1] twice"),
+    (["--budgets", "0.2", "64", "0.20"], "error: the budgets name one budget twice (0.2 64 0.2); give each once"),
+    (["--n", "100", "--budgets", "0.2", "128"], "error: budget 128 is more tokens than the 100-token prompt, which it "
+                                                "would keep whole; give a budget of at most 100 tokens or a ratio in (0, 1]"),
+    (["--json", ""], "error: argument --json: must not be empty (a path)"),
+    (["--model", ""], "error: argument --model: must not be empty (a path)"),
+])
+def test_lists_and_paths_that_cannot_make_a_table_are_one_line(capsys, argv, line):
+    """Refused before the model loads (no model folder is needed to see it): a method or budget named
+    twice (computed twice, two rows alike), a token budget over the prompt (a kept share above 100%)."""
+    from kvmini.eval.fidelity import main
+
+    code = main(argv + (["--model", "/nonexistent"] if "--model" not in argv else []))
+    err = capsys.readouterr().err
+    assert code == 2 and err.count("\n") == 1 and err.startswith(line), err

@@ -113,6 +113,21 @@ def check_arguments(ids, n, methods, budgets) -> None:
         raise KvminiError(f"methods must be a list of method specs such as ['h2o'], got {methods!r}")
     if isinstance(budgets, (str, int, float)):
         raise KvminiError(f"budgets must be a list of budgets such as [0.2, 128], got {budgets!r}")
+    check_lists(n, methods, budgets)
+
+
+def check_lists(n: int, methods: list[str], budgets: list[float]) -> None:
+    """One row per method spec and budget: none named twice, no budget that keeps the whole prompt."""
+    specs = [parse_spec(spec) for spec in methods]
+    twice = next((m for i, m in enumerate(methods) if specs[i] in specs[:i]), None)
+    if twice is not None:
+        raise KvminiError(f"the methods name {twice} twice; give each method spec once (each is one row)")
+    if len(set(budgets)) < len(budgets):
+        raise KvminiError(f"the budgets name one budget twice ({' '.join(f'{b:g}' for b in budgets)}); give each once")
+    over = next((b for b in budgets if isinstance(b, (int, float)) and b > max(1, n)), None)
+    if over is not None:  # (1 or less: a ratio; a kept share above 100% would be read as compression)
+        raise KvminiError(f"budget {over:g} is more tokens than the {n}-token prompt, which it would keep whole; "
+                          f"give a budget of at most {n} tokens or a ratio in (0, 1]")
 
 
 def table(rows: list[dict], n: int, k: int) -> str:
@@ -136,9 +151,9 @@ def main(argv=None) -> int:
     p.add_argument("--methods", nargs="+", default=[m for m in METHODS if m != "full"],
                    help="methods, optionally with options: name[key=value,...] (default: all)")
     p.add_argument("--offset", type=cli.at_least(0), default=0, help="first token of the text to use (default 0)")
-    p.add_argument("--model", help="HF-layout folder (default: SmolLM2-135M-Instruct)")
+    p.add_argument("--model", type=cli.path, help="HF-layout folder (default: SmolLM2-135M-Instruct)")
     p.add_argument("--device", default="cpu")
-    p.add_argument("--json", help="also write the rows to this JSON file (checked before the work)")
+    p.add_argument("--json", type=cli.path, help="also write the rows to this JSON file (checked before the work)")
     return cli.run(lambda: compare_methods(p.parse_args(argv)), imports=LAZY_IMPORTS)
 
 
@@ -147,7 +162,8 @@ def compare_methods(args) -> int:
     from kvmini.tokenizer import load_tokenizer
     from kvmini.weights import ensure_default_model
 
-    for spec in args.methods:  # bad methods, options and budgets are refused before the work
+    check_lists(args.n, args.methods, args.budgets)  # bad methods, options and budgets are refused before the work
+    for spec in args.methods:
         name, options = parse_spec(spec)
         for budget in [None] if chooses_budget(name) else args.budgets:
             make_policy(name, budget, **options)
