@@ -42,7 +42,9 @@ def describe(method: str, given: dict, policy) -> str:
     every = policy.evict_every
     amortised = (f"; evicting {every} entries every {every} decode steps, so a layer holds up to {every - 1} "
                  "more than its budget between evictions") if every > 1 else ""
-    given_as = f"{policy.budget} (a ratio)" if isinstance(policy.budget, float) and policy.budget <= 1 else f"{policy.budget:g}"
+    whole = float(policy.budget).is_integer()  # a token count as digits (1000000, not 1e+06)
+    given_as = (f"{policy.budget} (a ratio)" if isinstance(policy.budget, float) and policy.budget <= 1
+                else f"{int(policy.budget)}" if whole else f"{policy.budget:g}")
     unit = "token" if per_layer == "1" else "tokens"
     return f"{method}, budget {given_as} = {per_layer} {unit} per layer{budget_note(policy)}{amortised}{shown}"
 
@@ -57,7 +59,7 @@ def budget_note(policy) -> str:
     mean = sum(budgets) / len(budgets)
     if not why or asked is None or mean <= asked:
         return ""
-    return f"; the cache holds a mean of {mean:.1f} tokens per layer, not {asked}: {why}"
+    return f"; a mean above {asked} because {why}"  # (a budget, when it was set: the KV cache line is now)
 
 
 def can_print(text: str, encoding: str | None) -> bool:
@@ -89,7 +91,7 @@ def cache_report(cache: KVCache, policy=None, blocks: str = BLOCKS) -> list[str]
     top = max(max(kept), 1)
     lines = [f"KV cache  {cache.summary()}"]
     lines += [f"kept      {line}" for line in layer_bars(kept, top, blocks=blocks)]
-    lines[-1] += f"   ({blocks[-1]} = {top} tokens; the full cache holds {cache.seen_tokens})"
+    lines[-1] += f"   ({blocks[-1]} = {top} token{'s' * (top != 1)}; the full cache holds {cache.seen_tokens})"
     ratio = cache.nbytes() / max(cache.full_nbytes(), 1)
     lines.append(f"bytes     {cache.nbytes() / 2**20:.2f} MiB kept vs {cache.full_nbytes() / 2**20:.2f} MiB full "
                  f"(ratio {ratio:.3f}); {cache.allocated_nbytes() / 2**20:.2f} MiB allocated")

@@ -8,6 +8,7 @@ during the imports and file permissions need a child process.
 """
 import json
 import math
+import re
 import signal
 import subprocess
 import sys
@@ -245,6 +246,14 @@ def test_budget_with_a_plus_sign_is_read_as_without(capsys, model, prompt):
         assert code == 0, err
         reports.append(next(line for line in out.splitlines() if line.startswith("method")))
     assert reports[0] == reports[1] == reports[2] and "budget 1 = 1 token per layer" in reports[0]
+    assert "(█ = 1 token; the full cache holds" in out  # the bars' scale: one token, not '1 tokens'
+
+
+def test_a_large_token_budget_is_printed_as_digits(capsys, model, prompt):
+    code, out, err = cli(capsys, "--prompt", prompt, "--model", model, "--method", "h2o", "--budget", "1e6",
+                         "--max-new-tokens", 1)
+    assert code == 0, err
+    assert "budget 1000000 = " in next(line for line in out.splitlines() if line.startswith("method"))
 
 
 @pytest.mark.parametrize("method", ["snapkv", "pyramidkv", "dynamickv"])
@@ -260,8 +269,10 @@ def test_report_says_why_protected_layers_hold_more_than_the_budget(capsys, mode
     mean_held = float(out.split("KV cache  2 layers, ")[1].split("/")[1])  # min/mean/max entries
     method = next(line for line in out.splitlines() if line.startswith("method"))
     assert mean_held > 8  # layer 0 holds the whole prompt
-    assert f"holds a mean of {mean_held:.1f} tokens per layer, not 8: layers 0 are protected (never compressed)" \
-        in method
+    budgets = re.search(r"= 8-(\d+) \(mean ([\d.]+)\) tokens per layer; a mean above 8 because layers 0 are protected "
+                        r"\(never compressed\)", method)
+    assert budgets and float(budgets[2]) == (8 + int(budgets[1])) / 2 <= mean_held, method  # the budgets, set before the
+    # last decode step; the KV cache line is the cache after it (a protected layer keeps every token decoded)
 
 
 def test_report_says_why_dynamickvs_last_layers_hold_more_than_the_budget(capsys, model, prompt):
@@ -271,7 +282,7 @@ def test_report_says_why_dynamickvs_last_layers_hold_more_than_the_budget(capsys
                          "--window", 2, "--r-max", 2, "--max-new-tokens", 1)
     assert code == 0, err
     method = next(line for line in out.splitlines() if line.startswith("method"))
-    assert "budget 10 = 18 tokens per layer; the cache holds a mean of 18.0 tokens per layer, not 10: the last 2 " \
+    assert "budget 10 = 18 tokens per layer; a mean above 10 because the last 2 " \
            "layers come after the last re-allocation (every 4 layers, Alg. 1 line 24)" in method
 
 
