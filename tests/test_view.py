@@ -9,6 +9,7 @@ import re
 import shutil
 import subprocess
 import tempfile
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -23,6 +24,7 @@ from kvmini.view import record_merges, write_comparison
 from reference import random_model
 from test_d2o import toy_cache
 
+ROOT = Path(__file__).resolve().parents[1]
 BROWSER = shutil.which("chromium") or shutil.which("chromium-browser")
 needs_browser = pytest.mark.skipif(BROWSER is None, reason="no chromium binary on this machine (apt-get install chromium)")
 
@@ -229,3 +231,31 @@ def test_a_layer_that_never_compresses_keeps_no_score():
     assert data["protected"] == [0, 1] and data["windows"][:2] == [None, None]
     assert data["scores"][0] is None and data["scores"][1] is None and len(data["scores"][2]) == 2
     assert data["score_note"].startswith("accumulated attention")
+
+
+def approx_equal(a, b, rel: float = 1e-3, abs_: float = 1e-5) -> bool:
+    """JSON values equal, floats up to rounding (another CPU sums in another order)."""
+    if isinstance(a, float) or isinstance(b, float):
+        return isinstance(a, (int, float)) and isinstance(b, (int, float)) and math.isclose(a, b, rel_tol=rel, abs_tol=abs_)
+    if isinstance(a, list) and isinstance(b, list):
+        return len(a) == len(b) and all(approx_equal(x, y, rel, abs_) for x, y in zip(a, b))
+    if isinstance(a, dict) and isinstance(b, dict):
+        return a.keys() == b.keys() and all(approx_equal(a[k], b[k], rel, abs_) for k in a)
+    return a == b
+
+
+@pytest.mark.slow
+def test_the_readmes_example_page_is_what_todays_code_writes(default_model_dir, tmp_path):
+    """results/view/kept.html (the README's picture is its screenshot) is the page the README's command
+    writes today: the same template text and the same data, floats up to rounding. Re-make both with the
+    command in README.md when this fails (and the screenshot: docs/usage.md, 'The web page')."""
+    import run
+
+    committed = (ROOT / "results" / "view" / "kept.html").read_text()
+    page = tmp_path / "kept.html"
+    assert run.main(["--method", "d2o", "--prompt", str(ROOT / "results" / "view" / "prompt.txt"), "--html", str(page),
+                     "--max-new-tokens", "24", "--quiet"]) == 0
+    split = lambda html: re.match(r'(?s)(.*id="data">)(.*?)(</script>.*)', html).groups()  # noqa: E731
+    (head, data, tail), (head_now, data_now, tail_now) = split(committed), split(page.read_text())
+    assert (head, tail) == (head_now, tail_now), "the page's template changed since results/view/kept.html was made"
+    assert approx_equal(json.loads(data), json.loads(data_now)), "what the page shows changed"
