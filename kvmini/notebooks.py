@@ -84,7 +84,8 @@ def select(tutorials: list[Path], numbers: list[str]) -> list[Path]:
 
 
 def main(argv=None) -> int:
-    p = cli.OneLineParser(prog="python -m kvmini.notebooks", description="Build executed notebooks of the tutorials (into notebooks/).")
+    p = cli.OneLineParser(prog="python -m kvmini.notebooks",
+                          description="Build executed notebooks of the tutorials (into notebooks/).")
     p.add_argument("only", nargs="*", help="tutorial numbers, e.g. 03 6 (3 and 03 are the same; default: all)")
     p.add_argument("--out", type=cli.path, default=str(ROOT / "notebooks"), help="output folder (default: notebooks/)")
 

@@ -211,7 +211,8 @@ def run_method(model, ids: torch.Tensor, spec: str, budget: float | None, max_ne
 
 
 def main(argv=None) -> int:
-    p = cli.OneLineParser(prog="python -m kvmini.view", description="One web page of what several methods keep of the same prompt.")
+    p = cli.OneLineParser(prog="python -m kvmini.view",
+                          description="One web page of what several methods keep of the same prompt.")
     p.add_argument("--methods", nargs="+", required=True, help="method names or specs, e.g. h2o snapkv d2o[variant=paper]")
     p.add_argument("--prompt", type=cli.path, required=True, help="UTF-8 text file")
     p.add_argument("--out", type=cli.path, required=True, help="the HTML file to write (checked before the work)")

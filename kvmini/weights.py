@@ -260,7 +260,8 @@ def download_checkpoint(repo_id: str, dest: Path) -> Path:
 
 
 def main(argv=None) -> int:
-    p = cli.OneLineParser(prog="python -m kvmini.weights", description="Prepare the default model, or download an HF checkpoint folder.")
+    p = cli.OneLineParser(prog="python -m kvmini.weights",
+                          description="Prepare the default model, or download an HF checkpoint folder.")
     p.add_argument("--hub", metavar="REPO_ID", help="download this HF repo (e.g. Qwen/Qwen2.5-0.5B-Instruct) instead")
     p.add_argument("--dest", help="target folder for --hub (default: weights/<repo name>)")
     return cli.run(lambda: prepare(p.parse_args(argv)))

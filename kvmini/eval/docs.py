@@ -148,7 +148,8 @@ def differences(root: Path = ROOT) -> list[str]:
 
 
 def main(argv=None) -> int:
-    p = cli.OneLineParser(prog="python -m kvmini.eval.docs", description="Write the measured numbers of README.md and docs/ from results/.")
+    p = cli.OneLineParser(prog="python -m kvmini.eval.docs",
+                          description="Write the measured numbers of README.md and docs/ from results/.")
     p.add_argument("--check", action="store_true", help="write nothing; exit 1 if a generated part differs")
     return cli.run(lambda: generate(p.parse_args(argv)), imports=("kvmini.eval.suite",))
 

@@ -187,7 +187,8 @@ def run_parts_speed(model, text_ids, p, log):
 
 
 def main(argv=None) -> int:
-    p = cli.OneLineParser(prog="python -m kvmini.eval.suite", description="Run the evaluation suite; write JSON, markdown and plots.")
+    p = cli.OneLineParser(prog="python -m kvmini.eval.suite",
+                          description="Run the evaluation suite; write JSON, markdown and plots.")
     p.add_argument("--profile", choices=list(PROFILES), default="quick", help="sizes (default: quick: about two hours on 2 CPU cores for every experiment; smoke: a minute)")
     p.add_argument("--only", nargs="+", choices=EXPERIMENTS, default=EXPERIMENTS, help="experiments to run (default: all)")
     p.add_argument("--out", type=cli.path, default="results", help="output folder (default: results/; checked before the work)")
