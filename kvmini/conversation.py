@@ -29,12 +29,13 @@ class Turn:
     seen: int  # tokens the cache had seen when the answer was done
     held: float  # entries per layer (mean) the cache held then
     snapshot: tuple = field(default=None, repr=False)  # (cache, policy) copies then, for the page
+    note: str | None = None  # the policy's note on this prompt's budget (raised to fit, not compressed)
 
 
 def line(turn: Turn) -> str:
     r = turn.result
     return (f"{turn.label:<11} {len(turn.ids)} tokens in, {r.new_tokens} out; the cache holds {turn.held:.0f} "
-            f"entries per layer (mean) of the {turn.seen} it has seen")
+            f"entries per layer (mean) of the {turn.seen} it has seen" + (f"; {turn.note}" if turn.note else ""))
 
 
 def split_at_context(chat, context: str, question: str) -> tuple[str, str]:
@@ -94,7 +95,8 @@ class Session:
         result = self.answer(ids, cache, policy)
         kept = result.cache.lengths()
         snapshot = fork(result.cache, policy) if self.keep_snapshots else None
-        return Turn(label, ids, result, result.cache.seen_tokens, sum(kept) / len(kept), snapshot)
+        return Turn(label, ids, result, result.cache.seen_tokens, sum(kept) / len(kept), snapshot,
+                    None if policy is None else policy.note)
 
     def chat_turns(self, lines) -> list[Turn]:
         """Every non-empty line of `lines` is a turn of one conversation, continuing one cache."""

@@ -2,6 +2,7 @@
 (kvmini.conversation), on the tiny byte-level chat model of test_hostile_inputs; bad input is one line."""
 import io
 import json
+import re
 import subprocess
 import sys
 
@@ -140,3 +141,15 @@ def test_a_question_too_long_for_the_context_is_refused_before_the_context_is_re
                        "--question", "Who lit them?", "--question", "why " * context)
     assert_one_line(code, err, "question 2: ")
     assert f"exceeds the model's context of {context} tokens" in err
+
+
+def test_each_turns_line_says_when_its_budget_was_raised(capsys, monkeypatch, model):
+    """A short turn at a ratio budget is raised to the least SnapKV keeps (its window): the turn's own line
+    says so, not only the report's note (which describes the last turn)."""
+    code, out, err = chat_run(capsys, monkeypatch, "Hi\nAnd then?\n", "--model", model, "--method", "snapkv",
+                              "--budget", 0.2, "--window", 8, "--max-new-tokens", 2)
+    assert code == 0, err
+    turn_lines = [line for line in out.splitlines() if line.startswith("turn ")]
+    assert len(turn_lines) == 2, out
+    assert re.search(r"; budget raised from \d+ to 8 tokens per layer, the least snapkv can keep$", turn_lines[0]), out
+    assert "budget raised" not in turn_lines[1]  # 0.2 of every token seen by then (54) is 10: it fits
