@@ -57,7 +57,9 @@ def build(tutorial: Path, out_dir: Path, timeout: int = 1200, root: Path = ROOT)
 
     notebook = jupytext.read(tutorial)
     notebook.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
-    NotebookClient(notebook, timeout=timeout, kernel_name="python3", resources={"metadata": {"path": str(root)}}).execute()
+    NotebookClient(notebook, timeout=timeout, kernel_name="python3", resources={"metadata": {"path": str(root)}},
+                   extra_arguments=["--IPKernelApp.log_level=ERROR"]).execute()  # (not its warning, once per
+    # notebook, that a kernel on this machine's loopback talks unencrypted TCP; a cell's error still fails here)
     out_dir.mkdir(parents=True, exist_ok=True)
     path = out_dir / (tutorial.stem + ".ipynb")
     jupytext.write(notebook, path)
