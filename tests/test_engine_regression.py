@@ -13,7 +13,10 @@ that of each other (D2O's nearest kept key, H2O's lowest accumulated attention),
 and a whole key vector changes. In float64 the same kernels differ by ~1e-15, and every statistic,
 score and merge is computed in float64 too (`kvmini.cache.wide`), so a decision flips only for
 candidates within ~1e-13 of a tie: then the positions compare exactly, and the floats element by
-element within 1e-8 of the tensor's largest magnitude (no sums, which cancel). The tests at the
+element within 1e-8 of the tensor's largest magnitude (no sums, which cancel). One exact tie does
+occur: KNorm's budget on the default model falls among the layer-0 keys of a repeated token, whose
+norms are equal (RoPE rotates one vector) up to the last bit of the rotation, so another CPU may keep
+another of them; those trades are checked as trades of equal norms (`swaps_among_ties`). The tests at the
 end inject a one-token score change and a 1e-5 change of one merge weight and show both fail.
 
 What is stored: on the tiny model every tensor whole; on the default model the kept positions after
@@ -268,20 +271,67 @@ def test_tiny_model_behaviour_is_unchanged(recorded, scenario, variant):
     assert f == facts["tiny"][f"{scenario}/{label(*variant)}"]
 
 
+def swaps_among_ties(now: dict, expected: dict, norms: torch.Tensor, rel: float = 1e-12) -> tuple[list[str], bool]:
+    """KNorm's kept positions (positions.c.layer -> (1, H_kv, S)) against the recorded ones, where two
+    keys of one norm may have traded places. A repeated token's layer-0 keys are one vector rotated
+    by RoPE, so their norms tie exactly and the last bit of the rotation's arithmetic, which differs
+    between CPUs, decides which of them a budget keeps. -> (what differs other than such trades, any
+    trade?): each head must keep as many entries, and those it keeps instead of the recorded ones must
+    all have one norm (within `rel`) as prompt keys (`norms`: (L, H_kv, n))."""
+    found, traded = [], False
+    for key, kept in now.items():
+        layer = int(key.split(".")[2])
+        for h in range(kept.shape[1]):
+            mine, theirs = set(kept[0, h].tolist()), set(expected[key][0, h].tolist())
+            if mine == theirs:
+                continue
+            traded = True
+            tied = [norms[layer, h, p].item() for p in mine ^ theirs if 0 <= p < norms.shape[-1]]
+            if len(mine) != len(theirs) or len(tied) < len(mine ^ theirs) or max(tied) - min(tied) > rel * max(tied):
+                found.append(f"{key}: head {h} keeps {sorted(mine - theirs)} instead of {sorted(theirs - mine)}, "
+                             "not keys of one norm")
+    return found, traded
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("variant", DEFAULT_VARIANTS, ids=[label(*v) for v in DEFAULT_VARIANTS])
 def test_default_model_behaviour_is_unchanged(recorded, float64_model, default_tokenizer, variant):
+    """Exact, as the tiny scenarios, with one exception found on a CPU other than the recording's:
+    KNorm at the default model's budget falls inside a group of exactly tied key norms (a repeated
+    token in layer 0), which the last bit of RoPE's float64 arithmetic orders. Where its kept positions
+    differ from the recording only by trades inside such a tie (`swaps_among_ties`), the positions are
+    checked that way and the floats, which then follow from other (equally ranked) tokens, are not;
+    where no trade happened, everything is compared exactly. Its budgets and eviction counts always are."""
     tensors, facts = recorded
     assert label(*variant) in facts["default"], f"{label(*variant)} not recorded: run {RECORD}"
     calls, n = default_scenario(default_tokenizer)
     out, f = run(float64_model, calls, *variant, n)
     expected = expected_of(tensors, f"default/{label(*variant)}/")
     top = {c: expected[f"top_ids.{c}"].long() for c in range(len(calls))}
-    assert differences(condensed(out, len(calls), top), expected) == []
+    got = condensed(out, len(calls), top)
+    traded = False
+    if variant[0] == "knorm":
+        prompt, _ = run(float64_model, calls[:1], "full", None, {}, n)
+        norms = torch.stack([prompt[f"keys.{i}"][0].norm(dim=-1) for i in range(float64_model.config.num_layers)])
+        found, traded = swaps_among_ties({k: v for k, v in got.items() if k.startswith("positions.")}, expected, norms)
+        assert found == []
+    if not traded:
+        assert differences(got, expected) == []
     assert f == facts["default"][label(*variant)]
 
 
 # The comparison must still catch a real change: each test below injects one and expects a difference.
+
+def test_only_keys_of_one_norm_may_trade_places():
+    """Hand-worked: positions 1 and 2 tie (a one-ulp difference), 3 does not."""
+    norms = torch.tensor([[[1.0, 2.0, 2.0 * (1 + 2**-52), 3.0]]], dtype=torch.float64)  # (L, H_kv, n)
+    kept = lambda *p: {"positions.0.0": torch.tensor([[list(p)]])}  # noqa: E731  (1, H_kv, S)
+    assert swaps_among_ties(kept(0, 1), kept(0, 1), norms) == ([], False)
+    assert swaps_among_ties(kept(0, 1), kept(0, 2), norms) == ([], True)
+    assert swaps_among_ties(kept(0, 3), kept(0, 2), norms)[0] == [
+        "positions.0.0: head 0 keeps [3] instead of [2], not keys of one norm"]
+    assert swaps_among_ties(kept(0, 1, 3), kept(0, 2), norms)[0] != []  # a count that differs
+
 
 def test_a_one_token_score_change_fails(recorded, monkeypatch):
     from kvmini.methods.scorers import CumulativeAttention
