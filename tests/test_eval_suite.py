@@ -10,6 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from kvmini.errors import KvminiError
 from kvmini.eval import layers, passkey, plots, speed, streaming, suite
 from kvmini.eval.summary import summary
 from kvmini.methods.registry import make_policy
@@ -304,6 +305,20 @@ def test_smoke_profile_end_to_end(tmp_path, default_model_dir, monkeypatch):
 
     assert results["provenance"]["fidelity"]["command"] == f"python -m kvmini.eval.suite --profile smoke --out {tmp_path}"
     assert provenance.stale(tmp_path / "results.json", suite.today("smoke")) == []
+    # one method measured alone: its rows are replaced, every other row is kept as it was
+    argv = ["--profile", "smoke", "--only", "fidelity", "speed", "--methods", "h2o", "--out", str(tmp_path)]
+    assert suite.main(argv) == 0
+    merged = json.loads((tmp_path / "results.json").read_text())
+    others = lambda rows: [r for r in rows if r["method"] != "h2o"]  # noqa: E731
+    assert others(merged["fidelity"]) == others(results["fidelity"]) and merged["fidelity"] != results["fidelity"]
+    assert [r["method"] for r in merged["fidelity"]] == [r["method"] for r in results["fidelity"]]
+    assert {k: v for k, v in merged["speed"]["decode"].items() if k != "h2o"} == \
+        {k: v for k, v in results["speed"]["decode"].items() if k != "h2o"}
+    assert merged["speed"]["decode"]["h2o"] != results["speed"]["decode"]["h2o"]
+    assert merged["streaming"] == results["streaming"]  # it does not measure h2o: not run
+    assert merged["provenance"]["speed"]["merged"][0]["methods"] == ["h2o"]
+    assert merged["provenance"]["speed"]["merged"][0]["command"] == "python -m kvmini.eval.suite " + " ".join(argv)
+    assert provenance.stale(tmp_path / "results.json", suite.today("smoke")) == []
 
 
 def test_a_partial_run_keeps_the_other_experiments_of_the_same_profile(tmp_path):
@@ -318,6 +333,46 @@ def test_a_partial_run_keeps_the_other_experiments_of_the_same_profile(tmp_path)
     assert merged["sizes"] == {"streaming": {"n": 1}, "speed": {"n": 3}} and merged["seconds"]["streaming"] == 5.0
     assert kept_from(path, {**new, "profile": "full"}, log=lambda m: None) == {**new, "profile": "full"}
     assert kept_from(tmp_path / "missing.json", new) == new
+
+
+def test_one_method_measured_alone_replaces_its_rows_in_place_and_nothing_else():
+    from kvmini.eval import provenance
+
+    rows = lambda tag, methods: [{"prompt": p, "method": m, "kl": f"{tag}{p}{m}"} for p in (0, 1)  # noqa: E731
+                                 for m in methods]
+    speed_rows = lambda tag, methods: {m: {"tokens_per_s": f"{tag}{m}"} for m in methods}  # noqa: E731
+    fid_specs, speed_specs = ["full", "h2o", "dbudgetkv"], suite.today("smoke")["speed"]["methods"]
+    old = {"profile": "smoke", "sizes": {"fidelity": suite.PROFILES["smoke"]["fidelity"]},
+           "fidelity": rows("old", fid_specs), "speed": {"budget": 0.5, "decode": speed_rows("old", speed_specs)},
+           "seconds": {"fidelity": 1.0, "speed": 2.0},
+           "provenance": {"fidelity": provenance.stamp("fidelity", fid_specs, ["--profile", "smoke"]),
+                          "speed": provenance.stamp("speed", speed_specs, ["--profile", "smoke"])}}
+    new = {"fidelity": rows("new", ["full", "h2o"]), "speed": {"budget": 0.5, "decode": speed_rows("new", ["full", "h2o"])},
+           "seconds": {"fidelity": 9.0, "speed": 9.0},
+           "provenance": {e: provenance.stamp(e, ["full", "h2o"], ["--methods", "h2o"]) for e in ("fidelity", "speed")}}
+    merged = suite.merged_into(old, new, ["h2o"], "smoke", ["--profile", "smoke", "--methods", "h2o"])
+    assert merged["fidelity"] == [{"prompt": p, "method": m, "kl": f"{'new' if m == 'h2o' else 'old'}{p}{m}"}
+                                  for p in (0, 1) for m in fid_specs]  # in place: prompt 0's rows, then prompt 1's
+    assert merged["speed"]["decode"] == {m: {"tokens_per_s": f"{'new' if m == 'h2o' else 'old'}{m}"} for m in speed_specs}
+    assert merged["seconds"] == old["seconds"] and merged["speed"]["budget"] == 0.5
+    made = merged["provenance"]["fidelity"]
+    assert made["methods"] == fid_specs and made["command"] == old["provenance"]["fidelity"]["command"]
+    assert made["merged"][0]["methods"] == ["h2o"] and made["merged"][0]["command"].endswith("--methods h2o")
+    # a method new to the file: its rows come after the others'
+    assert suite.merged_rows(rows("old", ["full", "h2o"]), rows("new", ["full", "cake"]),
+                             lambda s: s == "cake") == rows("old", ["full", "h2o"]) + rows("new", ["cake"])
+
+
+def test_measuring_one_method_alone_needs_a_current_results_file_of_that_profile(tmp_path):
+    with pytest.raises(KvminiError, match="missing or not JSON: run the suite without --methods first"):
+        suite.mergeable(tmp_path / "results.json", "quick", ["speed"])
+    (tmp_path / "results.json").write_text(json.dumps({"profile": "full"}))
+    with pytest.raises(KvminiError, match="holds the full profile, not quick: give --profile full"):
+        suite.mergeable(tmp_path / "results.json", "quick", ["speed"])
+    (tmp_path / "results.json").write_text(json.dumps({"profile": "quick", "sizes": {"speed": {}}, "speed": {},
+                                                       "provenance": {"speed": {"command": "python -m x"}}}))
+    with pytest.raises(KvminiError, match="speed must be re-run whole first: .*fingerprint by method"):
+        suite.mergeable(tmp_path / "results.json", "quick", ["speed"])
 
 
 def test_kept_bytes_of_a_method_that_compresses_at_the_first_decode_step_are_read_after_it():

@@ -48,32 +48,106 @@ def test_a_changed_behaviour_recording_makes_the_accuracy_results_of_that_method
     recording.write_text(json.dumps(facts))
     [line] = provenance.stale(path, today)
     assert "fidelity is stale (h2o's recorded behaviour changed)" in line
-    assert line.endswith("re-run: python -m kvmini.eval.suite --only fidelity")
+    assert line.endswith("measure alone: python -m kvmini.eval.suite --only fidelity --methods h2o")
+
+
+def edit(path: Path, old: str, new: str) -> None:
+    text = path.read_text()
+    assert old in text, f"{old!r} is not in {path}"
+    path.write_text(text.replace(old, new, 1))
+
+
+def speed_results(tmp_path, methods) -> tuple[Path, dict]:
+    (tmp_path / "speed").mkdir()
+    return made_now(tmp_path / "speed", "speed", methods, {}), {"speed": {"methods": methods, "sizes": {}}}
+
+
+def test_docstrings_and_comments_stale_nothing(tmp_path, monkeypatch):
+    root = copy_of_the_code(tmp_path, monkeypatch)
+    speed, today = speed_results(tmp_path, ["full", "h2o", "d2o"])
+    fidelity = made_now(tmp_path, "fidelity", ["full", "h2o"], {})
+    for path in (root / "kvmini" / "cache.py", root / "kvmini" / "methods" / "h2o.py",
+                 root / "kvmini" / "eval" / "fidelity.py", root / "kvmini" / "methods" / "registry.py"):
+        text = path.read_text()
+        assert text.startswith('"""') or text.startswith('r"""'), path
+        path.write_text(text.replace('"""', '"""A docstring fix. ', 1) + "\n# a comment\n")
+    assert provenance.stale(speed, today) == []
+    assert provenance.stale(fidelity, {"fidelity": {"methods": ["full", "h2o"], "sizes": {}}}) == []
 
 
 def test_a_refactor_leaves_accuracy_current_and_makes_speed_stale(tmp_path, monkeypatch):
     root = copy_of_the_code(tmp_path, monkeypatch)
-    (tmp_path / "a").mkdir(), (tmp_path / "b").mkdir()
+    (tmp_path / "a").mkdir(), (tmp_path / "c").mkdir()
     fidelity = made_now(tmp_path / "a", "fidelity", ["full", "h2o"], {})
-    speed = made_now(tmp_path / "b", "speed", ["full"], {})
-    (tmp_path / "c").mkdir()
+    speed, today = speed_results(tmp_path, ["full", "h2o"])
     parts = made_now(tmp_path / "c", "parts_speed", ["full", "snapkv"], {})  # timed, as speed is
     with open(root / "kvmini" / "cache.py", "a") as f:
-        f.write("\n# a refactor: same behaviour, other code\n")
+        f.write("\nA_REFACTOR = 'same behaviour, other code'\n")
     assert provenance.stale(fidelity, {"fidelity": {"methods": ["full", "h2o"], "sizes": {}}}) == []
-    [line] = provenance.stale(speed, {"speed": {"methods": ["full"], "sizes": {}}})
-    assert "speed is stale (kvmini/cache.py changed)" in line
+    [line] = provenance.stale(speed, today)
+    assert "speed is stale (kvmini/cache.py changed)" in line and line.endswith("re-run: python -m kvmini.eval.suite "
+                                                                                "--only speed")
     [line] = provenance.stale(parts, {"parts_speed": {"methods": ["full", "snapkv"], "sizes": {}}})
     assert "parts_speed is stale (kvmini/cache.py changed)" in line
 
 
+def test_a_method_s_code_stales_its_own_speed_rows_only(tmp_path, monkeypatch):
+    root = copy_of_the_code(tmp_path, monkeypatch)
+    speed, today = speed_results(tmp_path, ["full", "h2o", "snapkv", "d2o", "d2o[variant=paper]"])
+    with open(root / "kvmini" / "methods" / "d2o.py", "a") as f:
+        f.write("\nA_CHANGE = 1\n")
+    [line] = provenance.stale(speed, today)
+    assert "speed is stale (d2o's code changed)" in line
+    assert line.endswith("measure alone: python -m kvmini.eval.suite --only speed --methods d2o")
+    with open(root / "kvmini" / "methods" / "ema_merging.py", "a") as f:  # a part D2O uses, H2O does not
+        f.write("\nA_CHANGE = 1\n")
+    assert "speed is stale (d2o's code changed)" in provenance.stale(speed, today)[0]
+
+
+def test_a_new_method_is_not_measured_and_stales_nothing_else(tmp_path, monkeypatch):
+    root = copy_of_the_code(tmp_path, monkeypatch)
+    speed, today = speed_results(tmp_path, ["full", "h2o", "snapkv"])
+    fidelity = made_now(tmp_path, "fidelity", ["full", "h2o", "snapkv"], {"methods": ["h2o", "snapkv"]})
+    (root / "kvmini" / "methods" / "cake.py").write_text((root / "kvmini" / "methods" / "snapkv.py").read_text())
+    edit(root / "kvmini" / "methods" / "registry.py", "    \"snapkv\": snapkv,\n", "    \"snapkv\": snapkv,\n"
+         "    \"cake\": cake,\n")
+    edit(root / "kvmini" / "methods" / "registry.py", "from kvmini.methods import (cam,", "from kvmini.methods import (cake, cam,")
+    assert provenance.stale(speed, today) == []  # the registry's table of methods stales nothing
+    today["speed"]["methods"].append("cake")
+    [line] = provenance.stale(speed, today)
+    assert "speed is stale (cake is not measured)" in line
+    assert line.endswith("measure alone: python -m kvmini.eval.suite --only speed --methods cake")
+    [line] = provenance.stale(fidelity, {"fidelity": {"methods": ["full", "h2o", "snapkv", "cake"],
+                                                      "sizes": {"methods": ["h2o", "snapkv", "cake"]}}})
+    assert ("fidelity is stale (cake has no entry in the behaviour recording (record it: PYTHONPATH=. python "
+            "tests/test_engine_regression.py --record cake); cake is not measured); measure alone: ") in line
+
+
+def test_the_measure_alone_command_keeps_the_folder_and_profile():
+    made = "python -m kvmini.eval.suite --profile full --only speed parts_speed --out results/full-speed"
+    assert provenance.measure_alone(made, "speed", {"h2o", "cam"}) == (
+        "python -m kvmini.eval.suite --profile full --out results/full-speed --only speed --methods cam h2o")
+
+
 def test_a_result_without_a_fingerprint_or_of_other_sizes_or_methods_is_stale(tmp_path):
-    path = made_now(tmp_path, "layers", ["full", "d2o"], {"n": 8})
-    assert provenance.stale(path, {"layers": {"methods": ["full", "d2o", "vatp"], "sizes": {"n": 16}}}) == [
-        f"{path}: layers is stale (the suite now measures full, d2o, vatp; the profile's sizes changed); "
+    path = made_now(tmp_path, "layers", ["full", "d2o", "vatp"], {"n": 8})
+    assert provenance.stale(path, {"layers": {"methods": ["full", "d2o"], "sizes": {"n": 16}}}) == [
+        f"{path}: layers is stale (the suite no longer measures vatp; the profile's sizes changed); "
         "re-run: python -m kvmini.eval.suite --only layers"]
     results = json.loads(path.read_text())
     del results["provenance"]["layers"]["fingerprint"]
     path.write_text(json.dumps(results))
-    assert "made before results recorded a fingerprint" in provenance.stale(path, {"layers": {"methods": [],
-                                                                                              "sizes": {"n": 8}}})[0]
+    assert "made before results recorded a fingerprint by method" in provenance.stale(
+        path, {"layers": {"methods": [], "sizes": {"n": 8}}})[0]
+
+
+def test_the_documents_name_a_method_not_measured_with_the_command_that_measures_it():
+    from kvmini.eval import docs
+
+    path = ROOT / "results" / "quick" / "results.json"
+    results = json.loads(path.read_text())
+    assert docs.not_measured(("results/quick/results.json", results)).startswith("Every method")
+    results["provenance"]["speed"]["methods"].remove("cam[variant=paper]")  # as if the variant were new
+    table = docs.not_measured(("results/quick/results.json", results))
+    assert ("| `results/quick/results.json` | speed | cam[variant=paper] | `python -m kvmini.eval.suite --out "
+            "results/quick --only speed --methods cam` |") in table

@@ -38,6 +38,7 @@ TABLES = {
     "profiles": ((PROFILES_SOURCE,), lambda _: profiles()),
     "not-run-full": ((FULL, FULL_SPEED), tables.not_run),
     "claims": ((QUICK, FULL, FULL_SPEED), claims.claims),
+    "not-measured": ((QUICK, FULL, FULL_SPEED), lambda q, f, s: not_measured((QUICK, q), (FULL, f), (FULL_SPEED, s))),
     "provenance": ((QUICK, FULL, FULL_SPEED),
                    lambda q, f, s: tables.provenance_table((QUICK, q), (FULL, f), (FULL_SPEED, s))),
     "d2o-ablations": ((QUICK,), lambda q: tables.ablations(q, "d2o")),
@@ -70,6 +71,26 @@ def profiles() -> str:
     from kvmini.eval.suite import PROFILES  # imports the experiments (and torch): only when this region is written
 
     return tables.profiles_table(PROFILES)
+
+
+def not_measured(*files: tuple[str, dict]) -> str:
+    """The methods the suite runs that a results file lacks (a method just added), with the command that
+    measures each alone into it (kvmini.eval.provenance.measure_alone)."""
+    from kvmini.eval import provenance, suite  # imports torch: only when this region is written
+
+    rows = []
+    for path, res in files:
+        for experiment, want in suite.today(res["profile"]).items():
+            made = res.get("provenance", {}).get(experiment)
+            missing = [s for s in want["methods"] if made and s not in made["methods"]]
+            if missing:
+                names = {provenance.method_of(s) for s in missing}
+                rows.append(f"| `{path}` | {experiment} | {', '.join(missing)} | "
+                            f"`{provenance.measure_alone(made['command'], experiment, names)}` |")
+    if not rows:
+        return "Every method and variant the suite runs is measured in every results file."
+    return "\n".join(["Not measured yet:", "", "| results file | experiment | not measured | measure it alone |",
+                      "|---|---|---|---|", *rows])
 
 
 def documents(root: Path = ROOT) -> list[Path]:

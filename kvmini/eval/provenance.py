@@ -1,20 +1,24 @@
-"""Where a result came from, and whether the code it describes has changed since (docs/evaluation.md,
+"""Where a result came from, and whether the code it measured has changed since (docs/evaluation.md,
 "When a result is stale").
 
-Each experiment in a results.json carries `provenance`: the command, the date and the git commit that
-made it (the commit is for people; the check below never reads git), the method specs it measured,
-and a fingerprint of what it depends on:
+Each experiment in a results.json carries `provenance`: the command, date and git commit that made it
+(for people: the check below reads no git), the method specs it measured, the `merged` runs that
+measured single methods into it (`python -m kvmini.eval.suite --methods NAME`), and a fingerprint:
 
-    accuracy (streaming, passkey, fidelity, layers, ablations, queryaware)
-        per method measured, and `full` (the model itself), a digest of that method's entries in the
-        engine's behaviour recording (tests/data/engine_regression.*); plus a digest of the
-        experiment's own module. tests/test_engine_regression.py proves the code still behaves as
-        recorded, so a refactor that changes no behaviour leaves these results current.
-    speed, parts_speed
-        a digest of every source file on the timed path: kvmini/eval/speed.py, every method module,
-        and every kvmini module they import. Any edit there may change a time.
+    code     what every row shares. Accuracy (streaming, passkey, fidelity, layers, ablations,
+             queryaware): the experiment's module. Speed (speed, parts_speed): the timed path every
+             method shares: kvmini/eval/speed.py and the kvmini modules it imports, the model and the
+             engine among them, and the registry without its table of methods.
+    methods  per method name. Accuracy: a digest of the method's entries in the engine's behaviour
+             recording (tests/data/engine_regression.*; `full` is the model itself), so a refactor
+             that changes no behaviour stales nothing. Speed: a digest of the code only that method
+             runs (its module and the method-only modules it imports).
 
-    stale(path) -> one line per experiment whose fingerprint differs from the code's today.
+Code is digested by meaning: its syntax tree without docstrings or comments, so a docstring fix stales
+nothing. A changed method stales its own rows, a method the suite now runs but has not measured is named
+as not measured, and the command in the line measures that method alone.
+
+    stale(path, today) -> one line per experiment that no longer describes today's code.
 """
 import ast
 import datetime
@@ -30,22 +34,85 @@ RECORDING = ROOT / "tests" / "data" / "engine_regression"
 EXPERIMENT_MODULE = {"streaming": "kvmini/eval/streaming.py", "passkey": "kvmini/eval/passkey.py",
                      "fidelity": "kvmini/eval/fidelity.py", "layers": "kvmini/eval/layers.py",
                      "ablations": "kvmini/eval/fidelity.py", "queryaware": "kvmini/eval/query_aware.py"}
-
 TIMED = ("speed", "parts_speed")  # experiments that measure time: fingerprinted by the code on the timed path
+REGISTRY = "kvmini/methods/registry.py"
+RECORD = "PYTHONPATH=. python tests/test_engine_regression.py --record"
 
 
 def digest(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()[:16]
 
 
-def file_digest(relative: str) -> str:
-    """A source file's digest, line endings normalised (a Windows checkout gives the same)."""
-    return digest((ROOT / relative).read_bytes().replace(b"\r\n", b"\n"))
-
-
 def method_of(spec: str) -> str:
     """'d2o[variant=paper]' -> 'd2o'."""
     return spec.split("[")[0]
+
+
+def meaning(relative: str) -> str:
+    """A source file's digest by meaning: its syntax tree without docstrings (comments are not in it).
+    The registry is read without its table of methods, so a line that adds a method stales nothing."""
+    tree = ast.parse((ROOT / relative).read_text())
+    for node in ast.walk(tree):
+        body = getattr(node, "body", None)
+        if isinstance(body, list) and body and isinstance(body[0], ast.Expr) and \
+                isinstance(body[0].value, ast.Constant) and isinstance(body[0].value.value, str):
+            node.body = body[1:] or [ast.Pass()]
+    if relative == REGISTRY:
+        tree.body = [n for n in tree.body if not _is_method_table(n)]
+    return digest(ast.dump(tree).encode())
+
+
+def _is_method_table(node) -> bool:
+    """The registry's `METHODS = {...}` and its import of the method modules."""
+    return (isinstance(node, ast.Assign) and [getattr(t, "id", None) for t in node.targets] == ["METHODS"]) or \
+        (isinstance(node, ast.ImportFrom) and node.module == "kvmini.methods")
+
+
+def method_modules() -> dict[str, str]:
+    """Method name -> its module file, read from the registry's METHODS table (no import, no torch)."""
+    for node in ast.parse((ROOT / REGISTRY).read_text()).body:
+        if isinstance(node, ast.Assign) and [getattr(t, "id", None) for t in node.targets] == ["METHODS"]:
+            return {k.value: f"kvmini/methods/{v.id}.py" for k, v in zip(node.value.keys, node.value.values)
+                    if isinstance(v, ast.Name)}
+    raise ValueError(f"{REGISTRY} has no METHODS table")
+
+
+def imports_of(relative: str) -> set[str]:
+    """The kvmini source files a module imports at its top level (imports inside a function load the
+    model or the text for a measurement, outside the timed code)."""
+    found = set()
+    for node in ast.parse((ROOT / relative).read_text()).body:
+        modules = [a.name for a in node.names] if isinstance(node, ast.Import) else []
+        if isinstance(node, ast.ImportFrom) and node.module and node.level == 0 and not \
+                (relative == REGISTRY and _is_method_table(node)):
+            modules = [node.module] + [f"{node.module}.{a.name}" for a in node.names]  # a name may be a module
+        for m in modules:
+            for candidate in (m.replace(".", "/") + ".py", m.replace(".", "/") + "/__init__.py"):
+                if m.startswith("kvmini") and (ROOT / candidate).is_file():
+                    found.add(candidate)
+    return found
+
+
+def closure(starts: set[str], leave_out: set[str] = frozenset()) -> set[str]:
+    """`starts` and every kvmini file they import, transitively, except `leave_out`."""
+    todo, seen = set(starts), set()
+    while todo:
+        path = todo.pop()
+        seen.add(path)
+        todo |= imports_of(path) - seen - leave_out
+    return seen
+
+
+def shared_timed_path() -> set[str]:
+    """What every method's timed run executes: speed.py and its imports, the registry's table left out."""
+    return closure({"kvmini/eval/speed.py"})
+
+
+def method_code(name: str, shared: set[str]) -> str:
+    """A digest of the code only method `name` runs on the timed path ('' for the full cache)."""
+    module = method_modules().get(name)
+    own = sorted(closure({module}, shared) - shared) if module else []
+    return digest(" ".join(f"{f}:{meaning(f)}" for f in own).encode())
 
 
 def recorded_behaviour(names) -> dict[str, str]:
@@ -69,45 +136,40 @@ def recorded_behaviour(names) -> dict[str, str]:
     return {name: h.hexdigest()[:16] if h.digest() != hashlib.sha256().digest() else "" for name, h in found.items()}
 
 
-def imports_of(relative: str) -> set[str]:
-    """The kvmini source files a module imports at its top level (imports inside a function load the
-    model or the text for a measurement, outside the timed code)."""
-    found = set()
-    for node in ast.parse((ROOT / relative).read_text()).body:
-        modules = [a.name for a in node.names] if isinstance(node, ast.Import) else []
-        if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-            modules = [node.module] + [f"{node.module}.{a.name}" for a in node.names]  # a name may be a module
-        for m in modules:
-            for candidate in (m.replace(".", "/") + ".py", m.replace(".", "/") + "/__init__.py"):
-                if m.startswith("kvmini") and (ROOT / candidate).is_file():
-                    found.add(candidate)
-    return found
-
-
-def speed_path() -> list[str]:
-    """Every source file the speed experiment runs: speed.py, the methods, and what they import."""
-    todo = {"kvmini/eval/speed.py"} | {f"kvmini/methods/{p.name}" for p in (ROOT / "kvmini" / "methods").glob("*.py")}
-    seen = set()
-    while todo:
-        path = todo.pop()
-        seen.add(path)
-        todo |= imports_of(path) - seen
-    return sorted(seen)
-
-
 def fingerprint(experiment: str, specs: list[str]) -> dict:
-    if experiment in TIMED:
-        return {"code": {path: file_digest(path) for path in speed_path()}}
     names = sorted({"full", *map(method_of, specs)})
+    if experiment in TIMED:
+        shared = shared_timed_path()
+        return {"code": {f: meaning(f) for f in sorted(shared)}, "methods": {m: method_code(m, shared) for m in names}}
     module = EXPERIMENT_MODULE[experiment]
-    return {"behaviour": recorded_behaviour(names), "code": {module: file_digest(module)}}
+    return {"code": {module: meaning(module)}, "methods": recorded_behaviour(names)}
 
 
 def stamp(experiment: str, specs: list[str], argv: list[str]) -> dict:
     """The provenance of an experiment run now by `python -m kvmini.eval.suite argv`."""
-    return {"command": shlex.join(["python", "-m", "kvmini.eval.suite", *argv]),
-            "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-            "commit": commit(), "methods": list(specs), "fingerprint": fingerprint(experiment, specs)}
+    return {"command": command(argv), "date": now(), "commit": commit(), "methods": list(specs),
+            "fingerprint": fingerprint(experiment, specs)}
+
+
+def merge_stamp(made: dict, experiment: str, specs: list[str], today_specs: list[str], argv: list[str]) -> dict:
+    """`made` (an experiment's provenance) after the specs of `specs`' methods were measured alone into it."""
+    names = {method_of(s) for s in specs}
+    now_print = fingerprint(experiment, specs)
+    methods = [s for s in today_specs if s in made["methods"] or method_of(s) in names]
+    return {**made, "methods": methods,
+            "fingerprint": {"code": made["fingerprint"]["code"],
+                            "methods": {**made["fingerprint"]["methods"],
+                                        **{m: d for m, d in now_print["methods"].items() if m in names}}},
+            "merged": made.get("merged", []) + [{"methods": [s for s in specs if s != "full"], "command": command(argv),
+                                                 "date": now(), "commit": commit()}]}
+
+
+def command(argv) -> str:
+    return shlex.join(["python", "-m", "kvmini.eval.suite", *argv])
+
+
+def now() -> str:
+    return datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
 
 
 def commit() -> str | None:
@@ -123,31 +185,56 @@ def commit() -> str | None:
     return head + (" + uncommitted changes" if dirty else "")
 
 
+def measure_alone(made_command: str, experiment: str, names) -> str:
+    """The command that measures methods `names` alone into the results file `made_command` wrote."""
+    words, keep = shlex.split(made_command), []
+    for flag in (f for f in ("--profile", "--out", "--model", "--device") if f in words):
+        keep += words[words.index(flag): words.index(flag) + 2]
+    return command([*keep, "--only", experiment, "--methods", *sorted(names)])
+
+
+def without_methods(sizes):
+    """An experiment's sizes without its list of methods (compared method by method above)."""
+    return {k: v for k, v in sizes.items() if k != "methods"} if isinstance(sizes, dict) else sizes
+
+
 def stale(path: Path, today: dict[str, dict]) -> list[str]:
     """One line per experiment of results file `path` that the code no longer gives, naming why and the
-    command that re-makes it: its fingerprint differs from today's or is missing, or the suite now runs
-    it otherwise (`today`: experiment -> {"methods": specs, "sizes": ...} of the file's profile)."""
+    command that re-makes it: the whole experiment when its shared code, its sizes or its format changed;
+    the methods alone whose code or recorded behaviour changed, or that the suite runs and it lacks
+    (`today`: experiment -> {"methods": specs, "sizes": ...} of the file's profile)."""
     results = json.loads(Path(path).read_text())
     shown = Path(path).relative_to(ROOT) if Path(path).is_relative_to(ROOT) else path
     lines = []
     for experiment in (e for e in today if e in results):
         made = results.get("provenance", {}).get(experiment, {})
-        if "fingerprint" not in made:
-            why = ["made before results recorded a fingerprint"]
+        whole, alone, why = [], set(), []
+        if "methods" not in made.get("fingerprint", {}):
+            whole.append("made before results recorded a fingerprint by method")
         else:
-            then, now = made["fingerprint"], fingerprint(experiment, made["methods"])
-            why = [f"{m}'s recorded behaviour changed" for m in then.get("behaviour", {})
-                   if then["behaviour"][m] != now["behaviour"][m]]
-            why += [f"{m} has no entry in the behaviour recording"
-                    for m, d in now.get("behaviour", {}).items() if not d]
-            why += [f"{f} changed" if f in now["code"] else f"{f} is no longer on its path"
-                    for f in then["code"] if then["code"][f] != now["code"].get(f)]
-            why += [f"{f} is new on its path" for f in now["code"] if f not in then["code"]]
-            if made["methods"] != today[experiment]["methods"]:
-                why.append(f"the suite now measures {', '.join(today[experiment]['methods'])}")
-        if results.get("sizes", {}).get(experiment) != today[experiment]["sizes"]:
-            why.append("the profile's sizes changed")
-        if why:
-            command = made.get("command", "(unknown: see the file's git log)")
-            lines.append(f"{shown}: {experiment} is stale ({'; '.join(why)}); re-run: {command}")
+            missing = [s for s in today[experiment]["methods"] if s not in made["methods"]]
+            then, now_print = made["fingerprint"], fingerprint(experiment, made["methods"] + missing)
+            whole += [f"{f} changed" if f in now_print["code"] else f"{f} is no longer on its path"
+                      for f in then["code"] if then["code"][f] != now_print["code"].get(f)]
+            whole += [f"{f} is new on its path" for f in now_print["code"] if f not in then["code"]]
+            changed = [m for m in then["methods"] if then["methods"][m] != now_print["methods"].get(m)]
+            whole += ["the model's recorded behaviour changed"] if "full" in changed else []  # speed: never
+            for m in (m for m in changed if m != "full"):
+                why.append(f"{m}'s {'code' if experiment in TIMED else 'recorded behaviour'} changed")
+                alone.add(m)
+            unrecorded = sorted(m for m, d in now_print["methods"].items() if not d and experiment not in TIMED)
+            why += [f"{m} has no entry in the behaviour recording (record it: {RECORD} {m})" for m in unrecorded]
+            alone |= set(unrecorded)
+            why += [f"{s} is not measured" for s in missing]
+            alone |= {method_of(s) for s in missing}
+            gone = [s for s in made["methods"] if s not in today[experiment]["methods"]]
+            whole += [f"the suite no longer measures {', '.join(gone)}"] if gone else []
+        if without_methods(results.get("sizes", {}).get(experiment)) != without_methods(today[experiment]["sizes"]):
+            whole.append("the profile's sizes changed")
+        made_by = made.get("command", "(unknown: see the file's git log)")
+        if whole:
+            lines.append(f"{shown}: {experiment} is stale ({'; '.join(whole + why)}); re-run: {made_by}")
+        elif why:
+            lines.append(f"{shown}: {experiment} is stale ({'; '.join(why)}); measure alone: "
+                         f"{measure_alone(made_by, experiment, alone)}")
     return lines

@@ -100,6 +100,7 @@ PROFILES = {
     },
 }
 EXPERIMENTS = list(PROFILES["quick"])
+BY_METHOD = ("passkey", "fidelity", "speed", "ablations", "queryaware")  # rows per method: `--methods` merges them
 
 
 def run_streaming(model, text_ids, p, log):
@@ -107,17 +108,22 @@ def run_streaming(model, text_ids, p, log):
     return streaming.run(model, ids, p["capacities"], chunk=p["chunk"], log=log)
 
 
-def run_passkey(model, tok, chat, stop_ids, p, log):
-    runs = [("full", None)] + [(m, b) for b in p["budgets"] for m in BUDGETED] + [(m, None) for m in SELF_BUDGETED]
+def budgeted_runs(specs: list[str], budgets: list) -> list[tuple]:
+    """(spec, budget) for each budget of the methods that take one; (spec, None) for those that choose their own."""
+    return [(m, b) for b in budgets for m in specs if m in BUDGETED] + [(m, None) for m in specs if m in SELF_BUDGETED]
+
+
+def run_passkey(model, tok, chat, stop_ids, p, specs, log):
+    runs = [("full", None)] + budgeted_runs(specs, p["budgets"])
     return passkey.run(model, tok, chat, runs, p["lengths"], p["depths"], stop_ids, log=log)
 
 
-def run_queryaware(model, tok, chat, stop_ids, p, log):
-    runs = [(m, b) for b in p["budgets"] for m in BUDGETED] + [(m, None) for m in SELF_BUDGETED]
-    return query_aware.run(model, tok, chat, runs, p["length"], p["depths"], p["k"], stop_ids, log=log)
+def run_queryaware(model, tok, chat, stop_ids, p, specs, log):
+    return query_aware.run(model, tok, chat, budgeted_runs(specs, p["budgets"]), p["length"], p["depths"], p["k"],
+                           stop_ids, log=log)
 
 
-def run_fidelity(model, text_ids, p, log):
+def run_fidelity(model, text_ids, p, specs, log):
     """fidelity.run on `prompts` windows spread over the text; rows carry their prompt index."""
     span = p["n"] + p["k"]
     step = (len(text_ids) - span) // max(p["prompts"] - 1, 1)
@@ -125,13 +131,13 @@ def run_fidelity(model, text_ids, p, log):
     for i in range(p["prompts"]):
         ids = torch.tensor([text_ids[i * step : i * step + span]], device=model.device)
         log(f"fidelity prompt {i + 1}/{p['prompts']} (tokens {i * step}..{i * step + span})")
-        rows += [{"prompt": i, **r} for r in fidelity.run(model, ids, p["n"], p["methods"], p["budgets"], log=log)]
+        rows += [{"prompt": i, **r} for r in fidelity.run(model, ids, p["n"], specs, p["budgets"], log=log)]
     return rows
 
 
-def run_ablations(model, text_ids, p, log):
+def run_ablations(model, text_ids, p, specs, log):
     ids = torch.tensor([text_ids[: p["n"] + p["k"]]], device=model.device)
-    return fidelity.run(model, ids, p["n"], p["methods"], p["budgets"], log=log)
+    return fidelity.run(model, ids, p["n"], specs, p["budgets"], log=log)
 
 
 def measured(name: str, p: dict) -> list[str]:
@@ -158,8 +164,7 @@ def run_layers(model, text_ids, p, log):
             "retention": layers.retention(model, ids, p["budget"])}
 
 
-def run_speed(model, text_ids, p, model_folder, log):
-    methods = EVERY
+def run_speed(model, text_ids, p, model_folder, methods, log):
     ids = lambda n: torch.tensor([text_ids[:n]], device=model.device)  # noqa: E731
     out = {"budget": p["budget"], "prefill_n": p["prefill_n"], "decode_n": p["decode_n"], "peak_n": p["peak_n"],
            "steps": p["steps"], "rounds": p["rounds"],
@@ -190,10 +195,14 @@ def main(argv=None) -> int:
     p = cli.OneLineParser(prog="python -m kvmini.eval.suite",
                           description="Run the evaluation suite; write JSON, markdown and plots.")
     p.add_argument("--profile", choices=list(PROFILES), default="quick", help="sizes (default: quick: about two hours on 2 CPU cores for every experiment; smoke: a minute)")
-    p.add_argument("--only", nargs="+", choices=EXPERIMENTS, default=EXPERIMENTS, help="experiments to run (default: all)")
+    p.add_argument("--only", nargs="+", choices=EXPERIMENTS, help="experiments to run (default: all; with --methods, "
+                   "those --out's results.json holds)")
     p.add_argument("--out", type=cli.path, default="results", help="output folder (default: results/; checked before the work)")
     p.add_argument("--model", type=cli.path, help="HF-layout folder (default: SmolLM2-135M-Instruct)")
     p.add_argument("--device", default="cpu")
+    p.add_argument("--methods", nargs="+", choices=[m for m in registry.METHODS if m != "full"], metavar="NAME",
+                   help="measure only these methods (every variant) and merge their rows into --out's results.json "
+                        "(a method added or changed: tests/test_results_current.py prints the command)")
     argv = sys.argv[1:] if argv is None else list(argv)
     p.set_defaults(argv=argv)  # recorded in each experiment's provenance
     return cli.run(lambda: evaluate(p.parse_args(argv)), imports=(*fidelity.LAZY_IMPORTS, "kvmini.chat"))
@@ -201,13 +210,19 @@ def main(argv=None) -> int:
 
 def evaluate(args) -> int:
     log = lambda m: print(m, file=sys.stderr, flush=True)  # noqa: E731
-    if twice := sorted({e for i, e in enumerate(args.only) if e in args.only[:i]}):
+    if twice := sorted({e for i, e in enumerate(args.only or []) if e in args.only[:i]}):
         raise KvminiError(f"--only names {', '.join(twice)} twice; each experiment runs once")
     from kvmini.loading import resolve_device
 
     resolve_device(args.device)  # a bad device is refused before the output folder is made
     out = cli.writable_folder(args.out, "--out")
-    results = run_suite(args.profile, args.only, args.model, args.device, log, argv=args.argv)
+    if args.methods:
+        old = mergeable(out / "results.json", args.profile, args.only)
+        args.only = args.only or [e for e in EXPERIMENTS if e in old]
+    args.only = args.only or EXPERIMENTS
+    results = run_suite(args.profile, args.only, args.model, args.device, log, argv=args.argv, methods=args.methods)
+    if args.methods:
+        results = merged_into(old, results, args.methods, args.profile, args.argv)
     results = kept_from(out / "results.json", results, log)
     try:
         results["plots"] = plots.write_plots(results, out)
@@ -219,6 +234,61 @@ def evaluate(args) -> int:
     (out / "summary.md").write_text(summary(results))
     log(f"wrote {out / 'results.json'}, {out / 'summary.md'} and {len(results.get('plots', []))} plots")
     return 0
+
+
+def mergeable(path: Path, profile: str, only: list[str]) -> dict:
+    """The results file single methods are measured into: refused, before any work, if it is missing or
+    of another profile, or if an experiment of `only` that keeps rows per method is stale as a whole
+    (its shared code or sizes changed: merging one method into it would mix two codes)."""
+    try:
+        old = json.loads(path.read_text())
+    except (OSError, ValueError):
+        raise KvminiError(f"--methods merges into {path}, which is missing or not JSON: run the suite without "
+                          "--methods first") from None
+    if old.get("profile") != profile:
+        raise KvminiError(f"{path} holds the {old.get('profile')} profile, not {profile}: give --profile "
+                          f"{old.get('profile')}")
+    for line in provenance.stale(path, {e: t for e, t in today(profile).items() if e in BY_METHOD and e in (only or old)}):
+        if "measure alone:" not in line:
+            raise KvminiError(f"{line.split(' is stale')[0]} must be re-run whole first: {line}")
+    return old
+
+
+def merged_into(old: dict, new: dict, names: list[str], profile: str, argv: list[str]) -> dict:
+    """`old` results with the rows of methods `names` replaced by `new`'s, in the suite's order (experiments
+    of BY_METHOD; an experiment that keeps no rows per method was run whole and replaces its old self)."""
+    out = {**old, "seconds": dict(old.get("seconds", {})), "provenance": dict(old.get("provenance", {}))}
+    ours = lambda spec: provenance.method_of(spec) in names  # noqa: E731
+    for e in (e for e in EXPERIMENTS if e in new):
+        if e not in BY_METHOD or e not in old:
+            out[e], out["seconds"][e], out["provenance"][e] = new[e], new["seconds"][e], new["provenance"][e]
+            continue
+        order = today(profile)[e]["methods"]
+        if isinstance(old[e], list):
+            out[e] = merged_rows(old[e], new[e], ours)
+        else:  # speed: {"decode": {spec: row}, "prefill": ..., "peak": ..., "budget": ...}
+            out[e] = {k: merged_by_spec(v, new[e][k], ours, order) if isinstance(v, dict) and "full" in v else v
+                      for k, v in old[e].items()}
+        out["provenance"][e] = provenance.merge_stamp(old["provenance"][e], e, new["provenance"][e]["methods"],
+                                                      order, argv)
+    return out
+
+
+def merged_rows(old: list[dict], new: list[dict], ours) -> list[dict]:
+    """Rows of `old` with ours replaced by `new`'s in their places (the same runs measured again), or,
+    when their number differs (a method or variant new to the file), the old rows and then the new."""
+    mine, places = [r for r in new if ours(r["method"])], [i for i, r in enumerate(old) if ours(r["method"])]
+    if len(mine) != len(places):
+        return [r for r in old if not ours(r["method"])] + mine
+    out = list(old)
+    for i, r in zip(places, mine):
+        out[i] = r
+    return out
+
+
+def merged_by_spec(old: dict, new: dict, ours, order: list[str]) -> dict:
+    rows = {s: r for s, r in old.items() if not ours(s)} | {s: r for s, r in new.items() if ours(s)}
+    return {s: rows[s] for s in order if s in rows}
 
 
 def kept_from(path: Path, results: dict, log=print) -> dict:
@@ -262,7 +332,10 @@ def check_context(P: dict, only: list[str], context: int) -> None:
                               f"context of {context}; choose a smaller --profile or leave it out of --only")
 
 
-def run_suite(profile: str, only: list[str], model_folder: str | None, device: str, log=print, argv=()) -> dict:
+def run_suite(profile: str, only: list[str], model_folder: str | None, device: str, log=print, argv=(),
+              methods=None) -> dict:
+    """Run experiments `only` of `profile`; with `methods` (names), only those methods' specs, and only the
+    experiments that measure them (the full cache runs beside them as the reference)."""
     from kvmini.chat import load_chat_format, stop_token_ids
     from kvmini.loading import load_model
     from kvmini.tokenizer import load_tokenizer
@@ -280,21 +353,27 @@ def run_suite(profile: str, only: list[str], model_folder: str | None, device: s
     check_context(P, only, model.config.max_position_embeddings)
     results = {"profile": profile, "device": str(model.device), "sizes": {k: P[k] for k in only}}
     runners = {
-        "streaming": lambda: run_streaming(model, text_ids, P["streaming"], log),
-        "passkey": lambda: run_passkey(model, tok, chat, stop_ids, P["passkey"], log),
-        "fidelity": lambda: run_fidelity(model, text_ids, P["fidelity"], log),
-        "layers": lambda: run_layers(model, text_ids, P["layers"], log),
-        "speed": lambda: run_speed(model, text_ids, P["speed"], model_folder, log),
-        "parts_speed": lambda: run_parts_speed(model, text_ids, P["parts_speed"], log),
-        "ablations": lambda: run_ablations(model, text_ids, P["ablations"], log),
-        "queryaware": lambda: run_queryaware(model, tok, chat, stop_ids, P["queryaware"], log),
+        "streaming": lambda specs: run_streaming(model, text_ids, P["streaming"], log),
+        "passkey": lambda specs: run_passkey(model, tok, chat, stop_ids, P["passkey"], specs, log),
+        "fidelity": lambda specs: run_fidelity(model, text_ids, P["fidelity"], specs, log),
+        "layers": lambda specs: run_layers(model, text_ids, P["layers"], log),
+        "speed": lambda specs: run_speed(model, text_ids, P["speed"], model_folder, specs, log),
+        "parts_speed": lambda specs: run_parts_speed(model, text_ids, P["parts_speed"], log),
+        "ablations": lambda specs: run_ablations(model, text_ids, P["ablations"], specs, log),
+        "queryaware": lambda specs: run_queryaware(model, tok, chat, stop_ids, P["queryaware"], specs, log),
     }
     for name in only:
+        specs = measured(name, P[name])[1:]
+        if methods and name in BY_METHOD:
+            specs = [s for s in specs if provenance.method_of(s) in methods]
+        if methods and not any(provenance.method_of(s) in methods for s in measured(name, P[name])):
+            log(f"== {name}: does not measure {', '.join(methods)}; skipped")
+            continue
         t0 = time.perf_counter()
-        log(f"== {name} ({profile} profile)")
-        results[name] = runners[name]()
+        log(f"== {name} ({profile} profile{': ' + ', '.join(specs) if methods else ''})")
+        results[name] = runners[name](specs)
         results.setdefault("seconds", {})[name] = time.perf_counter() - t0
-        results.setdefault("provenance", {})[name] = provenance.stamp(name, measured(name, P[name]), list(argv))
+        results.setdefault("provenance", {})[name] = provenance.stamp(name, ["full", *specs], list(argv))
         log(f"== {name} done in {time.perf_counter() - t0:.0f} s")
     return results
 
