@@ -19,7 +19,8 @@ Three implementations of lines 6-10, one result where they overlap:
 Deviation: for a prompt, Alg. 1 runs after each chunk of the prefill (chunk size 1 is Alg. 1
 literally); n counts the queries of the chunk that could see the token (causal mask).
 Deviation (`chunk_merge="runs"`, the default): within a chunk, `merge_runs` deletes the same
-entries as Alg. 1 (the lowest abar, which no merge changes) but merges a run of consecutive deleted
+entries as Alg. 1's lines 7-10 repeated on the chunk's cache (the lowest abar, which no merge changes;
+token by token, Alg. 1's later rows would see a cache already compressed) but merges a run of consecutive deleted
 entries into the surviving entry after it in one convex step, each weighted by its abar:
     v_s \leftarrow \frac{\bar a_s v_s + \sum_{i \in run} \bar a_i v_i}{\bar a_s + \sum_{i \in run} \bar a_i}
 This is line 9 exactly for a run of one; for longer runs Alg. 1's order (lowest first, each into

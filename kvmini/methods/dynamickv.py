@@ -5,10 +5,13 @@ Findings of EMNLP 2025; arXiv 2412.14838).
 
 Prefill only, layer by layer inside the prefill forward (so the cache never holds every layer
 in full); decode appends. Each layer first keeps r_max * (budget - window) keys by its pooled
-window attention plus the window; every `interval` layers and after the last, the finished
-layers are re-budgeted by how many of the global top scores they hold
-(kvmini.methods.progressive_budgets), ending at `budget` tokens per layer on average.
-Defaults: window 8, kernel 7, avg pooling, r_max 10, interval 4, group reduction mean.
+window attention plus the window; every `interval` layers (Alg. 1 line 24) the finished layers are
+re-budgeted by how many of the global top scores they hold (kvmini.methods.progressive_budgets), to
+`budget` tokens per layer on average, except that the last L % m layers keep b_s + w_s (below).
+Defaults, from the authors' code (the paper gives w_s, r_max and m no values; kv_compression/token_drop/):
+window 8, avg pooling, r_max 10 (methods/dynamic_v11.py:144, 150, 152), interval 4
+(llama_model_impl/dynamickv_v11.py:122, `layer_idx % 4 == 3`), kernel 7 (DynamicKVClusterV11's own
+default, dynamic_v11.py:14; init_dynamickv_V11 sets 5, :148); group reduction mean (kvmini's).
 In a batch, every sequence gets its own layer budgets (kvmini.per_sequence.PerSequence).
 
 Variants: `paper` (the default, Alg. 1) and `official` (DreamMr/DynamicKV). Both re-allocate only

@@ -1,4 +1,4 @@
-r"""EMA-threshold merging (D2O, Eq. 6-12): evicted tokens that closely resemble a kept one are
+r"""EMA-threshold merging (D2O, Eq. 9-12): evicted tokens that closely resemble a kept one are
 merged into it instead of being dropped.
 
     u_{ij} = \frac{k_i \cdot k_j}{\|k_i\| \|k_j\|},   j^*_i = \arg\max_j u_{ij}  over kept j   (Eq. 9)
@@ -8,7 +8,9 @@ merged into it instead of being dropped.
     k_j \leftarrow w_c k_j + \sum_{i \in E_j} w_i k_i,  v likewise                                  (Eq. 11-12)
     w_i = \frac{e^{u_{ij}}}{\sum_{i' \in E_j} e^{u_{i'j}} + e},   w_c = \frac{e}{\sum_{i' \in E_j} e^{u_{i'j}} + e}
 
-(a softmax over {j itself, similarity 1} and the tokens that chose j; the weights sum to 1).
+(a softmax over {j itself, similarity 1} and the tokens that chose j; the weights sum to 1). This
+reads Eq. 12's w_ei per evicted token: as printed, its numerator is the whole sum over K_e, which
+would give every token of E_j the same weight and weights that do not sum to 1 when two or more merge.
 tau is kept per (sequence, KV head). A kept token's accumulated attention is not changed by a
 merge. With several evicted tokens in a step the EMA takes the mean of their maxima.
 

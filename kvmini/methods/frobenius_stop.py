@@ -2,15 +2,17 @@ r"""Frobenius-norm stopping (DBudgetKV, Ni et al. 2025, Sec. 3.2-3.3, Alg. 1).
 
 A layer prunes its least important tokens for as long as the attention it loses stays small.
 
-    s_j = \frac{\sum_{i > n-k} A_{ij}}{\#\{i > n-k : A_{ij} \ne 0\}}       (Eq. 1: last k rows, averaged)
+    s_j = \frac{\sum_{i > n-k} A_{ij}}{\#\{i > n-k : A_{ij} \ne 0\}}       (Eq. 1: last k rows, averaged, as
+                                                                  its prose says; its sum is printed from i = k)
     \|A'\|_F = \sqrt{\sum_j s_j^2}
     R_i = \sqrt{\sum_{r \ge i} s_{(r)}^2}   (Eq. 2; s_{(0)} the least important, so R_i is the norm
                                              left after removing the i least important tokens)
     prune the largest i with (\|A'\|_F - R_i) / \|A'\|_F \le t           (Alg. 1, t = 1%)
 
-Ranking (`ranking`): `position` (Sec. 3.2): the first m = 4 tokens (sinks) are most important,
+Ranking (`ranking`): `position` (Sec. 3.2; m = 4 in Sec. 4.1): the first m tokens (sinks) are most important,
 then the rest from the last to the first, so pruning removes the earliest non-sink tokens first;
-`cumulative` (the paper's Table 3): the column sums of the prompt's attention; `window_attention`
+`cumulative` (the paper's Table 3, "average attention received"): the column sums of the prompt's
+attention (a mean over all n queries, which orders as the sum); `window_attention`
 (the authors' code, Patrick-Ni/ReFreeKV, its `h2o` mode): the attention of the last `window`
 queries summed, those `window` tokens always kept.
 One cut per layer: R_i and \|A'\|_F are averaged over the KV heads (as the official code does),

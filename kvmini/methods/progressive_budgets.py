@@ -2,7 +2,7 @@ r"""Progressive layer budgets (DynamicKV, Zhou et al. 2024, Sec. 4, Eq. 1-8, Alg
 
 Inside the prefill forward, layer by layer:
     A_l = \mathrm{pool}(\mathrm{mean}_{i \in \text{last } w_s} \mathrm{softmax}(q_i K^\top))   (Eq. 1, per head)
-    b_s = \min(r_{max} (w_t - w_s), n - w_s)                                                  (Eq. 2)
+    b_s = r_{max} (w_t - w_s)   (Eq. 2), capped by kvmini at n - w_s (a layer holds at most n)
     keep the top b_s keys of A_l and the window                                               (Eq. 3-4)
 and every m layers (Alg. 1 line 24: l % m == 0), over the l layers finished so far:
     I = \mathrm{TopK}_{indices}(A_{1..l}, (w_t - w_s) H l),  C_i = |I \cap \text{layer } i|    (Eq. 5-6)

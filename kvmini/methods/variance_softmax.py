@@ -4,10 +4,12 @@ A layer whose attention is spread out (column sums of low variance) needs more o
 one that concentrates on a few tokens needs less.
 
     s^{(l,h)}_j = \sum_i A^{(l,h)}_{ij}          attention key j received in the prompt, head h
-    F_v^{(l)} = \mathrm{mean}_h \mathrm{Var}_j(s^{(l,h)}_j)   (Eq. 4, App. A.9)
+    F_v^{(l)} = \mathrm{mean}_h \mathrm{Var}_j(s^{(l,h)}_j)   (Eq. 4 omits heads; Var per head is App. A.9's Eq. 20)
     \alpha_l = \mathrm{softmax}(-F_v)_l \cdot L \cdot \rho,   S_l = \alpha_l \cdot n   (Eq. 5)
 
-so \sum_l S_l = L \rho n. The `allocation` option chooses how F_v becomes shares:
+so \sum_l S_l = L \rho n. Averaging the heads' variances is kvmini's reading of Eq. 4; App. A.9 instead
+sums per-head softmax shares, \alpha_l = \sum_h \exp(-F_v^{l,h}) / \sum_{l,h} \exp(-F_v^{l,h}) (Eq. 28-29).
+The `allocation` option chooses how F_v becomes shares:
     paper       softmax(-F_v) of the raw variances, as Eq. 5 reads. Raw variances grow with n, so
                 on real prompts this is a one-hot: one layer takes everything the clamp allows.
     official    the authors' code (AIoT-MLSys-Lab/D2O): per query head the unbiased variance,
