@@ -86,9 +86,8 @@ def attend(q, k, v, q_pos, k_pos, request: Request | None, window=None, padded=F
 
 
 def explicit_attention(q, k, v, q_pos, k_pos, request: Request, window=None, chunk: int = 64, padded=False):
-    """Like `sdpa_attention`, plus the statistics in `request`, computed chunk by chunk of queries.
-    Chunks of 64 keep a chunk's scores (g x 64 x S floats per KV head) in the CPU's caches: 1.6x
-    faster than chunks of 256 for 4k tokens, and within 1.7x of the fused SDPA kernel.
+    """Like `sdpa_attention`, plus the statistics in `request`, computed chunk by chunk of queries (a
+    chunk's scores, g x 64 x S floats per KV head, stay in the CPU's caches: docs/speed.md).
 
     Unless `padded`, the last T entries of k, v are the queries' own tokens, in order, so a chunk
     of queries only scores the keys before its end (the rest are in its future).

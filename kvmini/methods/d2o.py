@@ -1,53 +1,24 @@
-"""D2O (Wan et al. 2024): variance-softmax layer budgets + H2O eviction with EMA-threshold merging.
+"""D2O: variance-softmax layer budgets + H2O eviction with EMA-threshold merging.
 
-Paper: "D2O: Dynamic Discriminative Operations for Efficient Long-Context Inference of Large Language Models"
-(Zhongwei Wan et al., ICLR 2025; arXiv 2406.13035).
+"D2O: Dynamic Discriminative Operations for Efficient Long-Context Inference of Large Language Models",
+Zhongwei Wan et al., ICLR 2025, arXiv 2406.13035.
 
     scorer       cumulative attention (H2O), per KV head
-    budgeter     variance-softmax over layers (kvmini.methods.variance_softmax, Eq. 4-5),
-                 measured on every layer of the prompt, then every layer is compressed
-    compressor   T sinks + N heavy + M recent (Eq. 6-8), with EMA-threshold merging of the
-                 evicted tokens (kvmini.methods.ema_merging, Eq. 9-12)
-    schedule     when the prompt is complete (paper) or at the first decode step (official),
-                 then one eviction (and possible merge) per decode step
+    budgeter     S_l from the variance of each layer's prompt attention (Eq. 4-5: variance_softmax)
+    compressor   T sinks + N heavy + M recent (Eq. 6-8), evicted tokens merged into their nearest kept
+                 one when similar enough (Eq. 9-12: ema_merging)
+    schedule     when the prompt is complete (paper) or at the first decode step (official), then one
+                 eviction (and possible merge) per decode step
 
-Two variants; every option below overrides its part of the chosen one:
-
-    option            paper (the equations)        official (AIoT-MLSys-Lab/D2O, Llama-3 code)
-    allocation        paper: softmax(-F_v), raw    official: min-max over heads, clamp [0.01, 1]
-    protected_layers  none                         0, 1 and the last layer (-1) never compressed
-    nm                3:1                          1:1
-    split             paper: T + N + M = S_l       official: the T sinks come out of the N heavy
-    merge             paper: convex softmax        official: raw-cosine scatter-mean
-    tau               per_head                     per_layer (head-averaged similarity decides)
-    beta              0.7                          0.5 (alpha = beta = 0.5)
-    start             prompt                       first_decode (scores include that step's row)
-`allocation=zscore` is kvmini's own reading (standardized variances, `softmax_temperature`);
-`reciprocal` and `uniform` are the paper's Table 4; `merge=off` only evicts. Defaults: the
-`official` variant (docs/methods.md, the D2O table, has the measured reason), 4 sinks, group
-reduction mean. In a batch, every sequence gets its own budgets (kvmini.per_sequence.PerSequence).
-Deviation: the authors' code keeps one cache per query head (after repeat_kv), so each query
-head evicts and merges its own tokens; kvmini does this per KV head (query heads of a group
-reduced by mean), in both variants.
-Deviation: `clamp_budgets` (default true, both variants) gives a layer at least sinks + 4 tokens
-and at most n, handing the excess to the other layers; Eq. 5 does neither. With `allocation=official`
-the authors' code already clamps each layer's ratio to [0.01, 1] (1% of the layer to all of it) and
-hands nothing on; kvmini then only raises the floor to sinks + 4 (1% of a short prompt is less than
-the sinks) and redistributes nothing.
-`clamp_budgets=false` runs Eq. 5 literally: a budget too small for a layer's sinks and recent
-tokens is then a KvminiError.
-Deviation: the authors' code never resets its EMA threshold between prompts (`_clean_scores`
-clears only the scores), so from the second prompt on its tau_0 mixes in the previous prompt's;
-kvmini starts every run afresh (Policy.start), in both variants.
-Deviation: the authors' code treats a layer budgeted n - 1 or more (reachable at rho >= 0.4) in three
-ways, by its two branches in `LlamaAttention3_D2O.forward`: budgeted n + 1, it is never compressed and
-grows; budgeted n, it is compressed at every step but the prompt's column sums are added to its scores
-again at each one (by buffer slot), so it keeps other tokens from the second decode step on; budgeted
-n - 1, the code fails with a size mismatch at the third decode step. kvmini holds every layer at its
-budget and counts each query's attention once (tests/test_official_references.py).
-With `start=first_decode` (official) nothing is compressed before the first decode step: a
-prefill-only call leaves the prompt whole, as the authors' code does.
-A prompt in chunks (kvmini.policy) gives the same F_v, scores and budgets as the prompt in one call.
+Variants (every option overrides its part of the chosen one; docs/methods.md sets them side by side):
+`paper` is the equations (softmax(-F_v), N:M = 3:1, T + N + M = S_l, convex merge, per-head tau,
+beta 0.7); `official` is AIoT-MLSys-Lab/D2O (min-max variances, layers 0, 1 and the last never
+compressed, 1:1, sinks inside N, raw-cosine scatter-mean, per-layer tau, beta 0.5, first decode step).
+Deviation: one cache per KV head (the g query heads reduced by mean); the authors' code keeps one per query head.
+Deviation: `clamp_budgets` (default) bounds each S_l to [sinks + 4, n] and hands on the excess; Eq. 5 does not.
+Deviation: the EMA threshold restarts with every run; the authors' code never resets it.
+Deviation: every layer is held at its budget, also one budgeted n - 1 or more (the authors' code grows it,
+re-adds the prompt's scores, or fails: docs/methods.md).
 """
 from dataclasses import dataclass
 from typing import Literal

@@ -167,14 +167,9 @@ def nearest(k_evict: torch.Tensor, k_keep: torch.Tensor):
 
 
 def nearest_by_chunks(k_evict: torch.Tensor, k_keep: torch.Tensor, at_once: int = 2**18):
-    """`nearest` (Eq. 9) for many evicted keys (B, H_kv, E, D), a chunk of them at a time, so that at
-    most about `at_once` similarities are held: the first compression of an 8k prompt would otherwise
-    hold E x b = 6,500 x 1,600 of them per head (125 MB a layer) and read them back from memory to find
-    each row's maximum; a chunk of 2**18 (1 MiB) is read back from the core's cache. The keys are
-    normalized once, not once per chunk. Each evicted key's row of similarities is its own, so the
-    result is `nearest`'s up to float rounding: the matrix product may add up a dot product in another
-    order for another number of rows (at most a few units in the last place; tests/test_d2o.py). Below
-    `at_once` (every prompt of the tests and of the recording) it is one call."""
+    """`nearest` (Eq. 9) for many evicted keys (B, H_kv, E, D), a chunk of them at a time, so that at most
+    about `at_once` similarities are held (why: docs/speed.md, "Where D2O's decode step goes"). Equal to
+    `nearest` up to float rounding (tests/test_d2o.py); below `at_once` it is one call."""
     rows = max(1, at_once // max(1, k_keep.shape[:-1].numel()))  # evicted keys per chunk
     if rows >= k_evict.shape[2]:
         return nearest(k_evict, k_keep)
