@@ -4,12 +4,18 @@ Every failure ends in one line on stderr (`main`, through the boundary all entry
 `kvmini.cli.run`): exit code 2 for bad input and refusals from the operating system, 130 for
 Ctrl-C. KVMINI_DEBUG=1 shows the traceback instead.
 """
-import argparse
 import sys
-from pathlib import Path
 
-from kvmini import cli
+try:  # Ctrl-C before kvmini.cli's handler is in place is one line and 130 too, never a traceback
+    import argparse
+    from pathlib import Path
 
+    from kvmini import cli
+except KeyboardInterrupt:
+    if __name__ != "__main__":  # imported (a test, a notebook): the importer's Ctrl-C
+        raise
+    sys.stderr.write("\ninterrupted (Ctrl-C)\n")  # kvmini.cli.INTERRUPTED, which may not be imported yet
+    raise SystemExit(130) from None
 cli.exit_on_ctrl_c(__name__)  # before anything imports torch
 import torch  # noqa: E402
 

@@ -319,6 +319,30 @@ def test_ctrl_c_while_importing(entry):
     assert out == ""
 
 
+
+EARLY = """
+import os, runpy, signal, sys
+
+class CtrlC:  # a real SIGINT at the moment module `at` is imported, before run.py's own handler is in place
+    def find_spec(self, name, path=None, target=None):
+        if name == at:
+            sys.meta_path.remove(self)
+            os.kill(os.getpid(), signal.SIGINT)  # delivered now: the default handler raises KeyboardInterrupt here
+
+at, sys.argv = sys.argv[1], sys.argv[2:]
+sys.meta_path.insert(0, CtrlC())
+runpy.run_path("run.py", run_name="__main__")
+"""
+
+
+@pytest.mark.parametrize("module", ["argparse", "kvmini.cli", "kvmini.errors"])
+def test_ctrl_c_in_run_pys_first_imports(module):
+    """Ctrl-C before kvmini.cli's handler is installed (in run.py's first imports) is one line and 130 too."""
+    proc = subprocess.run([sys.executable, "-c", EARLY, module, "run.py", "--help"], capture_output=True, text=True,
+                          cwd=ROOT, timeout=120)
+    assert_one_line(proc.returncode, proc.stderr, "interrupted (Ctrl-C)", expect_code=130)
+    assert proc.stdout == ""
+
 # --- the Python API --------------------------------------------------------------------------------
 
 @pytest.fixture(scope="module")
