@@ -97,7 +97,7 @@ class ProgressiveBudgets(Budgeter):
 
 
 def floor_budgets(C: list[int], b_s: int, base: int, L: int, cap: int, heads: int) -> list[int]:
-    """Z of the l finished layers as the authors' code computes it (Eq. 7-8 with int() floors):
+    r"""Z of the l finished layers as the authors' code computes it (Eq. 7-8 with int() floors):
     counts C_i // l (after the last layer, the last count topped up to base * heads in all),
     Z_i = int(int(b_s C_i / \sum C) / r) with r = \sum_i int(b_s C_i / \sum C) / (base L),
     the remainder of base L to the last layer, each capped at cap = n - w_s.
@@ -116,7 +116,7 @@ def floor_budgets(C: list[int], b_s: int, base: int, L: int, cap: int, heads: in
 
 
 def alg1_budgets(C: list[int], b_s: float, base: int, L: int) -> list[int]:
-    """Z of the l finished layers as Alg. 1 lines 6-10 write it: the counts normalised by the largest,
+    r"""Z of the l finished layers as Alg. 1 lines 6-10 write it: the counts normalised by the largest,
     BL_i = int(b_s C_i / max C), r = \sum BL / (base L), Z_i = int(BL_i / r); nothing else is handed out.
     Example: C = [30, 10], b_s = 40, base = 8, L = 4: BL = [40, int(13.3)] = [40, 13], r = 53 / 32,
     Z = [int(24.2), int(7.8)] = [24, 7] (sum 31; `floor_budgets` gives [24, 8])."""
