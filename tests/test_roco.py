@@ -224,15 +224,18 @@ def mas_and_std(a, q, n, clamp):
     return m, math.sqrt(var) if var >= 0 else (0.0 if clamp else float("nan"))
 
 
-def roco_paper(budget, prompt_len, g, robust, robust_decode, sinks=0, recent=0, decode_sinks=True):
+def roco_paper(budget, prompt_len, g, robust, robust_decode, sinks=0, recent=0, decode_sinks=True,
+               mean_of_squares=False):
     """The paper's RoCo as a `simulate` rule, per (layer, sequence, KV head): after each call add every new
     query's group-mean row to the per-key sums (a += A_ij, q += A_ij^2, n += 1 for each key j it saw); if
     the cache holds more than `budget` keys, evict the excess: the lowest-MAS keys of the scope = the cached
-    keys minus the first `sinks`, the last `recent` and the `robust` keys of largest sigma (R3-R5)."""
+    keys minus the first `sinks`, the last `recent` and the `robust` keys of largest sigma (R3-R5).
+    mean_of_squares: q adds the mean of the g heads' squares instead (not RoCo: what a test tells apart)."""
     sums = defaultdict(lambda: [0.0, 0.0, 0])  # (layer, b, h, position) -> [a, q, n]
 
     def choose(layer, c, probs, kept, new):
         A = group_mean(probs, g)  # (B, H_kv, T, N)
+        A2 = group_mean(probs**2, g) if mean_of_squares else A**2  # (B, H_kv, T, N)
         out = []
         for b, row in enumerate(kept):
             out.append([])
@@ -241,8 +244,8 @@ def roco_paper(budget, prompt_len, g, robust, robust_decode, sinks=0, recent=0, 
                 for t, i in enumerate(new):
                     for p in cached:
                         if p <= i:
-                            w, s = A[b, h, t, p].item(), sums[layer, b, h, p]
-                            s[0], s[1], s[2] = s[0] + w, s[1] + w * w, s[2] + 1
+                            s = sums[layer, b, h, p]
+                            s[0], s[1], s[2] = s[0] + A[b, h, t, p].item(), s[1] + A2[b, h, t, p].item(), s[2] + 1
                 excess = len(cached) - budget
                 if excess > 0:
                     decode = new[-1] >= prompt_len
@@ -381,6 +384,20 @@ def test_paper_engine_equals_the_paper_shape(float64, budget, chunks, options, r
     calls = [torch.randint(0, 61, (B, t), generator=gen) for t in chunks]
     calls += [torch.randint(0, 61, (B, 1), generator=gen) for _ in range(steps)]
     compare(model, calls, make_policy("roco", budget, **PAPER | options), roco_paper(budget, n, 2, **rule), n)
+
+
+def test_the_kept_set_pins_sigma_to_the_square_of_the_group_mean_row(float64):
+    """Four query heads per KV head and a robust set of 4: here sigma from the square of the group-mean row
+    (RoCo as EasyKV computes it) and sigma from the mean of the heads' squares keep different sets, so the
+    engine's kept set (against the paper shape) pins which one it computes, end to end."""
+    model = random_model(L=2, H=8, H_kv=2, seed=2)
+    gen = torch.Generator().manual_seed(3)
+    calls = [torch.randint(0, 61, (2, 20), generator=gen)] + [torch.randint(0, 61, (2, 1), generator=gen) for _ in range(6)]
+    rule = dict(robust=4, robust_decode=4, sinks=1)
+    squared_mean, mean_square = (simulate(model, calls, roco_paper(10, 20, 4, **rule, mean_of_squares=m))[1]
+                                 for m in (False, True))
+    assert squared_mean != mean_square  # the case tells the two definitions apart
+    compare(model, calls, make_policy("roco", 10, **PAPER | rule), roco_paper(10, 20, 4, **rule), 20)
 
 
 @pytest.mark.parametrize("length, user_budget, stride, options, easykv", [
