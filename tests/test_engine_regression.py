@@ -21,10 +21,12 @@ end inject a one-token score change and a 1e-5 change of one merge weight and sh
 
 What is stored: on the tiny model every tensor whole; on the default model the kept positions after
 the prompt and after the last call, each call's 16 largest logits (ids and values), and of every
-kept key and value its projection on a fixed random direction. Regenerate only on purpose:
-`PYTHONPATH=. python tests/test_engine_regression.py --record`; an entry whose run still matches the
-recording keeps its recorded bytes, so only new and changed entries change (the results files record a
-digest of their methods' entries: kvmini/eval/provenance.py).
+kept key and value its projection on a fixed random direction. Regenerate only on purpose, one method's
+entries (a new method's, or one whose behaviour changed on purpose):
+`PYTHONPATH=. python tests/test_engine_regression.py --record NAME [NAME ...]` (without a name: every
+method). Every other entry keeps its bytes, and so does an entry whose run still matches it, so only new
+and changed entries change (the results files record a digest of their methods' entries:
+kvmini/eval/provenance.py).
 
 Order within a buffer means nothing to attention (positions are explicit; per-step eviction moves
 the newest entry into the evicted slot), so every head's entries are put in position order first.
@@ -197,21 +199,34 @@ def differences(out: dict, expected: dict) -> list[str]:
     return found
 
 
-def record_all(default_model=None, default_tokenizer=None):
+def record(names=None, default_model=None, default_tokenizer=None, data: Path = DATA) -> None:
+    """(Re-)record the entries of the methods `names` (None: every method) and keep every other entry of
+    the recording at `data` as its bytes were. Each run that still matches its recorded entry keeps the
+    entry's bytes too, so only new and changed entries change. The default model's entries are recorded
+    when it is given; without it they are kept as they were."""
     from safetensors.torch import load_file, save_file
 
-    exists = DATA.with_suffix(".safetensors").exists()
-    old = load_file(str(DATA.with_suffix(".safetensors"))) if exists else {}
-    old_facts = json.loads(DATA.with_suffix(".json").read_text()) if exists else {"tiny": {}, "default": {}}
+    exists = data.with_suffix(".safetensors").exists()
+    old = load_file(str(data.with_suffix(".safetensors"))) if exists else {}
+    old_facts = json.loads(data.with_suffix(".json").read_text()) if exists else {"tiny": {}, "default": {}}
 
     def unchanged(out: dict, f: dict, before: dict, facts_before) -> bool:
         """Does this run still match its recorded entry (then the entry keeps its bytes)?"""
         return bool(before) and f == facts_before and differences(out, before) == []
 
+    def named(entry: str) -> bool:  # "h2o@12[recent=3]": an entry of a method recorded now
+        return names is None or entry.split("@")[0] in names
+
     tensors, facts = {}, {"tiny": {}, "default": {}}
+    for part, key, f in [(p, k, f) for p in ("tiny", "default") for k, f in old_facts[p].items()]:
+        entry = key.split("/")[1] if part == "tiny" else key  # tiny keys are "scenario/entry"
+        if not named(entry) or (part == "default" and default_model is None):  # not recorded now: kept as it is
+            prefix = f"{key}/" if part == "tiny" else f"default/{key}/"
+            tensors.update({k: v for k, v in old.items() if k.startswith(prefix)})
+            facts[part][key] = f
     model = tiny_model()
     for scenario, (calls, n) in tiny_scenarios().items():
-        for name, budget, options in TINY_VARIANTS:
+        for name, budget, options in [v for v in TINY_VARIANTS if named(v[0])]:
             out, f = run(model, calls, name, budget, options, n)
             key = f"{scenario}/{label(name, budget, options)}"
             before = expected_of(old, f"{key}/")
@@ -220,7 +235,7 @@ def record_all(default_model=None, default_tokenizer=None):
             facts["tiny"][key] = f
     if default_model is not None:
         calls, n = default_scenario(default_tokenizer)
-        for name, budget, options in DEFAULT_VARIANTS:
+        for name, budget, options in [v for v in DEFAULT_VARIANTS if named(v[0])]:
             out, f = run(default_model, calls, name, budget, options, n)
             key = f"default/{label(name, budget, options)}"
             before = expected_of(old, f"{key}/")
@@ -230,12 +245,12 @@ def record_all(default_model=None, default_tokenizer=None):
             kept = before if same else condensed(out, len(calls))
             tensors.update({f"{key}/{k}": v for k, v in kept.items()})
             facts["default"][label(name, budget, options)] = f
-    DATA.parent.mkdir(exist_ok=True)
+    data.parent.mkdir(exist_ok=True)
     for key, t in tensors.items():  # positions fit in int16 (PAD becomes -1), ids in int32
         if not t.is_floating_point() and t.dtype in (torch.int64, torch.long):
             tensors[key] = t.to(torch.int16 if key.split("/")[-1].startswith("positions") else torch.int32)
-    save_file(tensors, str(DATA.with_suffix(".safetensors")))
-    DATA.with_suffix(".json").write_text(json.dumps(facts, indent=1, sort_keys=True))
+    save_file(tensors, str(data.with_suffix(".safetensors")))
+    data.with_suffix(".json").write_text(json.dumps(facts, indent=1, sort_keys=True))
 
 
 def load_recording() -> tuple[dict, dict]:
@@ -265,7 +280,7 @@ def float64_model(default_model):
 def test_tiny_model_behaviour_is_unchanged(recorded, scenario, variant):
     tensors, facts = recorded
     calls, n = tiny_scenarios()[scenario]
-    assert f"{scenario}/{label(*variant)}" in facts["tiny"], f"{label(*variant)} not recorded: run {RECORD}"
+    assert f"{scenario}/{label(*variant)}" in facts["tiny"], f"not recorded: run {RECORD.format(variant[0])}"
     out, f = run(tiny_model(), calls, *variant, n)
     assert differences(out, expected_of(tensors, f"{scenario}/{label(*variant)}/")) == []
     assert f == facts["tiny"][f"{scenario}/{label(*variant)}"]
@@ -303,7 +318,7 @@ def test_default_model_behaviour_is_unchanged(recorded, float64_model, default_t
     checked that way and the floats, which then follow from other (equally ranked) tokens, are not;
     where no trade happened, everything is compared exactly. Its budgets and eviction counts always are."""
     tensors, facts = recorded
-    assert label(*variant) in facts["default"], f"{label(*variant)} not recorded: run {RECORD}"
+    assert label(*variant) in facts["default"], f"not recorded: run {RECORD.format(variant[0])}"
     calls, n = default_scenario(default_tokenizer)
     out, f = run(float64_model, calls, *variant, n)
     expected = expected_of(tensors, f"default/{label(*variant)}/")
@@ -365,13 +380,46 @@ def test_a_merge_weight_change_of_1e_5_fails(recorded, monkeypatch):
     assert found and all(d.startswith(("keys.", "values.", "logits.")) for d in found), found  # same positions
 
 
-RECORD = "PYTHONPATH=. python tests/test_engine_regression.py --record"
+def test_recording_one_method_leaves_every_other_entry_as_it_was(tmp_path):
+    """On a copy of the recording, h2o's entries and tova's are spoiled (a logit, a count); `record(["h2o"])`
+    (the tiny model only) records h2o's afresh and leaves every other entry, tova's spoiled ones included,
+    byte for byte as it was."""
+    from safetensors.torch import load_file, save_file
 
-if __name__ == "__main__" and "--record" in sys.argv:  # PYTHONPATH=. python tests/test_engine_regression.py --record
+    copy = tmp_path / "engine_regression"
+    tensors, facts = load_recording()
+    spoil = lambda k: k.split("/")[1].startswith(("h2o@", "tova@")) and k.endswith("/logits.0")  # noqa: E731
+    spoiled = {k: v + 1 if spoil(k) else v for k, v in tensors.items()}
+    facts["tiny"]["b1/h2o@12"]["evicted"][0] += 1
+    facts["tiny"]["b1/tova@12"]["evicted"][0] += 1
+    save_file(spoiled, str(copy.with_suffix(".safetensors")))
+    copy.with_suffix(".json").write_text(json.dumps(facts, indent=1, sort_keys=True))
+    record(["h2o"], data=copy)
+    got, got_facts = load_file(str(copy.with_suffix(".safetensors"))), json.loads(copy.with_suffix(".json").read_text())
+    assert got.keys() == tensors.keys()
+    h2o = {k for k in got if k.split("/")[1].startswith("h2o@")}
+    assert h2o and all(torch.equal(got[k], spoiled[k]) and got[k].dtype == spoiled[k].dtype for k in got.keys() - h2o)
+    for entry in {k.rsplit("/", 1)[0] + "/" for k in h2o}:  # recorded afresh: today's run, equal within TOL
+        assert differences(expected_of(got, entry), expected_of(tensors, entry)) == []
+    assert got_facts["tiny"]["b1/tova@12"] == facts["tiny"]["b1/tova@12"]  # still spoiled
+    facts["tiny"]["b1/h2o@12"]["evicted"][0] -= 1
+    assert got_facts == facts  # h2o's counts recorded afresh, every other entry's kept
+
+
+RECORD = "PYTHONPATH=. python tests/test_engine_regression.py --record {}"  # the method's name
+
+if __name__ == "__main__" and sys.argv[1:2] == ["--record"]:  # --record [NAME ...]: those methods (none: all)
     from kvmini.loading import load_model
+    from kvmini.methods.registry import METHODS
     from kvmini.tokenizer import load_tokenizer
     from kvmini.weights import ensure_default_model
 
-    folder = ensure_default_model()
-    record_all(load_model(folder, "cpu", "float32").to(torch.float64), load_tokenizer(folder))
-    print(f"recorded {DATA}.safetensors/.json")
+    names = sys.argv[2:] or None
+    if unknown := [name for name in names or () if name not in METHODS]:
+        sys.exit(f"unknown method {', '.join(unknown)}; choose from {', '.join(METHODS)}")
+    model = tokenizer = None
+    if any(names is None or name in names for name, _, _ in DEFAULT_VARIANTS):
+        folder = ensure_default_model()
+        model, tokenizer = load_model(folder, "cpu", "float32").to(torch.float64), load_tokenizer(folder)
+    record(names, model, tokenizer)
+    print(f"recorded {', '.join(names) if names else 'every method'} in {DATA}.safetensors/.json")
