@@ -1,7 +1,9 @@
 """A prompt is a prompt, however it arrives: a prefill in chunks keeps what one call keeps.
 
 Every method that compresses once the prompt is complete (SnapKV, PyramidKV, DynamicKV, DBudgetKV,
-snapkv_d2o, KNorm, D2O's two variants) must keep, after a chunked prefill and a few decode steps,
+snapkv_d2o, KNorm, D2O's two variants: every registered method but those compressing after every call),
+in each of its variants and with each option value that makes it read other attention statistics
+(tests/tiny.py, `statistic_cases`), must keep, after a chunked prefill and a few decode steps,
 the same positions in every layer and KV head as after a one-shot prefill, with the same budgets,
 and keys and values equal within float tolerance. The one-shot run is the expectation: it is
 itself proved against literal references (test_methods_reference, test_d2o, test_dbudgetkv, ...).
@@ -15,34 +17,19 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvmini.generate import generate, prefill
-from kvmini.methods.registry import make_policy
+from kvmini.methods.registry import METHODS, compress_every_call, make_policy
 from reference import random_model
+from tiny import WINDOW, budget_for, statistic_cases
 
 N, STEPS, B = 45, 3, 2  # prompt tokens, decode steps after it, sequences
-WINDOW = 8  # the observation window of the window-scored cases below
-
-CASES = [  # method, budget, options: every variant and every statistic a prompt-time method reads
-    ("snapkv", 16, dict(window=WINDOW, kernel=3)),
-    ("snapkv", 16, dict(window=WINDOW, pooling="max", reduce="max")),
-    ("pyramidkv", 16, dict(window=WINDOW, kernel=3, pyramid_beta=4)),
-    ("dynamickv", 16, dict(variant="paper")),
-    ("dynamickv", 16, dict(variant="official")),
-    ("dbudgetkv", None, dict(variant="paper")),
-    ("dbudgetkv", None, dict(variant="official")),
-    ("dbudgetkv", None, dict(variant="paper", k=5, threshold=0.05)),
-    ("dbudgetkv", None, dict(variant="paper", ranking="cumulative", threshold=0.05)),
-    ("snapkv_d2o", 20, dict(window=WINDOW)),
-    ("knorm", 16, {}),
-    ("d2o", 16, dict(variant="official")),
-    ("d2o", 16, dict(variant="paper")),
-    ("d2o", 16, dict(variant="paper", allocation="zscore", reduce="max")),
-    ("d2o", 16, dict(variant="official", start="prompt", merge="paper")),
-]
-CHUNKS = [1, 3, 7, WINDOW - 1, WINDOW + 5, N + 10]
+L = 5  # layers
+PROMPT_TIME = [m for m in METHODS if METHODS[m] is not None and m not in compress_every_call()]
+CASES = [(name, budget_for(name, 16, L, N), options) for name, options in statistic_cases(PROMPT_TIME)]
+CHUNKS = sorted({1, 3, 7, WINDOW - 1, WINDOW + 5, N + 10})  # below and above the observation window (tests/tiny.py)
 
 
 def model_and_prompt(seed: int = 0):
-    model = random_model(L=5, H=4, H_kv=2, seed=seed)
+    model = random_model(L=L, H=4, H_kv=2, seed=seed)
     ids = torch.randint(0, 61, (B, N + STEPS), generator=torch.Generator().manual_seed(seed + 1))
     return model, ids
 
@@ -83,7 +70,7 @@ def chunks_of(size: int) -> list[int]:
     return [min(size, N - s) for s in range(0, N, size)]
 
 
-@pytest.mark.parametrize("name,budget,options", CASES, ids=[f"{c[0]}-{i}" for i, c in enumerate(CASES)])
+@pytest.mark.parametrize("name,budget,options", CASES, ids=[f"{n}{o}" for n, _, o in CASES])
 def test_chunked_prefill_keeps_the_one_shot_sets(name, budget, options):
     model, ids = model_and_prompt()
     want = run(model, ids, name, budget, options, [N])

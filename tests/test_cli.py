@@ -1,5 +1,6 @@
 """run.py through its real entry point: the happy path, and one-line errors with exit code 2."""
 import json
+import re
 import shutil
 import subprocess
 import sys
@@ -8,7 +9,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from kvmini.methods.registry import METHODS
+from kvmini.methods.registry import DEFAULT_BUDGET, METHODS, schedule
+from kvmini.parts import PREFILL
+from kvmini.policy import resolve_budget
+from tiny import least_budget
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -72,8 +76,6 @@ def test_compressed_run_reports_what_was_kept(default_model_dir, tmp_path, real_
 def test_the_report_sample_of_usage_md_is_what_run_py_prints(default_model_dir, tmp_path, real_text):
     """docs/usage.md's sample, line by line, times aside: pyramidkv's budgets and every count and size
     of the report follow from the prompt's length alone, so any raw prompt of that length gives them."""
-    import re
-
     from kvmini.tokenizer import load_tokenizer
 
     sample = (ROOT / "docs" / "usage.md").read_text().split("--- kvmini report ---\n")[1].split("```")[0]
@@ -213,8 +215,9 @@ SHORT_QUESTION = "In two sentences, explain why the sky looks blue during the da
 @pytest.mark.slow
 @pytest.mark.parametrize("method", list(METHODS))  # every registered method, one added later included
 def test_a_short_question_works_with_every_method_default(default_model_dir, tmp_path, capsys, method):
-    """51 tokens with the chat template; 20% of that is less than SnapKV's 32-token window, so a ratio
-    budget is raised to the least the method can keep, and the report says so."""
+    """51 tokens with the chat template; 20% of that is less than what some methods always keep (SnapKV's
+    32-token window), so a ratio budget is raised to the least the method's parts can keep (tests/tiny.py,
+    `least_budget`), and the report says so."""
     import run
 
     p = tmp_path / "question.txt"
@@ -222,9 +225,12 @@ def test_a_short_question_works_with_every_method_default(default_model_dir, tmp
     code = run.main(["--prompt", str(p), "--method", method, "--max-new-tokens", "4", "--quiet"])
     out, err = capsys.readouterr()
     assert code == 0, err
-    if method in ("snapkv", "pyramidkv", "snapkv_d2o"):
-        assert f"note      budget raised from 10 to 32 tokens per layer, the least {method} can keep" in out
-        assert "appended  each layer's last 3 entries were appended while decoding" in out
+    n, L = int(re.search(r"prompt\s+(\d+) tokens", out)[1]), int(re.search(r"KV cache\s+(\d+) layers", out)[1])
+    b, least = resolve_budget(DEFAULT_BUDGET, n), least_budget(method, {}, L, n) if METHODS[method] else None
+    if least is not None and b < least <= n:
+        assert f"note      budget raised from {b} to {least} tokens per layer, the least {method} can keep" in out
+        if schedule(method) == PREFILL:
+            assert "appended  each layer's last 3 entries were appended while decoding" in out
 
 
 def test_a_prompt_shorter_than_the_window_is_not_compressed(tiny_llama):

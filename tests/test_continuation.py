@@ -16,7 +16,7 @@ from kvmini.methods.registry import METHODS, chooses_budget, make_policy
 from kvmini.parts import PREFILL
 from reference import group_mean, random_model, simulate, top_positions
 from test_methods_reference import h2o, per_head
-from test_policy import SMALL
+from tiny import fitted, gives_budgets
 
 
 def turns(B=1, sizes=(20, 1, 1, 1, 12, 1, 1), seed=7):
@@ -108,8 +108,8 @@ def test_a_next_prompt_after_an_uncompressed_one_keeps_what_one_prompt_of_both_k
     prompt (ending at 40) compresses as one 40-token prompt does (its observation window lies in it)."""
     model = random_model(L=3, seed=6)
     calls = turns(B=2, sizes=(14, 26, 1))
-    got = engine_turns(model, calls, make_policy(name, 24, **SMALL.get(name, {})), {0: 14, 1: 26})
-    one = engine_turns(model, [torch.cat(calls[:2], 1), calls[2]], make_policy(name, 24, **SMALL.get(name, {})), {0: 40})
+    got = engine_turns(model, calls, make_policy(name, 24, **fitted(name)), {0: 14, 1: 26})
+    one = engine_turns(model, [torch.cat(calls[:2], 1), calls[2]], make_policy(name, 24, **fitted(name)), {0: 40})
     assert_equal_runs(last_call(got), last_call(one))
     assert {len(s) for layer in got[1][-1] for row in layer for s in row} != {40}
 
@@ -216,7 +216,7 @@ def test_every_method_continues_a_conversation(name, B):
     method whose budgets are numbers it was given holds no more than them (+ evict_every's slack, + the
     tokens a prefill-time method appended since its last prompt) after the last turn."""
     model = random_model(L=3, seed=2)
-    policy = make_policy(name, None if chooses_budget(name) else 0.5, **SMALL.get(name, {}))
+    policy = make_policy(name, None if chooses_budget(name) else 0.5, **fitted(name))
     cache = None
     for size in (24, 9, 15):
         ids = torch.randint(0, 61, (B, size), generator=torch.Generator().manual_seed(size))
@@ -226,14 +226,11 @@ def test_every_method_continues_a_conversation(name, B):
     held = [[[[p for p in head if p < seen] for head in row] for row in lc.positions.tolist()] for lc in cache]
     assert all(len(set(h)) == len(h) for layer in held for row in layer for h in row)
     rows = policy.policies if hasattr(policy, "policies") else [policy]
-    if name in FIXED:
+    if gives_budgets(name):
         for b, row in enumerate(rows if len(rows) == B else rows * B):
             slack = row.evict_every - 1 + (2 if row.schedule == PREFILL else 0)
             assert all(len(h) <= budget + slack for layer, budget in zip(held, row.budgets) for h in layer[b])
 
-
-FIXED = ("snapkv", "pyramidkv", "knorm", "snapkv_d2o", "h2o", "tova", "streaming_llm", "weightedkv", "cam", "roco",
-         "scissorhands", "vatp", "dynamickv")  # budgets given, not chosen (DBudgetKV) nor growing (D2O's official)
 
 
 @pytest.mark.parametrize("name", ["snapkv", "h2o", "d2o", "weightedkv"])
@@ -244,7 +241,7 @@ def test_questions_answered_from_copies_of_one_context(name):
     context, q1, q2 = turns(sizes=(40, 7, 9), seed=3)
 
     def compressed():
-        policy = make_policy(name, 0.3, **SMALL.get(name, {}))
+        policy = make_policy(name, 0.3, **fitted(name))
         with torch.no_grad():
             cache = model.new_cache(1, 4)
             prefill(model, context, cache, policy)

@@ -40,12 +40,17 @@ import torch
 
 from kvmini.methods.registry import chooses_budget, make_policy, parse_spec, specs
 from reference import random_model
+from tiny import fitted, least_budget
 
 DATA = Path(__file__).resolve().parent / "data" / "engine_regression"
 TOL = 1e-8  # of a tensor's largest magnitude: float64 noise across CPUs is ~1e-13, a real change far more
-SMALL = {"snapkv": {"window": 3, "kernel": 3}, "pyramidkv": {"window": 3, "kernel": 3},  # fit the tiny scenarios
+# The tiny scenarios' options of the methods recorded before they were derived from each method's parts
+# (tests/tiny.py, `fitted`: it would give SnapKV window=3 but not kernel=3, and RoCo recent=3): kept, so that
+# those entries and their labels stay as recorded. A method added since is recorded with `fitted` options.
+SMALL = {"snapkv": {"window": 3, "kernel": 3}, "pyramidkv": {"window": 3, "kernel": 3},
          "dynamickv": {"window": 2, "kernel": 3, "interval": 1}, "scissorhands": {"history": 4, "recent": 2},
          "snapkv_d2o": {"window": 3, "kernel": 3}}
+AS_DECLARED = ("streaming_llm", "h2o", "tova", "weightedkv", "dbudgetkv", "d2o", "knorm", "vatp", "cam", "roco")
 ZSCORE = {"variant": "paper", "allocation": "zscore"}  # kvmini's former reading of D2O (z-scored variances)
 SEQUENTIAL = {"chunk_merge": "sequential"}  # WeightedKV: Alg. 1's order within a chunk
 
@@ -56,19 +61,26 @@ def label(name: str, budget, options: dict) -> str:
     return f"{name}@{budget}" + (f"[{given}]" if given else "")
 
 
-def registered(budget: int, small: dict) -> list[tuple]:
+def registered(budget: int, options_of, L: int, n: int) -> list[tuple]:
     """(method, budget, options) for every registered method and variant (registry.specs), so a method
-    added to METHODS is recorded and checked without touching a list (`--record` adds its entries)."""
+    added to METHODS is recorded and checked without touching a list (`--record NAME` adds its entries):
+    options_of(name) its options, the budget raised to the least its parts can keep (L layers, n tokens)."""
     out = []
     for spec in specs():
         name, given = parse_spec(spec)
-        out.append((name, None if chooses_budget(name) else budget, {**small.get(name, {}), **given}))
+        options = options_of(name)
+        least = None if chooses_budget(name) else least_budget(name, options, L, n)
+        out.append((name, None if chooses_budget(name) else max(budget, least or budget), {**options, **given}))
     return out
 
 
-def with_registered(listed: list[tuple], budget: int, small: dict) -> list[tuple]:
+def with_registered(listed: list[tuple], budget: int, options_of, L: int, n: int) -> list[tuple]:
     labels = {label(*v) for v in listed}
-    return listed + [v for v in registered(budget, small) if label(*v) not in labels]
+    return listed + [v for v in registered(budget, options_of, L, n) if label(*v) not in labels]
+
+
+def tiny_options(name: str) -> dict:
+    return SMALL.get(name, {}) if name in SMALL or name in AS_DECLARED else fitted(name)
 
 
 # (method, budget, options): every method and variant, and the option specs the fidelity tool reaches
@@ -103,14 +115,14 @@ TINY_VARIANTS = [
     ("dbudgetkv", None, {"threshold": 0.1, "protected_layers": "0"}),
     ("dbudgetkv", None, {"ranking": "cumulative", "threshold": 0.2, "k": 3, "protected_layers": ""}),
 ]
-TINY_VARIANTS = with_registered(TINY_VARIANTS, 12, SMALL)
+TINY_VARIANTS = with_registered(TINY_VARIANTS, 12, tiny_options, 3, 40)
 DEFAULT_VARIANTS = [("full", None, {})] + [
     (m, 64, {}) for m in ("streaming_llm", "h2o", "tova", "snapkv", "pyramidkv", "knorm", "vatp", "weightedkv", "d2o",
                           "snapkv_d2o", "dynamickv")
 ] + [("weightedkv", 64, SEQUENTIAL), ("d2o", 64, {"variant": "paper"}), ("d2o", 64, ZSCORE),
      ("d2o", 64, {**ZSCORE, "allocation": "uniform"}), ("dynamickv", 64, {"variant": "official"}),
      ("dbudgetkv", None, {}), ("dbudgetkv", None, {"variant": "official"}), ("dbudgetkv", None, {"ranking": "cumulative"})]
-DEFAULT_VARIANTS = with_registered(DEFAULT_VARIANTS, 64, {})
+DEFAULT_VARIANTS = with_registered(DEFAULT_VARIANTS, 64, lambda name: {}, 30, 300)
 
 
 def tiny_scenarios():
@@ -378,6 +390,17 @@ def test_a_merge_weight_change_of_1e_5_fails(recorded, monkeypatch):
     out, f = run(tiny_model(), calls, *variant, n)
     found = differences(out, expected_of(tensors, f"b1/{label(*variant)}/"))
     assert found and all(d.startswith(("keys.", "values.", "logits.")) for d in found), found  # same positions
+
+
+def test_a_method_added_to_methods_is_recorded_with_options_fitted_to_the_tiny_scenarios(monkeypatch):
+    """A method registered since the options were derived (here SnapKV again under another name, its window
+    32): the tiny scenarios cut its window to 3 (tests/tiny.py), the default model's keep it as declared."""
+    from kvmini.methods import registry, snapkv
+
+    monkeypatch.setitem(registry.METHODS, "snapkv_again", snapkv)
+    again = lambda variants: [v for v in variants if v[0] == "snapkv_again"]  # noqa: E731
+    assert again(registered(12, tiny_options, 3, 40)) == [("snapkv_again", 12, {"window": 3})]
+    assert again(registered(12, lambda name: {}, 3, 40)) == [("snapkv_again", 32, {})]  # its window, declared
 
 
 def test_recording_one_method_leaves_every_other_entry_as_it_was(tmp_path):

@@ -15,11 +15,9 @@ from kvmini.parts import AFTER_PROMPT, DECODE, EVERY_CALL
 from kvmini.per_sequence import PerSequence
 from kvmini.policy import resolve_budget
 from reference import in_position_order, random_model
+from tiny import budget_for, fitted, least_budget
 
 COMPRESSING = [m for m in METHODS if m != "full" and not chooses_budget(m)]
-SMALL = {"snapkv": {"window": 3, "kernel": 3}, "pyramidkv": {"window": 3, "kernel": 3},  # fit tiny prompts
-         "dynamickv": {"window": 2, "kernel": 3, "interval": 1}, "snapkv_d2o": {"window": 3, "kernel": 3},
-         "scissorhands": {"recent": 2, "history": 4}}
 
 
 def run_calls(model, calls, policy, prompt_len):
@@ -80,6 +78,17 @@ def test_pyramid_budgets_sum_to_the_uniform_total(b, L, w, beta):
         assert abs(got - exact) < 1
 
 
+def test_what_generic_tests_derive_from_a_method_by_hand():
+    """tests/tiny.py: SnapKV always keeps its window (32 tokens, 3 as fitted to the tiny prompts), PyramidKV's
+    pyramid over a mean of 32 has nothing beyond its 32-token window to spread, StreamingLLM needs its 4 sinks
+    and one recent token, DBudgetKV chooses its budgets; H2O's recent window is a rule of the budget, not cut."""
+    assert fitted("snapkv") == {"window": 3} and fitted("h2o") == {} and fitted("scissorhands") == {"recent": 3}
+    assert least_budget("snapkv", {}, 30, 51) == 32 and least_budget("snapkv", {"window": 3}, 3, 40) == 3
+    assert least_budget("pyramidkv", {}, 30, 51) == 32
+    assert least_budget("streaming_llm", {}, 3, 40) == 5 and budget_for("streaming_llm", 3) == 5
+    assert least_budget("dbudgetkv", {}, 3, 40) is None and budget_for("dbudgetkv", 8) is None
+
+
 # --- a budget nobody reaches is exactly `full` ------------------------------------------------
 
 @pytest.mark.parametrize("name", COMPRESSING)
@@ -90,7 +99,7 @@ def test_budget_at_least_the_sequence_is_exactly_full(name):
     want, full_cache = run_calls(model, calls, None, n)
     budgets = [n + steps] + ([1.0] if name in ("snapkv", "pyramidkv") else [])
     for budget in budgets:
-        got, cache = run_calls(model, calls, make_policy(name, budget, **SMALL.get(name, {})), n)
+        got, cache = run_calls(model, calls, make_policy(name, budget, **fitted(name)), n)
         for a, b in zip(got, want):
             assert torch.equal(a, b)
         for layer, ref in zip(cache.layers, full_cache.layers):
@@ -102,7 +111,7 @@ def test_generate_with_huge_budget_gives_full_tokens(name):
     model = random_model(seed=3)
     ids = torch.randint(0, 61, (1, 15), generator=torch.Generator().manual_seed(1))
     full = generate(model, ids, 10).tokens
-    assert generate(model, ids, 10, policy=make_policy(name, 10_000, **SMALL.get(name, {}))).tokens == full
+    assert generate(model, ids, 10, policy=make_policy(name, 10_000, **fitted(name))).tokens == full
 
 
 # --- invariants, over random shapes, lengths, budgets and batch sizes -------------------------
@@ -115,7 +124,7 @@ def test_generate_with_huge_budget_gives_full_tokens(name):
 )
 def test_invariants(name, kv_heads, group, B, n, steps, budget, chunk, seed):
     model = random_model(L=2, H=kv_heads * group, H_kv=kv_heads, seed=seed % 100)
-    options = SMALL.get(name, {})
+    options = fitted(name)
     policy = make_policy(name, budget, **options)
     base = policy.one if isinstance(policy, PerSequence) else policy  # its parts and schedule
     gen = torch.Generator().manual_seed(seed)
@@ -164,18 +173,19 @@ def test_invariants(name, kv_heads, group, B, n, steps, budget, chunk, seed):
 
 # --- batching and state ------------------------------------------------------------------------
 
-PER_SEQUENCE = {"d2o": dict(seed=1, budget=12, options={"variant": "paper", "allocation": "zscore"}),
-                "dynamickv": dict(seed=5, budget=8),  # settings where the two sequences keep different counts
-                "dbudgetkv": dict(seed=5, budget=None)}  # in some layer
+PER_SEQUENCE = {  # settings where the two sequences keep different counts in some layer
+    "d2o": dict(seed=1, budget=12, options={"variant": "paper", "allocation": "zscore"}),
+    "dynamickv": dict(seed=5, budget=8, options={"window": 2, "kernel": 3, "interval": 1}),
+    "dbudgetkv": dict(seed=5, budget=None)}
 
 
 @pytest.mark.parametrize("name", COMPRESSING + ["dbudgetkv"])
 def test_batch_of_two_equals_two_single_runs(name):
-    setting = PER_SEQUENCE.get(name, dict(seed=5, budget=8))
+    setting = PER_SEQUENCE.get(name, dict(seed=5, budget=budget_for(name, 8, n=24)))
     model = random_model(seed=setting["seed"])
     n, steps = 24, 5
     calls = make_calls(2, n, steps, seed=2)
-    options = setting.get("options", SMALL.get(name, {}))
+    options = setting.get("options", fitted(name))
     both, cache2 = run_calls(model, calls, make_policy(name, setting["budget"], **options), n)
     if name in PER_SEQUENCE:  # the rows really differ, so the batch cache holds pads
         assert any(lc.padded for lc in cache2.layers)
@@ -195,10 +205,11 @@ def test_back_to_back_prompts_equal_fresh_runs(name):
     model = random_model(seed=6)
     gen = torch.Generator().manual_seed(4)
     a, b = torch.randint(0, 61, (1, 20), generator=gen), torch.randint(0, 61, (1, 14), generator=gen)
-    shared = make_policy(name, 9, **SMALL.get(name, {}))
+    budget = budget_for(name, 9, n=14)  # both prompts compressed
+    shared = make_policy(name, budget, **fitted(name))
     first, second = generate(model, a, 8, policy=shared), generate(model, b, 8, policy=shared)
-    fresh_a = generate(model, a, 8, policy=make_policy(name, 9, **SMALL.get(name, {})))
-    fresh_b = generate(model, b, 8, policy=make_policy(name, 9, **SMALL.get(name, {})))
+    fresh_a = generate(model, a, 8, policy=make_policy(name, budget, **fitted(name)))
+    fresh_b = generate(model, b, 8, policy=make_policy(name, budget, **fitted(name)))
     assert first.tokens == fresh_a.tokens and second.tokens == fresh_b.tokens
     assert second.cache.lengths() == fresh_b.cache.lengths()
     for x, y in zip(second.cache.layers, fresh_b.cache.layers):
@@ -229,10 +240,10 @@ def test_a_call_the_policy_would_have_to_guess_about_is_refused():
 def test_cache_bytes_follow_the_formula(name, budget, dtype):
     model = random_model(L=4).to(dtype)
     B, n, steps = 2, 30, 3
-    _, cache = run_calls(model, make_calls(B, n, steps), make_policy(name, budget, **SMALL.get(name, {})), n)
+    _, cache = run_calls(model, make_calls(B, n, steps), make_policy(name, budget, **fitted(name)), n)
     H_kv, D = model.config.num_kv_heads, model.config.head_dim
     if name == "pyramidkv":  # prefill-only: the pyramid's budgets (sum 4 * 12), then every step appends
-        kept = [b + steps for b in pyramid(12, 4, window=3, beta=20)]
+        kept = [b + steps for b in pyramid(12, 4, window=fitted(name)["window"], beta=20)]
     else:
         kept = [7 if name == "streaming_llm" else 15] * 4
     elem = 2 if dtype == torch.bfloat16 else 4
@@ -352,7 +363,7 @@ def test_every_part_refuses_a_mode_it_does_not_know():
 def test_a_budgeter_plan_is_pure(name):
     """The engine asks a budgeter's plan (to find the least budget a short prompt can take) without
     starting it: the same arguments give the same budgets, and nothing of the budgeter changes."""
-    budgeter = make_policy(name, 0.5, **SMALL.get(name, {})).parts[1]
+    budgeter = make_policy(name, 0.5, **fitted(name)).parts[1]
     before = dict(vars(budgeter))
     first = budgeter.plan(12, 4, 40)
     assert budgeter.plan(12, 4, 40) == first and len(first) == 4
