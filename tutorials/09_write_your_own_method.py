@@ -19,7 +19,10 @@
 # 3. **its tests**: `tests/test_vatp.py` (a worked example, a literal masked simulation, H2O as a special case).
 #
 # Everything else — the `run.py` flags and `--help`, the report, the evaluation tools' specs, and the
-# generic tests over every method — follows from those. This tutorial walks through each step.
+# generic tests over every method — follows from those. Then two commands put it beside the others:
+# its behaviour recorded (`tests/test_engine_regression.py --record vatp`) and its measurements added to
+# the committed results (the checklist at the end). This tutorial walks through each step; part 2 adds a
+# method that needs a new attention statistic (Scissorhands), part 3 a budgeter that waits for every layer.
 # Open it as an executed notebook: `python -m kvmini.notebooks 09` (into notebooks/).
 
 # %%
@@ -123,7 +126,10 @@ assert registry.METHODS["vatp"] is vatp
 # %% [markdown]
 # ## The tests it gets for free
 #
-# Tests that run over every registered method now include VATP, without a line written for it:
+# Tests that run over every registered method now include VATP, without a line written for it. What
+# they need of a method they derive from its declaration and its parts (`tests/tiny.py`): on the tiny
+# random models a declared `window` or `recent` longer than 3 tokens is cut to 3, and a test's budget is
+# raised to the least the method's compressor can keep.
 #
 # - `tests/test_policy.py`: a budget of the whole sequence keeps exactly everything; with a huge budget
 #   the generated tokens equal the full cache's; invariants (held counts, no position twice, sinks and
@@ -131,9 +137,14 @@ assert registry.METHODS["vatp"] is vatp
 #   back-to-back prompts equal fresh runs;
 # - `tests/test_together.py`: evicting every layer at once in a decode step (`KVCache.join`) leaves the
 #   same caches as evicting layer by layer;
+# - `tests/test_continuation.py`: three prompts on one cache, and budgets respected where they are given;
+# - `tests/test_chunked_prefill.py` (a method that compresses once the prompt is complete): a prompt in
+#   chunks keeps what one call keeps, in each variant and for each option that reads other statistics;
 # - `tests/test_options.py`: the declaration is typed, has help, and reads back what `--help` prints;
 #   a shared name means the same thing;
-# - `tests/test_cli.py` and `tests/test_fidelity.py`: the flag and the spec exist.
+# - `tests/test_cli.py` and `tests/test_fidelity.py`: the flag and the spec exist, and a short question
+#   runs (with the note that a ratio budget was raised, where the method always keeps more);
+# - `tests/test_engine_regression.py`: its behaviour is recorded, once you record it (the checklist).
 #
 # Here is one of them, run on VATP as the test suite does:
 
@@ -404,9 +415,145 @@ show(fig, "09_scissorhands_low_counts")
 # a prompt is the case where this reading of "most often low" favours the recent.
 #
 # What it took: `kvmini/methods/scissorhands.py` (the statistic, the scorer with its history, the
-# options and the engine default), one line in `METHODS`, and `tests/test_scissorhands.py`. The
-# recording, the CLI and evaluation tools, and the generic tests picked it up from the registry.
+# options and the engine default), one line in `METHODS`, and `tests/test_scissorhands.py`. The CLI and
+# evaluation tools and the generic tests picked it up from the registry; its recording and results
+# came from the commands of the checklist below.
 #
+# ## Part 3: a budgeter that waits for every layer, and a statistic made of two sums
+#
+# Some methods cannot budget a layer when its attention has just been computed. CAKE ("CAKE: Cascading
+# and Adaptive KV Cache Eviction with Layer Preferences", Ziran Qin et al., ICLR 2025, arXiv 2503.12491)
+# splits the total L·b between the layers by how each layer's attention is spread and how much it shifts
+# over the observation window: it needs every layer measured first. A toy in its spirit (not CAKE):
+# each layer's budget in proportion to $V_l$, the variance of the attention a key receives across the
+# window's queries, per query head, averaged over heads and keys.
+#
+# **A statistic made of sums.** A variance is not a sum over queries, but it is made of three:
+#
+# $$m_j = \sum_{i \in W} 1[i \text{ saw } j], \quad \bar a_j = \frac{1}{m_j} \sum_{i \in W} A_{ij}, \quad
+#   \mathrm{Var}_j = \frac{1}{m_j} \sum_{i \in W} A_{ij}^2 - \bar a_j^2$$
+#
+# $W$ the window's queries, per query head (`reduce="heads"`: (B, H, S)). $m_j$ is how a part learns how
+# many queries the window held: it counts them, as a third sum, because the count differs per key (a key
+# inside the window is seen only by the queries after it; a prompt shorter than the window has fewer). A
+# count of "saw" needs a function that is 0 where a key is unseen: $A_{ij} > 0$ (a softmax weight is
+# positive wherever the key is visible). Being sums, the three are computed chunk by chunk and add up
+# over a prompt fed in several calls like any other statistic.
+
+# %%
+from kvmini.methods.allocators import proportional  # noqa: E402
+from kvmini.methods.scorers import CumulativeAttention  # noqa: E402
+from kvmini.methods.selectors import TopK, keep_top  # noqa: E402
+from kvmini.parts import PREFILL, Budgeter  # noqa: E402
+from kvmini.policy import Policy  # noqa: E402
+from kvmini.statistics import Statistic  # noqa: E402
+
+W = 4  # the observation window: the prompt's last 4 queries
+
+
+def saw(rows: torch.Tensor) -> torch.Tensor:
+    """1 where a query saw the key (its attention is > 0), 0 where the key was hidden from it."""
+    return (rows > 0).to(rows.dtype)
+
+
+SUMS = Statistic("toy_window_sums", last=W, reduce="heads")  # (B, H, S): sum_i A_ij
+SQUARES = Statistic("toy_window_squares", last=W, f=torch.square, reduce="heads")  # sum_i A_ij^2
+SEEN = Statistic("toy_window_seen", last=W, f=saw, reduce="heads")  # m_j
+
+
+def window_variance(stats) -> torch.Tensor:
+    """Var_j per query head, (B, H, S); 0 for a key no query of the window saw."""
+    m = stats.toy_window_seen.clamp(min=1)
+    mean = stats.toy_window_sums / m
+    return stats.toy_window_squares / m - mean**2
+
+
+_, stats = attend(q, k, v, pos[None], pos[None, None], Request(SUMS, SQUARES, SEEN))  # the 7-token example above
+by_hand = torch.zeros(2, 7)
+for h in range(2):
+    for j in range(7):
+        seen_by = [A[0, h, i, j] for i in range(7 - W, 7) if i >= j]  # the window's queries that saw key j
+        by_hand[h, j] = torch.stack(seen_by).var(correction=0)
+print("variance over the window, head 0:", [round(x, 4) for x in window_variance(stats)[0, 0].tolist()])
+assert torch.allclose(window_variance(stats)[0], by_hand, atol=1e-6)
+assert stats.toy_window_seen[0, 0].tolist() == [4, 4, 4, 4, 3, 2, 1]  # key 6 is seen by the last query only
+
+# %% [markdown]
+# **The budgeter that waits** (the protocol of `kvmini/parts.py`'s `Budgeter`, run by
+# `kvmini/policy.py`). In the call that completes the prompt, layer by layer:
+#
+# - `known(layer)` returns None: the budget is not known yet. The engine then asks this layer's
+#   attention pass for the scorer's and the budgeter's statistics (`request`), scores the layer and
+#   holds the score for this call, and calls `decide`.
+# - `decide` measures the layer and returns `{}`: nothing is compressed yet. The layer keeps every
+#   entry while the next layers attend (they never read this layer's cache, so waiting changes nothing).
+# - At the last layer, `decide` has every measure, budgets all layers and returns them all,
+#   `{0: b_0, ..., L-1: b_{L-1}}`; the engine compresses each one with the score it held from that
+#   layer's own turn.
+#
+# After that, `known` returns the budgets (a method that also evicts while decoding is then budgeted
+# without measuring). This toy compresses once, when the prompt is complete (`PREFILL`).
+
+# %%
+class WindowVariance(Budgeter):
+    """Layer budgets in proportion to V_l, the mean variance of the attention a key receives across the
+    last W queries of the prompt (a toy in the spirit of CAKE's layer preferences, not CAKE)."""
+
+    request = Request(SUMS, SQUARES, SEEN)
+
+    def start(self, b, L, n):
+        super().start(b, L, n)  # self.budgets: the uniform plan, until every layer is measured
+        self.variance: dict[int, float] = {}  # layer -> V_l
+        self.allocated = False
+
+    def known(self, layer):
+        return self.budgets[layer] if self.allocated else None  # None: measure this layer, then decide
+
+    def decide(self, layer, lc, stats, score):
+        self.variance[layer] = window_variance(stats)[stats.toy_window_seen > 0].mean().item()
+        if len(self.variance) < self.L:
+            return {}  # wait: this layer keeps every entry for now
+        V = [self.variance[l] for l in range(self.L)]
+        self.budgets = proportional(V, self.b * self.L, low=W + 1, high=[self.n] * self.L)  # sum L·b
+        self.allocated = True
+        return dict(enumerate(self.budgets))  # every layer at once
+
+
+class Shown(WindowVariance):
+    """WindowVariance, saying what the engine asked and what it answered."""
+
+    def decide(self, layer, lc, stats, score):
+        answer = super().decide(layer, lc, stats, score)
+        print(f"layer {layer}: known -> None; holds {lc.length} entries; decide -> {answer}")
+        self.answers.append(answer)
+        return answer
+
+
+budgeter = Shown()
+budgeter.answers = []
+policy = Policy("window_variance", 10, CumulativeAttention(), budgeter, TopK(recent=W), PREFILL)  # H2O's score
+cache = model.new_cache(1)
+policy.start(30, 30)
+with torch.no_grad():
+    model(ids, cache, policy)  # the 30-token prompt of the VATP example, in one call
+assert budgeter.answers[:-1] == [{}, {}] and budgeter.answers[-1] == dict(enumerate(policy.budgets))
+assert sum(policy.budgets) == 10 * 3 and cache.lengths() == policy.budgets
+
+# %% [markdown]
+# Each layer was compressed with the score of its own turn, not the last layer's: layer 0 keeps what
+# `keep_top` chooses from layer 0's accumulated attention over the prompt, recorded here by a policy
+# that compresses nothing (`ColumnSums`, as in the VATP plot).
+
+# %%
+recorder = ColumnSums()
+with torch.no_grad():
+    model(ids, model.new_cache(1), recorder)
+for layer in range(3):
+    want = keep_top(recorder.sums[layer], policy.budgets[layer], sinks=0, recent=W)  # (1, H_kv, b), position order
+    assert cache[layer].positions.sort(-1).values.tolist() == want.tolist(), layer
+print("budgets", policy.budgets, "from V_l", [round(policy.budgeter.variance[l], 5) for l in range(3)])
+
+# %% [markdown]
 # ## A checklist for your own method
 #
 # 1. A module `kvmini/methods/<name>.py`: a docstring with the paper (title, authors, arXiv ID), the
@@ -416,8 +563,18 @@ show(fig, "09_scissorhands_low_counts")
 # 2. One line in `METHODS` (`kvmini/methods/registry.py`).
 # 3. `tests/test_<name>.py`: a worked example by hand, a literal reference in loops compared with the
 #    engine (`reference.simulate`), and the special cases that must reduce to a known method.
-# 4. Run `python -m pytest -q`: the generic tests now cover it. Then a fidelity run, and a line in the
-#    README's method table.
+# 4. Record its behaviour: `PYTHONPATH=. python tests/test_engine_regression.py --record <name>` (its
+#    entries only, on the tiny and the default model; every other entry keeps its bytes).
+# 5. Run the tests: `python -m pytest -q tests/test_<name>.py`, then the generic ones
+#    (`tests/test_policy.py tests/test_together.py tests/test_continuation.py tests/test_chunked_prefill.py
+#    tests/test_options.py tests/test_engine_regression.py`), or the whole suite, `python -m pytest -q`.
+# 6. Measure it: `python -m pytest -q tests/test_results_current.py` names it as not measured in each
+#    results folder (results/quick, results/full, results/full-speed), with the command that measures it
+#    there: `python -m kvmini.eval.suite ... --methods <name>`, with that folder's profile and `--out`
+#    (the method alone, in every experiment that measures every method; its rows are merged into the
+#    folder's results). Run each command it prints.
+# 7. Regenerate the documents from the results: `python -m kvmini.eval.docs` (`--check` is tested). Then
+#    its rows in the README's and docs/methods.md's method tables.
 #
 # ## Exercises
 #
