@@ -1,6 +1,6 @@
-"""Course mode: a student copy loses exactly the marked solutions; each exercise's check runs its own
-tests (failing while its holes are open, passing once they are written, whatever the other
-exercises' state); grade reports a class; every exercise is declared in full."""
+"""Course mode (kvmini.course): a student copy loses exactly the marked solutions; each exercise's check
+runs its own tests (failing while its holes are open, passing once they are written, whatever the
+other exercises' state); grade reports a class; every exercise is declared in full."""
 import json
 import re
 import subprocess
@@ -10,9 +10,12 @@ from pathlib import Path
 
 import pytest
 
-from kvmini.assignments import MANIFEST, exercises, solved, strip, write_student_copy
+from course_class import solve
+from kvmini.course.cells import solved
+from kvmini.course.copies import MANIFEST, write_student_copy
+from kvmini.course.exercises import exercises, strip
+from kvmini.course.grading import NOT_ATTEMPTED, graded_tree, problems
 from kvmini.errors import KvminiError
-from kvmini.grading import NOT_ATTEMPTED, graded_tree, problems
 
 ROOT = Path(__file__).resolve().parent.parent
 EXERCISES = {  # written out by hand: what the markers in kvmini/methods must add up to
@@ -26,16 +29,9 @@ EXERCISES = {  # written out by hand: what the markers in kvmini/methods must ad
 }
 
 
-def assignments(cwd, *argv):
-    return subprocess.run([sys.executable, "-m", "kvmini.assignments", *map(str, argv)], cwd=cwd,
+def course(cwd, *argv):
+    return subprocess.run([sys.executable, "-m", "kvmini.course", *map(str, argv)], cwd=cwd,
                           capture_output=True, text=True, timeout=900)
-
-
-def solve(copy: Path, name: str) -> None:
-    """What a student does: every region of `name` in the copy gets a working body (the original's)."""
-    for rel in exercises(ROOT)[name].holes:
-        still_open = {n for n, ex in exercises(copy).items() if ex.open and rel in ex.holes} - {name}
-        (copy / rel).write_text(strip((ROOT / rel).read_text(), still_open)[0])
 
 
 def test_strip_keeps_markers_and_raises():
@@ -43,7 +39,7 @@ def test_strip_keeps_markers_and_raises():
     stripped, names = strip(text)
     assert names == ["f"]
     assert stripped == ('def f(x):\n    y = 1\n    # BEGIN EXERCISE f: tutorials/t.py, "F"\n    raise NotImplementedError('
-                        '"exercise f: see tutorials/t.py, \'F\'; check it with python -m kvmini.assignments check f")\n'
+                        '"exercise f: see tutorials/t.py, \'F\'; check it with python -m kvmini.course check f")\n'
                         "    # END EXERCISE\n")
     assert strip(text, names=set()) == (text, [])  # only the exercises named
     with pytest.raises(ValueError, match="without END"):
@@ -107,60 +103,77 @@ def copies(tmp_path_factory):
 
 @pytest.mark.slow
 def test_a_copy_lists_its_holes_and_checks(tmp_path):
-    proc = assignments(ROOT, "new", tmp_path / "copy")
+    proc = course(ROOT, "new", tmp_path / "copy")
     assert proc.returncode == 0, proc.stderr
     assert "ema_merging\n    holes: kvmini/methods/ema_merging.py: nearest, ema_threshold, convex_merge\n" in proc.stdout
     for name in EXERCISES:
-        assert f"    check: python -m kvmini.assignments check {name}\n" in proc.stdout
+        assert f"    check: python -m kvmini.course check {name}\n" in proc.stdout
     assert {n for n, ex in exercises(tmp_path / "copy").items() if ex.open} == set(EXERCISES)
     assert not (tmp_path / "copy" / "weights" / "SmolLM2-135M-Instruct").exists()
-    assert assignments(ROOT, tmp_path / "old-form").returncode == 0  # python -m kvmini.assignments DIR
 
 
 @pytest.mark.slow
 def test_check_one_exercise_fails_open_and_passes_written(copies):
     """Only ema_merging's tests run: with its three holes open each fails on its own stub, never on
     another exercise's (all six others are open too); written, all of them pass."""
-    open_ = assignments(copies / "untouched", "check", "ema_merging")
+    open_ = course(copies / "untouched", "check", "ema_merging")
     assert open_.returncode == 1, open_.stderr
     failed = re.findall(r"^  FAIL  (\S+)", open_.stdout, re.M)
     assert failed and "  PASS  " not in open_.stdout
     assert set(re.findall(r"exercise (\w+): see", open_.stdout)) == {"ema_merging"}
     assert f"ema_merging: 0 of {len(failed)} tests pass" in open_.stdout
-    done = assignments(copies / "ema_merging", "check", "ema_merging")
+    done = course(copies / "ema_merging", "check", "ema_merging")
     assert done.returncode == 0, done.stdout[-3000:]
     assert re.findall(r"^  PASS  (\S+)", done.stdout, re.M) == failed
     assert f"ema_merging: {len(failed)} of {len(failed)} tests pass" in done.stdout
-    other = assignments(ROOT, "check", "value_norm", copies / "ema_merging")  # the copy named
+    other = course(ROOT, "check", "value_norm", copies / "ema_merging")  # the copy named
     assert other.returncode == 1 and "value_norm: 0 of" in other.stdout
+
+
+def written(path: Path) -> dict:
+    """The one grades-<time>.json that grade wrote into `path`."""
+    found = list(path.glob("grades-*.json"))
+    assert len(found) == 1 and found[0].with_suffix(".csv").is_file(), found
+    return json.loads(found[0].read_text())
 
 
 @pytest.mark.slow
 def test_grade_a_class(copies, tmp_path):
     """Each exercise passes with only itself written (its tests never need another one), and the
-    table says so: untouched, one per exercise, all."""
+    table says so, two copies at a time: untouched, one per exercise, all; k/n in every cell, a total
+    per student, a summary row per exercise, the commit and the time graded, exit code 0."""
     students = [copies / s for s in ("untouched", *EXERCISES, "all")]
-    proc = assignments(ROOT, "grade", *students, "--json", tmp_path / "g.json", "--csv", tmp_path / "g.csv")
+    proc = course(ROOT, "grade", *students, "--out", tmp_path, "-j", 2)
     assert proc.returncode == 0, proc.stderr
-    expected = {"untouched": {}, "all": dict.fromkeys(EXERCISES, "pass"), **{n: {n: "pass"} for n in EXERCISES}}
-    data = json.loads((tmp_path / "g.json").read_text())
+    data = written(tmp_path)
     assert data["exercises"] == list(EXERCISES)  # in the order a student meets them
+    head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
+    assert data["commit"].split()[0] == head and data["time_limit_per_exercise_s"] == 60 and data["jobs"] == 2
+    assert data["graded_at"][:4].isdigit() and data["graded_at"].endswith("+00:00")
+    n = {name: cell["tests"] for name, cell in data["students"][-1]["exercises"].items()}  # all: every test ran
+    assert all(n.values()) and n["ema_merging"] > len(exercises(ROOT)["ema_merging"].tests)  # parametrized: cases
+    solved_by = {"untouched": set(), "all": set(EXERCISES), **{name: {name} for name in EXERCISES}}
     for row in data["students"]:
-        want = expected[Path(row["student"]).name]
-        assert row["exercises"] == {name: want.get(name, NOT_ATTEMPTED) for name in EXERCISES}, row
-        assert row["problems"] == []
+        want = solved_by[row["student"]]  # the copy's folder name
+        assert {name: cell["status"] for name, cell in row["exercises"].items()} == {
+            name: f"pass {n[name]}/{n[name]}" if name in want else f"{NOT_ATTEMPTED} 0/{n[name]}" for name in EXERCISES}, row
+        assert row["total"] == f"{sum(n[name] for name in want)}/{sum(n.values())}" and row["problems"] == []
+        assert all(cell["failures"] == {} for cell in row["exercises"].values())
+    assert data["summary"] == dict.fromkeys(EXERCISES, f"2/{len(students)} pass")
     lines = proc.stdout.splitlines()
-    assert re.split(r"\s{2,}", lines[0]) == ["student", *EXERCISES, "copy"]
-    assert re.split(r"\s{2,}", lines[1]) == [str(students[0]), *[NOT_ATTEMPTED] * 7, "as handed out"]
-    assert re.split(r"\s{2,}", lines[3]) == [str(students[2]), NOT_ATTEMPTED, "pass", *[NOT_ATTEMPTED] * 5, "as handed out"]
-    assert re.split(r"\s{2,}", lines[-1]) == [str(students[-1]), *["pass"] * 7, "as handed out"]
-    csv_rows = (tmp_path / "g.csv").read_text().splitlines()
-    assert csv_rows[0] == ",".join(["student", *EXERCISES, "copy", "problems", "notes"]) and len(csv_rows) == 1 + len(students)
+    assert lines[0].startswith(f"graded {data['graded_at'][:10]} ") and data["commit"] in lines[0] and "60 s" in lines[0]
+    assert re.split(r"\s{2,}", lines[1]) == ["student", *EXERCISES, "total", "copy"]
+    assert re.split(r"\s{2,}", lines[2]) == ["untouched", *[f"{NOT_ATTEMPTED} 0/{n[e]}" for e in EXERCISES],
+                                              f"0/{sum(n.values())}", "as handed out"]
+    assert re.split(r"\s{2,}", lines[len(students) + 2]) == ["(students passing)", *[f"2/{len(students)} pass"] * 7]
+    csv_rows = next(tmp_path.glob("grades-*.csv")).read_text().splitlines()
+    assert csv_rows[0] == ",".join(["student", *EXERCISES, "total", "copy", "problems", "notes", "commit", "graded at"])
+    assert len(csv_rows) == 1 + len(students) + 1  # and the summary row
 
 
 @pytest.mark.slow
 def test_check_every_exercise_at_once(copies):
-    proc = assignments(copies / "ema_merging", "check")
+    proc = course(copies / "ema_merging", "check")
     assert proc.returncode == 1  # the open exercises' tests fail
     assert re.search(r"^ema_merging\s+(\d+)\s+\1\s+pass\s", proc.stdout, re.M), proc.stdout
     for name in EXERCISES.keys() - {"ema_merging"}:
@@ -174,14 +187,14 @@ def test_a_module_that_does_not_parse_fails_its_tests_with_the_reason(tmp_path):
     vatp = copy / "kvmini" / "methods" / "vatp.py"
     vatp.write_text(vatp.read_text().replace('        raise NotImplementedError("exercise value_norm',
                                              '        return received +\n        raise NotImplementedError("x'))
-    proc = assignments(copy, "check", "value_norm")
+    proc = course(copy, "check", "value_norm")
     assert proc.returncode == 1, proc.stderr
     assert re.search(r"^value_norm: kvmini/methods/vatp.py: line \d+$", proc.stdout, re.M)  # no parse: its line
     assert "did not run: the test module does not import: SyntaxError" in proc.stdout
     assert "value_norm: 0 of 3 tests pass" in proc.stdout
-    proc = assignments(copy, "check")  # the table says why too: every method module is imported by the registry
+    proc = course(copy, "check")  # the table says why too: every method module is imported by the registry
     assert re.search(r"^\d+ tests did not run: the test module does not import: SyntaxError", proc.stdout, re.M), proc.stdout
-    from kvmini.grading import grade_one, handed_out_here
+    from kvmini.course.grading import grade_one, handed_out_here
 
     note = grade_one(copy, 300, *handed_out_here())["notes"][0]  # where, in the copy (not the grade's own tree)
     assert note.startswith("value_norm: ") and f'File "{copy}/kvmini/methods/vatp.py", line' in note, note
@@ -191,7 +204,7 @@ def test_a_module_that_does_not_parse_fails_its_tests_with_the_reason(tmp_path):
 def test_check_in_a_copy_of_some_exercises_shows_the_others_as_not_handed_out(tmp_path):
     copy = tmp_path / "copy"
     write_student_copy(copy, names=["frobenius_stop"])
-    proc = assignments(copy, "check")
+    proc = course(copy, "check")
     assert re.search(rf"^frobenius_stop\s+(\d+)\s+0\s+{NOT_ATTEMPTED}\s", proc.stdout, re.M), proc.stdout
     for name in EXERCISES.keys() - {"frobenius_stop"}:
         assert re.search(rf"^{name}\s+-\s+\(not handed out in this copy\)$", proc.stdout, re.M), name
@@ -200,7 +213,7 @@ def test_check_in_a_copy_of_some_exercises_shows_the_others_as_not_handed_out(tm
 def test_what_was_handed_out_comes_from_the_repository_not_the_copy(tmp_path):
     """A student who loosens a test and rewrites the manifest to match is still reported: grade compares
     the copy with the repository's own files, and the rewritten manifest is one more difference."""
-    from kvmini.assignments import fingerprint
+    from kvmini.course.copies import fingerprint
 
     copy = tmp_path / "copy"
     write_student_copy(copy)
@@ -219,7 +232,7 @@ def test_what_was_handed_out_comes_from_the_repository_not_the_copy(tmp_path):
 
 
 def test_a_virtual_environment_in_the_copy_is_not_a_change():
-    from kvmini.assignments import graded
+    from kvmini.course.copies import graded
 
     assert graded("tests/conftest.py") and graded("tools/conftest.py") and graded("kvmini/cache.py") and graded("run.py")
     for rel in (".venv/lib/python3.11/site-packages/numpy/conftest.py", "venv/lib/python3.11/site-packages/x/conftest.py",
@@ -245,19 +258,20 @@ def test_a_partly_written_exercise_is_unfinished(tmp_path):
 def test_an_exercise_not_handed_out_is_not_graded_and_one_that_was_cannot_be_hidden(tmp_path):
     """A copy of one exercise (--only): the others hold the solution and are not in its row. Taking
     the exercise out of the manifest does not hide it: its regions are not the solution."""
-    from kvmini.grading import grade_one, handed_out_here
+    from kvmini.course.grading import grade_one, handed_out_here
 
     copy = tmp_path / "copy"
     write_student_copy(copy, names=["frobenius_stop"])
     reference, files = handed_out_here()
-    assert grade_one(copy, 60, reference, files)["exercises"] == {"frobenius_stop": NOT_ATTEMPTED}
+    assert list(grade_one(copy, 60, reference, files)["exercises"]) == ["frobenius_stop"]
     manifest = json.loads((copy / MANIFEST).read_text())
     (copy / MANIFEST).write_text(json.dumps({**manifest, "exercises": []}))
-    assert grade_one(copy, 60, reference, files)["exercises"] == {"frobenius_stop": NOT_ATTEMPTED}
+    cells = grade_one(copy, 60, reference, files)["exercises"]
+    assert list(cells) == ["frobenius_stop"] and cells["frobenius_stop"]["status"].startswith(NOT_ATTEMPTED)
 
 
 def test_check_says_when_an_exercise_has_no_tests_left(tmp_path, capsys):
-    from kvmini.grading import check
+    from kvmini.course.grading import check
 
     copy = tmp_path / "copy"
     write_student_copy(copy)
@@ -268,78 +282,90 @@ def test_check_says_when_an_exercise_has_no_tests_left(tmp_path, capsys):
 
 
 @pytest.mark.slow
-def test_grading_runs_the_repositorys_tests_each_exercise_apart(tmp_path):
-    """One student: frobenius_stop written, value_norm's region loops forever, convex_value_merge's tests
-    deleted with a wrong solution. Each exercise runs alone: frobenius_stop passes, value_norm fails
-    on its time limit (the reason under the table), convex_value_merge fails the repository's tests,
-    which run whatever the copy did to its own."""
+def test_a_hung_or_crashing_submission_is_reported_and_skipped(tmp_path):
+    """One student: frobenius_stop written, value_norm's region loops forever, progressive_budgets' region
+    kills the test process, convex_value_merge's tests deleted with a wrong solution. value_norm fails on
+    its time limit, progressive_budgets on the crash (both said under the table), the other exercises'
+    tests still run: frobenius_stop passes, convex_value_merge fails the repository's tests, which run
+    whatever the copy did to its own; each failing test's first line is in the JSON."""
     copy = tmp_path / "copy"
     write_student_copy(copy)
     solve(copy, "frobenius_stop")
-    vatp = copy / "kvmini" / "methods" / "vatp.py"
-    vatp.write_text(vatp.read_text().replace('        raise NotImplementedError("exercise value_norm',
-                                             '        while True:\n            pass\n        raise NotImplementedError("x'))
-    merge = copy / "kvmini" / "methods" / "convex_value_merge.py"
-    merge.write_text(merge.read_text().replace('    raise NotImplementedError("exercise convex_value_merge', '    return\n'
-                                               '    raise NotImplementedError("x'))
+    for rel, name, body in [("vatp.py", "value_norm", "        while True:\n            pass\n"),
+                            ("progressive_budgets.py", "progressive_budgets", "            import os; os._exit(3)\n"),
+                            ("convex_value_merge.py", "convex_value_merge", "    return\n")]:
+        module = copy / "kvmini" / "methods" / rel
+        text = module.read_text()
+        at = text.index(f'raise NotImplementedError("exercise {name}')
+        module.write_text(text[:at] + body.lstrip() + text[at - (len(body) - len(body.lstrip())):])
     (copy / "tests" / "test_weightedkv.py").unlink()
-    proc = assignments(ROOT, "grade", copy, "--timeout", 30, "--json", tmp_path / "g.json")
+    proc = course(ROOT, "grade", copy, "--timeout", 20, "--out", tmp_path / "grades")
     assert proc.returncode == 0, proc.stderr
-    row = json.loads((tmp_path / "g.json").read_text())["students"][0]
-    assert row["exercises"]["frobenius_stop"] == "pass"
-    assert row["exercises"]["value_norm"].startswith("fail 0/")
-    assert row["exercises"]["convex_value_merge"].startswith("fail ")
-    assert row["exercises"]["ema_merging"] == NOT_ATTEMPTED
-    assert any(n.startswith("value_norm: ") and "did not run: not finished after 30 s" in n for n in row["notes"])
+    row = written(tmp_path / "grades")["students"][0]
+    cells = {name: cell["status"] for name, cell in row["exercises"].items()}
+    assert cells["frobenius_stop"].startswith("pass ") and cells["ema_merging"].startswith(NOT_ATTEMPTED)
+    assert cells["value_norm"].startswith("fail 0/") and cells["progressive_budgets"].startswith("fail 0/")
+    assert cells["convex_value_merge"].startswith("fail ")
+    assert any(n.startswith("value_norm: ") and "did not finish: not finished within its exercise's time limit of 20 s" in n
+               for n in row["notes"]), row["notes"]
+    assert any(n.startswith("progressive_budgets: ") and "exit code 3" in n and "(while running it)" in n
+               for n in row["notes"]), row["notes"]
     assert not any(n.startswith("convex_value_merge: ") for n in row["notes"])  # its tests ran: the repository's
+    failures = row["exercises"]["convex_value_merge"]["failures"]
+    assert failures and all(test.startswith("tests/test_weightedkv.py::") and line for test, line in failures.items())
     assert "tests/test_weightedkv.py is missing" in row["problems"]
-    assert f"{copy}: value_norm: " in proc.stdout  # the reasons are printed under the table too
+    assert f"copy: value_norm: " in proc.stdout  # the reasons are printed under the table too
 
 
 def test_grading_from_a_student_copy_is_refused(tmp_path):
     """What was handed out is read from the repository that grades: a copy, its exercises open, cannot be it."""
-    from kvmini.grading import handed_out_here
+    from kvmini.course.grading import handed_out_here
 
     copy = tmp_path / "copy"
     write_student_copy(copy)
     with pytest.raises(KvminiError, match="grade from the repository the copies were made from: .* is itself a student copy"):
         handed_out_here(copy)
     reference, files = handed_out_here()
-    assert list(reference) == list(EXERCISES) and "tests/test_d2o.py" in files
+    assert list(reference) == list(EXERCISES) and "tests/test_d2o.py" in files[False] and "tests/test_d2o.py" in files[True]
 
 
-def test_grade_outputs_that_would_overwrite_each_other_or_a_copy_are_refused(tmp_path, capsys):
-    from kvmini.grading import grade
+def test_grade_output_inside_a_copy_is_refused(tmp_path):
+    from kvmini.course.grading import grade
 
     copy = tmp_path / "copy"
     write_student_copy(copy)
-    same = tmp_path / "grades.txt"
-    with pytest.raises(KvminiError, match="--json and --csv name the same file"):
-        grade([copy], same, same, 60)
-    with pytest.raises(KvminiError, match=f"--json {copy / 'tests' / 'test_vatp.py'} is inside the copy {copy}"):
-        grade([copy], copy / "tests" / "test_vatp.py", None, 60)
-    assert (copy / "tests" / "test_vatp.py").read_text() == (ROOT / "tests" / "test_vatp.py").read_text()
+    with pytest.raises(KvminiError, match=f"--out {copy / 'tests'} is inside the copy {copy}"):
+        grade([copy], copy / "tests", 60, 1)
+    assert not list((copy / "tests").glob("grades-*"))
 
 
-JUNIT = """<testsuites><testsuite>
-<testcase classname="tests.test_vatp" name="test_marker"><skipped type="pytest.skip" message="no CUDA GPU on this machine">{tests}/conftest.py:52: no CUDA GPU on this machine</skipped></testcase>
-<testcase classname="tests.test_vatp" name="test_relative"><skipped type="pytest.skip" message="own">tests/test_vatp.py:9: own</skipped></testcase>
-<testcase classname="tests.test_vatp" name="test_from_code"><skipped type="pytest.skip" message="needs a GPU">{root}/kvmini/methods/vatp.py:44: needs a GPU</skipped></testcase>
-<testcase classname="tests.test_vatp" name="test_xfail"><skipped type="pytest.xfail" message="later" /></testcase>
-<testcase classname="tests.test_vatp" name="test_passes" />
-</testsuite></testsuites>"""
+def test_grade_writes_outside_the_repository_by_default():
+    from kvmini.course.__main__ import parser
+
+    out = Path(parser().parse_args(["grade", "x"]).out).resolve()
+    assert out == ROOT.parent / "kvmini-grades" and ROOT not in out.parents
 
 
 def test_only_a_test_may_skip_itself(tmp_path):
     """A skip raised in a test file (a CUDA marker) passes; one raised by the code under test, or an
-    expected failure, does not count, and says where (hand-written JUnit, as pytest writes it)."""
-    from kvmini.grading import not_run, parse
+    expected failure, does not count, and says where (hand-written records, as limits.py writes them)."""
+    from kvmini.course.grading import not_run
+    from kvmini.course.running import outcomes
 
     (tmp_path / "tests").mkdir()
-    report = tmp_path / "report.xml"
-    report.write_text(JUNIT.format(tests=tmp_path / "tests", root=tmp_path))
-    results, broken = parse(report, tmp_path / "tests")
-    assert broken == {} and [(r.test.split("::")[1], r.ok) for r in results] == [
+    records = [
+        {"test": "tests/test_vatp.py::test_marker", "when": "setup", "outcome": "skipped", "seconds": 0, "xfail": None,
+         "skip": [str(tmp_path / "tests" / "conftest.py"), 52, "Skipped: no CUDA GPU on this machine"], "message": ""},
+        {"test": "tests/test_vatp.py::test_relative", "when": "call", "outcome": "skipped", "seconds": 0, "xfail": None,
+         "skip": ["tests/test_vatp.py", 9, "Skipped: own"], "message": ""},
+        {"test": "tests/test_vatp.py::test_from_code", "when": "call", "outcome": "skipped", "seconds": 0, "xfail": None,
+         "skip": [str(tmp_path / "kvmini" / "methods" / "vatp.py"), 44, "Skipped: needs a GPU"], "message": ""},
+        {"test": "tests/test_vatp.py::test_xfail", "when": "call", "outcome": "skipped", "seconds": 0, "xfail": "later",
+         "skip": None, "message": ""},
+        {"test": "tests/test_vatp.py::test_passes", "when": "call", "outcome": "passed", "seconds": 0, "xfail": None,
+         "skip": None, "message": ""}]
+    results = outcomes(records, tmp_path)
+    assert [(r.test.split("::")[1], r.ok) for r in results] == [
         ("test_marker", True), ("test_relative", True), ("test_from_code", False), ("test_xfail", False), ("test_passes", True)]
     assert not_run(results) == [
         "1 test did not count: skipped by kvmini/methods/vatp.py:44: needs a GPU (only a test may skip itself)",
@@ -350,7 +376,7 @@ def test_only_a_test_may_skip_itself(tmp_path):
 def test_a_skip_in_the_solution_is_not_a_pass_and_a_copy_without_its_manifest_is_graded(tmp_path):
     """A region that skips its tests grades as failed, with the reason under the table; a copy whose
     manifest is gone is graded all the same: its solved exercise passes (not '-', not handed out)."""
-    from kvmini.grading import grade_one, handed_out_here
+    from kvmini.course.grading import grade_one, handed_out_here
 
     reference, files = handed_out_here()
     skipping, unlisted = tmp_path / "skipping", tmp_path / "unlisted"
@@ -360,19 +386,22 @@ def test_a_skip_in_the_solution_is_not_a_pass_and_a_copy_without_its_manifest_is
                                              '        import pytest; pytest.skip("needs a CUDA GPU")\n'
                                              '        raise NotImplementedError("x'))
     row = grade_one(skipping, 300, reference, files)
-    assert row["exercises"] == {"value_norm": "fail 0/" + row["exercises"]["value_norm"].split("/")[1]}
+    assert list(row["exercises"]) == ["value_norm"] and row["exercises"]["value_norm"]["status"].startswith("fail 0/")
     assert any(n.startswith("value_norm: ") and "did not count: skipped by kvmini/methods/vatp.py:" in n
                and n.endswith("needs a CUDA GPU (only a test may skip itself)") for n in row["notes"]), row["notes"]
     write_student_copy(unlisted)
     solve(unlisted, "value_norm")  # with the repository's own solution
     (unlisted / MANIFEST).unlink()
     row = grade_one(unlisted, 300, reference, files)
-    assert row["exercises"] == {name: "pass" if name == "value_norm" else NOT_ATTEMPTED for name in reference}
+    assert {name: cell["status"].rsplit(" ", 1)[0] for name, cell in row["exercises"].items()} == {
+        name: "pass" if name == "value_norm" else NOT_ATTEMPTED for name in reference}
     assert "is missing or unreadable" in row["problems"][0]
 
 
 def test_a_misspelt_command_is_not_a_new_copy():
-    proc = assignments(ROOT, "chek")  # (the older form `assignments DIR` would write a copy named chek)
-    assert proc.returncode == 2 and proc.stderr.count("\n") == 1, proc.stderr
-    assert "'chek' is not a command (new, check, grade): did you mean check?" in proc.stderr
-    assert not (ROOT / "chek").exists()
+    """There is no short form `kvmini.course DIR`: a misspelt command, or a folder named like one, is refused."""
+    for argv in (["chek"], ["some/folder/chek"]):
+        proc = course(ROOT, *argv)
+        assert proc.returncode == 2 and proc.stderr.count("\n") == 1, proc.stderr
+        assert f"invalid choice: '{argv[0]}' (choose from 'new', 'check', 'grade')" in proc.stderr, proc.stderr
+    assert not (ROOT / "chek").exists() and not (ROOT / "some").exists()

@@ -18,14 +18,14 @@ from kvmini.methods.allocators import proportional
 from kvmini.methods.variance_softmax import VarianceSoftmax, layer_weights
 from kvmini.parts import PREFILL, Rule
 from kvmini.policy import Policy
+from cases import stored
 from reference import group_mean, random_model, simulate
 
 
 # --- allocation --------------------------------------------------------------------------------
 
-@pytest.mark.exercise("variance_softmax")
-def test_variance_softmax_by_hand():
-    """Exercise `variance_softmax` (tutorial 3): softmax(-z(F_v)), and no NaN when the variances are equal."""
+def test_zscore_weights_by_hand():
+    """kvmini's reading of Eq. 5 (`allocation=zscore`): softmax(-z(F_v)), and no NaN when the variances are equal."""
     z = [(f - 2) / math.sqrt(2 / 3) for f in (1, 2, 3)]  # standardized variances
     softmax = [math.exp(-x) / sum(math.exp(-y) for y in z) for x in z]
     assert layer_weights([1, 2, 3], "zscore") == pytest.approx(softmax)
@@ -41,7 +41,8 @@ def test_reciprocal_allocation_by_hand():
 
 @pytest.mark.exercise("variance_softmax")
 def test_paper_and_uniform_weights_by_hand():
-    """Eq. 5 on raw variances [1, 2, 3] (paper): softmax(-F_v); uniform: 1/3 each; a low temperature
+    """Exercise `variance_softmax` (tutorial 3): Eq. 5 as printed on raw variances [1, 2, 3] (`paper`):
+    softmax(-F_v), no standardizing, no temperature; uniform: 1/3 each; a low temperature
     sharpens towards the lowest variance; standardized weights do not depend on the variances' scale."""
     e = [math.exp(-f) for f in (1, 2, 3)]
     assert layer_weights([1, 2, 3], "paper") == pytest.approx([x / sum(e) for x in e])  # Eq. 5 on raw variances
@@ -61,6 +62,7 @@ def test_allocation_clamps_and_redistributes_by_hand():
     assert proportional([0.5, 0.5], 10, low=8, high=[100] * 2) == [8, 8]  # infeasible total: every layer at its floor
 
 
+@pytest.mark.exercise("variance_softmax")
 def test_unclamped_allocation_is_eq5_as_written():
     """clamp_budgets=false: S_l = softmax(-F_v)_l * L * b, rounded to the total, no bounds.
     F_v = [0, 1, 2], b = 10, L = 3: 30 * [1, e^-1, e^-2] / 1.5032 = [19.96, 7.34, 2.70] -> [20, 7, 3];
@@ -70,7 +72,6 @@ def test_unclamped_allocation_is_eq5_as_written():
     assert clamped.allocate(10, 3, [0.0, 1.0, 2.0], 12) == [12, 10, 8]
 
 
-@pytest.mark.exercise("variance_softmax")
 def test_unclamped_eq5_that_starves_a_layer_is_a_clear_error():
     """On a prompt whose raw variances differ, Eq. 5 (z-scored) leaves a layer fewer tokens than its 4 sinks."""
     model = random_model(L=4)
@@ -141,8 +142,10 @@ def test_d2o_merge_by_hand():
     assert merged.item() == 1.0  # tokens merged (k2), mean over heads
 
 
+@stored
 def literal_merge(keys, values, keep, tau):
     """Eq. 9-12 with loops: nearest kept key by cosine, merge iff similarity >= tau, softmax weights with j's own e^1."""
+    # BEGIN REFERENCE
     unit = lambda x: x / x.norm()  # noqa: E731
     evict = [i for i in range(len(keys)) if i not in keep]
     best = {i: max((float(unit(keys[i]) @ unit(keys[j])), -keep.index(j), j) for j in keep) for i in evict}
@@ -153,6 +156,7 @@ def literal_merge(keys, values, keep, tau):
         new_k[j] = (math.e * keys[j] + sum(math.exp(best[i][0]) * keys[i] for i in chose)) / den
         new_v[j] = (math.e * values[j] + sum(math.exp(best[i][0]) * values[i] for i in chose)) / den
     return new_k, new_v, [best[i][0] for i in evict]
+    # END REFERENCE
 
 
 @pytest.mark.exercise("ema_merging")
@@ -205,12 +209,14 @@ def test_beta_extremes(beta):
 KVMINI = {"variant": "paper", "allocation": "zscore"}  # kvmini's own reading of Eq. 5 (z-scored variances)
 
 
-def literal_budgets(F_v, b, n, low):
-    """Eq. 5 with z-scored variances, by hand: softmax(-z), the clamped proportional split of L * b
-    (exact_clamped_split), integers by largest remainder."""
+@stored
+def literal_budgets(F_v, b, n, low, how="zscore"):
+    """Eq. 5 by hand, on z-scored variances (`zscore`) or raw ones (`paper`): softmax(-z) or softmax(-F_v),
+    the clamped proportional split of L * b (exact_clamped_split), integers by largest remainder."""
+    # BEGIN REFERENCE
     mean = sum(F_v) / len(F_v)
     std = math.sqrt(sum((f - mean) ** 2 for f in F_v) / len(F_v))
-    e = [math.exp(-(f - mean) / std) for f in F_v]
+    e = [math.exp(-(f - mean) / std) if how == "zscore" else math.exp(-f) for f in F_v]
     weights = [x / sum(e) for x in e]
     exact = exact_clamped_split(weights, b * len(F_v), min(low, b), max(n, b))
     floors = [math.floor(x) for x in exact]
@@ -218,9 +224,12 @@ def literal_budgets(F_v, b, n, low):
     for i in order[: b * len(F_v) - sum(floors)]:
         floors[i] += 1
     return floors
+    # END REFERENCE
 
+@stored
 def literal_variances(model, ids):
     """F_v per layer from the prompt's full attention (tests/reference.py), by Eq. 4 written out."""
+    # BEGIN REFERENCE
     variances = []
 
     def record(layer, c, probs, kept, new):
@@ -231,6 +240,7 @@ def literal_variances(model, ids):
 
     simulate(model, [ids], record)
     return variances
+    # END REFERENCE
 
 
 def test_d2o_budgets_follow_eq5_and_hold_during_decode():
@@ -252,6 +262,19 @@ def test_d2o_budgets_follow_eq5_and_hold_during_decode():
         pos = sorted(lc.positions[0, 0].tolist())
         M = (S_l - 4) // 4  # N:M = 3:1 of the non-sink budget
         assert pos[:4] == [0, 1, 2, 3] and pos[len(pos) - M :] == list(range(46 - M, 46))
+
+
+@pytest.mark.exercise("variance_softmax")
+def test_paper_variant_budgets_follow_eq5_as_printed():
+    """The paper variant on a random model: each layer's budget is Eq. 5 as printed on that layer's F_v
+    (Eq. 4 written out), split and clamped by hand (`literal_budgets(..., how="paper")`)."""
+    model = random_model(L=4, H=4, H_kv=2, seed=3, sharp=2.0)
+    ids = torch.randint(0, 61, (1, 40), generator=torch.Generator().manual_seed(2))
+    policy = make_policy("d2o", 0.5, variant="paper")
+    cache = model.new_cache(1, 4)
+    with torch.no_grad():
+        prefill(model, ids, cache, policy)
+    assert policy.budgets == literal_budgets(literal_variances(model, ids), 20, 40, 8, "paper")
 
 
 def test_d2o_allocation_alternatives_and_short_prompts():
@@ -276,7 +299,6 @@ def test_d2o_allocation_alternatives_and_short_prompts():
         assert half.note == "budget raised from 3 to 5 tokens per layer, the least d2o can keep"
 
 
-@pytest.mark.exercise("variance_softmax")
 def test_deferred_allocation_completes_with_protected_layers():
     """Layers 0 and L-1 never compressed: the other layers are measured, budgeted (Eq. 5 over them,
     L-2 layers sharing (L-2) * b) and compressed after the last measured layer."""
@@ -291,7 +313,6 @@ def test_deferred_allocation_completes_with_protected_layers():
     assert lengths[1] + lengths[2] == 2 * 20 and lengths[1:3] == policy.budgets[1:3]
 
 
-@pytest.mark.exercise("variance_softmax")
 def test_variance_softmax_composes_with_snapkv_scoring():
     """A combination no paper ran: D2O's layer allocation with SnapKV's pooled window scores."""
     model = random_model(L=4, H=4, H_kv=2, seed=5, sharp=2.0)
@@ -381,11 +402,13 @@ def test_official_schedule_allocation_and_split_equal_a_literal_run(L, protected
         assert len(set(budgets.values())) > 1  # the layers really differ
 
 
+@stored
 def literal_official_merge(keys, values, keep, tau_prev, beta):
     """The authors' merge with loops, several KV heads: per head the nearest kept key by cosine;
     one threshold per layer (EMA of the mean best similarity over heads and evicted tokens); an
     evicted slot merges when its similarity averaged over the heads reaches it; then
     x_j <- (x_j + sum_i u_ij x_i) / (1 + |E_j|)."""
+    # BEGIN REFERENCE
     H = len(keys)
     unit = lambda x: x / x.norm()  # noqa: E731
     evict = [[i for i in range(len(keys[h])) if i not in keep[h]] for h in range(H)]
@@ -405,6 +428,7 @@ def literal_official_merge(keys, values, keep, tau_prev, beta):
         new_k.append(torch.stack([k_h[j] for j in keep[h]]))
         new_v.append(torch.stack([v_h[j] for j in keep[h]]))
     return torch.stack(new_k), torch.stack(new_v), tau
+    # END REFERENCE
 
 
 def random_cache(heads: int, D: int, n: int, gen: torch.Generator) -> LayerCache:

@@ -10,6 +10,7 @@ from hypothesis import strategies as st
 from kvmini.errors import KvminiError
 from kvmini.methods.frobenius_stop import frobenius_stop
 from kvmini.methods.registry import make_policy
+from cases import stored
 from reference import group_mean, random_model, simulate
 
 ROW = torch.tensor([0.4, 0.05, 0.1, 0.05, 0.1, 0.3]).view(1, 1, 6)
@@ -31,8 +32,10 @@ def test_six_token_cut_by_hand():
     assert frobenius_stop(ROW, BY_POSITION_ONE_SINK, 0.0) == 0  # threshold 0 prunes nothing
 
 
+@stored
 def sequential_prune(s: torch.Tensor, order: torch.Tensor, t: float) -> int:
     """Remove the least important token one at a time; stop before the head-averaged norm drops by more than t."""
+    # BEGIN REFERENCE
     B, H, S = s.shape
     norm = lambda keep: sum(math.sqrt(sum(s[b, h, j].item() ** 2 for j in keep[b][h]))  # noqa: E731
                             for b in range(B) for h in range(H)) / (B * H)
@@ -44,6 +47,7 @@ def sequential_prune(s: torch.Tensor, order: torch.Tensor, t: float) -> int:
             break
         pruned += 1
     return pruned
+    # END REFERENCE
 
 
 @settings(max_examples=60, deadline=None)
@@ -68,6 +72,7 @@ def dbudgetkv_literal(g, threshold, k, sinks, protected, ranking, window=8, excl
     ranking "window_attention" and excludes_kept are the authors' code (Patrick-Ni/ReFreeKV): the
     last `window` queries' attention ranks the others, those `window` tokens are kept, and the
     always-kept tokens are zeroed out of the row before the norms."""
+    # BEGIN REFERENCE
     def choose(layer, c, probs, kept, new):
         if layer in protected or c > 0:  # prefill only; decode appends
             return [[sorted(s + new) for s in kept[0]]]
@@ -93,6 +98,15 @@ def dbudgetkv_literal(g, threshold, k, sinks, protected, ranking, window=8, excl
             return [[cand[:sinks] + cand[sinks + pruned :] for _ in range(H_kv)]]
         return [[sorted(cand[j] for j in order[h][pruned:]) for h in range(H_kv)]]
     return choose
+    # END REFERENCE
+
+
+@stored
+def dbudgetkv_reference(model, calls, *literal):
+    """What the literal rule keeps and computes over `calls` (`simulate` with `dbudgetkv_literal(*literal)`)."""
+    # BEGIN REFERENCE
+    return simulate(model, calls, dbudgetkv_literal(*literal))
+    # END REFERENCE
 
 
 @pytest.mark.parametrize("options", [
@@ -119,11 +133,10 @@ def test_whole_model_equals_the_literal_rule(options):
     official = options.get("variant") == "official"
     spec = options.get("protected_layers", "" if official else "0,1")
     protected = tuple(int(x) % 3 for x in spec.split(",") if x)
-    choose = dbudgetkv_literal(2, options.get("threshold", 0.05 if official else 0.01), options.get("k", 1),
-                               options.get("sinks", 4), protected,
-                               options.get("ranking", "window_attention" if official else "position"),
-                               options.get("window", 8), options.get("norm_excludes_kept", official))
-    want, entering = simulate(model, calls, choose)  # entering[c]: what each layer held before call c
+    want, entering = dbudgetkv_reference(  # entering[c]: what each layer held before call c
+        model, calls, 2, options.get("threshold", 0.05 if official else 0.01), options.get("k", 1),
+        options.get("sinks", 4), protected, options.get("ranking", "window_attention" if official else "position"),
+        options.get("window", 8), options.get("norm_excludes_kept", official))
     for a, b in zip(got, want):
         torch.testing.assert_close(a, b, atol=1e-5, rtol=0)
     assert policy.budgets == [len(layer[0][0]) for layer in entering[1]]

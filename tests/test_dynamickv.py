@@ -5,9 +5,10 @@ import torch
 from kvmini.errors import KvminiError
 from kvmini.generate import prefill
 from kvmini.methods.registry import make_policy
+from cases import stored
 from reference import group_mean, random_model, simulate
 
-
+# BEGIN REFERENCE
 def water_fill(counts, total, caps):
     """Z_i proportional to counts (Eq. 7-8) summing to `total`, none above its cap: fix the capped, repeat."""
     fixed = {}
@@ -72,6 +73,16 @@ def literal_dynamickv(n, w_t, ws, kernel, r_max, m, L, g, tail=True):
                 kept[i][0][h] = best + row[len(row) - ws :]
 
     return choose, after_layer, history
+# END REFERENCE
+
+
+@stored
+def dynamickv_reference(model, calls, *literal):
+    """What Alg. 1 written out keeps and computes over `calls`, and its Z history (`literal_dynamickv(*literal)`)."""
+    # BEGIN REFERENCE
+    choose, after_layer, history = literal_dynamickv(*literal)
+    return (*simulate(model, calls, choose, after_layer), history)
+    # END REFERENCE
 
 
 @pytest.mark.parametrize("L,m,w_t,r_max,tail", [(4, 2, 12, 10, True), (5, 2, 12, 10, True), (5, 3, 10, 2, True),
@@ -90,8 +101,7 @@ def test_engine_equals_literal_algorithm_1(L, m, w_t, r_max, tail):
     policy.start(n, n + 3)
     with torch.no_grad():
         got = [model(ids, cache, policy)[:, -1] for ids in calls]
-    choose, after_layer, history = literal_dynamickv(n, w_t, ws, kernel, r_max, m, L, 2, tail)
-    want, entering = simulate(model, calls, choose, after_layer)
+    want, entering, history = dynamickv_reference(model, calls, n, w_t, ws, kernel, r_max, m, L, 2, tail)
     updates = [l for l in range(1, L + 1) if l % m == 0 or (l == L and tail)]
     assert len(history) == len(updates)  # every m layers, and the tail (L % m != 0 included) unless official
     if tail:
@@ -115,6 +125,7 @@ def test_budget_must_exceed_the_window():
             prefill(model, torch.zeros(1, 40, dtype=torch.long), model.new_cache(1), make_policy("dynamickv", 8))
 
 
+@stored
 def authors_dynamickv(probs: list[torch.Tensor], ws: int, kernel: int, r_max: float, base: int, m: int):
     """DreamMr/DynamicKV (dynamic_v11.py) in the shape of its code, per query head, on the prompt's
     attention probs[l] (1, H, n, n) of each layer: budget_compute_per_layer keeps the attn_cache topk
@@ -122,6 +133,7 @@ def authors_dynamickv(probs: list[torch.Tensor], ws: int, kernel: int, r_max: fl
     last count after the last layer, gives the remainder to the last layer, caps at n - ws and slices
     each buffer's first fix_length entries (into the window, duplicating it, if fix_length is larger).
     Returns per layer and head the set of kept positions."""
+    # BEGIN REFERENCE
     L, (_, H, n, _) = len(probs), probs[0].shape
     budget_size = min(int(r_max * base), n - ws)
     attn, buffers = [], []  # per layer: attn_cache (1, H, n - ws); per head the buffer's positions in order
@@ -150,6 +162,7 @@ def authors_dynamickv(probs: list[torch.Tensor], ws: int, kernel: int, r_max: fl
             fix_length = min(fix_length, gather_attn.shape[3])
             buffers[i] = [row[:fix_length] + row[-ws:] for row in buffers[i]]
     return [[sorted(set(row)) for row in layer] for layer in buffers]
+    # END REFERENCE
 
 
 @pytest.mark.exercise("progressive_budgets")

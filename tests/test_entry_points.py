@@ -1,5 +1,5 @@
 """Every way in keeps run.py's promise: the evaluation tools (fidelity, suite, bench_hf), the course
-tools (assignments, notebooks), the weights tool and the Python API answer a user's mistake or the
+tools (course, notebooks), the weights tool and the Python API answer a user's mistake or the
 operating system's refusal with one line on stderr and exit code 2 (the API: a KvminiError naming
 the argument), never a traceback, never a silent no-op; Ctrl-C is one line and 130.
 
@@ -127,8 +127,8 @@ def test_bench_hf_bad_numbers_and_dtype(capsys, argv, fragment):
 
 # --- course tools ----------------------------------------------------------------------------------
 
-def test_assignments_into_bad_destinations(capsys, tmp_path):
-    from kvmini import assignments
+def test_course_new_into_bad_destinations(capsys, tmp_path):
+    from kvmini.course.__main__ import main
 
     file = tmp_path / "a_file"
     file.write_text("x")
@@ -138,31 +138,31 @@ def test_assignments_into_bad_destinations(capsys, tmp_path):
     for dest, fragment in [(file, "is a file, not a folder"), (file / "sub", "is not a folder this user may write"),
                            (full, "exists and is not empty"), (ROOT, "is in the repository"),
                            (ROOT / "student", "is in the repository")]:
-        assert_one_line(*tool(capsys, assignments.main, dest)[::2], fragment)
+        assert_one_line(*tool(capsys, main, "new", dest)[::2], fragment)
     assert (full / "thesis.tex").read_text() == "mine" and not (ROOT / "student").exists()
 
 
-def test_assignments_into_a_folder_it_may_not_write(tmp_path):
+def test_course_new_into_a_folder_it_may_not_write(tmp_path):
     locked = tmp_path / "locked"
     locked.mkdir()
     locked.chmod(0o555)
-    proc = subprocess.run([*unprivileged(), sys.executable, "-m", "kvmini.assignments", str(locked / "copy")],
+    proc = subprocess.run([*unprivileged(), sys.executable, "-m", "kvmini.course", "new", str(locked / "copy")],
                           capture_output=True, text=True, cwd=ROOT, timeout=120)
     assert_one_line(proc.returncode, proc.stderr, "is not a folder this user may write to")
 
 
 def test_check_and_grade_refuse_what_is_not_a_student_copy(capsys, tmp_path):
-    from kvmini import assignments
+    from kvmini.course.__main__ import main
 
     (tmp_path / "empty").mkdir()
     for argv, fragment in [(["grade", tmp_path / "missing"], "missing is not a folder"),
-                           (["grade", tmp_path / "empty"], "is not a kvmini copy (no kvmini/assignments.py in it)"),
+                           (["grade", tmp_path / "empty"], "is not a kvmini copy (no kvmini/course/exercises.py in it)"),
                            (["grade", ROOT], "is not a student copy (no .kvmini-copy.json"),
                            (["grade"], "the following arguments are required: DIR"),
                            (["check", "nosuch", ROOT], "no exercise 'nosuch'; the exercises are variance_softmax, "),
                            (["check", "ema_merging", tmp_path / "missing"], "missing is not a folder"),
                            (["new", tmp_path / "copy", "--only", "nosuch"], "no exercise nosuch; the exercises are")]:
-        assert_one_line(*tool(capsys, assignments.main, *argv)[::2], fragment)
+        assert_one_line(*tool(capsys, main, *argv)[::2], fragment)
     assert not (tmp_path / "copy").exists()
 
 

@@ -76,16 +76,18 @@ def test_view_never_overwrites_its_prompt(capsys, prompt):
     (lambda d: ["new", ""], "argument dest: must not be empty (a path)"),
     (lambda d: ["check", "x", ""], "argument dir: must not be empty (a path)"),
     (lambda d: ["grade", ""], "argument DIR: must not be empty (a path)"),
-    (lambda d: ["grade", d, "--json", ""], "argument --json: must not be empty (a path)"),
+    (lambda d: ["grade", d, "--out", ""], "argument --out: must not be empty (a path)"),
+    (lambda d: ["grade", d, "-j", "0"], "argument -j/--jobs: must be in [1, 256]"),
     (lambda d: ["check", "x", d, "--timeout", "99999999999999999999"], "argument --timeout: must be in [1, 604800]"),
     (lambda d: ["grade", d, d], "is given twice; grade each copy once"),
 ])
-def test_assignments_refuse(capsys, tmp_path, make_argv, fragment):
-    from kvmini import assignments
+def test_course_refuses(capsys, tmp_path, make_argv, fragment):
+    from kvmini.course.__main__ import main
+    from kvmini.course.copies import write_student_copy
 
     copy = tmp_path / "copy"
-    assignments.write_student_copy(copy, names=["value_norm"])
-    assert_one_line(*tool(capsys, assignments.main, *make_argv(copy))[::2], fragment)
+    write_student_copy(copy, names=["value_norm"])
+    assert_one_line(*tool(capsys, main, *make_argv(copy))[::2], fragment)
 
 
 def test_other_tools_refuse_empty_paths_and_duplicates(capsys, tmp_path):

@@ -7,7 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from kvmini.assignments import exercises, write_student_copy
+from kvmini.course.copies import write_student_copy
+from kvmini.course.exercises import exercises
 from kvmini.notebooks import FIGURES, build, images
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -9,6 +9,7 @@ from kvmini.statistics import Stats
 from kvmini.cache import LayerCache
 from kvmini.methods.registry import make_policy
 from kvmini.methods.vatp import ValueWeightedAttention
+from cases import stored
 from reference import engine_run, group_mean, random_model, simulate, top_positions
 
 
@@ -45,6 +46,7 @@ def test_a_norm_is_kept_from_the_call_that_cached_the_value():
 def vatp_literal(budget, g, sinks=4, recent=None, p=1):
     """VATP in loops: s_j = |v_j|_p * (attention j received so far, query heads of a group averaged);
     keep the first `sinks`, the last `recent` and the best scores between them, after every call."""
+    # BEGIN REFERENCE
     recent = budget // 2 if recent is None else recent
     received_so_far = defaultdict(float)  # (layer, b, h, position) -> attention received
 
@@ -63,6 +65,15 @@ def vatp_literal(budget, g, sinks=4, recent=None, p=1):
 
         return [[rule(b, h, sorted(s + new)) for h, s in enumerate(row)] for b, row in enumerate(kept)]
     return choose
+    # END REFERENCE
+
+
+@stored
+def vatp_reference(model, calls, budget, g, **rule):
+    """The logits and kept tokens of the rule written out (`vatp_literal`) over `calls`."""
+    # BEGIN REFERENCE
+    return simulate(model, calls, vatp_literal(budget, g, **rule), with_values=True)
+    # END REFERENCE
 
 
 @pytest.mark.parametrize("options,budget,chunks,p", [
@@ -82,7 +93,7 @@ def test_engine_equals_literal_masked_simulation(options, budget, chunks, p):
     calls += [torch.randint(0, 61, (B, 1), generator=gen) for _ in range(steps)]
     got_logits, got_kept = engine_run(model, calls, make_policy("vatp", budget, **options), n)
     rule_options = {k: v for k, v in options.items() if k in ("sinks", "recent")}
-    want_logits, want_kept = simulate(model, calls, vatp_literal(budget, 2, p=p, **rule_options), with_values=True)
+    want_logits, want_kept = vatp_reference(model, calls, budget, 2, p=p, **rule_options)
     assert got_kept == want_kept
     for got, want in zip(got_logits, want_logits):
         torch.testing.assert_close(got, want, atol=1e-5, rtol=0)

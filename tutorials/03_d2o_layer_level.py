@@ -15,7 +15,7 @@ sys.path.insert(0, str(Path.cwd() if Path("kvmini").is_dir() else Path.cwd().par
 
 import torch  # noqa: E402
 
-from kvmini.assignments import solved  # noqa: E402  (a student copy: skip what needs an exercise not done yet)
+from kvmini.course.cells import solved  # noqa: E402  (a student copy: skip what needs an exercise not done yet)
 from kvmini.statistics import Request, column_sums  # noqa: E402
 from kvmini.methods.allocators import proportional  # noqa: E402
 from kvmini.methods.variance_softmax import VarianceSoftmax, attention_variance, layer_weights  # noqa: E402
@@ -49,6 +49,21 @@ print("column sums requested with", Request(column_sums()))
 # $$\alpha_l = \mathrm{softmax}(-F_v)_l \cdot L \cdot \rho, \qquad S_l = \alpha_l \cdot n,
 #   \qquad \sum_l S_l = L \rho n.$$
 #
+# As printed, the softmax is taken over the layers of the *raw* variances: $w_l = e^{-F_v^{(l)}} /
+# \sum_k e^{-F_v^{(k)}}$, shares that sum to 1 (`layer_weights(F_v, "paper")`, the `paper` allocation;
+# exercise 1). For $F_v = [1, 2, 3]$ that is $[0.665, 0.245, 0.090]$; for raw variances of a long
+# prompt, $[400, 900, 1300]$, it is one-hot: $e^{-500}$ is 0 in any float.
+
+# %%
+F_v = [1.0, 2.0, 3.0]
+if solved("variance_softmax"):
+    printed = layer_weights(F_v, "paper")
+    assert [round(w, 3) for w in printed] == [0.665, 0.245, 0.09] and abs(sum(printed) - 1) < 1e-12
+    long_prompt = layer_weights([400.0, 900.0, 1300.0], "paper")  # raw variances at a long prompt
+    print("Eq. 5 as printed at a long prompt:", [round(w, 4) for w in long_prompt])
+    assert long_prompt[0] > 0.9999  # one-hot
+
+# %% [markdown]
 # **The standardization decision.** Column sums add up to the number of queries, so raw variances
 # grow with the prompt length $n$; at $n$ = 2048 they differ between layers by hundreds, and
 # $\mathrm{softmax}(-F_v)$ puts the whole budget on a single layer. kvmini z-scores $F_v$ across
@@ -57,15 +72,10 @@ print("column sums requested with", Request(column_sums()))
 # $$w_l = \mathrm{softmax}\Big(-\frac{F_v - \bar F_v}{\sigma(F_v)\,\tau}\Big)_l .$$
 
 # %%
-F_v = [1.0, 2.0, 3.0]
 z = [(f - 2) / math.sqrt(2 / 3) for f in F_v]
 by_hand = [math.exp(-x) / sum(math.exp(-y) for y in z) for x in z]
-raw = torch.softmax(-torch.tensor([400.0, 900.0, 1300.0]), 0)  # raw variances at a long prompt
-print("raw softmax(-F_v):", [round(x, 4) for x in raw.tolist()])
-assert raw[0] > 0.9999  # one-hot without standardization
-if solved("variance_softmax"):
-    assert all(abs(a - b) < 1e-9 for a, b in zip(layer_weights(F_v), by_hand))  # zscore is the default `how`
-    print("standardized:", [round(x, 3) for x in layer_weights([400, 900, 1300])])
+assert all(abs(a - b) < 1e-9 for a, b in zip(layer_weights(F_v), by_hand))  # zscore is the default `how`
+print("standardized:", [round(x, 3) for x in layer_weights([400, 900, 1300])])
 
 # %% [markdown]
 # **The case $\sigma = 0$.** When every layer has the same variance (a tiny model, a degenerate
@@ -78,9 +88,8 @@ same = [7.0, 7.0, 7.0]
 naive = torch.softmax(-(torch.tensor(same) - 7.0) / torch.tensor(same).std(correction=0), 0)
 print("naive z-score softmax:", naive.tolist())
 assert torch.isnan(naive).all()
-if solved("variance_softmax"):
-    print("layer_weights:", layer_weights(same))
-    assert layer_weights(same) == [1 / 3] * 3
+print("layer_weights:", layer_weights(same))
+assert layer_weights(same) == [1 / 3] * 3
 
 # %% [markdown]
 # Budgets are then $S_l = \mathrm{clamp}(\lambda w_l, \text{low}, n)$ with the one $\lambda$ that keeps
@@ -91,10 +100,9 @@ if solved("variance_softmax"):
 # %%
 L, n, rho = 3, 100, 0.5
 assert proportional([0.9, 0.05, 0.05], 300, 60, [200] * 3) == [180, 60, 60]
-if solved("variance_softmax"):
-    budgets = VarianceSoftmax(low=8).allocate(round(rho * n), L, F_v, n)  # (b = rho * n per layer, L, F_v, n)
-    print("S_l =", budgets)
-    assert sum(budgets) == L * round(rho * n) and budgets[0] == n  # layer 0 wanted 109 and was capped at n
+budgets = VarianceSoftmax(low=8).allocate(round(rho * n), L, F_v, n)  # (b = rho * n per layer, L, F_v, n)
+print("S_l =", budgets)
+assert sum(budgets) == L * round(rho * n) and budgets[0] == n  # layer 0 wanted 109 and was capped at n
 
 # %% [markdown]
 # ## The Table 4 alternatives
@@ -128,17 +136,15 @@ model = load_model(folder, "cpu", "float32")
 ids = torch.tensor([load_tokenizer(folder).encode(pydoc_text())[:512]])
 
 # %%
-zscore = solved("variance_softmax")
-if zscore:
-    policy = make_policy("d2o", 0.2, variant="paper", allocation="zscore", merge="off")  # kvmini's reading of Eq. 5
-    policy.start(512)  # the policy is told where the prompt ends (kvmini.generate.prefill does this)
-    with torch.no_grad():
-        model(ids, model.new_cache(), policy)
-    scorer, budgeter, compressor = policy.parts  # D2O = CumulativeAttention + VarianceSoftmax + TopK (merge off)
-    print("F_v per layer:", [round(v, 2) for v in budgeter.F_v.values()])
-    print("S_l per layer:", policy.budgets)
-    assert sum(policy.budgets) == 30 * round(0.2 * 512)
-    assert max(policy.budgets[:3]) > 2 * 102 and min(policy.budgets) < 102 / 2  # early layers rich, some starved
+policy = make_policy("d2o", 0.2, variant="paper", allocation="zscore", merge="off")  # kvmini's reading of Eq. 5
+policy.start(512)  # the policy is told where the prompt ends (kvmini.generate.prefill does this)
+with torch.no_grad():
+    model(ids, model.new_cache(), policy)
+scorer, budgeter, compressor = policy.parts  # D2O = CumulativeAttention + VarianceSoftmax + TopK (merge off)
+print("F_v per layer:", [round(v, 2) for v in budgeter.F_v.values()])
+print("S_l per layer:", policy.budgets)
+assert sum(policy.budgets) == 30 * round(0.2 * 512)
+assert max(policy.budgets[:3]) > 2 * 102 and min(policy.budgets) < 102 / 2  # early layers rich, some starved
 
 # %% [markdown]
 # Shallow layers spread their attention, deep ones concentrate it: the attention maps of the first
@@ -157,16 +163,15 @@ for ax, layer in zip(axes[:2], (0, 29)):
     ax.set_xlabel("key block")
     ax.set_ylabel("query block")
     fig.colorbar(im, ax=ax, shrink=0.8)
-if zscore:  # the budgets of the cell above
-    F = list(budgeter.F_v.values())
-    axes[2].bar(range(30), F, color="tab:gray", label="F_v (left)")
-    axes[2].set_yscale("log")
-    axes[2].set_xlabel("layer")
-    axes[2].set_ylabel("F_v")
-    right = axes[2].twinx()
-    right.plot(range(30), policy.budgets, "o-", color="tab:red", markersize=3, label="S_l, zscore (right)")
-    right.set_ylabel("S_l (tokens)")
-    axes[2].set_title("variance and budget per layer")
+F = list(budgeter.F_v.values())  # the budgets of the cell above
+axes[2].bar(range(30), F, color="tab:gray", label="F_v (left)")
+axes[2].set_yscale("log")
+axes[2].set_xlabel("layer")
+axes[2].set_ylabel("F_v")
+right = axes[2].twinx()
+right.plot(range(30), policy.budgets, "o-", color="tab:red", markersize=3, label="S_l, zscore (right)")
+right.set_ylabel("S_l (tokens)")
+axes[2].set_title("variance and budget per layer")
 fig.tight_layout()
 show(fig, "03_density_and_budgets")
 
@@ -186,7 +191,7 @@ show(fig, "03_density_and_budgets")
 # (tests/test_docs.py holds this sentence to the committed numbers).
 
 # %%
-for how in ("paper", "zscore", "official", "uniform") if zscore else ("paper", "official", "uniform"):
+for how in ("paper", "zscore", "official", "uniform") if solved("variance_softmax") else ("zscore", "official", "uniform"):
     p = make_policy("d2o", 0.2, variant="paper", allocation=how, merge="off")
     cache = model.new_cache()
     p.start(512)
@@ -200,13 +205,19 @@ for how in ("paper", "zscore", "official", "uniform") if zscore else ("paper", "
 # %% [markdown]
 # ## Exercises
 #
-# 1. *(assignment: `variance_softmax`)* Implement the standardized softmax of Eq. 5, the last lines
-#    of `layer_weights` in `kvmini/methods/variance_softmax.py`. Check it with
-#    `python -m kvmini.assignments check variance_softmax` (the tests marked with this exercise,
-#    `test_variance_softmax_by_hand` first).
+# 1. *(assignment: `variance_softmax`)* Implement Eq. 5 as printed, the `how == "paper"` branch of
+#    `layer_weights` in `kvmini/methods/variance_softmax.py`: the shares $\mathrm{softmax}(-F_v)$ over the
+#    layers, as a list of floats summing to 1. What the tests check: $F_v = [1, 2, 3]$ gives
+#    $e^{-f} / \sum e^{-f}$ exactly (to 1e-6), on the raw variances (no standardizing; the
+#    `temperature` argument is not used by this branch); `VarianceSoftmax("paper").allocate(b, L, F_v, n)`
+#    turns the shares into $S_l$, a split of $L b$ (unclamped: $[20, 7, 3]$ for $F_v = [0, 1, 2]$,
+#    $b = 10$); and the `paper` variant on a random 4-layer model budgets each layer by Eq. 5 on
+#    its measured $F_v$ (Eq. 4), clamped to [8, n]. Check it with
+#    `python -m kvmini.course check variance_softmax`.
 # 2. *(assignment: `reciprocal_allocation`)* Implement the reciprocal-of-variance allocator, the
-#    `how == "reciprocal"` branch of `layer_weights` in the same file. Check it with
-#    `python -m kvmini.assignments check reciprocal_allocation`.
+#    `how == "reciprocal"` branch of `layer_weights` in the same file: shares summing to 1 (the test:
+#    $[1, 2, 3] \to [6/11, 3/11, 2/11]$). Check it with
+#    `python -m kvmini.course check reciprocal_allocation`.
 # 3. Raise `--softmax-temperature` to 4 and predict how the fidelity of kvmini's `zscore` reading
 #    changes; check with `python -m kvmini.eval.fidelity --budgets 0.2 --methods
 #    "d2o[variant=paper,allocation=zscore]" "d2o[variant=paper,allocation=zscore,softmax_temperature=4]"`.

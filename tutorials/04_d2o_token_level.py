@@ -17,7 +17,7 @@ sys.path.insert(0, str(Path.cwd() if Path("kvmini").is_dir() else Path.cwd().par
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-from kvmini.assignments import solved  # noqa: E402  (a student copy: skip what needs an exercise not done yet)
+from kvmini.course.cells import solved  # noqa: E402  (a student copy: skip what needs an exercise not done yet)
 from kvmini.cache import LayerCache  # noqa: E402
 from kvmini.methods.ema_merging import EMAMerge  # noqa: E402
 from kvmini.methods.registry import make_policy  # noqa: E402
@@ -100,17 +100,15 @@ if solved("ema_merging"):
 # ## The whole method on a random model
 #
 # After the prompt every layer holds its $S_l$; each decode step evicts one token and, if it is
-# similar enough, merges it. The budgets $S_l$ are tutorial 3's (`variance_softmax`, an exercise
-# too: in a student copy where it is not done yet, this cell gives every layer the same budget).
+# similar enough, merges it. The budgets $S_l$ are tutorial 3's, in kvmini's z-scored reading of Eq. 5.
 
 # %%
 from kvmini.config import ModelConfig  # noqa: E402
 from kvmini.model import Transformer  # noqa: E402
 
 model = Transformer(ModelConfig("llama", 50, 32, 64, 3, 4, 2, 8, rope_theta=1000.0)).eval()
-allocation = "zscore" if solved("variance_softmax") else "uniform"
 if solved("ema_merging"):
-    policy = make_policy("d2o", 0.5, variant="paper", allocation=allocation)
+    policy = make_policy("d2o", 0.5, variant="paper", allocation="zscore")
     cache = model.new_cache()
     policy.start(40, 46)
     with torch.no_grad():
@@ -146,7 +144,7 @@ class Letters:
 
 
 if solved("ema_merging"):
-    policy = make_policy("d2o", 0.5, variant="paper", allocation=allocation)
+    policy = make_policy("d2o", 0.5, variant="paper", allocation="zscore")
     trace = record_merges(policy)
     prompt = torch.randint(0, 50, (1, 40))
     cache = model.new_cache()
@@ -268,7 +266,7 @@ show(fig, "04_d2o_vs_cam_merges")
 # 1. *(assignment: `ema_merging`)* Implement Eq. 9–12 in the three module-level functions of
 #    `kvmini/methods/ema_merging.py`: `nearest` (Eq. 9), `ema_threshold` (Eq. 10) and
 #    `convex_merge` (Eq. 11–12); `EMAMerge.__call__` is given. Check them with
-#    `python -m kvmini.assignments check ema_merging`: the by-hand example of this tutorial, then
+#    `python -m kvmini.course check ema_merging`: the by-hand example of this tutorial, then
 #    loop-based versions over several decode steps.
 # 2. What happens with $\beta = 0$ and $\beta = 1$? Predict, then check `test_beta_extremes`.
 # 3. Run `python -m kvmini.eval.fidelity --methods h2o "d2o[allocation=uniform,nm=1:1]" --budgets 0.2`:

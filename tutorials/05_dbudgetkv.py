@@ -15,7 +15,7 @@ sys.path.insert(0, str(Path.cwd() if Path("kvmini").is_dir() else Path.cwd().par
 
 import torch  # noqa: E402
 
-from kvmini.assignments import solved  # noqa: E402  (a student copy: skip what needs an exercise not done yet)
+from kvmini.course.cells import solved  # noqa: E402  (a student copy: skip what needs an exercise not done yet)
 from kvmini.methods.frobenius_stop import frobenius_stop  # noqa: E402
 from kvmini.methods.registry import make_policy  # noqa: E402
 
@@ -140,7 +140,7 @@ if solved("frobenius_stop"):
 #
 # 1. *(assignment: `frobenius_stop`)* Implement Eq. 2 with `cumsum` and `where`, the body of
 #    `frobenius_stop` in `kvmini/methods/frobenius_stop.py`. Check it with
-#    `python -m kvmini.assignments check frobenius_stop`: this tutorial's six-token example, a
+#    `python -m kvmini.course check frobenius_stop`: this tutorial's six-token example, a
 #    sequential prune-until-threshold loop, and the whole method against a literal rule.
 # 2. Compare `--ranking position` with `--ranking cumulative` (and the authors' `window_attention`) at $t = 1\%$: which keeps more?
 # 3. Set `--protected-layers ""` and look at the budgets run.py reports for layers 0 and 1.

@@ -14,7 +14,7 @@ sys.path.insert(0, str(Path.cwd() if Path("kvmini").is_dir() else Path.cwd().par
 
 import torch  # noqa: E402
 
-from kvmini.assignments import solved  # noqa: E402  (a student copy: skip what needs an exercise not done yet)
+from kvmini.course.cells import solved  # noqa: E402  (a student copy: skip what needs an exercise not done yet)
 from kvmini.attention import Stats  # noqa: E402
 from kvmini.cache import LayerCache  # noqa: E402
 from kvmini.methods.convex_value_merge import AverageAttention, convex_value_merge  # noqa: E402
@@ -287,7 +287,7 @@ if solved("convex_value_merge"):  # a student copy: WeightedKV's merge is an exe
 #
 # 1. *(assignment: `convex_value_merge`)* Implement Alg. 1 lines 6–10, the body of the function
 #    `convex_value_merge` in `kvmini/methods/convex_value_merge.py`. Check it with
-#    `python -m kvmini.assignments check convex_value_merge`: this toy run, then a literal
+#    `python -m kvmini.course check convex_value_merge`: this toy run, then a literal
 #    token-by-token Alg. 1 on a random model.
 # 2. Replace the convex merge by plain eviction (drop $v_j$). Predict the change in the fidelity
 #    table at a budget of 128, then measure it.

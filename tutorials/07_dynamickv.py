@@ -15,7 +15,7 @@ sys.path.insert(0, str(Path.cwd() if Path("kvmini").is_dir() else Path.cwd().par
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-from kvmini.assignments import solved  # noqa: E402  (a student copy: skip what needs an exercise not done yet)
+from kvmini.course.cells import solved  # noqa: E402  (a student copy: skip what needs an exercise not done yet)
 from kvmini.attention import Stats  # noqa: E402
 from kvmini.methods.allocators import proportional  # noqa: E402
 from kvmini.methods.registry import make_policy  # noqa: E402
@@ -152,7 +152,7 @@ for variant in ("paper", "official") if solved("progressive_budgets") else ():
 #    `ProgressiveBudgets.decide` (`kvmini/methods/progressive_budgets.py`). The code after the region
 #    reads four names the region must set: `A` (the finished layers' scores side by side), `C` (Eq. 6's
 #    counts per layer), `held` (what each layer holds beyond the window) and `Z` (Eq. 7-8's budgets).
-#    Check it with `python -m kvmini.assignments check progressive_budgets`: a literal Alg. 1 for
+#    Check it with `python -m kvmini.course check progressive_budgets`: a literal Alg. 1 for
 #    several $L$ and $m$, including $L \bmod m \ne 0$, and the authors' rounding.
 # 2. Set `--interval 30` (one re-allocation at the end) and `--interval 1`: which keeps more fidelity?
 # 3. What does `--r-max 1` reduce DynamicKV to?

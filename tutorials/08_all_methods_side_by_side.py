@@ -16,7 +16,7 @@ sys.path.insert(0, str(Path.cwd() if Path("kvmini").is_dir() else Path.cwd().par
 
 import torch  # noqa: E402
 
-from kvmini.assignments import usable  # noqa: E402  (a student copy: leave out what needs an exercise not done yet)
+from kvmini.course.cells import usable  # noqa: E402  (a student copy: leave out what needs an exercise not done yet)
 from kvmini.eval.fidelity import pydoc_text, run, table  # noqa: E402
 from kvmini.loading import load_model  # noqa: E402
 from kvmini.methods.registry import METHODS, make_policy  # noqa: E402

@@ -37,7 +37,7 @@ sys.path.insert(0, str(ROOT / "tests"))  # the literal references ship with the 
 
 import torch  # noqa: E402
 
-from kvmini.assignments import solved  # noqa: E402  (a student copy: skip what needs an exercise not done yet)
+from kvmini.course.cells import solved  # noqa: E402  (a student copy: skip what needs an exercise not done yet)
 from kvmini.attention import Stats  # noqa: E402
 from kvmini.cache import LayerCache  # noqa: E402
 from kvmini.errors import KvminiError  # noqa: E402
@@ -581,7 +581,7 @@ print("budgets", policy.budgets, "from V_l", [round(policy.budgeter.variance[l],
 # 1. *(assignment: `value_norm`)* Write the value norm in `ValueWeightedAttention.norm` (the
 #    region between the `EXERCISE` markers in `kvmini/methods/vatp.py`): $\ell_1$ for $p = 1$, the
 #    general $\ell_p$ otherwise ($p = 2$ for `value_norm=l2`). Check it with
-#    `python -m kvmini.assignments check value_norm`: the by-hand scores above (both norms), the
+#    `python -m kvmini.course check value_norm`: the by-hand scores above (both norms), the
 #    literal masked simulation and H2O as the special case.
 # 2. Write a method of your own: keys instead of values (`-\|k_j\|_2`, as KNorm does, but times the
 #    accumulated attention). Which parts do you reuse? Which tests do you get for free?

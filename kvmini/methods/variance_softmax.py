@@ -158,9 +158,9 @@ def layer_weights(F_v: list[float], how: str = "zscore", temperature: float = 1.
         return (inv / inv.sum()).tolist()
         # END EXERCISE
     if how == "paper":  # Eq. 5 as written, on the raw variances
+        # BEGIN EXERCISE variance_softmax: tutorials/03_d2o_layer_level.py, "Inverse variance softmax (Eq. 5)"
         return torch.softmax(-F, dim=0).tolist()
-    # BEGIN EXERCISE variance_softmax: tutorials/03_d2o_layer_level.py, "Inverse variance softmax (Eq. 5)"
+        # END EXERCISE
     std = F.std(correction=0)
     z = (F - F.mean()) / std if std > 0 else torch.zeros_like(F)
     return torch.softmax(-z / temperature, dim=0).tolist()
-    # END EXERCISE
