@@ -52,7 +52,8 @@ def summary(x):
 def same(a, b, where="") -> str:
     """'' when two summaries agree (floats within 1e-6, relative), else where they differ."""
     if isinstance(a, float) or isinstance(b, float):
-        ok = isinstance(a, (int, float)) and isinstance(b, (int, float)) and abs(a - b) <= 1e-6 * max(1.0, abs(a), abs(b))
+        ok = isinstance(a, (int, float)) and isinstance(b, (int, float)) and (
+            a == b or abs(a - b) <= 1e-6 * max(1.0, abs(a), abs(b)) or a != a and b != b)  # (inf; NaN)
         return "" if ok else f"{where or 'the input'}: {a} recorded, {b} now"
     if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)) and len(a) == len(b):
         return next((d for d in (same(x, y, f"{where}[{i}]") for i, (x, y) in enumerate(zip(a, b))) if d), "")

@@ -405,3 +405,45 @@ def test_a_misspelt_command_is_not_a_new_copy():
         assert proc.returncode == 2 and proc.stderr.count("\n") == 1, proc.stderr
         assert f"invalid choice: '{argv[0]}' (choose from 'new', 'check', 'grade')" in proc.stderr, proc.stderr
     assert not (ROOT / "chek").exists() and not (ROOT / "some").exists()
+
+
+@pytest.mark.slow
+def test_a_copy_with_the_references_withheld_holds_none_and_a_solution_passes_check(tmp_path):
+    """`new --withhold-references`: no line of any reference's body is anywhere in the copy (a grep
+    for every line that appears only inside those bodies, and for one line of each by hand); with
+    the exercises open `check` fails, with them written it passes on the stored cases, the copy is
+    as handed out, and a test that uses a withheld reference outside the exercises passes too."""
+    from kvmini.course.copies import CASES, references, withhold
+
+    bodies = references(ROOT)
+    assert set(bodies) == {f"tests/test_{n}.py" for n in ("d2o", "dbudgetkv", "dynamickv", "vatp", "weightedkv")}
+    elsewhere = {line.strip() for p in ROOT.rglob("*.py") if ".git" not in p.parts
+                 for line in withhold(p.read_text(encoding="utf-8", errors="replace")).splitlines()}
+    only_there = {line.strip() for found in bodies.values() for body in found for line in body.splitlines()} - elsewhere
+    only_there = {line for line in only_there if len(line) > 12}
+    by_hand = ["while pruned < S - 1:",  # sequential_prune
+               "vals[j + 1] = (abar[j] * vals[j] + abar[j + 1] * vals[j + 1]) / (abar[j] + abar[j + 1])  # 9",
+               "Z = largest_remainder(water_fill(C, (w_t - ws) * L, held), min((w_t - ws) * L, sum(held)))  # Eq. 7-8",
+               "norm = {q: sum(abs(x) ** p for x in values[b, h, q].tolist()) ** (1 / p) for q in middle}",
+               "chose = [i for i in evict if best[i][2] == j and best[i][0] >= tau]",
+               "e = [math.exp(-(f - mean) / std) if how == \"zscore\" else math.exp(-f) for f in F_v]"]
+    assert set(by_hand) <= only_there and len(only_there) > 60
+    copy = tmp_path / "copy"
+    proc = course(ROOT, "new", copy, "--withhold-references")
+    assert proc.returncode == 0, proc.stderr
+    held = {line.strip() for p in copy.rglob("*") if p.is_file() and p.suffix != ".pt"
+            for line in p.read_text(encoding="utf-8", errors="replace").splitlines()}
+    assert not only_there & held, sorted(only_there & held)[:5]
+    assert (copy / CASES).is_file() and problems(copy) == []
+    assert course(copy, "check", "frobenius_stop").returncode == 1  # open: its tests fail
+    for name in EXERCISES:
+        solve(copy, name)
+    proc = course(copy, "check")
+    assert proc.returncode == 0, proc.stdout[-3000:]
+    for name in EXERCISES:
+        assert re.search(rf"^{name}\s+(\d+)\s+\1\s+pass\s", proc.stdout, re.M), proc.stdout
+    other = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+                            "tests/test_weightedkv.py::test_chunk_size_1_is_algorithm_1_literally"],
+                           cwd=copy, capture_output=True, text=True, timeout=600)
+    assert other.returncode == 0, other.stdout[-2000:]
+    assert problems(copy) == []  # the student's work is inside the regions

@@ -8,6 +8,7 @@ from kvmini.cache import LayerCache
 from kvmini.generate import prefill
 from kvmini.methods.convex_value_merge import convex_value_merge
 from kvmini.methods.registry import make_policy
+from cases import stored
 from reference import group_mean, in_position_order, random_model
 
 E = torch.eye(8)  # v_t = e_t, so a merged value shows its mixing weights directly
@@ -68,9 +69,11 @@ def test_sinks_and_recent_window_are_never_merged_away():
     torch.testing.assert_close(lc.values[0, 0, [0, 1, 2, 4]], E[[0, 1, 2, 6]])
 
 
+@stored
 @torch.no_grad()
 def literal_alg1(model, ids: torch.Tensor, m: int, sinks: int, recent: int):
     """Alg. 1 token by token with Python lists per (layer, batch, KV head): keys, values, positions, a, n."""
+    # BEGIN REFERENCE
     from kvmini.model import apply_rope
 
     cfg = model.config
@@ -117,6 +120,7 @@ def literal_alg1(model, ids: torch.Tensor, m: int, sinks: int, recent: int):
             x = x + block.mlp(block.post_attention_layernorm(x))
         logits.append(model.lm_head(model.model.norm(x))[:, -1])
     return logits, P, V
+    # END REFERENCE
 
 
 def test_chunk_size_1_is_algorithm_1_literally():
