@@ -45,7 +45,10 @@ from kvmini.methods.registry import make_policy  # noqa: E402
 #
 # and the layer prunes the largest $i$ with $(\|A'\|_F - R_i)/\|A'\|_F \le t$. `frobenius_stop` does this
 # for all heads at once (cumsum + where); the norms are averaged over the heads, so one layer makes
-# one cut.
+# one cut. The edge cases: $i$ runs from 0 to $S - 1$ (the most important token always stays, even
+# at $t = 1$); $R_i$ and $\|A'\|_F$ are averaged over the batch and the heads alike (a row of the batch
+# counts as one more head); an all-zero row has $\|A'\|_F = 0$ and loses nothing whatever is removed,
+# so it prunes $S - 1$ (the caller keeps the sinks or the window on top of that).
 
 # %%
 s = torch.tensor([0.4, 0.05, 0.1, 0.05, 0.1, 0.3]).view(1, 1, 6)  # a 6-token row
@@ -139,8 +142,11 @@ if solved("frobenius_stop"):
 # ## Exercises
 #
 # 1. *(assignment: `frobenius_stop`)* Implement Eq. 2 with `cumsum` and `where`, the body of
-#    `frobenius_stop` in `kvmini/methods/frobenius_stop.py`. Check it with
-#    `python -m kvmini.course check frobenius_stop`: this tutorial's six-token example, a
-#    sequential prune-until-threshold loop, and the whole method against a literal rule.
+#    `frobenius_stop` in `kvmini/methods/frobenius_stop.py`: how many tokens to prune, an `int` from 0
+#    to $S - 1$. Check it with `python -m kvmini.course check frobenius_stop`: this tutorial's
+#    six-token example ($t = 0$ prunes nothing, $t = 1$ all but one), an all-zero row ($S - 1$), a batch of
+#    two rows averaged like two heads, a sequential prune-until-threshold loop on random rows (1 to 4
+#    heads, 1 to 24 tokens, one order for every head or one each), and the whole method against a
+#    literal rule.
 # 2. Compare `--ranking position` with `--ranking cumulative` (and the authors' `window_attention`) at $t = 1\%$: which keeps more?
 # 3. Set `--protected-layers ""` and look at the budgets run.py reports for layers 0 and 1.
