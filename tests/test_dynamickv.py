@@ -212,3 +212,13 @@ def test_rounding_alg1_is_the_one_the_engine_runs(monkeypatch):
     kept = [lc.length for lc in cache.layers]
     Z = original(*calls[-1])
     assert kept == [min(z + 4, 3 * 6 + 4) for z in Z]  # each layer: its Z + the window, never more than b_s + w_s
+
+
+def test_eq7_8_split_of_tutorial_7_by_hand():
+    """Tutorial 7's worked numbers: C = [30, 10, 5, 5] shares 32 tokens as 32 C / 50 = [19.2, 6.4, 3.2, 3.2]
+    -> [19, 7, 3, 3] (the last token to the largest remainder); layer 0 capped at 15 leaves 17 split
+    10 : 5 : 5 = [8.5, 4.25, 4.25] -> [9, 4, 4]."""
+    from kvmini.methods.allocators import proportional
+
+    assert proportional([30, 10, 5, 5], 32, 0, [100] * 4) == [19, 7, 3, 3]
+    assert proportional([30, 10, 5, 5], 32, 0, [15, 100, 100, 100]) == [15, 9, 4, 4]

@@ -286,9 +286,16 @@ if solved("convex_value_merge"):  # a student copy: WeightedKV's merge is an exe
 # ## Exercises
 #
 # 1. *(assignment: `convex_value_merge`)* Implement Alg. 1 lines 6–10, the body of the function
-#    `convex_value_merge` in `kvmini/methods/convex_value_merge.py`. Check it with
-#    `python -m kvmini.course check convex_value_merge`: this toy run, then a literal
-#    token-by-token Alg. 1 on a random model.
+#    `convex_value_merge` in `kvmini/methods/convex_value_merge.py`: merge one entry at a time until
+#    the layer holds `capacity`, each row of the batch and each KV head choosing its own $j$. What the
+#    tests check: $j$ is the lowest $\bar a = a / n$ among the entries after the first `sinks` and before
+#    the last $\max(\text{recent}, 1)$ (so the newest token is never $j$, even with `recent=0`; on a
+#    tie, the earliest); $v_{j+1} \leftarrow (\bar a_j v_j + \bar a_{j+1} v_{j+1}) / (\bar a_j + \bar a_{j+1})$
+#    ($j + 1$ may be a recent token); entry $j$ is then deleted with its key, $a$ and $n$, and $j + 1$
+#    keeps its own $a$ and $n$; keys are never merged; the cache stays in position order. Check it
+#    with `python -m kvmini.course check convex_value_merge`: this toy run (Fig. 3), sinks and
+#    window, the newest token, and the fast paths `merge_one` (any buffer order) and `merge_runs`
+#    against your function.
 # 2. Replace the convex merge by plain eviction (drop $v_j$). Predict the change in the fidelity
 #    table at a budget of 128, then measure it.
 # 3. Why is the newest token never chosen as $j$? What would merging it "into its right neighbour" mean?

@@ -17,7 +17,6 @@ import torch.nn.functional as F  # noqa: E402
 
 from kvmini.course.cells import solved  # noqa: E402  (a student copy: skip what needs an exercise not done yet)
 from kvmini.attention import Stats  # noqa: E402
-from kvmini.methods.allocators import proportional  # noqa: E402
 from kvmini.methods.registry import make_policy  # noqa: E402
 from kvmini.methods.scorers import WindowAttention  # noqa: E402
 
@@ -52,27 +51,26 @@ assert torch.allclose(pooled[0, 0, :6], F.avg_pool1d(window_sums[:, :, :6], 3, 1
 # ## Progressive re-allocation (Eq. 5-8)
 #
 # Every $m = 4$ layers (Alg. 1 line 24), the scores of all $l$ finished layers are pooled
-# together and the global top $(w_t - w_s) \cdot H \cdot l$ are counted per layer, $C_i$. Budgets follow
-# the counts,
+# together: their $A_l$ over the keys before the window, every KV head of every finished layer in one
+# list of $l \cdot H \cdot (n - w_s)$ scores. One top-$k$ is taken over that whole list (heads and layers
+# together, not per head nor per layer), $k = (w_t - w_s) \cdot H \cdot l$ (at most the list's length),
+# and each hit is counted for the layer it came from: $C_i$, Eq. 5–6 ($H$ the KV heads; a batch's
+# sequences are budgeted one by one). Budgets follow the counts,
 #
 # $$Z_i = \frac{b_s\, C_i}{\max_k C_k}, \qquad r = \frac{\sum_i Z_i}{(w_t - w_s)\, L}, \qquad Z_i \leftarrow Z_i / r,$$
 #
 # so $\sum Z = (w_t - w_s)\,L$, and every finished layer is trimmed to its best $Z_i$ keys plus the window.
 # A layer can only shrink — what it dropped earlier is gone — so kvmini caps $Z_i$ at what the layer
-# holds and gives the excess to the others by their counts. Alg. 1 (line 24: `if l % m == 0`) and
+# holds beyond the window and gives the excess to the others by their counts (again, until no cap
+# binds; when the caps add up to less than $(w_t - w_s) L$, every layer keeps what it holds). The
+# shares are made integers by largest remainder (ties to the earlier layer) and a layer is trimmed
+# only when $Z_i$ is below what it holds. For $C = [30, 10, 5, 5]$, $w_t = 12$, $w_s = 4$, $L = 4$:
+# $32 \cdot C / 50 = [19.2, 6.4, 3.2, 3.2]$, floors $[19, 6, 3, 3]$ and the last token to the largest
+# remainder: $Z = [19, 7, 3, 3]$; with layer 0 holding only 15 beyond its window, $Z_0 = 15$ and the
+# other 17 tokens are split $10 : 5 : 5$, $[8.5, 4.25, 4.25] \to [9, 4, 4]$. Alg. 1 (line 24: `if l % m == 0`) and
 # the official code re-allocate only every $m$ layers, so when $L$ is not a multiple of $m$ the last
 # $L \bmod m$ layers keep $b_s + w_s$; kvmini's option `tail_reallocation=true` re-allocates after
 # the last layer too, so that the total is exactly $(w_t - w_s) L + w_s L$.
-
-# %%
-counts = [30, 10, 5, 5]  # C_i: hits of the global top-k per layer
-w_t, w_s, L = 12, 4, 4
-Z = proportional(counts, (w_t - w_s) * L, 0, [100] * 4)  # no cap binds: exactly Eq. 7-8
-# 32 * C / 50 = 19.2, 6.4, 3.2, 3.2 -> floors 19, 6, 3, 3 and the last token to the largest remainder
-assert Z == [19, 7, 3, 3]
-capped = proportional(counts, (w_t - w_s) * L, 0, [15, 100, 100, 100])  # layer 0 holds only 15 now
-assert capped[0] == 15 and sum(capped) == 32
-print("Z =", Z, " with layer 0 capped at 15:", capped)
 
 # %% [markdown]
 # ## The resulting budgets on a real prompt
@@ -110,20 +108,20 @@ import matplotlib.pyplot as plt  # noqa: E402
 
 from kvmini.notebooks import show  # noqa: E402
 
-fig, ax = plt.subplots(figsize=(7, 3.2))
 if solved("progressive_budgets"):
     history = []
     policy = make_policy("dynamickv", 64)
     policy.start(n)
     with torch.no_grad():
         model(ids, model.new_cache(), policy, on_layer=lambda i: history.append(list(policy.budgets)))
+    fig, ax = plt.subplots(figsize=(7, 3.2))
     for layer in range(0, 30, 3):
         ax.plot(range(layer, 30), [history[i][layer] for i in range(layer, 30)], label=f"layer {layer}")
-ax.set_xlabel("after layer")
-ax.set_ylabel("budget (tokens)")
-ax.set_yscale("log")
-ax.legend(ncol=2, fontsize=7)
-show(fig, "07_progressive_budgets")
+    ax.set_xlabel("after layer")
+    ax.set_ylabel("budget (tokens)")
+    ax.set_yscale("log")
+    ax.legend(ncol=2, fontsize=7)
+    show(fig, "07_progressive_budgets")
 
 # %% [markdown]
 # ## What the authors' code does differently
@@ -151,8 +149,14 @@ for variant in ("paper", "official") if solved("progressive_budgets") else ():
 # 1. *(assignment: `progressive_budgets`)* Implement Eq. 5–8, the re-allocation region in
 #    `ProgressiveBudgets.decide` (`kvmini/methods/progressive_budgets.py`). The code after the region
 #    reads four names the region must set: `A` (the finished layers' scores side by side), `C` (Eq. 6's
-#    counts per layer), `held` (what each layer holds beyond the window) and `Z` (Eq. 7-8's budgets).
-#    Check it with `python -m kvmini.course check progressive_budgets`: a literal Alg. 1 for
-#    several $L$ and $m$, including $L \bmod m \ne 0$, and the authors' rounding.
+#    counts per layer), `held` (what each layer holds beyond the window) and `Z` (Eq. 7-8's budgets,
+#    one per finished layer, capped at `held`, integers summing to $\min((w_t - w_s) L, \sum$ `held`$)$,
+#    as in "Progressive re-allocation" above: one top-$k$ over every head of every finished layer).
+#    `self.scores` holds each finished layer's scores $(B, H, n - w_s)$, `self.held` what it holds,
+#    `self.b` is $w_t$ and `self.window` $w_s$. Check it with
+#    `python -m kvmini.course check progressive_budgets`: the whole method against a literal Alg. 1 on
+#    random models (a prompt and three decode steps; kept tokens and logits) for $L$ from 3 to 5 and $m$
+#    from 2 to 4, $L \bmod m \ne 0$ included, with and without `tail_reallocation`, $r_{max}$ 2 to 10
+#    (so that caps bind), and the authors' rounding (`rounding=floor`) against their code's steps.
 # 2. Set `--interval 30` (one re-allocation at the end) and `--interval 1`: which keeps more fidelity?
 # 3. What does `--r-max 1` reduce DynamicKV to?

@@ -580,9 +580,11 @@ print("budgets", policy.budgets, "from V_l", [round(policy.budgeter.variance[l],
 #
 # 1. *(assignment: `value_norm`)* Write the value norm in `ValueWeightedAttention.norm` (the
 #    region between the `EXERCISE` markers in `kvmini/methods/vatp.py`): $\ell_1$ for $p = 1$, the
-#    general $\ell_p$ otherwise ($p = 2$ for `value_norm=l2`). Check it with
-#    `python -m kvmini.course check value_norm`: the by-hand scores above (both norms), the
-#    literal masked simulation and H2O as the special case.
+#    general $\ell_p$ otherwise ($p = 2$ for `value_norm=l2`), over the last dimension: values
+#    $(\dots, S, D) \to (\dots, S)$, any leading dimensions. Check it with
+#    `python -m kvmini.course check value_norm`: the by-hand scores above ($p$ = 1 and 2, a value with a
+#    negative entry), the whole method against a literal masked simulation (a batch of two, a prompt
+#    in chunks, decode steps, sinks and a recent window), and H2O as the special case.
 # 2. Write a method of your own: keys instead of values (`-\|k_j\|_2`, as KNorm does, but times the
 #    accumulated attention). Which parts do you reuse? Which tests do you get for free?
 # 3. VATP keeps the first 4 tokens unconditionally. Run `vatp[sinks=0]` in the fidelity tool: what
