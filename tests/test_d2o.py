@@ -270,7 +270,7 @@ def test_paper_variant_budgets_follow_eq5_as_printed():
     (Eq. 4 written out), split and clamped by hand (`literal_budgets(..., how="paper")`)."""
     model = random_model(L=4, H=4, H_kv=2, seed=3, sharp=2.0)
     ids = torch.randint(0, 61, (1, 40), generator=torch.Generator().manual_seed(2))
-    policy = make_policy("d2o", 0.5, variant="paper")
+    policy = make_policy("d2o", 0.5, variant="paper", merge="off")  # (merging is exercise ema_merging)
     cache = model.new_cache(1, 4)
     with torch.no_grad():
         prefill(model, ids, cache, policy)

@@ -260,7 +260,7 @@ def grade(folders: list[Path], out: Path, limit: float, jobs: int) -> int:
     out = cli.writable_folder(out, "--out")
     reference, files = handed_out_here()
     cases = case_counts(ROOT, reference)
-    started, commit = datetime.now(timezone.utc), repository_commit()
+    started, commit, load = datetime.now(timezone.utc), repository_commit(), round(os.getloadavg()[0], 2)
     print(f"grading {len(folders)} copies at commit {commit}, {jobs} at a time, each exercise's tests "
           f"limited to {limit:g} s", file=sys.stderr, flush=True)
     threads = max(1, (os.cpu_count() or 1) // jobs)
@@ -297,7 +297,7 @@ def grade(folders: list[Path], out: Path, limit: float, jobs: int) -> int:
             print(f"{row['student']}: {line}")
     stem = out / f"grades-{started:%Y%m%d-%H%M%S}"
     about = {"graded_at": started.isoformat(timespec="seconds"), "commit": commit, "time_limit_per_exercise_s": limit,
-             "jobs": jobs, "seconds": round(seconds, 1)}
+             "jobs": jobs, "cores": os.cpu_count(), "load_at_start": load, "seconds": round(seconds, 1)}
     Path(f"{stem}.json").write_text(json.dumps({**about, "exercises": names, "summary": summary, "students": rows},
                                                indent=1) + "\n")
     with open(f"{stem}.csv", "w", newline="") as f:

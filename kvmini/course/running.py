@@ -122,10 +122,10 @@ def not_a_pass(record: dict, folder: Path) -> str:
         return f"did not count: expected to fail (xfail: {record['xfail']}), which no exercise's test is"
     path, line, reason = record.get("skip") or (None, 0, "")
     reason = re.sub(r"^Skipped: ", "", reason)
-    where = None if path is None else (folder / path).resolve()
-    if where is not None and (folder / "tests").resolve() in where.parents:
+    where = None if path is None else Path(os.path.normpath(folder.absolute() / path))
+    if where is not None and (folder / "tests").resolve() in where.resolve().parents:
         return ""
-    place = "an unknown place" if where is None else f"{shown(where, folder.resolve())}:{line}"
+    place = "an unknown place" if where is None else f"{shown(where, folder.absolute())}:{line}"
     return f"did not count: skipped by {place}: {reason} (only a test may skip itself)"
 
 
