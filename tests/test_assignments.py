@@ -2,6 +2,7 @@
 runs its own tests (failing while its holes are open, passing once they are written, whatever the
 other exercises' state); grade reports a class; every exercise is declared in full."""
 import json
+import os
 import re
 import subprocess
 import sys
@@ -447,3 +448,77 @@ def test_a_copy_with_the_references_withheld_holds_none_and_a_solution_passes_ch
                            cwd=copy, capture_output=True, text=True, timeout=600)
     assert other.returncode == 0, other.stdout[-2000:]
     assert problems(copy) == []  # the student's work is inside the regions
+
+
+DOC = (ROOT / "docs" / "course.md").read_text()
+
+
+def test_the_guide_lists_the_exercises_as_declared():
+    """docs/course.md's table: each exercise, its module and functions, its tutorial and section."""
+    rows = re.findall(r"^\| `(\w+)` \| `([\w/.]+)`: ([^|(]+?)(?: \(.*?\))? \| (\d\d), \"(.+)\" \|$", DOC, re.M)
+    found = exercises(ROOT)
+    assert [r[0] for r in rows] == list(found)
+    for name, module, functions, number, section in rows:
+        ex = found[name]
+        assert ex.holes == {module: [f.strip(" `") for f in functions.split(",")]}, name
+        assert ex.tutorial.startswith(f"tutorials/{number}_") and ex.section == section, name
+
+
+def test_every_command_of_the_guide_is_accepted():
+    """Each `python -m kvmini.course ...` line of docs/course.md and the README parses as written (its
+    arguments and options exist); the defaults the guide states are the parser's."""
+    import shlex
+
+    from kvmini.course.__main__ import parser
+
+    readme = (ROOT / "README.md").read_text()
+    commands = re.findall(r"(?:^|&& )python -m kvmini\.course (.+?)(?:\s+#.*)?$", DOC + "\n" + readme, re.M)
+    assert len(commands) >= 10
+    for line in commands:
+        parser().parse_args([a for a in shlex.split(line.replace("../class/*", "../class/a ../class/b"))])
+    grade = parser().parse_args(["grade", "x"])
+    assert grade.jobs == os.cpu_count() and grade.timeout == 60 and "--timeout`, 60 s" in DOC
+    assert "`-j` at a time (default: the machine's cores)" in DOC
+
+
+def test_the_guides_weights_link_works_from_the_repository(tmp_path):
+    """The guide's `ln -s "$PWD/weights" ../kvmini-student/weights`, run in a repository beside a copy:
+    the copy then sees the repository's weights (an absolute link; a relative one would not)."""
+    line = next(l for l in DOC.splitlines() if l.startswith("ln -s "))
+    command = line.split("#")[0].strip()
+    repo, copy = tmp_path / "repo", tmp_path / "kvmini-student"
+    (repo / "weights" / "SmolLM2-135M-Instruct").mkdir(parents=True)
+    (repo / "weights" / "SmolLM2-135M-Instruct" / "config.json").write_text("{}")
+    copy.mkdir()
+    subprocess.run(["bash", "-c", command], cwd=repo, check=True)
+    assert (copy / "weights" / "SmolLM2-135M-Instruct" / "config.json").read_text() == "{}"
+    assert Path(os.readlink(copy / "weights")).is_absolute()
+
+
+def test_a_test_file_that_does_not_parse_is_named_by_check(tmp_path, capsys):
+    """Not 'no tests are declared' and '0 of 0 tests pass': the file and its error, and exit code 1."""
+    from kvmini.course.grading import check
+
+    copy = tmp_path / "copy"
+    write_student_copy(copy, names=["frobenius_stop"])
+    test = copy / "tests" / "test_dbudgetkv.py"
+    lines = test.read_text().splitlines()
+    lines[19] = "def ("
+    test.write_text("\n".join(lines) + "\n")
+    assert check(copy, "frobenius_stop", 60) == 1
+    out = capsys.readouterr().out
+    assert ("tests/test_dbudgetkv.py does not parse: invalid syntax (line 20): the exercises whose tests it holds "
+            "cannot be checked until it does") in out
+    assert "no tests are declared" not in out
+
+
+def test_a_students_name_from_the_manifest(tmp_path):
+    """`new --student NAME` names the row; without it the row is the copy's folder name."""
+    from kvmini.course.grading import grade_one, handed_out_here
+
+    named, plain = tmp_path / "x" / "kvmini", tmp_path / "bob"
+    assert course(ROOT, "new", named, "--student", "Alice Martin").returncode == 0
+    write_student_copy(plain)
+    reference, files = handed_out_here()
+    assert grade_one(named, 60, reference, files)["student"] == "Alice Martin"
+    assert grade_one(plain, 60, reference, files)["student"] == "bob"
