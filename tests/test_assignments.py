@@ -522,3 +522,21 @@ def test_a_students_name_from_the_manifest(tmp_path):
     reference, files = handed_out_here()
     assert grade_one(named, 60, reference, files)["student"] == "Alice Martin"
     assert grade_one(plain, 60, reference, files)["student"] == "bob"
+
+
+def test_the_guides_class_timing_is_the_committed_grade():
+    """docs/course.md's timing of thirty copies is the committed grade's own record (results/course/):
+    30 students, 10 of each kind graded as made, 2 at a time on 2 cores, its minutes, load and commit."""
+    found = sorted((ROOT / "results" / "course").glob("grades-*.json"))
+    assert len(found) == 1 and found[0].with_suffix(".csv").is_file()
+    data = json.loads(found[0].read_text())
+    kinds = {}
+    for row in data["students"]:
+        kinds.setdefault(row["student"].split("-")[0], []).append(row["total"])
+    total = sum(cell["tests"] for cell in data["students"][0]["exercises"].values())
+    assert {kind: len(rows) for kind, rows in kinds.items()} == {"untouched": 10, "half": 10, "solved": 10}
+    assert set(kinds["untouched"]) == {f"0/{total}"} and set(kinds["solved"]) == {f"{total}/{total}"}
+    assert all(row["problems"] == [] and row["notes"] == [] for row in data["students"])
+    assert data["jobs"] == data["cores"] == 2 and data["seconds"] < 15 * 60
+    assert f"in {data['seconds'] / 60:.1f} minutes on this project's 2-core machine" in " ".join(DOC.split())
+    assert f"load average {data['load_at_start']} at its start; commit {data['commit'][:7]}" in " ".join(DOC.split())
