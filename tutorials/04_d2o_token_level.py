@@ -196,22 +196,23 @@ import matplotlib.pyplot as plt  # noqa: E402
 
 from kvmini.notebooks import show  # noqa: E402
 
-fig, ax = plt.subplots(figsize=(6, 3))
-for beta in (0.3, 0.7, 1.0) if solved("ema_merging") else ():
-    p = make_policy("d2o", 0.5, variant="paper", allocation="uniform", beta=beta)
-    cache, taus = model.new_cache(), []
-    p.start(40, 60)
-    with torch.no_grad():
-        model(torch.randint(0, 50, (1, 40), generator=torch.Generator().manual_seed(0)), cache, p)
-        for t in range(20):
-            taus.append(p.parts[2].merge.tau[1].mean().item())  # layer 1, mean over KV heads
-            model(torch.tensor([[t % 50]]), cache, p)
-    ax.plot(taus, marker=".", label=f"beta = {beta}")
-ax.set_xlabel("decode step")
-ax.xaxis.get_major_locator().set_params(integer=True)
-ax.set_ylabel("tau (layer 1)")
-ax.legend()
-show(fig, "04_ema_threshold")
+if solved("ema_merging"):
+    fig, ax = plt.subplots(figsize=(6, 3))
+    for beta in (0.3, 0.7, 1.0):
+        p = make_policy("d2o", 0.5, variant="paper", allocation="uniform", beta=beta)
+        cache, taus = model.new_cache(), []
+        p.start(40, 60)
+        with torch.no_grad():
+            model(torch.randint(0, 50, (1, 40), generator=torch.Generator().manual_seed(0)), cache, p)
+            for t in range(20):
+                taus.append(p.parts[2].merge.tau[1].mean().item())  # layer 1, mean over KV heads
+                model(torch.tensor([[t % 50]]), cache, p)
+        ax.plot(taus, marker=".", label=f"beta = {beta}")
+    ax.set_xlabel("decode step")
+    ax.xaxis.get_major_locator().set_params(integer=True)
+    ax.set_ylabel("tau (layer 1)")
+    ax.legend()
+    show(fig, "04_ema_threshold")
 
 # %% [markdown]
 # ## D2O's merge against CaM's, on the same prompt

@@ -98,6 +98,7 @@ def outcomes(records: list[dict], folder: Path) -> list[Result]:
         message = "" if r["outcome"] == "passed" else first_lines(r["message"])
         if "OverTime: " in message:  # stopped by limits.py
             message = "did not finish: " + message.split("OverTime: ")[1].splitlines()[0]
+        message = message.removeprefix("Failed: ")  # limits.py's "did not run: ..." (pytest.fail)
         if r["outcome"] == "skipped":
             message = not_a_pass(r, folder)
         ok = not message
