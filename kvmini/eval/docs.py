@@ -79,7 +79,7 @@ def not_measured(*files: tuple[str, dict]) -> str:
     from kvmini.eval import provenance, suite  # imports torch: only when this region is written
 
     rows = []
-    for path, res in files:
+    for path, res in ((p, r) for p, r in files if r.get("profile") in suite.PROFILES):
         for experiment, want in suite.today(res["profile"]).items():
             made = res.get("provenance", {}).get(experiment)
             missing = [s for s in want["methods"] if made and s not in made["methods"]]
