@@ -64,6 +64,7 @@ PARTS = {
     "d2o[variant=paper]": [H2O_RUNG, ("+ D2O's layer budgets (Eq. 5), merging off", "d2o[variant=paper,merge=off]"),
                            ("+ merging (Eq. 9-12): D2O", "d2o[variant=paper]")],
 }
+SWEEP = [0.1, 0.2, 0.3, 0.5]  # the budgets of the quick profile's frontier (fidelity and passkey)
 PROFILES = {
     "smoke": {  # every code path, about a minute on a quiet machine; the numbers mean nothing
         "streaming": dict(n=160, capacities=[32], chunk=16),
@@ -78,8 +79,8 @@ PROFILES = {
     },
     "quick": {
         "streaming": dict(n=2048, capacities=[256], chunk=16),
-        "passkey": dict(lengths=[1024, 2048], depths=[0.1, 0.5, 0.9], budgets=[128, 0.2]),
-        "fidelity": dict(n=1024, k=128, prompts=3, budgets=[0.2], methods=EVERY),
+        "passkey": dict(lengths=[1024], depths=[0.1, 0.5, 0.9], budgets=SWEEP),  # one length: the sweep's time
+        "fidelity": dict(n=1024, k=128, prompts=3, budgets=SWEEP, methods=EVERY),
         "layers": dict(n=1024, budget=0.2, bins=32),
         "speed": dict(prefill_n=2048, reps=1, decode_n=2048, steps=16, rounds=8, peak_n=2048, budget=0.2, batch_n=2048,
                       cap_gib=8),
