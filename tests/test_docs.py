@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from kvmini.errors import KvminiError
-from kvmini.eval import docs
+from kvmini.eval import docs, plots
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -29,6 +29,8 @@ def copy_of_the_documents(tmp_path) -> Path:
         (tmp_path / results.parent.relative_to(ROOT)).mkdir(parents=True)
         for name in ("results.json", "summary.md"):
             shutil.copy(results.with_name(name), tmp_path / results.parent.relative_to(ROOT))
+    for figure in plots.FIGURES:
+        shutil.copy(ROOT / figure, tmp_path / figure)
     return tmp_path
 
 
@@ -53,6 +55,37 @@ def test_an_edited_summary_fails_the_check(tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(docs, "ROOT", root)
     assert docs.main(["--check"]) == 1
     assert "results/quick/summary.md differs" in capsys.readouterr().err
+
+
+def test_a_figure_that_no_longer_shows_the_committed_results_fails_the_check(tmp_path, monkeypatch, capsys):
+    """The README's figures record a digest of the results they draw: results measured again (here one
+    KL changed) name the figure, without drawing it, until the generator draws it again."""
+    root = copy_of_the_documents(tmp_path)
+    path = root / "results" / "quick" / "results.json"
+    results = json.loads(path.read_text())
+    row = next(r for r in results["fidelity"] if r["method"] == "h2o")
+    row["kl"] *= 2
+    path.write_text(json.dumps(results, indent=1))
+    monkeypatch.setattr(docs, "ROOT", root)
+    assert docs.main(["--check"]) == 1
+    err = capsys.readouterr().err
+    assert "results/quick/frontier_kl.png does not show the committed results" in err
+    assert "results/full-speed/speed_vs_kl.png does not show the committed results" in err  # KL at 20% too
+    assert "frontier_passkey.png" not in err  # its data did not change
+    pytest.importorskip("matplotlib", reason="matplotlib (requirements-dev.txt) draws the figures")
+    assert docs.main([]) == 0 and docs.main(["--check"]) == 0
+
+
+def test_no_cell_of_the_claims_table_exceeds_60_words():
+    """docs/evaluation.md's claims table: a verdict and the few numbers it rests on per cell; every
+    number in the detail tables below it."""
+    text = (ROOT / "docs" / "evaluation.md").read_text()
+    table = text[text.index("<!-- generated: claims "):text.index("<!-- end generated -->", text.index("<!-- generated: claims "))]
+    rows = [line for line in table.splitlines() if line.startswith("| ") and not line.startswith("|---")][1:]
+    assert len(rows) >= 12
+    for row in rows:
+        for cell in row.strip("| ").split(" | "):
+            assert len(cell.split()) <= 60, cell
 
 
 def test_an_unknown_region_is_an_error():

@@ -37,6 +37,9 @@ def test_streaming_holds_the_capacity_and_scores_every_later_token():
     rows = streaming.run(model, ids, [8], methods=("full", "h2o", "d2o"), chunk=4, log=lambda m: None)
     assert [r["tokens"] for r in rows] == [34, 34, 34]  # 50 - 2 * 8
     assert rows[0]["ppl"] != rows[1]["ppl"] and all(math.isfinite(r["ppl"]) for r in rows)
+    # entries held per layer before each chunk (starts 16, 20, ..., 48): the full cache all it read, a
+    # mean of 32; H2O its capacity, 8, in every layer
+    assert rows[0]["held"] == 32.0 and rows[1]["held"] == 8.0
 
 
 def test_cumulative_curve_by_hand():
@@ -236,8 +239,8 @@ def test_step_profile_of_later_decode_steps(default_model_dir):
 
 FAKE = {
     "profile": "quick", "device": "cpu",
-    "streaming": [{"capacity": 8, "method": m, "tokens": 10, "ppl": p, "curve": [2.0, 2.2, 2.3], "seconds": 1}
-                  for m, p in (("full", 9.0), ("h2o", 11.0))],
+    "streaming": [{"capacity": 8, "method": m, "tokens": 10, "ppl": p, "held": h, "curve": [2.0, 2.2, 2.3], "seconds": 1}
+                  for m, p, h in (("full", 9.0, 12.0), ("h2o", 11.0, 8.0))],
     "passkey": [{"method": m, "budget": b, "length": n, "depth": d, "correct": m == "full" or d == 0.0}
                 for m, b in (("full", None), ("h2o", 64)) for n in (1000, 2000) for d in (0.0, 1.0)],
     "fidelity": [{"prompt": i, "method": m, "budget": b, "ppl": p + i, "kl": kl, "top1": 0.9, "kept_share": s,
@@ -263,7 +266,7 @@ FAKE = {
 
 def test_summary_tables():
     md = summary(FAKE)
-    assert "| 8 | h2o | 10 | 11.000 |" in md
+    assert "| 8 | h2o | 10 | 8 | 11.000 |" in md
     assert "| full | — | 1.00 | 1.00 | 1.00 |" in md and "| h2o | 64 | 0.50 | 0.50 | 0.50 |" in md
     # perplexity / full averaged over prompts: (10/9 + 11/10) / 2
     assert f"| dbudgetkv | self-chosen | 40.0% | {(10 / 9 + 11 / 10) / 2:.3f} | 0.300 [0.300–0.300] | 0.900 |" in md

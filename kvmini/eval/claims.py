@@ -1,226 +1,375 @@
-"""The reproduction table of docs/evaluation.md: each paper's headline claim beside what the committed
-results measure on SmolLM2-135M, with a verdict computed from the numbers by the rule written beside it
-(a claim function returns its cell and its verdict). Generated into the document by kvmini.eval.docs.
+"""The papers' headline claims beside what the committed results measure on SmolLM2-135M (docs/evaluation.md,
+README.md), each verdict computed from the numbers by the rule written beside it.
+
+One row per (claim, experiment): a short cell (the two or three numbers the verdict rests on), the
+verdict, and a detail table below with every number. A claim that compares methods compares them at
+equal memory, measured: a method that holds more than its nominal budget (D2O's official variant keeps
+layers 0, 1 and the last whole) is set against its rival read off the rival's frontier at the same
+measured share (`at_share`), not against the rival's point at the same nominal budget.
+
+    verdict(checks) = "holds" if every check is yes, "does not hold here" if none is, else "holds in part"
 """
-from kvmini.eval.tables import Missing, budget_text, fidelity_by_spec, need, name
+import math
+
+from kvmini.eval.tables import Missing, budget_text, fidelity_by_spec, name, need
+
+SAME = 0.005  # two measured shares within half a percentage point are equal memory
 
 
-def kl_text(f: dict) -> str:
-    return f"KL {f['kl']:.3f}" + (f" ({f['kl_lo']:.3f}–{f['kl_hi']:.3f})" if f["kl_hi"] > f["kl_lo"] else "")
+def at_share(points: list[tuple[float, float]], x: float, log: bool = False, same: float = SAME) -> float | None:
+    """A method's value at measured share x, read off its frontier: `points` are (share, value) of its
+    budgets; a point within `same` of x is taken as it is; else linear between the two nearest shares
+    (in log value if `log`); None outside them."""
+    pts = sorted(points)
+    for s, v in pts:
+        if abs(s - x) <= same:
+            return v
+    for (x0, y0), (x1, y1) in zip(pts, pts[1:]):
+        if x0 < x < x1:
+            t = (x - x0) / (x1 - x0)
+            return math.exp((1 - t) * math.log(y0) + t * math.log(y1)) if log else (1 - t) * y0 + t * y1
+    return None
 
 
-def streaming_ppl(results: dict) -> dict:
-    """capacity -> {method: perplexity}."""
+def verdict(checks: list[tuple[str, bool | None]]) -> str:
+    known = [ok for _, ok in checks if ok is not None]
+    if not known:
+        return "no verdict"
+    return "holds" if all(known) else "does not hold here" if not any(known) else "holds in part"
+
+
+def verdict_cell(checks) -> str:
+    """'**holds in part** (yes: A; no: B, C)', or with many checks their counts ('3 of 8 yes'); checks
+    that could not compare at equal memory are counted as not comparable."""
+    v = verdict(checks)
+    yes = [label for label, ok in checks if ok]
+    no = [label for label, ok in checks if ok is False]
+    open_ = [label for label, ok in checks if ok is None]
+    if len(checks) > 4:
+        parts = [f"{len(yes)} of {len(yes) + len(no)} yes"] if yes and no else []
+        parts += [f"{len(open_)} not comparable at equal memory"] if open_ else []
+    else:
+        parts = [f"yes: {', '.join(yes)}", f"no: {', '.join(no)}"] if yes and no else []
+        parts += [f"not comparable at equal memory: {', '.join(open_)}"] if open_ else []
+    return f"**{v}**" + (f" ({'; '.join(parts)})" if parts else "")
+
+
+# --- streaming ---------------------------------------------------------------------------------
+
+def streaming_rows(results: dict) -> dict:
+    """capacity -> {method: (held per layer, perplexity)}; rows made before `held` was recorded: None."""
     out = {}
     for r in need(results, "streaming"):
-        out.setdefault(r["capacity"], {})[r["method"]] = r["ppl"]
+        out.setdefault(r["capacity"], {})[r["method"]] = (r.get("held"), r["ppl"])
     return out
 
 
-def passkey_correct(results: dict) -> tuple[dict, int]:
-    """(method, budget) -> correct answers, and the number of cells each ran."""
+def streaming_at(results: dict, method: str, held: float) -> float | None:
+    """`method`'s perplexity at `held` entries per layer, off its points over capacities (log-log)."""
+    pts = [(math.log(h), p) for rows in streaming_rows(results).values() for m, (h, p) in rows.items()
+           if m == method and h is not None]
+    return at_share(pts, math.log(held), log=True) if pts else None
+
+
+def claim_streaming(profiles: list[tuple[str, dict]], who: str, rivals: list[str]):
+    """`who` (each variant) against every rival at each capacity, at equal measured entries held."""
+    cells, checks, detail = [], [], ["| profile | capacity | method | entries held per layer | perplexity | "
+                                     "best rival at the same held | |", "|---|---|---|---|---|---|---|"]
+    for label, res in profiles:
+        if "streaming" not in res:
+            continue
+        for capacity, rows in sorted(streaming_rows(res).items(), reverse=True):
+            present = [r for r in rivals if r in rows]
+            for m in (m for m in rows if m.split("[")[0] == who and present):
+                held, ppl = rows[m]
+                if held is None:  # a run before `held` was recorded: no comparison at equal memory
+                    checks.append((f"{label} {capacity:,}", None))
+                    detail.append(f"| {label} | {capacity:,} | {name(m)} | not recorded | {ppl:.2f} | — | |")
+                    continue
+                rival = {r: streaming_at(res, r, held) for r in present}
+                known = {r: v for r, v in rival.items() if v is not None}
+                best = min(known, key=known.get) if known else None
+                ok = None if len(known) < len(present) else ppl < known[best]
+                short = f"{label} {capacity:,}" + (f" ({name(m)})" if "[" in m else "")
+                checks.append((short, ok))
+                shown = "—" if best is None else f"{name(best)} {known[best]:.2f}"
+                detail.append(f"| {label} | {capacity:,} | {name(m)} | {held:,.0f} | {ppl:.2f} | {shown} | "
+                              f"{'' if ok is None else 'below' if ok else 'not below'} |")
+                if m == who:
+                    cells.append(f"{short}: {ppl:.2f} holding {held:,.0f} vs " +
+                                 (f"{name(best)} {known[best]:.2f}" if best else "— (no rival held as much)"))
+            for r in present:
+                held, ppl = rows[r]
+                detail.append(f"| {label} | {capacity:,} | {name(r)} | {'—' if held is None else f'{held:,.0f}'} | "
+                              f"{ppl:.2f} | | |")
+    return f"{name(who)}, perplexity and entries held per layer: " + "; ".join(cells), checks, "\n".join(detail)
+
+
+# --- fidelity ----------------------------------------------------------------------------------
+
+def frontier(f: dict, method: str) -> list[tuple[float, float]]:
+    """(kept share, KL) of `method` at each budget it was measured at."""
+    return [(x["kept"], x["kl"]) for (m, b), x in f.items() if m == method and b is not None]
+
+
+def claim_fidelity_pair(profiles: list[tuple[str, dict]], spec: str, rival: str, variants: bool = True):
+    """`spec` (and its variants) against `rival`, KL at equal measured share: the rival read off its frontier."""
+    cells, checks = [], []
+    detail = [f"| profile | method | budget | kept | KL | {name(rival)}'s KL at that share | lower? |",
+              "|---|---|---|---|---|---|---|"]
+    for label, res in profiles:
+        if "fidelity" not in res:
+            continue
+        f = fidelity_by_spec(res["fidelity"])
+        line = frontier(f, rival)
+        for (m, b), x in f.items():
+            if b is None or not (m == spec or variants and m.split("[")[0] == spec):
+                continue
+            y = at_share(line, x["kept"], log=True)
+            ok = None if y is None else x["kl"] < y
+            short = f"{label} {budget_text(b)}" + (f" ({name(m)})" if m != spec else "")
+            checks.append((short, ok))
+            detail.append(f"| {label} | {name(m)} | {budget_text(b)} | {x['kept']:.1%} | {x['kl']:.3f} | "
+                          f"{'outside its measured shares' if y is None else f'{y:.3f}'} | "
+                          f"{'—' if ok is None else 'yes' if ok else 'no'} |")
+            if m == spec and b == 0.2:
+                cells.append(f"{label} 20%: KL {x['kl']:.3f} keeping {x['kept']:.1%} vs "
+                             + (f"{y:.3f}" if y is not None else "— (outside its range)"))
+    return f"{name(spec)} against {name(rival)} at that share: " + "; ".join(cells), checks, "\n".join(detail)
+
+
+def claim_dbudgetkv(quick: dict):
+    f = fidelity_by_spec(need(quick, "fidelity"))
+    cells, checks = [], []
+    detail = ["| variant | kept (per prompt) | perplexity / full | KL | SnapKV's KL at that share |", "|---|---|---|---|---|"]
+    for spec in ("dbudgetkv", "dbudgetkv[variant=official]"):
+        if (spec, None) not in f:
+            continue
+        x = f[(spec, None)]
+        checks.append((name(spec), x["ppl"] <= 1.01))
+        cells.append(f"{name(spec)} keeps {x['kept']:.1%}, perplexity ×{x['ppl']:.3f}")
+        snap = at_share(frontier(f, "snapkv"), x["kept"], log=True)
+        detail.append(f"| {name(spec)} | {x['kept']:.1%} ({x['kept_lo']:.1%}–{x['kept_hi']:.1%}) | ×{x['ppl']:.3f} | "
+                      f"{x['kl']:.3f} | {'outside its measured shares' if snap is None else f'{snap:.3f}'} |")
+    return "; ".join(cells) + " (rule: within 1% of the full cache's)", checks, "\n".join(detail)
+
+
+def claim_snapkv(profiles):
+    cells, checks, detail = [], [], ["| profile | budget | perplexity / full | KL | top-1 | lowest KL of all |",
+                                     "|---|---|---|---|---|---|"]
+    for label, res in profiles:
+        if "fidelity" not in res:
+            continue
+        f = fidelity_by_spec(res["fidelity"])
+        for (m, b), x in f.items():
+            if m != "snapkv":
+                continue
+            rivals = {mm: y["kl"] for (mm, bb), y in f.items() if bb == b and mm != m and abs(y["kept"] - x["kept"]) <= SAME}
+            best = min(rivals, key=rivals.get) if rivals else None
+            ok = best is None or x["kl"] < rivals[best]
+            checks.append((f"{label} {budget_text(b)}", ok))
+            detail.append(f"| {label} | {budget_text(b)} | ×{x['ppl']:.3f} | {x['kl']:.3f} | {x['top1']:.2f} | "
+                          f"{'SnapKV' if ok else f'{name(best)} {rivals[best]:.3f}'} |")
+            if b == 0.2:
+                cells.append(f"{label} 20%: perplexity ×{x['ppl']:.3f}, top-1 {x['top1']:.2f}")
+    return "; ".join(cells) + " (rule: lowest KL of the methods keeping the same share)", checks, "\n".join(detail)
+
+
+# --- passkey -----------------------------------------------------------------------------------
+
+def passkey_points(results: dict) -> tuple[dict, int]:
+    """(method, budget) -> (mean entries kept per layer, correct answers); and the cells each ran."""
     rows = need(results, "passkey")
     out = {}
     for r in rows:
-        out[(r["method"], r["budget"])] = out.get((r["method"], r["budget"]), 0) + bool(r["correct"])
-    return out, sum(1 for r in rows if r["method"] == "full")
+        kept, right, n = out.get((r["method"], r["budget"]), (0.0, 0, 0))
+        out[(r["method"], r["budget"])] = (kept + r["kept"], right + bool(r["correct"]), n + 1)
+    cells = sum(1 for r in rows if r["method"] == "full")
+    return {k: (kept / n, right) for k, (kept, right, n) in out.items()}, cells
 
 
-def claim_streaming(quick, full, who: str, rivals: list[str]) -> tuple[str, str]:
-    cells, verdicts = [], []
-    for label, res in (("full profile", full), ("quick profile", quick)):
-        if "streaming" not in res:
+def claim_passkey_pair(quick: dict, spec: str, rival: str):
+    """Answers of `spec` at each budget against `rival`'s at the same mean entries kept (off its frontier)."""
+    pts, cells = passkey_points(quick)
+    line = [(k, c) for (m, b), (k, c) in pts.items() if m == rival and b is not None]
+    out, checks = [], []
+    detail = [f"| budget | {name(spec)}: kept per layer, right | {name(rival)} at that size | more? |", "|---|---|---|---|"]
+    for (m, b), (kept, right) in pts.items():
+        if m != spec or b is None:
             continue
-        size = res["sizes"]["streaming"]
-        for capacity, ppl in sorted(streaming_ppl(res).items(), reverse=True):
-            shown = [m for m in sorted(ppl, key=ppl.get) if m != "full" and (m in rivals or m.startswith(who))]
-            cells.append(f"{label} ({size['n']:,} tokens, chunks of {size['chunk']}), capacity {capacity:,}: "
-                         + ", ".join(f"{name(m)} {ppl[m]:.2f}" for m in shown) + f" (full cache {ppl['full']:.2f})")
-            present = [r for r in rivals if r in ppl]
-            for m in (m for m in shown if m.startswith(who) and present):  # no rival measured: no verdict
-                below = [name(r) for r in present if ppl[m] < ppl[r]]
-                verdicts.append(f"{name(m)} at {capacity:,} ({label.split()[0]}): "
-                                + ("yes" if len(below) == len(present) else
-                                   f"below {', '.join(below)} only" if below else "no"))
-    return "; ".join(cells), "; ".join(verdicts)
+        y = at_share(line, kept, same=0.5)
+        ok = None if y is None else right > y
+        checks.append((f"passkey {budget_text(b)}", ok))
+        detail.append(f"| {budget_text(b)} | {kept:.0f}, {right}/{cells} | "
+                      f"{'outside its measured sizes' if y is None else f'{y:.1f}/{cells}'} | "
+                      f"{'—' if ok is None else 'yes' if ok else 'no'} |")
+        out.append(f"{budget_text(b)} {right} vs {'—' if y is None else f'{y:.1f}'}")
+    return (f"answers of {cells}, {name(spec)} vs {name(rival)} at as many entries kept: " + "; ".join(out),
+            checks, "\n".join(detail))
 
 
-def claim_passkey(quick) -> tuple[str, str]:
-    correct, cells = passkey_correct(quick)
+def claim_passkey(quick: dict):
+    pts, cells = passkey_points(quick)
+    budgets = sorted({b for _, b in pts if b is not None})
+    full = pts[("full", None)][1]
     size = quick["sizes"]["passkey"]
-    budgets = sorted({b for _, b in correct if b is not None}, key=lambda b: (b <= 1, b))
-    parts = [f"quick profile, lengths {', '.join(map(str, size['lengths']))} × {len(size['depths'])} depths: "
-             f"full cache {correct[('full', None)]}/{cells}"]
+    detail = ["| method | " + " | ".join(budget_text(b) for b in budgets) + " |", "|---|" + "---|" * len(budgets)]
+    for m in dict.fromkeys(m for m, b in pts if b is not None):
+        detail.append(f"| {name(m)} | " + " | ".join(f"{pts[(m, b)][1]}/{cells}" if (m, b) in pts else "—"
+                                                   for b in budgets) + " |")
+    for m in (m for m, b in pts if b is None and m != "full"):
+        detail.append(f"| {name(m)} (own budget) | {pts[(m, None)][1]}/{cells} |" + " |" * (len(budgets) - 1))
+    checks, cell = [], [f"{', '.join(map(str, size['lengths']))} tokens, {cells} cells: full cache {full}/{cells}"]
     for b in budgets:
-        at = sorted(((c, m) for (m, bb), c in correct.items() if bb == b), key=lambda x: -x[0])
-        parts.append(f"at {budget_text(b)}: " + ", ".join(f"{name(m)} {c}/{cells}" for c, m in at))
-    if ("dbudgetkv", None) in correct:
-        parts.append(f"DBudgetKV (own budget) {correct[('dbudgetkv', None)]}/{cells}")
-    ratio = [b for b in budgets if b <= 1]
-    at = {m: c for (m, bb), c in correct.items() if ratio and bb == ratio[-1]}
-    best = max(at.values()) if at else 0
-    d2o = max((c for m, c in at.items() if m.startswith("d2o")), default=0)
-    yes = lambda holds: "yes" if holds else "no"  # noqa: E731
-    verdict = (f"DynamicKV keeps the most at {budget_text(ratio[-1])}: {yes(at.get('dynamickv') == best)}; "
-               f"D2O keeps at least half of the full cache's answers: {yes(2 * d2o >= correct[('full', None)])}")
-    return "; ".join(parts), verdict
+        at = {m: pts[(m, bb)][1] for m, bb in pts if bb == b}
+        best = max(at.values())
+        d2o = max(c for m, c in at.items() if m.split("[")[0] == "d2o")
+        checks.append((f"D2O keeps half at {budget_text(b)}", 2 * d2o >= full))
+        checks.append((f"DynamicKV best at {budget_text(b)}", at.get("dynamickv") == best))
+        if b in (budgets[0], budgets[-1]):
+            cell.append(f"{budget_text(b)}: D2O {d2o}, DynamicKV {at.get('dynamickv', 0)}, best {best}")
+    return "; ".join(cell), checks, "\n".join(detail)
 
 
-def claim_dbudgetkv(quick) -> tuple[str, str]:
-    f = fidelity_by_spec(need(quick, "fidelity"))
-    size = quick["sizes"]["fidelity"]
-    cells, verdicts = [f"quick profile, {size['prompts']} prompts, N = {size['n']:,}, K = {size['k']}"], []
-    for spec in ("dbudgetkv", "dbudgetkv[variant=official]"):
-        if (spec, None) in f:
-            x = f[(spec, None)]
-            cells.append(f"{name(spec)} keeps {x['kept']:.1%} ({x['kept_lo']:.1%}–{x['kept_hi']:.1%} per prompt), "
-                         f"{kl_text(x)}, perplexity ×{x['ppl']:.3f}")
-            verdicts.append(f"{name(spec)}: {'yes' if x['ppl'] <= 1.01 else 'no'}")
-    if ("snapkv", 0.2) in f:
-        cells.append(f"SnapKV at 20%: KL {f[('snapkv', 0.2)]['kl']:.3f}")
-    return "; ".join(cells), "; ".join(verdicts) + " (near-lossless: perplexity within 1% of the full cache's)"
+# --- layers and speed --------------------------------------------------------------------------
 
-
-def claim_fidelity_pair(quick, full, spec: str, rival: str) -> tuple[str, str]:
-    """`spec` against `rival` at each budget both profiles measured: KL and kept share; verdict: lower KL."""
-    cells, verdicts = [], []
-    for label, res in (("quick", quick), ("full", full)):
-        if "fidelity" not in res:
-            continue
-        f = fidelity_by_spec(res["fidelity"])
-        size = res["sizes"]["fidelity"]
-        for (m, b), x in f.items():
-            if m.startswith(spec) and (rival, b) in f:
-                y = f[(rival, b)]
-                cells.append(f"{name(m)} at {budget_text(b)} ({label}: N = {size['n']:,}, K = {size['k']}): "
-                             f"{kl_text(x)}, {x['kept']:.1%} kept, vs {name(rival)} {kl_text(y)}, {y['kept']:.1%} kept")
-                verdicts.append(f"{name(m)} at {budget_text(b)} ({label}): {'yes' if x['kl'] < y['kl'] else 'no'}")
-    return "; ".join(cells), "; ".join(verdicts)
-
-
-def claim_snapkv(quick, full) -> tuple[str, str]:
-    cells, verdicts = [], []
-    for label, res in (("quick", quick), ("full", full)):
-        if "fidelity" not in res:
-            continue
-        f = fidelity_by_spec(res["fidelity"])
-        for (m, b), x in f.items():
-            if m == "snapkv":
-                rivals = [y["kl"] for (mm, bb), y in f.items() if bb == b and mm != m]
-                cells.append(f"{label} at {budget_text(b)}: perplexity ×{x['ppl']:.3f}, {kl_text(x)}, "
-                             f"top-1 {x['top1']:.2f}")
-                verdicts.append(f"closest to the full cache at {budget_text(b)} ({label}): "
-                                f"{'yes' if all(x['kl'] < k for k in rivals) else 'no'}")
-    return "; ".join(cells), "; ".join(verdicts)
-
-
-def claim_passkey_pair(quick, spec: str, rival: str) -> tuple[str, str]:
-    correct, cells = passkey_correct(quick)
-    pairs = [(b, c, correct[(rival, b)]) for (m, b), c in correct.items() if m == spec and (rival, b) in correct]
-    if not pairs:
-        return "", ""
-    return ("passkey: " + ", ".join(f"{name(spec)} {c}/{cells} vs {name(rival)} {r}/{cells} at {budget_text(b)}"
-                                    for b, c, r in pairs),
-            "passkey: " + ", ".join(f"{'yes' if c > r else 'no'} at {budget_text(b)}" for b, c, r in pairs))
-
-
-def claim_layer_variance(res) -> tuple[str, str]:
-    layers = need(res, "layers")
-    stats = layers["statistics"]
+def claim_layer_variance(res):
+    stats = need(res, "layers")["statistics"]
     shallow, deep = stats[:3], stats[3:]
     top = max(s["variance"] for s in shallow)
-    odd = [s for s in deep if s["variance"] <= top]
-    rng = lambda xs, f: f"{f(min(xs))}–{f(max(xs))}"  # noqa: E731
-    group = lambda g: (f"layers {g[0]['layer']}–{g[-1]['layer']}: "  # noqa: E731
-                       f"F_v {rng([s['variance'] for s in g], '{:.3g}'.format)}, "
-                       f"top 10% of keys get {rng([s['top10_share'] for s in g], '{:.0%}'.format)} of the attention")
-    deep_usual = [s for s in deep if s not in odd]
-    cell = f"{layers['n']:,}-token prompt: {group(shallow)}; {group(deep_usual)}"
-    if odd:
-        cell += "; except " + ", ".join(f"layer {s['layer']} (F_v {s['variance']:.3g}, {s['top10_share']:.0%})"
-                                        for s in odd)
-    return cell, "yes" if not odd else f"yes, except {len(odd)} layer{'s' * (len(odd) > 1)}"
+    odd = [s["layer"] for s in deep if s["variance"] <= top]
+    detail = ["| layer | F_v | top-10% share |", "|---|---|---|"] + [
+        f"| {s['layer']} | {s['variance']:.3g} | {s['top10_share']:.0%} |" for s in stats]
+    cell = (f"F_v of layers 0–2 at most {top:.3g}; of layers 3–{stats[-1]['layer']} from "
+            f"{min(s['variance'] for s in deep):.3g} to {max(s['variance'] for s in deep):.3g}"
+            + (f" (layer{'s' * (len(odd) > 1)} {', '.join(map(str, odd))} as low as the shallow ones)" if odd else ""))
+    return cell, [(f"layer {l}", False) for l in odd] + [("the other deep layers", True)], "\n".join(detail)
 
 
-def claim_layer_budgets(quick) -> tuple[str, str]:
+def claim_layer_budgets(quick):
     layers = need(quick, "layers")
     n, b = layers["n"], layers["budget"]
-    parts = []
-    for spec, kept in layers["retention"].items():
-        whole = [l for l, k in enumerate(kept) if k >= n]
-        text = f"{name(spec)} {min(kept)}–{max(kept)}"
-        if whole:
-            text += f" (layers {', '.join(map(str, whole))} keep the whole prompt)"
-        parts.append(text)
+    detail = ["| method | fewest entries in a layer | most | layers kept whole |", "|---|---|---|---|"] + [
+        f"| {name(spec)} | {min(kept)} | {max(kept)} | {', '.join(str(l) for l, k in enumerate(kept) if k >= n) or '—'} |"
+        for spec, kept in layers["retention"].items()]
     dyn = layers["retention"].get("dynamickv", [1])
-    return (f"at {b:.0%} of {n:,} tokens (a mean of {round(b * n)} per layer), entries kept per layer (layers counted "
-            f"from 0): " + "; ".join(parts),
-            f"{'yes' if max(dyn) >= 2 * min(dyn) else 'no'} "
-            f"(DynamicKV's largest layer budget is ×{max(dyn) / min(dyn):.1f} its smallest)")
+    return (f"at {b:.0%} of {n:,} tokens (mean {round(b * n)} per layer) DynamicKV keeps {min(dyn)}–{max(dyn)} "
+            f"per layer (×{max(dyn) / min(dyn):.1f}; rule: at least ×2)",
+            [("DynamicKV's budgets", max(dyn) >= 2 * min(dyn))], "\n".join(detail))
 
 
-def claim_speed(fs) -> tuple[str, str]:
+def claim_speed(fs):
     sp = need(fs, "speed")
     dec = {m: d["ratio"] for m, d in sp["decode"].items() if m != "full"}
     pre = {m: p["ratio"] for m, p in sp["prefill"].items() if m != "full"}
     peak = {m: p["ratio"] for m, p in sp.get("peak", {}).items() if m != "full"}
-    cell = (f"decode after {sp['decode_n']:,} tokens at {sp['budget']:.0%}, tokens/s / full: "
-            + ", ".join(f"{name(m)} ×{dec[m]:.2f}" for m in sorted(dec, key=dec.get, reverse=True))
-            + f". Prefill of {sp['prefill_n']:,} tokens / full: "
-            + ", ".join(f"{name(m)} ×{pre[m]:.2f}" for m in sorted(pre, key=pre.get, reverse=True)))
+    lo_hi = lambda d: f"×{min(d.values()):.2f}–×{max(d.values()):.2f}"  # noqa: E731
+    cell = f"decode after {sp['decode_n']:,} tokens at {sp['budget']:.0%}: {lo_hi(dec)} the full cache's speed; " \
+           f"prefill of {sp['prefill_n']:,}: {lo_hi(pre)} its time" + (f"; peak memory {lo_hi(peak)}" if peak else "")
+    checks = [("decode faster, every method", all(r > 1 for r in dec.values())),
+              (f"prefill within ×1.10 ({sum(r <= 1.1 for r in pre.values())} of {len(pre)})",
+               all(r <= 1.1 for r in pre.values()))]
     if peak:
-        cell += (f". Peak memory growth while prefilling {sp['peak_n']:,} tokens / full "
-                 f"({sp['peak']['full']['peak_growth_mib']:.0f} MiB): "
-                 + ", ".join(f"{name(m)} ×{peak[m]:.2f}" for m in sorted(peak, key=peak.get)))
-    slow = [name(m) for m, r in dec.items() if r <= 1]
-    costly = [name(m) for m, r in pre.items() if r > 1.1]
-    verdict = ("decodes faster than the full cache: " + (f"all but {', '.join(slow)}" if slow else "every method")
-               + "; prefill within ×1.10 of the full cache's: "
-               + (f"all but {', '.join(costly)}" if costly else "every method"))
-    return cell, verdict
+        checks.append((f"less peak memory ({sum(r < 1 for r in peak.values())} of {len(peak)})",
+                       all(r < 1 for r in peak.values())))
+    detail = ["| method | decode / full | prefill / full | peak memory / full |", "|---|---|---|---|"] + [
+        f"| {name(m)} | ×{dec[m]:.2f} | ×{pre[m]:.2f} | {f'×{peak[m]:.2f}' if m in peak else '—'} |"
+        for m in sorted(dec, key=dec.get, reverse=True)]
+    return cell, checks, "\n".join(detail)
+
+
+# --- the table ---------------------------------------------------------------------------------
+
+def rows(quick: dict, full: dict, fs: dict) -> list[tuple]:
+    """(anchor, paper, claim, [(experiment, measure)]): measure() -> (cell, checks, detail)."""
+    both = [("full", full), ("quick", quick)]
+    return [
+        ("weightedkv-baselines", "WeightedKV", "Table I: at equal capacity, streaming perplexity below "
+         "StreamingLLM's, H2O's and TOVA's",
+         [("streaming", lambda: claim_streaming(both, "weightedkv", ["streaming_llm", "h2o", "tova"]))]),
+        ("weightedkv-cam", "WeightedKV", "Table I: its weighted value merge beats CaM's merge: streaming "
+         "perplexity below CaM's",
+         [("streaming", lambda: claim_streaming(both, "weightedkv", ["cam", "cam[variant=paper]"]))]),
+        ("d2o-streaming", "D2O", "Fig. 6: streaming perplexity below H2O's and StreamingLLM's",
+         [("streaming", lambda: claim_streaming(both, "d2o", ["h2o", "streaming_llm"]))]),
+        ("d2o-roco-cam", "D2O", "Tables 1-3: at equal budget it beats RoCo (eviction) and CaM (merging)",
+         [("streaming", lambda: claim_streaming(both, "d2o", ["roco", "cam"])),
+          ("fidelity, vs RoCo", lambda: claim_fidelity_pair(both, "d2o", "roco")),
+          ("fidelity, vs CaM", lambda: claim_fidelity_pair(both, "d2o", "cam")),
+          ("passkey, vs RoCo", lambda: claim_passkey_pair(quick, "d2o", "roco")),
+          ("passkey, vs CaM", lambda: claim_passkey_pair(quick, "d2o", "cam"))]),
+        ("passkey", "D2O, DynamicKV", "D2O Table 3, DynamicKV Fig. 4: compressed caches keep most of the passkey "
+         "accuracy; DynamicKV keeps the most at small budgets", [("passkey", lambda: claim_passkey(quick))]),
+        ("dbudgetkv", "DBudgetKV", "with t = 1% its self-chosen budget is near-lossless",
+         [("fidelity", lambda: claim_dbudgetkv(quick))]),
+        ("snapkv", "SnapKV", "compressing the prompt by its observation window keeps the output",
+         [("fidelity", lambda: claim_snapkv(both))]),
+        ("pyramidkv", "PyramidKV", "a pyramid of layer budgets beats SnapKV's uniform budgets at equal total",
+         [("fidelity", lambda: claim_fidelity_pair(both, "pyramidkv", "snapkv"))]),
+        ("dynamickv", "DynamicKV", "per-task layer budgets beat fixed patterns (SnapKV's uniform budgets)",
+         [("fidelity", lambda: claim_fidelity_pair(both, "dynamickv", "snapkv")),
+          ("passkey", lambda: claim_passkey_pair(quick, "dynamickv", "snapkv"))]),
+        ("d2o-layers", "D2O", "Fig. 1, 4: shallow layers attend densely, deep layers sparsely (higher variance)",
+         [("layers", lambda: claim_layer_variance(full if "layers" in full else quick))]),
+        ("dynamickv-layers", "DynamicKV", "Fig. 2: layers need very different budgets",
+         [("layers", lambda: claim_layer_budgets(quick))]),
+        ("speed", "D2O, all", "D2O Table 5 and all: a 20% cache decodes faster, needs less memory, and costs "
+         "little prefill time", [("speed", lambda: claim_speed(fs))]),
+    ]
+
+
+def measured(quick: dict, full: dict, fs: dict) -> list[tuple]:
+    """(anchor, paper, claim, experiment, cell, checks, detail) for every (claim, experiment)."""
+    out = []
+    for anchor, paper, claim, parts in rows(quick, full, fs):
+        for experiment, measure in parts:
+            try:
+                cell, checks, detail = measure()
+            except Missing as e:
+                cell, checks, detail = f"not measured yet (no {e} in the results files)", [], ""
+            out.append((anchor, paper, claim, experiment, cell, checks, detail))
+    return out
 
 
 def claims(quick: dict, full: dict, fs: dict) -> str:
-    """docs/evaluation.md: the papers' headline claims, measured; each row's numbers and verdict from the files."""
-    rows = [
-        ("WeightedKV (Table I): at equal capacity its streaming perplexity is below StreamingLLM's, H2O's and TOVA's",
-         lambda: claim_streaming(quick, full, "weightedkv", ["streaming_llm", "h2o", "tova"]), "streaming"),
-        ("WeightedKV (Table I): its deterministic, importance-weighted value merge beats CaM's probabilistic "
-         "merge into the next tokens: streaming perplexity below CaM's",
-         lambda: claim_streaming(quick, full, "weightedkv", ["cam", "cam[variant=paper]"]), "streaming"),
-        ("D2O (Fig. 6): its streaming perplexity stays below H2O's and StreamingLLM's",
-         lambda: claim_streaming(quick, full, "d2o", ["h2o", "streaming_llm"]), "streaming"),
-        ("D2O (Tables 1-3: LongBench, needle retrieval): at equal budget it beats RoCo (eviction) and CaM (merging)",
-         lambda: join(join(claim_streaming(quick, full, "d2o", ["roco", "cam"]),
-                           join(claim_fidelity_pair(quick, full, "d2o", "roco"),
-                                claim_fidelity_pair(quick, full, "d2o", "cam"))),
-                      join(claim_passkey_pair(quick, "d2o", "roco"), claim_passkey_pair(quick, "d2o", "cam"))),
-         "streaming, fidelity, passkey"),
-        ("D2O (Table 3), DynamicKV (Fig. 4): compressed caches keep most of the passkey accuracy; DynamicKV keeps "
-         "the most at small budgets", lambda: claim_passkey(quick), "passkey"),
-        ("DBudgetKV: with t = 1% its self-chosen budget is near-lossless", lambda: claim_dbudgetkv(quick), "fidelity"),
-        ("SnapKV: compressing the prompt by its observation window keeps the output",
-         lambda: claim_snapkv(quick, full), "fidelity"),
-        ("PyramidKV: a pyramid of layer budgets beats SnapKV's uniform budgets at equal total",
-         lambda: claim_fidelity_pair(quick, full, "pyramidkv", "snapkv"), "fidelity"),
-        ("DynamicKV: per-task layer budgets beat fixed patterns",
-         lambda: join(claim_fidelity_pair(quick, full, "dynamickv", "snapkv"),
-                      claim_passkey_pair(quick, "dynamickv", "snapkv")), "fidelity, passkey"),
-        ("D2O (Fig. 1, 4): shallow layers attend densely, deep layers sparsely (higher variance of attention)",
-         lambda: claim_layer_variance(full if "layers" in full else quick), "layers"),
-        ("DynamicKV (Fig. 2): layers need very different budgets", lambda: claim_layer_budgets(quick), "layers"),
-        ("D2O (Table 5) and the efficiency claims of all: a 20% cache decodes faster and needs less memory, and "
-         "compressing costs little prefill time", lambda: claim_speed(fs), "speed"),
-    ]
-    out = ["| paper, claim | measured on SmolLM2-135M | holds? | experiment |", "|---|---|---|---|"]
-    for claim, measure, experiment in rows:
-        try:
-            cell, verdict = measure()
-        except Missing as e:
-            cell, verdict = f"not measured yet (no {e} in the results files)", "—"
-        out.append(f"| {claim} | {cell} | {verdict} | {experiment} |")
+    """docs/evaluation.md: one row per (claim, experiment); the numbers of each below it (`details`)."""
+    out = ["| paper: claim | experiment | measured on SmolLM2-135M | holds? |", "|---|---|---|---|"]
+    for anchor, paper, claim, experiment, cell, checks, _ in measured(quick, full, fs):
+        out.append(f"| [{paper}](#{anchor}): {claim} | {experiment} | {cell} | {verdict_cell(checks)} |")
     return "\n".join(out)
 
 
-def join(a: tuple[str, str], b: tuple[str, str]) -> tuple[str, str]:
-    return "; ".join(x for x in (a[0], b[0]) if x), "; ".join(x for x in (a[1], b[1]) if x)
+def details(quick: dict, full: dict, fs: dict) -> str:
+    """Every number each verdict of `claims` rests on, one section per claim and experiment."""
+    out, seen = [], set()
+    for anchor, paper, claim, experiment, _, checks, detail in measured(quick, full, fs):
+        if anchor not in seen:
+            out += [f'<a id="{anchor}"></a>', f"#### {paper}: {claim}", ""]
+            seen.add(anchor)
+        out += [f"*{experiment}*: {verdict(checks)}.", "", detail or "—", ""]
+    return "\n".join(out).rstrip()
+
+
+SEED = {  # the seed papers' headline claims, as the README states them: the rows that decide each
+    "D2O": ("at equal memory, a lower loss than eviction (H2O, RoCo, StreamingLLM) and merging (CaM)",
+            ["d2o-streaming", "d2o-roco-cam"]),
+    "DBudgetKV": ("with t = 1%, a self-chosen budget that is near-lossless", ["dbudgetkv"]),
+    "WeightedKV": ("at equal capacity, streaming perplexity below eviction (StreamingLLM, H2O, TOVA) and CaM's "
+                   "merge", ["weightedkv-baselines", "weightedkv-cam"]),
+    "DynamicKV": ("layer budgets set per task beat SnapKV's uniform ones at equal memory; most passkey answers at "
+                  "small budgets", ["dynamickv", "passkey"]),
+}
+
+
+def readme(quick: dict, full: dict, fs: dict) -> str:
+    """README.md: one line per seed paper's headline claim: the verdict over its rows, and why, in a sentence."""
+    found = measured(quick, full, fs)
+    out = ["| paper | headline claim | here | why |", "|---|---|---|---|"]
+    for paper, (claim, anchors) in SEED.items():
+        checks = [c for a, _, _, _, _, cs, _ in found if a in anchors for c in cs
+                  if not (paper == "DynamicKV" and c[0].startswith("D2O"))]  # the passkey row judges both
+        known = [ok for _, ok in checks if ok is not None]
+        why = (f"{sum(known)} of {len(known)} comparisons at equal measured memory go its way"
+               if paper != "DBudgetKV" else "; ".join(cell for a, _, _, _, cell, _, _ in found if a == "dbudgetkv"))
+        out.append(f"| {paper} | {claim} | {verdict(checks)} | {why} ([detail](docs/evaluation.md#{anchors[0]})) |")
+    return "\n".join(out)

@@ -12,7 +12,9 @@ A generated region of a markdown file reads
 (one region, "profiles", is made from the code instead: the sizes of kvmini.eval.suite.PROFILES)
 
 and whatever is typed between the two lines is replaced (so a number edited by hand fails --check).
-Each results folder's summary.md is kvmini.eval.summary.summary of its results.json, rewritten alike.
+Each results folder's summary.md is kvmini.eval.summary.summary of its results.json, rewritten alike,
+and each README figure (kvmini.eval.plots.FIGURES) is drawn again when the digest it records differs
+from that of the results it shows (--check compares the digests only: it draws nothing).
 """
 import json
 import re
@@ -39,6 +41,8 @@ TABLES = {
     "not-run-full": ((FULL, FULL_SPEED), tables.not_run),
     "claims": ((QUICK, FULL, FULL_SPEED), claims.claims),
     "not-measured": ((QUICK, FULL, FULL_SPEED), lambda q, f, s: not_measured((QUICK, q), (FULL, f), (FULL_SPEED, s))),
+    "claims-detail": ((QUICK, FULL, FULL_SPEED), claims.details),
+    "claims-readme": ((QUICK, FULL, FULL_SPEED), claims.readme),
     "provenance": ((QUICK, FULL, FULL_SPEED),
                    lambda q, f, s: tables.provenance_table((QUICK, q), (FULL, f), (FULL_SPEED, s))),
     "d2o-ablations": ((QUICK,), lambda q: tables.ablations(q, "d2o")),
@@ -155,9 +159,28 @@ def outputs(root: Path = ROOT) -> dict[Path, tuple[str, str]]:
     return out
 
 
+def stale_figures(root: Path = ROOT) -> list[str]:
+    """The README figures whose recorded digest is not that of the committed results they show."""
+    from kvmini.eval import plots
+
+    return [file for file, (sources, _) in plots.FIGURES.items()
+            if plots.recorded_digest(root / file) != plots.figure_digest(file, *(read(root, s) for s, _ in sources))]
+
+
+def draw_figures(root: Path = ROOT) -> list[str]:
+    """Draw the stale README figures again (kvmini.eval.plots); the files drawn."""
+    from kvmini.eval import plots
+
+    stale = stale_figures(root)
+    for file in stale:
+        plots.draw_figure(file, root / file, *(read(root, s) for s, _ in plots.FIGURES[file][0]))
+    return stale
+
+
 def differences(root: Path = ROOT) -> list[str]:
     """One line per generated part that differs from what the generator writes."""
-    found = []
+    found = [f"{file} does not show the committed results (its data digest differs): `python -m kvmini.eval.docs` "
+             "draws it" for file in stale_figures(root)]
     for path, (now, written) in outputs(root).items():
         if now == written:
             continue
@@ -185,6 +208,8 @@ def generate(args) -> int:
         if now != written:
             path.write_text(written)
             print(f"wrote {path.relative_to(ROOT)}")
+    for file in draw_figures(ROOT):
+        print(f"drew {file}")
     return 0
 
 

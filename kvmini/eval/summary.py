@@ -13,8 +13,10 @@ def summary(results: dict) -> str:
         out += ["> **Smoke profile: these numbers mean nothing.** The sizes only exercise every code path (a",
                 "> compressed cache may even score better than the full one on 128 tokens). Use --profile quick", ""]
     if "streaming" in results:
-        out += ["## Streaming perplexity", "", "| capacity | method | tokens scored | perplexity |", "|---|---|---|---|"]
-        out += [f"| {r['capacity']} | {r['method']} | {r['tokens']} | {r['ppl']:.3f} |" for r in results["streaming"]]
+        out += ["## Streaming perplexity", "", "| capacity | method | tokens scored | entries held per layer | perplexity |",
+                "|---|---|---|---|---|"]
+        out += [f"| {r['capacity']} | {r['method']} | {r['tokens']} | {r['held']:.0f} | {r['ppl']:.3f} |" if "held" in r
+                else f"| {r['capacity']} | {r['method']} | {r['tokens']} | — | {r['ppl']:.3f} |" for r in results["streaming"]]
         out.append("")
     if "passkey" in results:
         rows = results["passkey"]
