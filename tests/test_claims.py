@@ -71,13 +71,14 @@ def test_streaming_compares_at_the_entries_held():
     assert claims.claim_streaming([("full", old)], "d2o", ["h2o"])[1] == [("full 256", None)]
 
 
-def test_passkey_pairs_compare_at_the_entries_kept():
-    """D2O at 20% kept 60 entries per layer and answered 2 of 3; RoCo kept 40 (20%) and 80 (40%)
-    entries and answered 1 and 3: at 60, halfway, 2 answers: not more. At 10% both kept 20: 1 > 0."""
-    rows = [{"method": "full", "budget": None, "kept": 200.0, "correct": True}] * 3
+def test_passkey_pairs_compare_at_the_share_kept():
+    """On 200-token prompts D2O at 20% kept 60 entries per layer (30%) and answered 2 of 3; RoCo kept
+    40 (20%) and 80 (40%) and answered 1 and 3: at 30%, halfway, 2 answers: not more. At 10% both
+    kept 20 (10%): 1 > 0."""
+    rows = [{"method": "full", "budget": None, "kept": 200.0, "prompt_tokens": 200, "correct": True}] * 3
     for m, b, kept, right in (("d2o", 0.1, 20.0, 1), ("d2o", 0.2, 60.0, 2), ("roco", 0.1, 20.0, 0),
                               ("roco", 0.2, 40.0, 1), ("roco", 0.4, 80.0, 3)):
-        rows += [{"method": m, "budget": b, "kept": kept, "correct": i < right} for i in range(3)]
+        rows += [{"method": m, "budget": b, "kept": kept, "prompt_tokens": 200, "correct": i < right} for i in range(3)]
     cell, checks, _ = claims.claim_passkey_pair({"passkey": rows}, "d2o", "roco")
     assert checks == [("passkey 10%", True), ("passkey 20%", False)]
     assert "20% 2 vs 2.0" in cell

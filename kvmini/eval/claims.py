@@ -178,33 +178,33 @@ def claim_snapkv(profiles):
 # --- passkey -----------------------------------------------------------------------------------
 
 def passkey_points(results: dict) -> tuple[dict, int]:
-    """(method, budget) -> (mean entries kept per layer, correct answers); and the cells each ran."""
+    """(method, budget) -> (mean share of the prompt kept per layer, correct answers); and the cells each ran."""
     rows = need(results, "passkey")
     out = {}
     for r in rows:
         kept, right, n = out.get((r["method"], r["budget"]), (0.0, 0, 0))
-        out[(r["method"], r["budget"])] = (kept + r["kept"], right + bool(r["correct"]), n + 1)
+        out[(r["method"], r["budget"])] = (kept + r["kept"] / r["prompt_tokens"], right + bool(r["correct"]), n + 1)
     cells = sum(1 for r in rows if r["method"] == "full")
     return {k: (kept / n, right) for k, (kept, right, n) in out.items()}, cells
 
 
 def claim_passkey_pair(quick: dict, spec: str, rival: str):
-    """Answers of `spec` at each budget against `rival`'s at the same mean entries kept (off its frontier)."""
+    """Answers of `spec` at each budget against `rival`'s at the same share kept (off its frontier)."""
     pts, cells = passkey_points(quick)
     line = [(k, c) for (m, b), (k, c) in pts.items() if m == rival and b is not None]
     out, checks = [], []
-    detail = [f"| budget | {name(spec)}: kept per layer, right | {name(rival)} at that size | more? |", "|---|---|---|---|"]
+    detail = [f"| budget | {name(spec)}: share kept, right | {name(rival)} at that share | more? |", "|---|---|---|---|"]
     for (m, b), (kept, right) in pts.items():
         if m != spec or b is None:
             continue
-        y = at_share(line, kept, same=0.5)
+        y = at_share(line, kept)
         ok = None if y is None else right > y
         checks.append((f"passkey {budget_text(b)}", ok))
-        detail.append(f"| {budget_text(b)} | {kept:.0f}, {right}/{cells} | "
-                      f"{'outside its measured sizes' if y is None else f'{y:.1f}/{cells}'} | "
+        detail.append(f"| {budget_text(b)} | {kept:.1%}, {right}/{cells} | "
+                      f"{'outside its measured shares' if y is None else f'{y:.1f}/{cells}'} | "
                       f"{'—' if ok is None else 'yes' if ok else 'no'} |")
         out.append(f"{budget_text(b)} {right} vs {'—' if y is None else f'{y:.1f}'}")
-    return (f"answers of {cells}, {name(spec)} vs {name(rival)} at as many entries kept: " + "; ".join(out),
+    return (f"answers of {cells}, {name(spec)} vs {name(rival)} at the share it kept: " + "; ".join(out),
             checks, "\n".join(detail))
 
 
@@ -219,7 +219,7 @@ def claim_passkey(quick: dict):
                                                    for b in budgets) + " |")
     for m in (m for m, b in pts if b is None and m != "full"):
         detail.append(f"| {name(m)} (own budget) | {pts[(m, None)][1]}/{cells} |" + " |" * (len(budgets) - 1))
-    checks, cell = [], [f"{', '.join(map(str, size['lengths']))} tokens, {cells} cells: full cache {full}/{cells}"]
+    checks, cell = [], [f"{', '.join(f'{n:,}' for n in size['lengths'])} tokens, {cells} cells: full cache {full}/{cells}"]
     for b in budgets:
         at = {m: pts[(m, bb)][1] for m, bb in pts if bb == b}
         best = max(at.values())
@@ -350,26 +350,30 @@ def details(quick: dict, full: dict, fs: dict) -> str:
     return "\n".join(out).rstrip()
 
 
-SEED = {  # the seed papers' headline claims, as the README states them: the rows that decide each
+SEED = {  # the seed papers' headline claims as the README states them: the rows that decide each, and the
+    # (row, experiment) whose numbers say why
     "D2O": ("at equal memory, a lower loss than eviction (H2O, RoCo, StreamingLLM) and merging (CaM)",
-            ["d2o-streaming", "d2o-roco-cam"]),
-    "DBudgetKV": ("with t = 1%, a self-chosen budget that is near-lossless", ["dbudgetkv"]),
+            ["d2o-streaming", "d2o-roco-cam"], ("d2o-roco-cam", "fidelity, vs RoCo")),
+    "DBudgetKV": ("with t = 1%, a self-chosen budget that is near-lossless", ["dbudgetkv"], ("dbudgetkv", "fidelity")),
     "WeightedKV": ("at equal capacity, streaming perplexity below eviction (StreamingLLM, H2O, TOVA) and CaM's "
-                   "merge", ["weightedkv-baselines", "weightedkv-cam"]),
+                   "merge", ["weightedkv-baselines", "weightedkv-cam"], ("weightedkv-baselines", "streaming")),
     "DynamicKV": ("layer budgets set per task beat SnapKV's uniform ones at equal memory; most passkey answers at "
-                  "small budgets", ["dynamickv", "passkey"]),
+                  "small budgets", ["dynamickv", "passkey"], ("dynamickv", "fidelity")),
 }
 
 
 def readme(quick: dict, full: dict, fs: dict) -> str:
-    """README.md: one line per seed paper's headline claim: the verdict over its rows, and why, in a sentence."""
+    """README.md: one line per seed paper's headline claim: the verdict over its rows, and why (how many
+    comparisons went its way, and the numbers of its main one)."""
     found = measured(quick, full, fs)
     out = ["| paper | headline claim | here | why |", "|---|---|---|---|"]
-    for paper, (claim, anchors) in SEED.items():
+    for paper, (claim, anchors, (anchor, experiment)) in SEED.items():
         checks = [c for a, _, _, _, _, cs, _ in found if a in anchors for c in cs
                   if not (paper == "DynamicKV" and c[0].startswith("D2O"))]  # the passkey row judges both
         known = [ok for _, ok in checks if ok is not None]
-        why = (f"{sum(known)} of {len(known)} comparisons at equal measured memory go its way"
-               if paper != "DBudgetKV" else "; ".join(cell for a, _, _, _, cell, _, _ in found if a == "dbudgetkv"))
-        out.append(f"| {paper} | {claim} | {verdict(checks)} | {why} ([detail](docs/evaluation.md#{anchors[0]})) |")
+        cell = next(cell for a, _, _, e, cell, _, _ in found if (a, e) == (anchor, experiment))
+        count = (f"{sum(known)} of {len(known)} checks go its way" if known else
+                 "no measurement compares at equal memory")
+        out.append(f"| {paper} | {claim} | **{verdict(checks)}** | {count}; {cell} "
+                   f"([detail](docs/evaluation.md#{anchors[0]})) |")
     return "\n".join(out)
