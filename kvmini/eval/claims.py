@@ -198,7 +198,7 @@ def claim_passkey_pair(quick: dict, spec: str, rival: str):
         if m != spec or b is None:
             continue
         y = at_share(line, kept)
-        ok = None if y is None else right > y
+        ok = None if y is None else right > y + 1e-9  # a tie read off the frontier is not more
         checks.append((f"passkey {budget_text(b)}", ok))
         detail.append(f"| {budget_text(b)} | {kept:.1%}, {right}/{cells} | "
                       f"{'outside its measured shares' if y is None else f'{y:.1f}/{cells}'} | "
