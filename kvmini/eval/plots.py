@@ -240,7 +240,8 @@ def _streaming(plt, rows):
     for ax, cap in zip(axes[0], capacities):
         for r in (r for r in rows if r["capacity"] == cap):
             xs = [i * (r["tokens"] - 1) / max(len(r["curve"]) - 1, 1) for i in range(len(r["curve"]))]
-            ax.plot(xs, r["curve"], label=f"{r['method']} (ppl {r['ppl']:.2f})")
+            held = f", {r['held']:.0f} held per layer" if "held" in r else ""
+            ax.plot(xs, r["curve"], label=f"{r['method']} (ppl {r['ppl']:.2f}{held})")
         ax.set(title=f"cache capacity {cap}", xlabel="tokens after the prompt", ylabel="cumulative mean NLL (nats)")
     axes[0, -1].legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.02, 1))  # outside: never over the curves
     yield "streaming_nll.png", fig
