@@ -129,8 +129,9 @@ def _frontier_kl(plt, quick: dict):
         seed = spec.split("[")[0] in SEEDS
         style = _style(spec, seeds if seed else baselines)
         seeds, baselines = seeds + seed, baselines + (not seed)
-        if len(pts) == 1:  # a self-chosen budget: one point
-            style.update(marker="*", markersize=13, linestyle="none")
+        if len(pts) == 1:  # a self-chosen budget: one point (a hollow star for the other variant)
+            style.update(marker="*", markersize=13, linestyle="none", markeredgewidth=1.3,
+                         markerfacecolor="white" if "variant" in spec else style["color"])
         ax.plot([p[0] for p in pts], [p[1] for p in pts], label=label(spec), **style)
     ax.set(xlabel="share of K/V kept (measured, mean over layers and prompts)",
            ylabel="KL(full ‖ method), nats per token (log scale)", yscale="log",
