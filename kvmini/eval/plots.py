@@ -10,6 +10,7 @@ shows the committed results without drawing it again.
 """
 import hashlib
 import json
+import math
 import struct
 import zlib
 from pathlib import Path
@@ -189,9 +190,11 @@ def _frontier_passkey(plt, quick: dict):
 def _speed_vs_kl(plt, quick: dict, fs: dict):
     """Decode speed after 8k tokens (ratio to the full cache) against KL at 20%, one point per method."""
     f = fidelity_by_spec(quick["fidelity"])
-    dec = fs["speed"]["decode"]
+    sp = fs["speed"]
+    dec = sp["decode"]
     fig, ax = plt.subplots(figsize=(7.6, 5.0))
     seeds = baselines = 0
+    named = []
     for spec in _ordered(m for m in dec if m != "full"):
         key = (spec, 0.2) if (spec, 0.2) in f else (spec, None)
         if key not in f:
@@ -202,18 +205,22 @@ def _speed_vs_kl(plt, quick: dict, fs: dict):
         x, y = f[key]["kl"], dec[spec]["ratio"]
         text = label(spec) + ("" if abs(f[key]["kept"] - 0.2) < 0.005 else f" ({f[key]['kept']:.0%} kept)")
         marker = "*" if key[1] is None else ("o" if "variant" not in spec else "s") if seed else style["marker"]
-        ax.scatter([x], [y], color=style["color"], s=90 if seed else 30, zorder=style["zorder"], marker=marker,
-                   label=text, edgecolors="black" if seed else "none", linewidths=0.5)
+        face = "white" if seed and key[1] is None and "variant" in spec else style["color"]
+        ax.scatter([x], [y], color=face, s=110 if seed else 30, zorder=style["zorder"], marker=marker, label=text,
+                   edgecolors=style["color"] if face == "white" else "black" if seed else "none",
+                   linewidths=1.3 if face == "white" else 0.5)
         if seed:  # the seed papers named beside their points too; the baselines in the legend only
-            ax.annotate(text, (x, y), textcoords="offset points", xytext=(6, -3), fontsize=7.5,
-                        color=style["color"], fontweight="bold")
+            named.append((text, x, y, style["color"]))
+    ax.set_xscale("log")
     lo, hi = ax.get_xlim()
-    ax.set_xlim(lo, hi * 2.5)  # room for the rightmost point's name
+    for text, x, y, colour in named:  # names of points in the right half go to their left
+        left = math.log(x) > (math.log(lo) + math.log(hi)) / 2
+        ax.annotate(text, (x, y), textcoords="offset points", xytext=(-7 if left else 7, -3), fontsize=7.5,
+                    color=colour, fontweight="bold", ha="right" if left else "left")
     ax.axhline(1.0, color="gray", linestyle="--", linewidth=1, label="full cache")
     ax.legend(fontsize=7.5, loc="upper left", bbox_to_anchor=(1.01, 1), title="large: seed papers", title_fontsize=8)
-    sp = fs["speed"]
-    ax.set(xscale="log", xlabel=f"KL(full ‖ method) at a {sp['budget']:.0%} budget (quick fidelity), nats per token, "
-                                "log scale: left is closer to the full cache",
+    ax.set(xlabel=f"KL(full ‖ method) at a {sp['budget']:.0%} budget (quick fidelity), nats per token, "
+                  "log scale: left is closer to the full cache",
            ylabel=f"decode speed after {sp['decode_n']:,} tokens / full cache's",
            title="What a method keeps against how fast it decodes (upper left is better)")
     ax.grid(alpha=0.3, which="both")
