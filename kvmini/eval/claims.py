@@ -74,7 +74,7 @@ def streaming_at(results: dict, method: str, held: float) -> float | None:
 def claim_streaming(profiles: list[tuple[str, dict]], who: str, rivals: list[str]):
     """`who` (each variant) against every rival at each capacity, at equal measured entries held."""
     cells, checks, detail = [], [], ["| profile | capacity | method | entries held per layer | perplexity | "
-                                     "best rival at the same held | |", "|---|---|---|---|---|---|---|"]
+                                     "best rival at the same held | below it? |", "|---|---|---|---|---|---|---|"]
     for label, res in profiles:
         if "streaming" not in res:
             continue
@@ -84,7 +84,7 @@ def claim_streaming(profiles: list[tuple[str, dict]], who: str, rivals: list[str
                 held, ppl = rows[m]
                 if held is None:  # a run before `held` was recorded: no comparison at equal memory
                     checks.append((f"{label} {capacity:,}", None))
-                    detail.append(f"| {label} | {capacity:,} | {name(m)} | not recorded | {ppl:.2f} | — | |")
+                    detail.append(f"| {label} | {capacity:,} | {name(m)} | not recorded | {ppl:.2f} | — | — |")
                     continue
                 rival = {r: streaming_at(res, r, held) for r in present}
                 known = {r: v for r, v in rival.items() if v is not None}
@@ -94,7 +94,7 @@ def claim_streaming(profiles: list[tuple[str, dict]], who: str, rivals: list[str
                 checks.append((short, ok))
                 shown = "—" if best is None else f"{name(best)} {known[best]:.2f}"
                 detail.append(f"| {label} | {capacity:,} | {name(m)} | {held:,.0f} | {ppl:.2f} | {shown} | "
-                              f"{'' if ok is None else 'below' if ok else 'not below'} |")
+                              f"{'—' if ok is None else 'yes' if ok else 'no'} |")
                 if m == who:
                     cells.append(f"{short}: {ppl:.2f} holding {held:,.0f} vs " +
                                  (f"{name(best)} {known[best]:.2f}" if best else "— (no rival held as much)"))
