@@ -108,19 +108,20 @@ def test_a_new_method_is_not_measured_and_stales_nothing_else(tmp_path, monkeypa
     root = copy_of_the_code(tmp_path, monkeypatch)
     speed, today = speed_results(tmp_path, ["full", "h2o", "snapkv"])
     fidelity = made_now(tmp_path, "fidelity", ["full", "h2o", "snapkv"], {"methods": ["h2o", "snapkv"]})
-    (root / "kvmini" / "methods" / "cake.py").write_text((root / "kvmini" / "methods" / "snapkv.py").read_text())
+    new = "zz_made_up"  # a name no real method takes: "cake" was one a contributor added for real
+    (root / "kvmini" / "methods" / f"{new}.py").write_text((root / "kvmini" / "methods" / "snapkv.py").read_text())
     edit(root / "kvmini" / "methods" / "registry.py", "    \"snapkv\": snapkv,\n", "    \"snapkv\": snapkv,\n"
-         "    \"cake\": cake,\n")
-    edit(root / "kvmini" / "methods" / "registry.py", "from kvmini.methods import (cam,", "from kvmini.methods import (cake, cam,")
+         f"    \"{new}\": {new},\n")
+    edit(root / "kvmini" / "methods" / "registry.py", "from kvmini.methods import (", f"from kvmini.methods import ({new}, ")
     assert provenance.stale(speed, today) == []  # the registry's table of methods stales nothing
-    today["speed"]["methods"].append("cake")
+    today["speed"]["methods"].append(new)
     [line] = provenance.stale(speed, today)
-    assert "speed is stale (cake is not measured)" in line
-    assert line.endswith("measure alone: python -m kvmini.eval.suite --only speed --methods cake")
-    [line] = provenance.stale(fidelity, {"fidelity": {"methods": ["full", "h2o", "snapkv", "cake"],
-                                                      "sizes": {"methods": ["h2o", "snapkv", "cake"]}}})
-    assert ("fidelity is stale (cake has no entry in the behaviour recording (record it: PYTHONPATH=. python "
-            "tests/test_engine_regression.py --record cake); cake is not measured); measure alone: ") in line
+    assert f"speed is stale ({new} is not measured)" in line
+    assert line.endswith(f"measure alone: python -m kvmini.eval.suite --only speed --methods {new}")
+    [line] = provenance.stale(fidelity, {"fidelity": {"methods": ["full", "h2o", "snapkv", new],
+                                                      "sizes": {"methods": ["h2o", "snapkv", new]}}})
+    assert (f"fidelity is stale ({new} has no entry in the behaviour recording (record it: PYTHONPATH=. python "
+            f"tests/test_engine_regression.py --record {new}); {new} is not measured); measure alone: ") in line
 
 
 def test_the_measure_alone_command_keeps_the_folder_and_profile():

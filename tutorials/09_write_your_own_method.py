@@ -15,7 +15,7 @@
 # It lives in `kvmini/methods/vatp.py`. Adding it took what adding any method takes:
 #
 # 1. **the module**: the parts (a new scorer, the rest reused), a typed `Options` declaration and `build`;
-# 2. **one line** in `kvmini/methods/registry.py`'s `METHODS`;
+# 2. **its line** in `kvmini/methods/registry.py`'s `METHODS` (and its name in the import above it);
 # 3. **its tests**: `tests/test_vatp.py` (a worked example, a literal masked simulation, H2O as a special case).
 #
 # Everything else — the `run.py` flags and `--help`, the report, the evaluation tools' specs, and the
@@ -493,6 +493,12 @@ assert stats.toy_window_seen[0, 0].tolist() == [4, 4, 4, 4, 3, 2, 1]  # key 6 is
 #
 # After that, `known` returns the budgets (a method that also evicts while decoding is then budgeted
 # without measuring). This toy compresses once, when the prompt is complete (`PREFILL`).
+#
+# Two things a real budgeter of this kind needs that the toy leaves out: `per_sequence = True` on the
+# class, so that each sequence of a batch gets budgets from its own measures (without it a batch shares
+# one plan; a literal reference of a batch then sees pad positions in the kept sets, to strip before
+# comparing); and its `Statistic`s built at module level, since a `Stats` holding a name is accepted
+# only once a `Statistic` of that name exists (a hand-worked test imports the module first).
 
 # %%
 class WindowVariance(Budgeter):
@@ -560,7 +566,7 @@ print("budgets", policy.budgets, "from V_l", [round(policy.budgeter.variance[l],
 #    equation, the defaults and every `Deviation:` from the paper or the authors' code; the parts
 #    (reuse what exists, write the one that is new); `Options` (shared options from
 #    `kvmini/methods/options.py`, new ones with `options.option`); `build(budget, o)`.
-# 2. One line in `METHODS` (`kvmini/methods/registry.py`).
+# 2. Its line in `METHODS` and its name in the import above it (`kvmini/methods/registry.py`).
 # 3. `tests/test_<name>.py`: a worked example by hand, a literal reference in loops compared with the
 #    engine (`reference.simulate`), and the special cases that must reduce to a known method.
 # 4. Record its behaviour: `PYTHONPATH=. python tests/test_engine_regression.py --record <name>` (its
