@@ -35,11 +35,11 @@ def test_six_token_cut_by_hand():
 @pytest.mark.exercise("frobenius_stop")
 def test_edge_cases_by_hand():
     """At most S - 1 tokens go (t = 1: any drop is allowed, the most important token stays); an all-zero
-    row makes every drop 0/0 and gives -1 (nothing pruned: the caller keeps the layer whole); the norms
-    of a batch and of its heads are averaged alike: rows [1, 0] and [0, 1] (order 0, 1) lose 50% on
-    average by removing token 0."""
+    row loses nothing whatever goes: S - 1 (not -1, which made a budget of S + 1); the norms of a batch
+    and of its heads are averaged alike: rows [1, 0] and [0, 1] (order 0, 1) lose 50% on average by
+    removing token 0."""
     assert frobenius_stop(ROW, BY_POSITION_ONE_SINK, 1.0) == 5
-    assert frobenius_stop(torch.zeros(1, 2, 5), torch.arange(5).expand(1, 2, 5), 0.01) == -1
+    assert frobenius_stop(torch.zeros(1, 2, 5), torch.arange(5).expand(1, 2, 5), 0.01) == 4
     rows, order = torch.tensor([[1.0, 0.0], [0.0, 1.0]]), torch.tensor([0, 1]).expand(2, 2)
     assert frobenius_stop(rows.view(2, 1, 2), order.view(2, 1, 2), 0.49) == 0  # as a batch of two
     assert frobenius_stop(rows.view(1, 2, 2), order.view(1, 2, 2), 0.49) == 0  # as two heads
@@ -57,7 +57,7 @@ def sequential_prune(s: torch.Tensor, order: torch.Tensor, t: float) -> int:
     pruned = 0
     while pruned < S - 1:
         keep = [[order[b, h, pruned + 1 :].tolist() for h in range(H)] for b in range(B)]
-        if (full - norm(keep)) / full > t:
+        if full - norm(keep) > t * full:  # (the drop relative to the full norm, which may be 0)
             break
         pruned += 1
     return pruned

@@ -47,8 +47,8 @@ from kvmini.methods.registry import make_policy  # noqa: E402
 # for all heads at once (cumsum + where); the norms are averaged over the heads, so one layer makes
 # one cut. The edge cases: $i$ runs from 0 to $S - 1$ (the most important token always stays, even
 # at $t = 1$); $R_i$ and $\|A'\|_F$ are averaged over the batch and the heads alike (a row of the batch
-# counts as one more head); an all-zero row has $\|A'\|_F = 0$, every drop is 0/0, and the count is
-# $-1$: nothing is pruned.
+# counts as one more head); an all-zero row has $\|A'\|_F = 0$ and loses nothing whatever is removed,
+# so it prunes $S - 1$ (the caller keeps the sinks or the window on top of that).
 
 # %%
 s = torch.tensor([0.4, 0.05, 0.1, 0.05, 0.1, 0.3]).view(1, 1, 6)  # a 6-token row
@@ -144,7 +144,7 @@ if solved("frobenius_stop"):
 # 1. *(assignment: `frobenius_stop`)* Implement Eq. 2 with `cumsum` and `where`, the body of
 #    `frobenius_stop` in `kvmini/methods/frobenius_stop.py`: how many tokens to prune, an `int` from 0
 #    to $S - 1$. Check it with `python -m kvmini.course check frobenius_stop`: this tutorial's
-#    six-token example ($t = 0$ prunes nothing, $t = 1$ all but one), an all-zero row ($-1$), a batch of
+#    six-token example ($t = 0$ prunes nothing, $t = 1$ all but one), an all-zero row ($S - 1$), a batch of
 #    two rows averaged like two heads, a sequential prune-until-threshold loop on random rows (1 to 4
 #    heads, 1 to 24 tokens, one order for every head or one each), and the whole method against a
 #    literal rule.

@@ -38,13 +38,15 @@ def frobenius_stop(s: torch.Tensor, order: torch.Tensor, t: float) -> int:
     Example: s = [.4, .05, .1, .05, .1, .3], least important first 1, 2, 3, 4, 5, 0: removing token 1
     loses 0.46% of the norm, adding token 2 loses 2.3%, so t = 1% prunes 1 token. At most S - 1
     (the most important token stays); R_i is averaged over the batch and the heads alike; an all-zero
-    s makes every drop 0/0 and gives -1: nothing is pruned.
+    s loses nothing whatever is removed: S - 1.
     """
     # BEGIN EXERCISE frobenius_stop: tutorials/05_dbudgetkv.py, "The norm-stopping rule (Eq. 2)"
     sq = s.gather(-1, order).double() ** 2  # (B, H_kv, S), least important first
     R = sq.flip(-1).cumsum(-1).flip(-1).sqrt()  # (B, H_kv, S): R[..., i], Eq. (2)
     R_mean = R.mean(dim=(0, 1))  # (S,) averaged over heads
     F = R_mean[0]  # the full norm ||A'||_F (nothing removed), averaged over heads
+    if F == 0:  # an all-zero row: removing tokens loses nothing (0 <= t * 0), so all but one may go
+        return s.shape[-1] - 1
     drop = (F - R_mean) / F  # (S,) non-decreasing in i
     return int((drop <= t).sum().item()) - 1  # drop[0] = 0, so at least 0
     # END EXERCISE
