@@ -9,7 +9,8 @@ A generated region of a markdown file reads
     ... TABLES[NAME] of those files (kvmini.eval.tables, kvmini.eval.claims) ...
     <!-- end generated -->
 
-(one region, "profiles", is made from the code instead: the sizes of kvmini.eval.suite.PROFILES)
+(two regions are made from the code instead: "profiles", the sizes of kvmini.eval.suite.PROFILES, and
+"reading-order", the files a reader opens to follow a method, kvmini.eval.reading)
 
 and whatever is typed between the two lines is replaced (so a number edited by hand fails --check).
 Each results folder's summary.md is kvmini.eval.summary.summary of its results.json, rewritten alike,
@@ -35,9 +36,11 @@ REGION = re.compile(r"<!-- generated: (\S+)[^\n]*-->\n(.*?)<!-- end generated --
 TESTS = test_run.OUT  # the last recorded run of the test suite
 HF = "results/hf/bench.json"  # kvmini against HF transformers (kvmini.eval.bench_hf --out)
 PROFILES_SOURCE = "kvmini/eval/suite.py"  # not a results file: the profiles' sizes, read from the module
+READING_SOURCE = "kvmini/"  # not a results file: the reading path's files and lines, read from the code
 # name -> (the results files it reads, the function of their contents)
 TABLES = {
     "profiles": ((PROFILES_SOURCE,), lambda _: profiles()),
+    "reading-order": ((READING_SOURCE,), lambda _: reading()),
     "not-run-full": ((FULL, FULL_SPEED), tables.not_run),
     "claims": ((QUICK, FULL, FULL_SPEED), claims.claims),
     "not-measured": ((QUICK, FULL, FULL_SPEED), lambda q, f, s: not_measured((QUICK, q), (FULL, f), (FULL_SPEED, s))),
@@ -77,6 +80,12 @@ def profiles() -> str:
     return tables.profiles_table(PROFILES)
 
 
+def reading() -> str:
+    from kvmini.eval.reading import table  # imports torch (what make_policy returns): only when this region is written
+
+    return table()
+
+
 def not_measured(*files: tuple[str, dict]) -> str:
     """The methods the suite runs that a results file lacks (a method just added), with the command that
     measures each alone into it (kvmini.eval.provenance.measure_alone)."""
@@ -109,7 +118,7 @@ def region(name: str, root: Path = ROOT) -> str:
     if absent := [s for s in sources if s in RECORD and not (root / s).exists()]:
         body = f"*Not measured yet: `{RECORD[absent[0]]}` writes {absent[0]}.*"
         return f"<!-- generated: {name} (from {', '.join(sources)}) -->\n{body}\n<!-- end generated -->"
-    loaded = [None if s == PROFILES_SOURCE else read(root, s) for s in sources]
+    loaded = [None if s in (PROFILES_SOURCE, READING_SOURCE) else read(root, s) for s in sources]
     try:
         body = make(*loaded)
     except tables.Missing as e:
