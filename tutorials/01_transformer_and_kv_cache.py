@@ -219,9 +219,10 @@ assert two[0].positions.tolist() == [[[0, 3, 2]]] and two[1].positions.tolist() 
 # own weights (135M parameters in bf16 are 270 MB). `nbytes()` reports exactly this.
 
 # %%
+from kvmini.loading import read_config  # noqa: E402
 from kvmini.weights import ensure_default_model  # noqa: E402
 
-smol = ModelConfig.from_file(ensure_default_model() / "config.json")
+smol = read_config(ensure_default_model() / "config.json")
 L, H_kv, D = smol.num_layers, smol.num_kv_heads, smol.head_dim
 S = 1000
 cache = KVCache(smol, batch=1, dtype=torch.float32, device="cpu", capacity=S)
