@@ -3,9 +3,9 @@
 A decode step evicts one entry per head in each layer. Layer l's eviction changes only layer l's
 cache, which no later layer of the same call reads, so waiting changes nothing: `after_attention`
 records the layers one entry over their budget, and `end` evicts them together, held as the rows of
-one LayerCache (`KVCache.join`), in one op per step instead of one per layer:
+one LayerCache (`join`), in one op per step instead of one per layer:
 
-    joint = cache.join(layers)                           (len(layers) * B, H_kv, S)
+    joint = join(cache, layers)                         (len(layers) * B, H_kv, S)
     scorer.update(joint, stacked stats);  score = scorer(joint, stacked stats)
     compressor.evict_one_each(layers, joint, score, budgets, newest)
 
@@ -16,7 +16,7 @@ With `evict_every = N > 1` a layer holds up to budget + N - 1 entries and evicts
 most decode steps evict nowhere; an accumulating scorer (Scissorhands' history) still updates its
 sums in every layer. In such a step `end` does only that, for all layers at once,
 
-    scorer.update(cache.join(layers, room=N), stacked stats)
+    scorer.update(join(cache, layers, room=N), stacked stats)
 
 and in the step that evicts, the layers N over their budget drop N entries each, at once
 (`compressor.evict_few_each`), or, where the compressor cannot (a merge, rows of different
@@ -29,8 +29,9 @@ import sys
 
 import torch
 
-from kvmini.cache import KVCache, LayerCache
+from kvmini.cache import PAD, KVCache, LayerCache, entry_buffer
 from kvmini.parts import PREFILL
+from kvmini.per_sequence import PaddedLayer
 from kvmini.policy import Policy
 from kvmini.statistics import DECLARED, Request, Stats
 
@@ -117,9 +118,9 @@ class AtOnce(Policy):
     def evict_together(self, cache: KVCache, deferred: list[tuple[int, Stats]]) -> None:
         """evict_every entries out of each of these (layer, stats), held as the rows of one joined cache;
         in an `update_only` step, only the scorer's update. The joined buffers have room for evict_every
-        new entries, so that the layers grow between evictions without leaving them (KVCache.join)."""
+        new entries, so that the layers grow between evictions without leaving them (`join`)."""
         call, layers = self.call, tuple(layer for layer, _ in deferred)
-        joint = cache.join(layers, room=self.evict_every)
+        joint = join(cache, layers, room=self.evict_every)
         stats = Stacked([stats for _, stats in deferred], joint)
         if self.accumulating():
             self.scorer.update(joint, stats, call.start, call.T)
@@ -163,3 +164,68 @@ class Stacked:
                     out[i * B : (i + 1) * B, :, : t.shape[-1]] = t
                 self.stacked[name] = out
         return self.stacked[name]
+
+
+def join(cache: KVCache, layers: tuple[int, ...], room: int = 1) -> PaddedLayer:
+    """The given layers of `cache` as one LayerCache whose batch rows are theirs, layer after layer
+    (len(layers) * B rows): their buffers become views of its buffers, so one operation on it acts
+    on all of them (a decode step's evictions). Rows of layers that hold different
+    counts are padded after their entries, as the rows of a batch are (`PaddedLayer.counts`).
+
+    Built with `room` free places per row beyond the longest layer, by copying the layers in
+    (O(S·D) per layer, once); afterwards each call only reads the layers' lengths, until a layer
+    leaves (it outgrew its room and was resized, or gained a statistic the others lack): then the
+    layers are copied into new shared buffers. Several disjoint sets of layers may be joined at a time
+    (`AtOnce` joins the layers far longer than the rest apart); a set that shares a layer with
+    a new one is forgotten. The layers must not be padded batches themselves.
+    """
+    held = tuple(cache.layers[l].length for l in layers)
+    if layers not in cache.joined or not all(_is_view(cache, l, cache.joined[layers][0]) for l in layers):
+        for other in [o for o in cache.joined if not set(o).isdisjoint(layers)]:
+            del cache.joined[other]
+        cache.joined[layers] = (_share([cache.layers[l] for l in layers], room), None, None, None)
+    joint, last_held, counts, after = cache.joined[layers]
+    joint.length = max(held)
+    if min(held) == joint.length:
+        joint.counts = None
+        return joint
+    if held != last_held:  # made once per set of lengths (no copy to the device per step)
+        B = joint._k.shape[0] // len(layers)
+        counts = torch.tensor(held, device=joint._pos.device).repeat_interleave(B)  # (len(layers) * B,)
+        after = torch.arange(joint.capacity, device=joint._pos.device) >= counts[:, None, None]  # (rows, 1, cap)
+        cache.joined[layers] = (joint, held, counts, after)
+    joint.counts = counts
+    joint._pos.masked_fill_(after, PAD)  # a row's places after its entries are pads
+    return joint
+
+
+def _is_view(cache: KVCache, layer: int, joint: LayerCache) -> bool:
+    """Are layer's buffers still views of `joint`'s (see join)?"""
+    lc = cache.layers[layer]
+    shared = lc._k.untyped_storage().data_ptr() == joint._k.untyped_storage().data_ptr()
+    return shared and lc._aux.keys() == joint._aux.keys()
+
+
+def _share(members: list[LayerCache], room: int) -> PaddedLayer:
+    """One LayerCache holding `members`' entries as its rows; each member's buffers become views of it."""
+    first = members[0]
+    B, H_kv, _, D = first._k.shape
+    cap = max(lc.length for lc in members) + room
+    joint = PaddedLayer(B * len(members), H_kv, D, first._k.dtype, first._k.device, cap)
+    joint._k = first._k.new_zeros(B * len(members), H_kv, cap, D)  # (len(layers) * B, H_kv, cap, D)
+    joint._v = torch.zeros_like(joint._k)
+    joint._pos = first._pos.new_full((B * len(members), H_kv, cap), PAD)  # (len(layers) * B, H_kv, cap)
+    names = dict.fromkeys(name for lc in members for name in lc._aux)  # every statistic any member keeps
+    like = {name: lc._aux[name] for lc in members for name in lc._aux}  # its dtype and per-entry shape
+    joint._aux = {name: entry_buffer(joint._pos.shape[:2], joint._pos.shape[2], like[name].shape[3:], like[name].dtype,
+                                     like[name].device) for name in names}
+    for i, lc in enumerate(members):
+        rows, S = slice(i * B, (i + 1) * B), lc.length
+        for name, buf in (("_k", lc._k), ("_v", lc._v), ("_pos", lc._pos)):
+            getattr(joint, name)[rows, :, :S] = buf[:, :, :S]
+            setattr(lc, name, getattr(joint, name)[rows])
+        for name in names:
+            if name in lc._aux:
+                joint._aux[name][rows, :, :S] = lc._aux[name][:, :, :S]
+            lc._aux[name] = joint._aux[name][rows]
+    return joint

@@ -12,14 +12,10 @@ Per layer we store, for every KV head (never expanded to query heads):
 S may differ between layers (per-layer budgets); all heads of a layer hold S entries.
 Memory held by K and V: 2 * B * H_kv * S * D * bytes_per_element per layer.
 
-When the sequences of a batch keep different counts (methods that choose a budget per
-sequence), each row holds its entries first and pads after them, up to the longest row:
-a pad's position is PAD, later than any query, so attention never sees it; `counts` says
-how many real entries each row holds. `sequence(b)` views one row as a batch-1 cache.
 Buffers are allocated on a layer's first append (so a prefill that compresses layer by layer
 never holds every layer in full), grow geometrically, and shrink when eviction leaves them
-at most a quarter full. `KVCache.join` holds several layers as the rows of one LayerCache, so a
-decode step evicts from all of them at once (docs/design.md, "A decode step: every layer at once").
+at most a quarter full. Rows that hold different counts (a batch with per-sequence budgets, the
+joined layers of a decode step) are kvmini.per_sequence's `PaddedLayer`.
 """
 import torch
 
@@ -64,8 +60,7 @@ class LayerCache:
         self._v = torch.empty_like(self._k)  # (B, H_kv, cap, D)
         self._pos = torch.empty(batch, kv_heads, 0, dtype=torch.long, device=device)  # (B, H_kv, cap)
         self._aux: dict[str, torch.Tensor] = {}  # name -> (B, H_kv, cap, *shape)
-        self.length = 0  # S: entries held (the longest row's, when rows differ)
-        self.counts: torch.Tensor | None = None  # (B,) entries held per row when rows differ; None: all hold S
+        self.length = 0  # S: entries held
 
     @property
     def keys(self) -> torch.Tensor:
@@ -83,14 +78,7 @@ class LayerCache:
     def capacity(self) -> int:
         return self._k.shape[2]
 
-    @property
-    def padded(self) -> bool:
-        """Do some rows hold fewer entries than `length` (the rest of the row being pads)?"""
-        return self.counts is not None
-
-    def held(self) -> list[int]:
-        """Entries held by each sequence of the batch."""
-        return [self.length] * self._k.shape[0] if self.counts is None else self.counts.tolist()
+    padded = False  # do some rows hold fewer entries than `length`? (kvmini.per_sequence.PaddedLayer)
 
     def declare(self, *buffers: "str | tuple") -> None:
         """Per-entry buffers, zeros until written, that follow every append and eviction: a name (one
@@ -120,18 +108,6 @@ class LayerCache:
         end = self.length + T
         if end > self.capacity:
             self._resize(max(end, 2 * self.capacity, self.reserve))
-        if self.counts is not None:  # rows differ: each row's new entries go right after its own
-            self._set_pads(slice(None), self.length, end)
-            at = self.counts[:, None] + torch.arange(T, device=self.counts.device)  # (B, T) destination
-            at = at[:, None].expand(-1, k.shape[1], -1)  # (B, H_kv, T)
-            self._k.scatter_(2, at[..., None].expand_as(k), k)
-            self._v.scatter_(2, at[..., None].expand_as(v), v)
-            self._pos.scatter_(2, at, pos[:, None, :].expand_as(at))
-            if KEY_NORM in self._aux:
-                self._aux[KEY_NORM].scatter_(2, at, key_norm(k))
-            self.counts = self.counts + T
-            self.length = end
-            return
         self._k[:, :, self.length : end] = k
         self._v[:, :, self.length : end] = v
         self._pos[:, :, self.length : end] = pos[:, None, :]
@@ -152,8 +128,6 @@ class LayerCache:
     def keep(self, idx: torch.Tensor) -> None:
         """Keep only entries `idx` (B, H_kv, S') of every head, in that order; S' may be < S.
         The bulk eviction (after a prompt): every kept entry moves, O(S·D); see `evict_one`."""
-        if self.counts is not None:
-            raise ValueError("keep() of a layer whose rows differ in length: use keep_row()")
         self._gather(slice(None), idx, self.length)
         self.length = idx.shape[2]
         self._shrink()
@@ -164,39 +138,21 @@ class LayerCache:
         The per-step case of `keep` (a decode step drops one entry per head): `keep` of every
         other entry would move S entries, this moves one. Buffer order means nothing to attention,
         which masks by positions, so after this the entries are no longer in position order.
-        In a cache whose rows hold different counts (the layers of `KVCache.join`), each row's own
-        last entry moves, and the place it leaves becomes a pad.
         """
-        slot = self._slot(slot)
-        at = slot[:, :, None]  # (B, H_kv, 1)
-        if self.counts is None:
-            last = self.length - 1
-            moved = lambda buf: buf[:, :, last : last + 1].clone()  # noqa: E731  (B, H_kv, 1, ...)
-        else:
-            last = (self.counts - 1)[:, None, None].expand_as(at)  # (B, H_kv, 1): each row's last entry
-            moved = lambda buf: buf.gather(2, along(last, buf))  # noqa: E731
+        at, last = self._slot(slot)[:, :, None], self.length - 1  # (B, H_kv, 1)
         for buf in (self._k, self._v, self._pos, *self._aux.values()):  # (B, H_kv, cap, ...)
-            buf.scatter_(2, along(at, buf), moved(buf))
-        if self.counts is None:
-            self.length = last
-            return
-        for buf in (self._k, self._v):  # the place the last entry left becomes a pad
-            buf.scatter_(2, last[..., None].expand(-1, -1, -1, buf.shape[3]), 0)
-        for buf in self._aux.values():
-            buf.scatter_(2, along(last, buf), 0)
-        self._pos.scatter_(2, last, PAD)
-        self.counts = self.counts - 1  # every row held one more: the longest is one shorter (no device sync)
-        self.length -= 1
+            buf.scatter_(2, along(at, buf), buf[:, :, last : last + 1].clone())
+        self.length = last
 
     def evict(self, slots: torch.Tensor) -> torch.Tensor:
         """Evict entries `slots` (B, H_kv, m), distinct per head, m at most half of the S held: the last
         m places' surviving entries move into the victims' slots below S - m, O(m·D) where `keep`
-        moves every kept entry, O(S·D); `evict_one` is its m = 1 case (it also handles a joined cache).
+        moves every kept entry, O(S·D); `evict_one` is its m = 1 case.
         Returns the old slot of each kept entry in its new place, (B, H_kv, S - m).
         Example: S = 6, slots [1, 4] -> entry 5 moves to slot 1, kept [0, 5, 2, 3]."""
         S, m = self.length, slots.shape[2]
-        if self.counts is not None or not 0 < 2 * m <= S:
-            raise ValueError(f"evict: {m} entries of {S}, in a cache whose rows hold the same count, at most half")
+        if not 0 < 2 * m <= S:
+            raise ValueError(f"evict: {m} entries of {S}, at most half")
         victims = slots.sort(-1).values  # (B, H_kv, m): the holes below S - m first
         tail = torch.arange(S - m, S, device=slots.device)  # (m,): the places that become free
         gone = (victims[..., :, None] == tail).any(-2)  # (B, H_kv, m): tail places whose entry is a victim
@@ -223,27 +179,9 @@ class LayerCache:
             shown = f"{slot.dtype} {tuple(slot.shape)}" if isinstance(slot, torch.Tensor) else repr(slot)
             raise KvminiError(f"evict_one: slot must be a whole number or a long tensor ({B}, {H}) of slots, got {shown}")
         if slot.device.type == "cpu":
-            held = self.length if self.counts is None else self.counts[:, None]  # each row's entries
-            if bool(((slot < 0) | (slot >= held)).any()):
+            if bool(((slot < 0) | (slot >= self.length)).any()):
                 raise KvminiError(f"evict_one: slots must be in [0, {self.length - 1}] (entries held), got {slot.tolist()}")
         return slot
-
-    def sequence(self, b: int) -> "SequenceView":
-        """Row b as a batch-1 layer cache (views of its entries; `keep` evicts from that row only)."""
-        return SequenceView(self, check_row(b, self._k.shape[0]))
-
-    def keep_row(self, b: int, idx: torch.Tensor) -> None:
-        """Row b keeps only its entries `idx` (1, H_kv, s), in that order; its other places become pads."""
-        check_row(b, self._k.shape[0])
-        counts = torch.tensor(self.held(), device=self._pos.device)  # (B,)
-        s, old = idx.shape[2], int(counts[b])
-        row = slice(b, b + 1)
-        self._gather(row, idx, old)
-        self._set_pads(row, s, old)
-        counts[b] = s
-        self.length = int(counts.max())
-        self.counts = None if bool((counts == self.length).all()) else counts
-        self._shrink()
 
     def _gather(self, rows: slice, idx: torch.Tensor, held: int) -> None:
         """`rows` keep their entries idx (rows, H_kv, s) of their first `held` places, moved to places 0..s-1."""
@@ -260,14 +198,6 @@ class LayerCache:
         if 4 * self.length <= self.capacity and self.capacity > 64:
             self._resize(max(2 * self.length, 64))
 
-    def _set_pads(self, rows: slice, start: int, end: int) -> None:
-        """Places start..end-1 of `rows` become pads: zero K/V and statistics, position PAD."""
-        self._k[rows, :, start:end] = 0
-        self._v[rows, :, start:end] = 0
-        self._pos[rows, :, start:end] = PAD
-        for buf in self._aux.values():
-            buf[rows, :, start:end] = 0
-
     @property
     def entry_nbytes(self) -> int:
         """Bytes of one entry's key and value over the batch and KV heads: 2 * B * H_kv * D * bytes."""
@@ -275,13 +205,13 @@ class LayerCache:
         return 2 * B * H_kv * D * self._k.element_size()
 
     def nbytes(self) -> int:
-        """Exact bytes of the keys and values held (pads, positions and aux buffers excluded)."""
-        return self.entry_nbytes * sum(self.held()) // self._k.shape[0]
+        """Exact bytes of the keys and values held (positions and aux buffers excluded)."""
+        return self.entry_nbytes * self.length
 
     def aux_nbytes(self) -> int:
         """Bytes of the aux buffers' held entries: what a method keeps per token beside K and V."""
         per_entry = sum(buf[0, 0, 0].numel() * buf.element_size() for buf in self._aux.values()) * self._k.shape[1]
-        return per_entry * sum(self.held())
+        return per_entry * self._k.shape[0] * self.length
 
     def _resize(self, cap: int) -> None:
         """Move the held entries into buffers of `cap` entries (cap >= length): keys, values and positions
@@ -307,7 +237,7 @@ class KVCache:
             for _ in range(config.num_layers)
         ]
         self.seen_tokens = 0  # position of the next token (not the cache length: eviction shrinks that)
-        self.joined: dict[tuple, tuple] = {}  # layers -> (their shared buffers, lengths, counts, pad mask): see join
+        self.joined: dict[tuple, tuple] = {}  # layers -> (their shared buffers, lengths, counts, pad mask): kvmini.at_once.join
 
     def __getitem__(self, layer: int) -> LayerCache:
         return self.layers[layer]
@@ -318,73 +248,6 @@ class KVCache:
     def lengths(self) -> list[int]:
         """Entries held per layer (by the longest row, when the rows of a batch differ)."""
         return [layer.length for layer in self.layers]
-
-    def join(self, layers: tuple[int, ...], room: int = 1) -> LayerCache:
-        """The given layers as one LayerCache whose batch rows are theirs, layer after layer
-        (len(layers) * B rows): their buffers become views of its buffers, so one operation on it acts
-        on all of them (a decode step's evictions, kvmini.at_once). Rows of layers that hold different
-        counts are padded after their entries, as the rows of a batch are (`counts`).
-
-        Built with `room` free places per row beyond the longest layer, by copying the layers in
-        (O(S·D) per layer, once); afterwards each call only reads the layers' lengths, until a layer
-        leaves (it outgrew its room and was resized, or gained a statistic the others lack): then the
-        layers are copied into new shared buffers. Several disjoint sets of layers may be joined at a time
-        (kvmini.at_once joins the layers far longer than the rest apart); a set that shares a layer with
-        a new one is forgotten. The layers must not be padded batches themselves.
-        """
-        held = tuple(self.layers[l].length for l in layers)
-        if layers not in self.joined or not all(self._is_view(l, self.joined[layers][0]) for l in layers):
-            for other in [o for o in self.joined if not set(o).isdisjoint(layers)]:
-                del self.joined[other]
-            self.joined[layers] = (self._share([self.layers[l] for l in layers], room), None, None, None)
-        joint, last_held, counts, after = self.joined[layers]
-        joint.length = max(held)
-        if min(held) == joint.length:
-            joint.counts = None
-            return joint
-        if held != last_held:  # made once per set of lengths (no copy to the device per step)
-            B = joint._k.shape[0] // len(layers)
-            counts = torch.tensor(held, device=joint._pos.device).repeat_interleave(B)  # (len(layers) * B,)
-            after = torch.arange(joint.capacity, device=joint._pos.device) >= counts[:, None, None]  # (rows, 1, cap)
-            self.joined[layers] = (joint, held, counts, after)
-        joint.counts = counts
-        joint._pos.masked_fill_(after, PAD)  # a row's places after its entries are pads
-        return joint
-
-    def _is_view(self, layer: int, joint: LayerCache) -> bool:
-        """Are layer's buffers still views of `joint`'s (see join)?"""
-        lc = self.layers[layer]
-        shared = lc._k.untyped_storage().data_ptr() == joint._k.untyped_storage().data_ptr()
-        return shared and lc._aux.keys() == joint._aux.keys()
-
-    @staticmethod
-    def _share(members: list[LayerCache], room: int) -> LayerCache:
-        """One LayerCache holding `members`' entries as its rows; each member's buffers become views of it."""
-        first = members[0]
-        B, H_kv, _, D = first._k.shape
-        cap = max(lc.length for lc in members) + room
-        joint = LayerCache(B * len(members), H_kv, D, first._k.dtype, first._k.device, cap)
-        joint._k = first._k.new_zeros(B * len(members), H_kv, cap, D)  # (len(layers) * B, H_kv, cap, D)
-        joint._v = torch.zeros_like(joint._k)
-        joint._pos = first._pos.new_full((B * len(members), H_kv, cap), PAD)  # (len(layers) * B, H_kv, cap)
-        names = dict.fromkeys(name for lc in members for name in lc._aux)  # every statistic any member keeps
-        like = {name: lc._aux[name] for lc in members for name in lc._aux}  # its dtype and per-entry shape
-        joint._aux = {name: entry_buffer(joint._pos.shape[:2], joint._pos.shape[2], like[name].shape[3:], like[name].dtype,
-                                         like[name].device) for name in names}
-        for i, lc in enumerate(members):
-            rows, S = slice(i * B, (i + 1) * B), lc.length
-            for name, buf in (("_k", lc._k), ("_v", lc._v), ("_pos", lc._pos)):
-                getattr(joint, name)[rows, :, :S] = buf[:, :, :S]
-                setattr(lc, name, getattr(joint, name)[rows])
-            for name in names:
-                if name in lc._aux:
-                    joint._aux[name][rows, :, :S] = lc._aux[name][:, :, :S]
-                lc._aux[name] = joint._aux[name][rows]
-        return joint
-
-    def sequence(self, b: int) -> "SequenceCache":
-        """Sequence b of the batch as a batch-1 cache whose reads, writes and evictions act on this one."""
-        return SequenceCache(self, check_row(b, self.layers[0]._k.shape[0]))
 
     def nbytes(self) -> int:
         """Exact bytes of all keys and values held."""
@@ -409,73 +272,3 @@ class KVCache:
             f"{len(n)} layers, {min(n)}/{sum(n) / len(n):.1f}/{max(n)} entries (min/mean/max), "
             f"{self.nbytes() / 2**20:.2f} MiB of K/V"
         )
-
-
-def check_row(b, batch: int) -> int:
-    """A sequence's index in a batch of `batch`, or a KvminiError."""
-    if isinstance(b, bool) or not isinstance(b, int) or not 0 <= b < batch:
-        raise KvminiError(f"sequence: b must be a whole number in [0, {batch - 1}] (the batch has {batch}), got {b!r}")
-    return b
-
-
-class SequenceView:
-    """Row b of a LayerCache, seen as a batch-1 LayerCache: views of its held entries (in-place
-    writes reach the parent) and `keep`, which evicts from that row only."""
-
-    def __init__(self, lc: LayerCache, b: int):
-        self.lc, self.b = lc, b
-
-    padded = False  # one row holds its own entries only
-
-    @property
-    def length(self) -> int:
-        return self.lc.length if self.lc.counts is None else int(self.lc.counts[self.b])
-
-    @property
-    def keys(self) -> torch.Tensor:
-        return self.lc._k[self.b : self.b + 1, :, : self.length]  # (1, H_kv, S_b, D)
-
-    @property
-    def values(self) -> torch.Tensor:
-        return self.lc._v[self.b : self.b + 1, :, : self.length]  # (1, H_kv, S_b, D)
-
-    @property
-    def positions(self) -> torch.Tensor:
-        return self.lc._pos[self.b : self.b + 1, :, : self.length]  # (1, H_kv, S_b)
-
-    def aux(self, name: str) -> torch.Tensor:
-        return self.lc.aux(name)[self.b : self.b + 1, :, : self.length]  # (1, H_kv, S_b)
-
-    def declare(self, *names: str) -> None:
-        self.lc.declare(*names)
-
-    def aux_names(self) -> list[str]:
-        return self.lc.aux_names()
-
-    set_keys = LayerCache.set_keys  # on this row's entries
-
-    def keep(self, idx: torch.Tensor) -> None:
-        self.lc.keep_row(self.b, idx)
-
-    def evict_one(self, slot: torch.Tensor) -> None:
-        """Evict entry `slot` (1, H_kv): a row of a padded batch keeps the others in order (O(S·D))."""
-        S = self.length
-        rest = torch.arange(S - 1, device=slot.device).expand(*slot.shape, S - 1)  # (1, H_kv, S-1)
-        self.lc.keep_row(self.b, rest + (rest >= slot[..., None]).long())
-
-
-class SequenceCache:
-    """One sequence of a KVCache, with the KVCache interface a policy uses."""
-
-    def __init__(self, cache: KVCache, b: int):
-        self.layers = [lc.sequence(b) for lc in cache.layers]
-        self.seen_tokens = cache.seen_tokens
-
-    def __getitem__(self, layer: int) -> SequenceView:
-        return self.layers[layer]
-
-    def __len__(self) -> int:
-        return len(self.layers)
-
-    def lengths(self) -> list[int]:
-        return [layer.length for layer in self.layers]

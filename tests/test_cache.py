@@ -2,9 +2,11 @@
 import pytest
 import torch
 
+from kvmini.at_once import join
 from kvmini.cache import PAD, KVCache, LayerCache
 from kvmini.generate import prefill
 from kvmini.loading import load_model
+from kvmini.per_sequence import PaddedLayer
 
 
 def test_prefill_then_stepwise_decode_equals_full_forward(tiny):
@@ -96,7 +98,7 @@ def test_prefill_compression_releases_memory():
 
 
 def test_rows_of_different_lengths_are_padded_at_their_end():
-    c = LayerCache(batch=2, kv_heads=1, head_dim=1, dtype=torch.float32, device="cpu", capacity=2)
+    c = PaddedLayer(batch=2, kv_heads=1, head_dim=1, dtype=torch.float32, device="cpu", capacity=2)
     k = torch.arange(8.0).view(2, 1, 4, 1)  # row 0: 0 1 2 3, row 1: 4 5 6 7
     c.append(k, k, torch.arange(4).expand(2, 4))
     c.declare("score")
@@ -170,7 +172,7 @@ def test_aux_buffers_keep_their_dtype_through_every_eviction_and_count_in_bytes(
     from kvmini.config import ModelConfig
     from kvmini.cache import KVCache
 
-    lc = LayerCache(2, 1, 1, torch.float32, "cpu")
+    lc = PaddedLayer(2, 1, 1, torch.float32, "cpu")
     lc.declare(("seen", torch.bool), ("count", torch.int32), "sum")
     for t in range(5):
         lc.append(torch.full((2, 1, 1, 1), float(t)), torch.zeros(2, 1, 1, 1), torch.tensor([[t], [t]]))
@@ -192,7 +194,7 @@ def test_aux_buffers_keep_their_dtype_through_every_eviction_and_count_in_bytes(
         layer.declare(("seen", torch.bool))
         layer.append(torch.zeros(1, 1, 3 + i, 2), torch.zeros(1, 1, 3 + i, 2), torch.arange(3 + i)[None])
         layer.aux("seen")[..., -1] = True
-    joint = cache.join((0, 1))
+    joint = join(cache, (0, 1))
     assert joint.aux("seen").dtype == torch.bool
     assert joint.aux("seen").tolist() == [[[False, False, True, False]], [[False, False, False, True]]]
     assert cache.aux_nbytes() == 3 + 4
@@ -221,7 +223,7 @@ def test_an_aux_buffer_of_several_values_per_entry_moves_whole():
         layer.declare(("history", torch.bool, (2,)))
         layer.append(torch.zeros(1, 1, 2 + i, 2), torch.zeros(1, 1, 2 + i, 2), torch.arange(2 + i)[None])
         layer.aux("history")[0, 0, -1, i] = True
-    joint = cache.join((0, 1), room=1)
+    joint = join(cache, (0, 1), room=1)
     assert joint.aux("history").shape == (2, 1, 3, 2)
     joint.evict_one(torch.tensor([[0], [0]]))  # each row's last entry moves into its slot 0
     for layer in cache.layers:  # as Policy.end does after a joint eviction
@@ -253,7 +255,7 @@ def test_a_buffer_of_several_values_per_entry_holds_each_value_of_every_entry_si
     for layer in cache.layers:
         layer.declare(("history", torch.int16, (5,)))
         layer.append(torch.zeros(1, 1, 4, 2), torch.zeros(1, 1, 4, 2), torch.arange(4)[None])
-    assert side_by_side(cache.join((0, 1), room=1).aux("history"))
+    assert side_by_side(join(cache, (0, 1), room=1).aux("history"))
 
 
 def test_evict_moves_the_last_surviving_entries_into_the_victims_slots():
@@ -304,7 +306,7 @@ def test_key_norms_are_kept_by_the_cache_through_appends_evictions_joins_and_set
 
     gen = torch.Generator().manual_seed(0)
     kv = lambda T: (torch.randn(2, 3, T, 4, generator=gen), torch.randn(2, 3, T, 4, generator=gen))  # noqa: E731
-    lc = LayerCache(batch=2, kv_heads=3, head_dim=4, dtype=torch.float32, device="cpu", capacity=2)
+    lc = PaddedLayer(batch=2, kv_heads=3, head_dim=4, dtype=torch.float32, device="cpu", capacity=2)
     lc.append(*kv(5), torch.arange(5).expand(2, 5))
     lc.declare(KEY_NORM)
     check(lc)
@@ -322,7 +324,7 @@ def test_key_norms_are_kept_by_the_cache_through_appends_evictions_joins_and_set
         lc.declare(KEY_NORM)
         lc.append(torch.randn(1, 1, 6 + i, 4, generator=gen), torch.randn(1, 1, 6 + i, 4, generator=gen),
                   torch.arange(6 + i)[None])
-    joint = cache.join((0, 1))
+    joint = join(cache, (0, 1))
     joint.set_keys(torch.tensor([[[1]], [[6]]]), torch.randn(2, 1, 1, 4, generator=gen))
     joint.evict_one(torch.tensor([[2], [0]]))
     for lc in (joint, *cache.layers):

@@ -438,12 +438,14 @@ def test_evict_one_of_a_whole_number_evicts_that_slot_in_every_head():
 
 
 def test_sequence_refuses_a_row_outside_the_batch(tiny):
+    from kvmini.per_sequence import sequence
+
     cache = tiny.new_cache(2)
     for b in [2, -1, 1.0]:
         with pytest.raises(KvminiError, match=r"b must be a whole number in \[0, 1\] \(the batch has 2\)"):
-            cache.sequence(b)
+            sequence(cache, b)
     with pytest.raises(KvminiError, match=r"b must be a whole number in \[0, 1\]"):
-        layer_of_five(batch=2).sequence(2)
+        cache[0].sequence(2)  # a layer of a batch whose rows may differ (kvmini.per_sequence.PaddedLayer)
 
 
 def test_make_policy_and_fidelity_run_name_the_bad_argument(tiny):

@@ -12,7 +12,7 @@ from kvmini.methods.allocators import pyramid, round_to_total, uniform
 from kvmini.methods.registry import METHODS, chooses_budget, make_policy, method_options
 from kvmini.methods.selectors import keep_top
 from kvmini.parts import AFTER_PROMPT, DECODE, EVERY_CALL
-from kvmini.per_sequence import PerSequence
+from kvmini.per_sequence import PerSequence, sequence
 from kvmini.policy import resolve_budget
 from reference import in_position_order, random_model
 from tiny import budget_for, fitted, least_budget
@@ -143,7 +143,7 @@ def test_invariants(name, kv_heads, group, B, n, steps, budget, chunk, seed):
             seen = cache.seen_tokens
             for b, l in itertools.product(range(B), range(len(cache))):
                 row = policy.rows[b] if getattr(policy, "rows", None) else base  # per-sequence: a policy per row
-                lc = cache.sequence(b)[l]
+                lc = sequence(cache, b)[l]
                 pos = lc.positions.sort(dim=-1).values  # (1, H_kv, S_b): the row's entries, pads excluded
                 assert (pos[..., 1:] > pos[..., :-1]).all(), "positions unique"
                 assert (pos < seen).all()
@@ -193,7 +193,7 @@ def test_batch_of_two_equals_two_single_runs(name):
         alone, cache1 = run_calls(model, [c[b : b + 1] for c in calls], make_policy(name, setting["budget"], **options), n)
         for x, y in zip(both, alone):
             torch.testing.assert_close(x[b : b + 1], y, atol=1e-5, rtol=0)
-        for l2, l1 in zip(cache2.sequence(b).layers, cache1.layers):
+        for l2, l1 in zip(sequence(cache2, b).layers, cache1.layers):
             (p2, k2, v2), (p1, k1, v1) = in_position_order(l2), in_position_order(l1)
             assert torch.equal(p2, p1)
             torch.testing.assert_close(k2, k1, atol=1e-5, rtol=0)

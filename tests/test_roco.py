@@ -461,12 +461,12 @@ def test_never_above_budget_and_the_paper_guards_are_kept(options):
 
 def test_the_paper_variant_evicts_all_layers_at_once_as_layer_by_layer(monkeypatch):
     """tests/test_together.py checks the official default; here the paper variant, and that the joint path runs."""
-    from kvmini.cache import KVCache
+    from kvmini import at_once
     from test_together import run, same
 
     joins = []
-    real = KVCache.join
-    monkeypatch.setattr(KVCache, "join", lambda self, layers, room=1: joins.append(layers) or real(self, layers, room))
+    real = at_once.join
+    monkeypatch.setattr(at_once, "join", lambda cache, layers, room=1: joins.append(layers) or real(cache, layers, room))
     model = random_model(L=4).to(torch.float64)
     for options in (PAPER, PAPER | {"sinks": 2, "recent": 2, "decode_sinks": False}, {}):
         joins.clear()

@@ -1,4 +1,4 @@
-"""A decode step's evictions for all layers at once (`Policy.end`, `KVCache.join`) equal the same
+"""A decode step's evictions for all layers at once (`Policy.end`, `at_once.join`) equal the same
 evictions layer by layer (`AtOnce.together = False`: kvmini.policy, the readable specification).
 
 The per-layer path is itself proven against literal references (tests/test_policy.py, test_d2o.py,
@@ -10,10 +10,12 @@ flip between the two (their matmuls see batches of different sizes).
 import pytest
 import torch
 
+from kvmini import at_once
 from kvmini.cache import PAD, KVCache, LayerCache
 from kvmini.methods.ema_merging import EMAMerge
 from kvmini.methods.registry import METHODS, evicts_while_decoding, make_policy
 from kvmini.methods.selectors import lowest
+from kvmini.per_sequence import PaddedLayer
 from kvmini.view import record_merges
 from reference import random_model
 
@@ -115,8 +117,8 @@ def test_the_joint_path_runs(model, name, monkeypatch):
     """The comparison above compares two different paths: the joint one really runs (and the
     layer-by-layer one really does not join)."""
     joins = []
-    real = KVCache.join
-    monkeypatch.setattr(KVCache, "join", lambda self, layers, room=1: joins.append(layers) or real(self, layers, room))
+    real = at_once.join
+    monkeypatch.setattr(at_once, "join", lambda cache, layers, room=1: joins.append(layers) or real(cache, layers, room))
     run(model, name, 12, {"protected_layers": ""} if name == "d2o" else {}, False)
     assert joins == []
     run(model, name, 12, {"protected_layers": ""} if name == "d2o" else {}, True)
@@ -128,9 +130,9 @@ def test_steps_between_evictions_update_at_once_without_copying(model, monkeypat
     and the steps that evict drop 3 entries from each of them joined; the layers grow between evictions
     inside the joined buffers' room, so they are copied in once."""
     joins, shares = [], []
-    real_join, real_share = KVCache.join, KVCache._share
-    monkeypatch.setattr(KVCache, "join", lambda self, layers, room=1: joins.append(room) or real_join(self, layers, room))
-    monkeypatch.setattr(KVCache, "_share", staticmethod(lambda members, room: shares.append(room) or real_share(members, room)))
+    real_join, real_share = at_once.join, at_once._share
+    monkeypatch.setattr(at_once, "join", lambda cache, layers, room=1: joins.append(room) or real_join(cache, layers, room))
+    monkeypatch.setattr(at_once, "_share", lambda members, room: shares.append(room) or real_share(members, room))
     _, policy, _, _ = run(model, "scissorhands", 30, {"evict_every": 3}, True)
     assert sum(policy.evicted) == 4 * (40 - 30) + 4 * 6  # the prompt, then 3 entries at steps 3 and 6 of 8
     assert joins == [3] * 8 and shares == [3]
@@ -140,8 +142,8 @@ def test_a_layer_far_longer_than_the_others_is_evicted_on_its_own(model, monkeyp
     """Joined rows are as long as the longest: a layer budgeted over twice the median budget would make
     every row that long, so it goes layer by layer (the equality above covers this run too)."""
     joins = []
-    real = KVCache.join
-    monkeypatch.setattr(KVCache, "join", lambda self, layers, room=1: joins.append(layers) or real(self, layers, room))
+    real = at_once.join
+    monkeypatch.setattr(at_once, "join", lambda cache, layers, room=1: joins.append(layers) or real(cache, layers, room))
     _, policy, _, _ = run(model, "d2o", 12, SKEWED, True)
     assert policy.budgets == [24, 8, 8, 8] and policy.one.join_limit == 16
     assert len(joins) == 8 and all(layers == (1, 2, 3) for layers in joins)
@@ -157,7 +159,7 @@ def test_joined_layers_are_views_and_leave_when_they_outgrow_it():
         lc.append(torch.full((1, 1, n, 4), float(i)), torch.full((1, 1, n, 4), -float(i)), torch.arange(n)[None])
         lc.declare("score")
         lc.aux("score").copy_(torch.arange(n, dtype=torch.float32)[None, None])
-    joint = cache.join((0, 2))
+    joint = at_once.join(cache, (0, 2))
     assert joint.keys.shape == (2, 1, 7, 4) and joint.counts.tolist() == [5, 7]
     assert joint.positions[0, 0].tolist() == [0, 1, 2, 3, 4, PAD, PAD]  # layer 0's row, padded
     joint.evict_one(torch.tensor([[1], [3]]))  # layer 0 drops slot 1, layer 2 slot 3: each row's last moves there
@@ -165,10 +167,10 @@ def test_joined_layers_are_views_and_leave_when_they_outgrow_it():
     assert cache[0].positions.tolist() == [[[0, 4, 2, 3]]] and cache[2].positions.tolist() == [[[0, 1, 2, 6, 4, 5]]]
     assert cache[0].aux("score").tolist() == [[[0, 4, 2, 3]]]
     assert cache[2].keys[0, 0, :, 0].tolist() == [2.0] * 6 and cache[1].length == 6  # layer 1 untouched
-    assert cache.join((0, 2)) is joint  # no copy while the layers stay in it
+    assert at_once.join(cache, (0, 2)) is joint  # no copy while the layers stay in it
     assert joint.capacity == 8  # the longest layer's 7 entries + room for 1
     cache[0].append(torch.zeros(1, 1, 5, 4), torch.zeros(1, 1, 5, 4), torch.arange(7, 12)[None])  # outgrows it
-    again = cache.join((0, 2))
+    again = at_once.join(cache, (0, 2))
     assert again is not joint and again.positions[0, 0].tolist() == [0, 4, 2, 3, 7, 8, 9, 10, 11]
     assert again.positions[1, 0, :6].tolist() == [0, 1, 2, 6, 4, 5] and again.counts.tolist() == [9, 6]
 
@@ -185,7 +187,7 @@ def test_lowest_skips_pads_and_takes_a_window_per_row():
 
 def test_a_pad_is_never_the_nearest_entry():
     """A pad's key is zero, so its cosine (0) would beat real keys that all point away from the victim."""
-    joint = LayerCache(2, 1, 2, torch.float64, "cpu")
+    joint = PaddedLayer(2, 1, 2, torch.float64, "cpu")
     keys = torch.tensor([[1.0, 0.0], [-1.0, -0.5], [-1.0, 0.1], [0.0, 0.0]])  # a victim, two keys pointing away, zero
     joint.append(keys.expand(2, 1, 4, 2), keys.expand(2, 1, 4, 2), torch.arange(4).expand(2, 4))
     joint._pos[0, 0, 3] = PAD  # row 0 holds 3 entries and a pad; row 1 holds 4 (its zero key is real)
@@ -276,8 +278,8 @@ def test_several_layers_far_longer_than_the_others_are_joined_apart(L, budgets, 
     layer by layer."""
     model = random_model(L=L).to(torch.float64)
     joins = []
-    real = KVCache.join
-    monkeypatch.setattr(KVCache, "join", lambda self, layers, room=1: joins.append(layers) or real(self, layers, room))
+    real = at_once.join
+    monkeypatch.setattr(at_once, "join", lambda cache, layers, room=1: joins.append(layers) or real(cache, layers, room))
     joint = run(model, "d2o", 0.4, SKEWED, True)
     assert joint[1].budgets == budgets and joint[1].one.long_together
     short = tuple(l for l, b in enumerate(budgets) if b == 8)

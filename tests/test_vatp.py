@@ -9,6 +9,7 @@ from kvmini.statistics import Stats
 from kvmini.cache import LayerCache
 from kvmini.methods.registry import make_policy
 from kvmini.methods.vatp import ValueWeightedAttention
+from kvmini.per_sequence import PaddedLayer
 from cases import stored
 from reference import engine_run, group_mean, random_model, simulate, top_positions
 
@@ -31,7 +32,7 @@ def test_value_weighting_by_hand():
 def test_a_norm_is_kept_from_the_call_that_cached_the_value():
     """Rows of different lengths (a padded batch): each row's newly appended value gets its norm,
     the pads and the earlier entries keep theirs."""
-    lc = LayerCache(2, 1, 2, torch.float32, "cpu", capacity=8)
+    lc = PaddedLayer(2, 1, 2, torch.float32, "cpu", capacity=8)
     lc.append(torch.zeros(2, 1, 2, 2), torch.tensor([[[[1.0, 2.0], [3.0, 0.0]]], [[[0.0, -1.0], [2.0, 2.0]]]]),
               torch.tensor([[0, 1], [0, 1]]))
     scorer = ValueWeightedAttention(p=1.0)

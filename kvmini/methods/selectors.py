@@ -30,7 +30,7 @@ def lowest(score: torch.Tensor, positions: torch.Tensor, sinks: int, recent, new
     there, `evict_one` never moves them) and the window is the positions after newest - recent
     (never evicted, so all of them are held). `newest`: the newest position (default: the latest
     held); `recent`: an int, or one per row (B, 1, 1). Given both, pads (position PAD, later than
-    newest) are never chosen: the rows of `KVCache.join` may hold different counts.
+    newest) are never chosen: the rows of `at_once.join` may hold different counts.
     Example: score [5, 1, 9, 3, 7, 2] at positions 0..5, sinks 1, recent 1 -> entry 1 (score 1).
     """
     pos, s = positions[..., sinks:], score[..., sinks:]  # (B, H_kv, S - sinks): after the sinks
@@ -122,11 +122,11 @@ class TopK(Compressor):
     def few(self, lc, m: int) -> bool:
         """Whether dropping m entries from every row of `lc` takes the few path (`lowest_few`): no merge,
         rows all as long (no pads), and m at most an eighth of them."""
-        return self.merge is None and lc.counts is None and 8 * m <= lc.length
+        return self.merge is None and not lc.padded and 8 * m <= lc.length
 
     def evict_one_each(self, layers: tuple, lc, score: torch.Tensor, budgets: list[int], newest: int) -> None:
         """One decode step of many layers at once (kvmini.at_once): `lc` holds them as rows
-        (`KVCache.join`), each one entry over its budget. Per row, the same victim, merge and move as
+        (`at_once.join`), each one entry over its budget. Per row, the same victim, merge and move as
         `__call__` with one entry to drop; one op per buffer for all layers instead of one per layer."""
         recent = self.recent_rows(budgets, lc)
         victim = lowest(score, lc.positions, self.sinks, recent, newest)  # (R, H_kv), R = len(layers) * B
@@ -135,7 +135,7 @@ class TopK(Compressor):
         lc.evict_one(victim)
 
     def evict_few_each(self, layers: tuple, lc, score: torch.Tensor, budgets: list[int]) -> bool:
-        """evict_every's batch of many layers at once: the rows of `lc` (`KVCache.join`), all as long and
+        """evict_every's batch of many layers at once: the rows of `lc` (`at_once.join`), all as long and
         with one budget, each drop the same m entries `__call__`'s few path drops (`lowest_few`, moved
         by `LayerCache.evict`). False (nothing done) for a merge or rows that differ."""
         m = lc.length - budgets[0]
