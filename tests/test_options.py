@@ -1,10 +1,13 @@
-"""Options declared once beside each method (kvmini.methods.options): what the declarations promise,
-and that run.py, the registry and the specs read everything from them."""
+"""Options declared once beside each method as plain dataclass fields (help in their comments, checks
+by name in kvmini.methods.options): what the declarations promise, and that run.py, the registry and
+the specs read everything from them."""
 import dataclasses
+import pathlib
 import sys
 import types
 import typing
 from dataclasses import dataclass
+from typing import Literal
 
 import pytest
 
@@ -21,15 +24,47 @@ NAMED = [name for name, module in METHODS.items() if module is not None]
 def test_each_method_declares_typed_options_with_help(name):
     module = METHODS[name]
     assert dataclasses.is_dataclass(module.Options) and module.Options.__dataclass_params__.frozen
-    hints = typing.get_type_hints(module.Options)
+    declared = {d.name: d for d in declarations(name)}
     for f in dataclasses.fields(module.Options):
-        assert f.metadata["help"].strip(), f"{name}.{f.name} has no help"
-        kind, default = hints[f.name], f.default
+        d = declared[f.name]
+        assert d.help.strip(), f"{name}.{f.name} has no help"
+        kind, default = d.kind, d.default
         assert options.fits(kind, default), f"{name}.{f.name}: default {default!r} is not a {kind}"
-        if f.metadata["check"] is not None and not isinstance(default, Rule):
-            assert f.metadata["check"](default), f"{name}.{f.name}: default fails its own check"
+        if d.check is not None and not isinstance(default, Rule):
+            assert d.check(default), f"{name}.{f.name}: default fails its own check"
         if not isinstance(default, Rule):  # text round trip: what --help shows reads back as the default
             assert read(kind, show(default, kind)) == default
+
+
+@pytest.mark.parametrize("name", NAMED)
+def test_a_method_module_needs_no_option_machinery(name):
+    """The module a reader opens declares plain fields; reading, checking and printing live elsewhere."""
+    source = pathlib.Path(METHODS[name].__file__).read_text()
+    assert "kvmini.methods.options" not in source and "import options" not in source
+
+
+def test_help_is_the_comment_beside_a_field_or_the_lines_just_above():
+    @dataclass(frozen=True)
+    class Base:
+        a: int = 1  # beside a
+        # above b, first line,
+        # and its second
+        b: str = "x # not a comment"
+
+    @dataclass(frozen=True)
+    class Mine(Base):  # a comment that is no field's
+        c: bool = False
+
+        d: float = 0.5  # beside d
+
+    assert options.helps(Mine) == {"a": "beside a", "b": "above b, first line, and its second", "c": "",
+                                   "d": "beside d"}
+    assert options.helps(METHODS["pyramidkv"].Options)["window"] == options.helps(METHODS["snapkv"].Options)["window"]
+
+
+def test_every_check_is_of_an_option_some_method_takes():
+    """One table of checks by name: no entry for a name nothing declares."""
+    assert set(options.CHECKS) <= set(every_option())
 
 
 @pytest.mark.parametrize("name", [n for n in NAMED if hasattr(METHODS[n], "VARIANTS")])
@@ -53,10 +88,10 @@ def test_one_reader_for_every_edge():
     assert read(int, " +12 ") == 12 and read(int, "-1") == -1 and read(float, "1e-3") == 0.001
     assert read(Layers, "0,1,-1") == (0, 1, -1) == read(Layers, "0;1;-1") and read(Layers, "") == ()
     assert read(Ratio, "3:1") == (3, 1) and show((3, 1), Ratio) == "3:1" and show((), Layers) == "none"
-    assert read(options.Reduce, "max") == "max" and show(0.5) == "0.5" and show(20.0) == "20"
+    assert read(Literal["mean", "max", "sum"], "max") == "max" and show(0.5) == "0.5" and show(20.0) == "20"
     for kind, text in [(bool, "maybe"), (int, "٣"), (int, "1e3"), (int, "2.5"), (float, "inf"), (float, "nan"),
                        (float, "١.٥"), (Layers, "0,x"), (Layers, "¹"), (Ratio, "3-1"), (Ratio, "²:1"),
-                       (options.Reduce, "median")]:
+                       (Literal["mean", "max", "sum"], "median")]:
         with pytest.raises(ValueError):
             read(kind, text)
 
@@ -101,7 +136,7 @@ def test_run_py_flags_come_from_the_declarations():
 
 def test_a_new_method_with_a_new_option_needs_its_module_and_one_registry_line(monkeypatch):
     """What tutorial 9 does: a module with its Options and build(), one entry in METHODS; the flag,
-    its help, its check, the spec syntax and the report follow."""
+    its help, its check (one line in options.CHECKS if it needs one), the spec syntax and the report follow."""
     from kvmini.methods.allocators import Uniform
     from kvmini.methods.selectors import TopK
     from kvmini.parts import PREFILL, Scorer
@@ -113,12 +148,13 @@ def test_a_new_method_with_a_new_option_needs_its_module_and_one_registry_line(m
 
     @dataclass(frozen=True)
     class Options:
-        norm_power: float = options.option(2.0, "which norm of the values", **options.at_least(1))
+        norm_power: float = 2.0  # which norm of the values
 
     mine = types.ModuleType("vnorm", "VNorm: keep the largest values.")
     mine.Options = Options
     mine.build = lambda budget, o=Options(): Policy("vnorm", budget, ValueNorm(), Uniform(), TopK(), schedule=PREFILL)
     monkeypatch.setitem(METHODS, "vnorm", mine)
+    monkeypatch.setitem(options.CHECKS, "norm_power", options.at_least(1))
     registry.declarations.cache_clear()
     try:
         assert parse_spec("vnorm[norm_power=3]") == ("vnorm", {"norm_power": 3.0})

@@ -53,7 +53,6 @@ from dataclasses import dataclass
 from typing import Literal
 
 from kvmini.cache import LayerCache
-from kvmini.methods import options
 from kvmini.methods.allocators import Uniform
 from kvmini.methods.cache_merging import CacheMerge
 from kvmini.methods.scorers import CumulativeAttention, LastRowAttention
@@ -63,18 +62,16 @@ from kvmini.parts import EVERY_CALL
 
 @dataclass(frozen=True)
 class Options:
-    sinks: int = options.sinks(4)
-    merge_window: int = options.option(16, "CaM's m: an evicted value is merged into the next m tokens",
-                                       **options.at_least(1))
-    merge_divide: Literal["count", "fixed"] = options.option(
-        "fixed", "CaM's share of an evicted value: v / (targets that exist) (count) or always v / m (fixed)")
-    merge_score: Literal["accumulated", "current"] = options.option(
-        "accumulated", "CaM's Eq. 14 on attention accumulated over all steps or the current step's only")
-    merge_mask: Literal["bernoulli", "expectation", "threshold", "always"] = options.option(
-        "bernoulli", "CaM's merge: sampled with p (bernoulli), by p (expectation), iff ratio > 1 (threshold), always")
-    merge_seed: int = options.option(0, "seed of CaM's merge draws (a private generator per layer)",
-                                     lambda x: 0 <= x < 2**40, "be in [0, 2**40)")
-    reduce: options.Reduce = options.reduce()
+    sinks: int = 4  # first tokens always kept
+    merge_window: int = 16  # CaM's m: an evicted value is merged into the next m tokens
+    # CaM's share of an evicted value: v / (targets that exist) (count) or always v / m (fixed)
+    merge_divide: Literal["count", "fixed"] = "fixed"
+    # CaM's Eq. 14 on attention accumulated over all steps or the current step's only
+    merge_score: Literal["accumulated", "current"] = "accumulated"
+    # CaM's merge: sampled with p (bernoulli), by p (expectation), iff ratio > 1 (threshold), always
+    merge_mask: Literal["bernoulli", "expectation", "threshold", "always"] = "bernoulli"
+    merge_seed: int = 0  # seed of CaM's merge draws (a private generator per layer)
+    reduce: Literal["mean", "max", "sum"] = "mean"  # how the query heads of a KV head are combined
 
 
 VARIANTS = {"paper": Options(merge_divide="count"), "official": Options()}

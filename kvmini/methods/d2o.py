@@ -24,34 +24,34 @@ from dataclasses import dataclass
 from typing import Literal
 
 from kvmini.cache import KEY_NORM
-from kvmini.methods import options
 from kvmini.methods.ema_merging import EMAMerge
 from kvmini.methods.scorers import CumulativeAttention
 from kvmini.methods.selectors import TopK
-from kvmini.methods.variance_softmax import VarianceSoftmax
+from kvmini.methods.variance_softmax import VarianceSoftmax, idle_temperature
 from kvmini.parts import AFTER_PROMPT, DECODE, Rule
 from kvmini.policy import Policy
 
 
 @dataclass(frozen=True)
 class Options:
-    allocation: options.Allocation = options.allocation("official")
-    protected_layers: options.Layers = options.protected_layers((0, 1, -1))
-    nm: options.Ratio = options.option((1, 1), "heavy:recent split of the budget, e.g. 3:1",
-                                       lambda x: sum(x) > 0, "have N + M > 0")
-    split: Literal["paper", "official"] = options.option(
-        "official", "paper (sinks + N + M = budget) | official (the sinks inside the N heavy)")
-    merge: Literal["paper", "official", "off"] = options.option(
-        "official", "paper (convex, Eq. 11-12) | official (raw-cosine scatter-mean) | off")
-    tau: Literal["per_head", "per_layer"] = options.option("per_layer", "merge threshold per_head | per_layer")
-    beta: float = options.beta(0.5)
-    start: Literal["prompt", "first_decode"] = options.option(
-        "first_decode", "compress when the prompt ends (prompt) or at the first decode step (first_decode)")
-    sinks: int = options.sinks(4)
-    softmax_temperature: float = options.softmax_temperature(1.0)
-    clamp_budgets: bool = options.option(True, "clamp each layer's budget to [sinks + 4, n] and give the excess to "
-                                               "the others (kvmini's; false: Eq. 5 as written)")
-    reduce: options.Reduce = options.reduce()
+    # D2O's layer allocation: official (min-max) | paper (softmax(-F_v)) | zscore (kvmini's)
+    # | reciprocal | uniform (Table 4)
+    allocation: Literal["official", "paper", "zscore", "reciprocal", "uniform"] = "official"
+    protected_layers: tuple[int, ...] = (0, 1, -1)  # layers never compressed, -1 the last, e.g. 0,1 (empty: none)
+    nm: tuple[int, int] = (1, 1)  # heavy:recent split of the budget, e.g. 3:1
+    # paper (sinks + N + M = budget) | official (the sinks inside the N heavy)
+    split: Literal["paper", "official"] = "official"
+    # paper (convex, Eq. 11-12) | official (raw-cosine scatter-mean) | off
+    merge: Literal["paper", "official", "off"] = "official"
+    tau: Literal["per_head", "per_layer"] = "per_layer"  # merge threshold per_head | per_layer
+    beta: float = 0.5  # EMA weight of the newest similarity in D2O's merge threshold (Eq. 10)
+    # compress when the prompt ends (prompt) or at the first decode step (first_decode)
+    start: Literal["prompt", "first_decode"] = "first_decode"
+    sinks: int = 4  # first tokens always kept
+    softmax_temperature: float = 1.0  # temperature of D2O's softmax over standardized variances (allocation=zscore)
+    # clamp each layer's budget to [sinks + 4, n] and give the excess to the others (kvmini's; false: Eq. 5 as written)
+    clamp_budgets: bool = True
+    reduce: Literal["mean", "max", "sum"] = "mean"  # how the query heads of a KV head are combined
 
 
 VARIANTS = {"paper": Options(allocation="paper", protected_layers=(), nm=(3, 1), split="paper", merge="paper",
@@ -63,7 +63,7 @@ DEFAULT_VARIANT = "official"
 def idle(o: Options) -> dict[str, str]:
     """The options that do nothing in these settings -> the setting that makes them idle (given, they
     are refused: kvmini.methods.registry.make_policy)."""
-    found = options.idle_temperature(o)
+    found = idle_temperature(o)
     if o.merge == "off":
         found.update(beta="--merge off (beta and tau set the merge)", tau="--merge off (beta and tau set the merge)")
     return found

@@ -21,7 +21,6 @@ from dataclasses import dataclass
 from typing import Literal
 
 from kvmini.errors import KvminiError
-from kvmini.methods import options
 from kvmini.methods.frobenius_stop import FrobeniusStop
 from kvmini.methods.scorers import CumulativeAttention, Position, WindowAttention
 from kvmini.methods.selectors import TopK
@@ -33,16 +32,15 @@ CHOOSES_BUDGET = True  # the registry rejects --budget for this method
 
 @dataclass(frozen=True)
 class Options:
-    ranking: Literal["position", "cumulative", "window_attention"] = options.option(
-        "position", "DBudgetKV's ranking: position | cumulative (column sums) | window_attention (authors' code)")
-    threshold: float = options.option(0.01, "allowed relative drop of the attention norm",
-                                      lambda x: 0 <= x < 1, "be in [0, 1)")
-    protected_layers: options.Layers = options.protected_layers((0, 1))
-    norm_excludes_kept: bool = options.option(False, "zero the always-kept tokens out of the norm (authors' code)")
-    k: int = options.option(1, "last prompt rows averaged into the attention row (Eq. 1)", **options.at_least(1))
-    sinks: int = options.sinks(4)
-    window: int = options.window(8)
-    reduce: options.Reduce = options.reduce()
+    # DBudgetKV's ranking: position | cumulative (column sums) | window_attention (authors' code)
+    ranking: Literal["position", "cumulative", "window_attention"] = "position"
+    threshold: float = 0.01  # allowed relative drop of the attention norm
+    protected_layers: tuple[int, ...] = (0, 1)  # layers never compressed, -1 the last, e.g. 0,1 (empty: none)
+    norm_excludes_kept: bool = False  # zero the always-kept tokens out of the norm (authors' code)
+    k: int = 1  # last prompt rows averaged into the attention row (Eq. 1)
+    sinks: int = 4  # first tokens always kept
+    window: int = 8  # observation window: the last prompt tokens whose attention scores the others; always kept
+    reduce: Literal["mean", "max", "sum"] = "mean"  # how the query heads of a KV head are combined
 
 
 VARIANTS = {"paper": Options(),

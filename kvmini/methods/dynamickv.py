@@ -30,7 +30,6 @@ Deviation: the authors' code computes A per query head after repeat_kv; kvmini p
 from dataclasses import dataclass
 from typing import Literal
 
-from kvmini.methods import options
 from kvmini.methods.progressive_budgets import ProgressiveBudgets
 from kvmini.methods.scorers import WindowAttention
 from kvmini.methods.selectors import TopK
@@ -40,19 +39,17 @@ from kvmini.policy import Policy
 
 @dataclass(frozen=True)
 class Options:
-    window: int = options.window(8)
-    kernel: int = options.kernel(7)
-    pooling: options.Pooling = options.pooling("avg")
-    r_max: float = options.option(10.0, "a layer keeps at most r_max times the mean budget before re-balancing",
-                                  **options.at_least(1))
-    interval: int = options.option(4, "re-balance the finished layers every this many layers (m)",
-                                   **options.at_least(1))
-    tail_reallocation: bool = options.option(False, "re-balance after the last layer too when L is not a multiple "
-                                                    "of m (kvmini's; Alg. 1 and the authors' code do not)")
-    rounding: Literal["exact", "floor", "alg1"] = options.option(
-        "exact", "exact (kvmini: largest remainder, capped at what a layer holds) | floor (the authors' int() "
-                 "floors, remainder to the last layer) | alg1 (Alg. 1's floors, normalised by the largest count)")
-    reduce: options.Reduce = options.reduce()
+    window: int = 8  # observation window: the last prompt tokens whose attention scores the others; always kept
+    kernel: int = 7  # pooling kernel along the keys
+    pooling: Literal["avg", "max"] = "avg"  # pooling of the window's scores along the keys
+    r_max: float = 10.0  # a layer keeps at most r_max times the mean budget before re-balancing
+    interval: int = 4  # re-balance the finished layers every this many layers (m)
+    # re-balance after the last layer too when L is not a multiple of m (kvmini's; Alg. 1 and the authors' code do not)
+    tail_reallocation: bool = False
+    # exact (kvmini: largest remainder, capped at what a layer holds) | floor (the authors' int() floors, remainder to
+    # the last layer) | alg1 (Alg. 1's floors, normalised by the largest count)
+    rounding: Literal["exact", "floor", "alg1"] = "exact"
+    reduce: Literal["mean", "max", "sum"] = "mean"  # how the query heads of a KV head are combined
 
 
 VARIANTS = {"paper": Options(), "official": Options(rounding="floor")}

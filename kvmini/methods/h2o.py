@@ -13,8 +13,8 @@ trimmed cache and a token's score sums only the attention it received while it s
 kept set depends on c (c = 1 is H2O's token-by-token eviction during the prompt).
 """
 from dataclasses import dataclass
+from typing import Literal
 
-from kvmini.methods import options
 from kvmini.methods.allocators import Uniform
 from kvmini.methods.scorers import CumulativeAttention
 from kvmini.methods.selectors import TopK
@@ -26,8 +26,8 @@ HALF = Rule("budget // 2", lambda b: b // 2)
 
 @dataclass(frozen=True)
 class Options:
-    recent: int | Rule = options.recent(HALF)
-    reduce: options.Reduce = options.reduce()
+    recent: int | Rule = HALF  # most recent tokens always kept
+    reduce: Literal["mean", "max", "sum"] = "mean"  # how the query heads of a KV head are combined
 
 
 def build(budget: float, o: Options = Options()) -> Policy:

@@ -1,7 +1,8 @@
-"""A method's options, declared once beside its `build`: a frozen dataclass `Options` whose fields
-carry a type, a default and one line of help (`option`). run.py's flags, --help and report, the
-registry's checks and the evaluation tools' specs ("d2o[nm=3:1,protected_layers=0,1]") are all
-read from these declarations; `build(budget, options)` receives typed values and parses nothing.
+"""Reading, checking and printing the options a method declares. A method's `Options` is a plain
+frozen dataclass beside its `build`: each field a type, a default, and its help in the comment beside
+it (or the comment lines just above it). run.py's flags, --help and report, the registry's checks and
+the evaluation tools' specs ("d2o[nm=3:1,protected_layers=0,1]") are all read from those declarations
+here, off the method's reading path; `build(budget, options)` receives typed values and parses nothing.
 
 A field's type says how its value is written as text (`read`, the one reader of the command line,
 the specs and text given to `make_policy`) and printed (`show`):
@@ -10,97 +11,79 @@ the specs and text given to `make_policy`) and printed (`show`):
     int                  ASCII digits with an optional sign
     float                a finite number in ASCII
     Literal["a", "b"]    one of the names
-    Layers               layer numbers separated by commas or semicolons, -1 the last; empty: none
-    Ratio                N:M
+    tuple[int, ...]      layer numbers separated by commas or semicolons, -1 the last; empty: none
+    tuple[int, int]      N:M
     int | Rule           a whole number; the default may be a Rule of the budget, which prints itself
 
-Options that several methods share (sinks, window, reduce, ...) are declared once below, so a name
-means one thing everywhere (tests/test_options.py checks this over every method).
+What a number must be is one table keyed by the option's name (CHECKS), so a name means one thing in
+every method (tests/test_options.py checks that type and help agree too).
 The design: docs/design.md ("Options").
 """
 import functools
+import inspect
 import math
 import re
+import textwrap
+import tokenize
 import types
 import typing
 from collections.abc import Callable
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, fields
 from typing import Literal
 
 from kvmini.parts import Rule
 
 Layers = tuple[int, ...]  # layer numbers, -1 the last
 Ratio = tuple[int, int]  # N:M
-Reduce = Literal["mean", "max", "sum"]
-Pooling = Literal["avg", "max"]
-Allocation = Literal["official", "paper", "zscore", "reciprocal", "uniform"]
 
 
-def option(default, help: str, check: Callable[[object], bool] | None = None, must: str = ""):
-    """A field of a method's Options: its default, one line of help, and for a number the check
-    its values must pass with what the check demands (for the error message)."""
-    return field(default=default, metadata={"help": help, "check": check, "must": must})
+def at_least(low) -> tuple[Callable[[object], bool], str]:
+    return lambda x: x >= low, f"be >= {low}"
 
 
-def at_least(low) -> dict:
-    return dict(check=lambda x: x >= low, must=f"be >= {low}")
+CHECKS = {  # option name -> (the check its values must pass, what it demands, for the refusal)
+    "sinks": at_least(0),
+    "recent": at_least(0),
+    "robust": at_least(0),
+    "robust_decode": at_least(0),
+    "window": at_least(1),
+    "kernel": (lambda x: x >= 1 and x % 2 == 1, "be odd and >= 1"),
+    "beta": (lambda x: 0 <= x <= 1, "be in [0, 1]"),
+    "softmax_temperature": (lambda x: x > 0, "be > 0"),
+    "nm": (lambda x: sum(x) > 0, "have N + M > 0"),
+    "threshold": (lambda x: 0 <= x < 1, "be in [0, 1)"),
+    "k": at_least(1),
+    "r_max": at_least(1),
+    "interval": at_least(1),
+    "pyramid_beta": at_least(1),
+    "history": at_least(1),
+    "merge_window": at_least(1),
+    "merge_seed": (lambda x: 0 <= x < 2**40, "be in [0, 2**40)"),
+}
 
 
-# --- options several methods share --------------------------------------------------------------
-
-def sinks(default: int = 4):
-    return option(default, "first tokens always kept", **at_least(0))
-
-
-def recent(default):
-    return option(default, "most recent tokens always kept", **at_least(0))
-
-
-def window(default: int = 32):
-    return option(default, "observation window: the last prompt tokens whose attention scores the others; always "
-                           "kept", **at_least(1))
-
-
-def kernel(default: int = 7):
-    return option(default, "pooling kernel along the keys", lambda x: x >= 1 and x % 2 == 1, "be odd and >= 1")
-
-
-def pooling(default: str = "avg"):
-    return option(default, "pooling of the window's scores along the keys")
-
-
-def reduce(default: str = "mean"):
-    return option(default, "how the query heads of a KV head are combined")
-
-
-def protected_layers(default: Layers):
-    return option(default, "layers never compressed, -1 the last, e.g. 0,1 (empty: none)")
-
-
-def allocation(default: str):
-    return option(default, "D2O's layer allocation: official (min-max) | paper (softmax(-F_v)) | zscore (kvmini's) "
-                           "| reciprocal | uniform (Table 4)")
-
-
-def beta(default: float):
-    return option(default, "EMA weight of the newest similarity in D2O's merge threshold (Eq. 10)",
-                  lambda x: 0 <= x <= 1, "be in [0, 1]")
-
-
-def softmax_temperature(default: float = 1.0):
-    return option(default, "temperature of D2O's softmax over standardized variances (allocation=zscore)",
-                  lambda x: x > 0, "be > 0")
+def helps(Options) -> dict[str, str]:
+    """Each field's help, read from the source of `Options` (and of the dataclasses it extends): the
+    comment beside the field, else the comment lines just above it, joined."""
+    out: dict[str, str] = {}
+    for cls in reversed([c for c in Options.__mro__ if "__dataclass_fields__" in vars(c)]):
+        lines = textwrap.dedent(inspect.getsource(cls)).splitlines(keepends=True)
+        tokens = tokenize.generate_tokens(iter(lines).__next__)
+        comments = {t.start[0]: t.string.lstrip("#").strip() for t in tokens if t.type == tokenize.COMMENT}
+        for row, line in enumerate(lines, 1):
+            name = re.match(r"\s+(\w+)\s*:", line)
+            if name is None or name[1] not in vars(cls).get("__annotations__", {}):
+                continue
+            above = row - 1
+            while above in comments and lines[above - 1].lstrip().startswith("#"):
+                above -= 1
+            out[name[1]] = comments.get(row) or " ".join(comments[r] for r in range(above + 1, row))
+    return out
 
 
 # --- reading and printing -----------------------------------------------------------------------
 
 TRUTH = {"true": True, "yes": True, "on": True, "1": True, "false": False, "no": False, "off": False, "0": False}
-
-
-def idle_temperature(o) -> dict[str, str]:
-    """softmax_temperature does nothing unless allocation=zscore (methods with both: `idle` below)."""
-    return {} if o.allocation == "zscore" else {
-        "softmax_temperature": f"--allocation {o.allocation} (only zscore divides by a temperature)"}
 
 
 def read(kind, text: str):
@@ -245,11 +228,12 @@ class Declared:
 
 def declared(Options, variants: dict | None = None) -> list[Declared]:
     """The fields of a method's Options, with the value each variant gives them."""
-    hints = typing.get_type_hints(Options)
+    hints, help_ = typing.get_type_hints(Options), helps(Options)
     out = []
     for f in fields(Options):
         values = {name: getattr(v, f.name) for name, v in (variants or {}).items()}
         differ = len({repr(v) for v in values.values()}) > 1
-        out.append(Declared(f.name, hints[f.name], f.default, f.metadata["help"], f.metadata["check"],
-                            f.metadata["must"], values if differ else {}))
+        check, must = CHECKS.get(f.name, (None, ""))
+        out.append(Declared(f.name, hints[f.name], f.default, help_.get(f.name, ""), check, must,
+                            values if differ else {}))
     return out

@@ -9,7 +9,7 @@ Defaults: window 32, kernel 7, pooling avg, beta 20 (the official code's), group
 """
 from dataclasses import dataclass
 
-from kvmini.methods import options, snapkv
+from kvmini.methods import snapkv
 from kvmini.methods.allocators import Pyramid
 from kvmini.methods.scorers import WindowAttention
 from kvmini.methods.selectors import TopK
@@ -19,8 +19,7 @@ from kvmini.policy import Policy
 
 @dataclass(frozen=True)
 class Options(snapkv.Options):  # SnapKV's, and:
-    pyramid_beta: float = options.option(20.0, "the top layer keeps 1/beta of the bottom layer's budget above the "
-                                               "window", **options.at_least(1))
+    pyramid_beta: float = 20.0  # the top layer keeps 1/beta of the bottom layer's budget above the window
 
 
 def build(budget: float, o: Options = Options()) -> Policy:

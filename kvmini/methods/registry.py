@@ -1,5 +1,5 @@
-"""Named methods: each name maps to a module that declares its options (`Options`, a frozen dataclass,
-kvmini.methods.options) and builds a Policy from them (`build(budget, options)`).
+"""Named methods: each name maps to a module that declares its options (`Options`, a frozen dataclass
+of plain fields, read by kvmini.methods.options) and builds a Policy from them (`build(budget, options)`).
 
 Everything about an option (its flag, type, default, help, check, and its value in each variant)
 is read from the module's declaration; nothing here or in run.py repeats it. A method with

@@ -53,7 +53,6 @@ attention row to the model's dtype (fp16) before summing (llama_patch.py:218-219
 from dataclasses import dataclass
 from typing import Literal
 
-from kvmini.methods import options
 from kvmini.methods.allocators import Uniform
 from kvmini.methods.robust_scope import MeanAttention, RobustScope
 from kvmini.parts import EVERY_CALL, Rule
@@ -66,18 +65,18 @@ CHUNK = 64  # the prompt's chunks (EasyKV's stride)
 
 @dataclass(frozen=True)
 class Options:
-    scope: Literal["paper", "official"] = options.option(
-        "official", "RoCo's robust set: paper (the `robust` keys of largest deviation, beyond the sinks and recent "
-                    "window) | official (EasyKV: the scope is the budget - robust - sinks keys of lowest deviation)")
-    robust: int | Rule = options.option(TENTH, "RoCo: keys of largest attention deviation kept out of the eviction "
-                                               "scope while the prompt is compressed", **options.at_least(0))
-    robust_decode: int | Rule = options.option(THREE_TENTHS, "RoCo: the same while decoding", **options.at_least(0))
-    sinks: int = options.sinks(4)
-    decode_sinks: bool = options.option(False, "RoCo: the sinks are protected while decoding too (EasyKV: prompt only)")
-    recent: int | Rule = options.recent(10)
-    prompt_statistics: Literal["all", "after_budget"] = options.option(
-        "after_budget", "RoCo: which queries the attention statistics count: all | after_budget (EasyKV: from the "
-                        "first call whose cache exceeds the budget)")
+    # RoCo's robust set: paper (the `robust` keys of largest deviation, beyond the sinks and recent window) | official
+    # (EasyKV: the scope is the budget - robust - sinks keys of lowest deviation)
+    scope: Literal["paper", "official"] = "official"
+    # RoCo: keys of largest attention deviation kept out of the eviction scope while the prompt is compressed
+    robust: int | Rule = TENTH
+    robust_decode: int | Rule = THREE_TENTHS  # RoCo: the same while decoding
+    sinks: int = 4  # first tokens always kept
+    decode_sinks: bool = False  # RoCo: the sinks are protected while decoding too (EasyKV: prompt only)
+    recent: int | Rule = 10  # most recent tokens always kept
+    # RoCo: which queries the attention statistics count: all | after_budget (EasyKV: from the first call whose cache
+    # exceeds the budget)
+    prompt_statistics: Literal["all", "after_budget"] = "after_budget"
 
 
 VARIANTS = {"paper": Options(scope="paper", robust=TENTH, robust_decode=TENTH, sinks=0, decode_sinks=True, recent=0,

@@ -40,7 +40,6 @@ from dataclasses import dataclass
 import torch
 
 from kvmini.cache import LayerCache
-from kvmini.methods import options
 from kvmini.methods.allocators import Uniform
 from kvmini.methods.selectors import TopK
 from kvmini.parts import EVERY_CALL, Rule, Scorer
@@ -96,10 +95,9 @@ class LowHistory(Scorer):
 
 @dataclass(frozen=True)
 class Options:
-    history: int = options.option(400, "Scissorhands' history window w: the last steps whose low-attention flags "
-                                       "count", **options.at_least(1))
-    sinks: int = options.sinks(0)
-    recent: int | Rule = options.recent(10)
+    history: int = 400  # Scissorhands' history window w: the last steps whose low-attention flags count
+    sinks: int = 0  # first tokens always kept
+    recent: int | Rule = 10  # most recent tokens always kept
 
 
 def build(budget: float, o: Options = Options()) -> Policy:

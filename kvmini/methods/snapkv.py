@@ -9,8 +9,8 @@ Defaults: window 32, kernel 7, pooling avg (the official code's default; max is 
 group reduction mean. Compression happens layer by layer inside the prefill forward.
 """
 from dataclasses import dataclass
+from typing import Literal
 
-from kvmini.methods import options
 from kvmini.methods.allocators import Uniform
 from kvmini.methods.scorers import WindowAttention
 from kvmini.methods.selectors import TopK
@@ -20,10 +20,10 @@ from kvmini.policy import Policy
 
 @dataclass(frozen=True)
 class Options:
-    window: int = options.window(32)
-    kernel: int = options.kernel(7)
-    pooling: options.Pooling = options.pooling("avg")
-    reduce: options.Reduce = options.reduce()
+    window: int = 32  # observation window: the last prompt tokens whose attention scores the others; always kept
+    kernel: int = 7  # pooling kernel along the keys
+    pooling: Literal["avg", "max"] = "avg"  # pooling of the window's scores along the keys
+    reduce: Literal["mean", "max", "sum"] = "mean"  # how the query heads of a KV head are combined
 
 
 def build(budget: float, o: Options = Options()) -> Policy:

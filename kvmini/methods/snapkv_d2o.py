@@ -9,28 +9,30 @@ Defaults: SnapKV's (window 32, kernel 7, avg pooling) and kvmini's reading of D2
 allocation zscore, temperature 1); a layer keeps at least window + 4 tokens.
 """
 from dataclasses import dataclass
+from typing import Literal
 
-from kvmini.methods import options
 from kvmini.methods.ema_merging import EMAMerge
 from kvmini.methods.scorers import WindowAttention
 from kvmini.methods.selectors import TopK
-from kvmini.methods.variance_softmax import VarianceSoftmax
+from kvmini.methods.variance_softmax import VarianceSoftmax, idle_temperature
 from kvmini.parts import PREFILL
 from kvmini.policy import Policy
 
 
 @dataclass(frozen=True)
 class Options:
-    window: int = options.window(32)
-    kernel: int = options.kernel(7)
-    pooling: options.Pooling = options.pooling("avg")
-    beta: float = options.beta(0.7)
-    allocation: options.Allocation = options.allocation("zscore")
-    softmax_temperature: float = options.softmax_temperature(1.0)
-    reduce: options.Reduce = options.reduce()
+    window: int = 32  # observation window: the last prompt tokens whose attention scores the others; always kept
+    kernel: int = 7  # pooling kernel along the keys
+    pooling: Literal["avg", "max"] = "avg"  # pooling of the window's scores along the keys
+    beta: float = 0.7  # EMA weight of the newest similarity in D2O's merge threshold (Eq. 10)
+    # D2O's layer allocation: official (min-max) | paper (softmax(-F_v)) | zscore (kvmini's)
+    # | reciprocal | uniform (Table 4)
+    allocation: Literal["official", "paper", "zscore", "reciprocal", "uniform"] = "zscore"
+    softmax_temperature: float = 1.0  # temperature of D2O's softmax over standardized variances (allocation=zscore)
+    reduce: Literal["mean", "max", "sum"] = "mean"  # how the query heads of a KV head are combined
 
 
-idle = options.idle_temperature  # given with allocation other than zscore, softmax_temperature is refused
+idle = idle_temperature  # given with allocation other than zscore, softmax_temperature is refused
 
 
 def build(budget: float, o: Options = Options()) -> Policy:

@@ -12,7 +12,6 @@ positions inside the cache (0..S-1), which we do not do (positions are never rew
 """
 from dataclasses import dataclass
 
-from kvmini.methods import options
 from kvmini.methods.allocators import Uniform
 from kvmini.methods.scorers import Position
 from kvmini.methods.selectors import TopK
@@ -22,7 +21,7 @@ from kvmini.policy import Policy
 
 @dataclass(frozen=True)
 class Options:
-    sinks: int = options.sinks(4)
+    sinks: int = 4  # first tokens always kept
 
 
 def build(budget: float, o: Options = Options()) -> Policy:

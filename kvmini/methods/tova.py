@@ -12,8 +12,8 @@ Deviation: scores are per KV head (the g query heads of a group averaged); the p
 over all heads of a layer, so one layer evicts the same token in every head.
 """
 from dataclasses import dataclass
+from typing import Literal
 
-from kvmini.methods import options
 from kvmini.methods.allocators import Uniform
 from kvmini.methods.scorers import LastRowAttention
 from kvmini.methods.selectors import TopK
@@ -23,9 +23,9 @@ from kvmini.policy import Policy
 
 @dataclass(frozen=True)
 class Options:
-    sinks: int = options.sinks(0)
-    recent: int | Rule = options.recent(0)
-    reduce: options.Reduce = options.reduce()
+    sinks: int = 0  # first tokens always kept
+    recent: int | Rule = 0  # most recent tokens always kept
+    reduce: Literal["mean", "max", "sum"] = "mean"  # how the query heads of a KV head are combined
 
 
 def build(budget: float, o: Options = Options()) -> Policy:

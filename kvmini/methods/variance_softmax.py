@@ -133,6 +133,12 @@ class VarianceSoftmax(Budgeter):
         return proportional(share, b * L, min(self.low, b), [max(n, b)] * L)
 
 
+def idle_temperature(o) -> dict[str, str]:
+    """A method's softmax_temperature does nothing unless allocation=zscore (its `idle`: refused if given)."""
+    return {} if o.allocation == "zscore" else {
+        "softmax_temperature": f"--allocation {o.allocation} (only zscore divides by a temperature)"}
+
+
 def official_budgets(v: list[float], rho: float, length: int, parts: tuple) -> list[int]:
     """S_l = floor(x_l N/(N+M)) + floor(x_l M/(N+M)), x_l = length * clamp(softmax(-v)_l L rho, 0.01, 1):
     the heavy and recent parts floored separately, as the authors' code does."""

@@ -30,7 +30,6 @@ import torch
 
 from kvmini.statistics import Stats
 from kvmini.cache import LayerCache, wide
-from kvmini.methods import options
 from kvmini.methods.allocators import Uniform
 from kvmini.methods.h2o import HALF
 from kvmini.methods.scorers import CumulativeAttention
@@ -84,11 +83,11 @@ class ValueWeightedAttention(CumulativeAttention):
 
 @dataclass(frozen=True)
 class Options:
-    sinks: int = options.sinks(4)
-    recent: int | Rule = options.recent(HALF)
-    value_norm: Literal["l1", "l2", "off"] = options.option(
-        "l1", "VATP: weight the attention score by the value's l1 norm (the paper), l2, or not at all (H2O)")
-    reduce: options.Reduce = options.reduce()
+    sinks: int = 4  # first tokens always kept
+    recent: int | Rule = HALF  # most recent tokens always kept
+    # VATP: weight the attention score by the value's l1 norm (the paper), l2, or not at all (H2O)
+    value_norm: Literal["l1", "l2", "off"] = "l1"
+    reduce: Literal["mean", "max", "sum"] = "mean"  # how the query heads of a KV head are combined
 
 
 def build(budget: float, o: Options = Options()) -> Policy:

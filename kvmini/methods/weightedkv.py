@@ -18,7 +18,6 @@ up to c extra entries, then merge them down.
 from dataclasses import dataclass
 from typing import Literal
 
-from kvmini.methods import options
 from kvmini.methods.allocators import Uniform
 from kvmini.methods.convex_value_merge import AverageAttention, ConvexValueMerge
 from kvmini.parts import EVERY_CALL, Rule
@@ -30,11 +29,11 @@ CHUNK = Rule("max(budget, 64)", lambda m: max(m, 64))  # the prompt's chunks: th
 
 @dataclass(frozen=True)
 class Options:
-    sinks: int = options.sinks(4)
-    recent: int | Rule = options.recent(HALF_BEYOND_8)
-    reduce: options.Reduce = options.reduce()
-    chunk_merge: Literal["runs", "sequential"] = options.option(
-        "runs", "a prefill chunk's merges all at once (runs) or one by one in Alg. 1's order (sequential)")
+    sinks: int = 4  # first tokens always kept
+    recent: int | Rule = HALF_BEYOND_8  # most recent tokens always kept
+    reduce: Literal["mean", "max", "sum"] = "mean"  # how the query heads of a KV head are combined
+    # a prefill chunk's merges all at once (runs) or one by one in Alg. 1's order (sequential)
+    chunk_merge: Literal["runs", "sequential"] = "runs"
 
 
 def build(budget: float, o: Options = Options()) -> Policy:
