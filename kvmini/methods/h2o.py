@@ -15,10 +15,9 @@ kept set depends on c (c = 1 is H2O's token-by-token eviction during the prompt)
 from dataclasses import dataclass
 from typing import Literal
 
-from kvmini.methods.allocators import Uniform
 from kvmini.methods.scorers import CumulativeAttention
 from kvmini.methods.selectors import TopK
-from kvmini.parts import EVERY_CALL, Rule
+from kvmini.parts import EVERY_CALL, Budgeter, Rule
 from kvmini.policy import Policy
 
 HALF = Rule("budget // 2", lambda b: b // 2)
@@ -31,4 +30,4 @@ class Options:
 
 
 def build(budget: float, o: Options = Options()) -> Policy:
-    return Policy("h2o", budget, CumulativeAttention(o.reduce), Uniform(), TopK(recent=o.recent), schedule=EVERY_CALL)
+    return Policy("h2o", budget, CumulativeAttention(o.reduce), Budgeter(), TopK(recent=o.recent), schedule=EVERY_CALL)
