@@ -61,6 +61,7 @@ class LayerCache:
         self._pos = torch.empty(batch, kv_heads, 0, dtype=torch.long, device=device)  # (B, H_kv, cap)
         self._aux: dict[str, torch.Tensor] = {}  # name -> (B, H_kv, cap, *shape)
         self.length = 0  # S: entries held
+        self._rows = torch.arange(batch, device=device)[:, None], torch.arange(kv_heads, device=device)  # (B, 1), (H_kv,)
 
     @property
     def keys(self) -> torch.Tensor:
@@ -139,9 +140,9 @@ class LayerCache:
         other entry would move S entries, this moves one. Buffer order means nothing to attention,
         which masks by positions, so after this the entries are no longer in position order.
         """
-        at, last = self._slot(slot)[:, :, None], self.length - 1  # (B, H_kv, 1)
+        slot, (b, h), last = self._slot(slot), self._rows, self.length - 1
         for buf in (self._k, self._v, self._pos, *self._aux.values()):  # (B, H_kv, cap, ...)
-            buf.scatter_(2, along(at, buf), buf[:, :, last : last + 1].clone())
+            buf[b, h, slot] = buf[:, :, last].clone()  # (B, H_kv, ...): the last entry into the slot
         self.length = last
 
     def evict(self, slots: torch.Tensor) -> torch.Tensor:
