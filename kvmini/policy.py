@@ -19,37 +19,18 @@ prompt is complete (every schedule but EVERY_CALL) sees its statistics, gathered
 (kvmini.statistics.Gathering), in the call that completes it, as if the prompt had come in that one
 call; EVERY_CALL methods compress after each chunk by design.
 
-Beside this file: kvmini.at_once (the same decode step with every layer's eviction at once, what
+Beside this file: kvmini.budget (what a budget means in tokens, and whether the parts can work with
+it), kvmini.at_once (the same decode step with every layer's eviction at once, what
 `make_policy` builds for decode-time methods; tests/test_together.py proves both equal) and
 kvmini.per_sequence (a batch whose sequences get their own budgets).
 """
-import math
 from dataclasses import dataclass
 
+from kvmini.budget import check, chunk_size, is_noop, plan, some_budget_works
 from kvmini.cache import KVCache
-from kvmini.errors import KvminiError, tokens
+from kvmini.errors import KvminiError
 from kvmini.parts import AFTER_PROMPT, DECODE, EVERY_CALL, PREFILL
 from kvmini.statistics import Gathering, Request, Stats
-
-
-NO_LIMIT = 2**30  # tokens per layer: a budget no prompt reaches (asks a compressor whether any budget works)
-
-
-def resolve_budget(budget: float, prompt_len: int) -> int:
-    """A budget in tokens per layer (docs/design.md, "Budgets"). Its type decides what it counts:
-    a float up to 1.0 is a ratio of the prompt length, an int (or a whole float above 1) is tokens.
-
-    0.25 with a 400-token prompt -> 100;  1.0 -> the whole prompt;  1 -> 1 token;  128 -> 128.
-    """
-    if isinstance(budget, bool) or not isinstance(budget, (int, float)) or not math.isfinite(budget) or budget <= 0:
-        raise KvminiError(f"--budget must be a finite number > 0 (a ratio in (0, 1] or tokens per layer), got {budget}")
-    if isinstance(budget, int):
-        return budget
-    if budget <= 1:
-        return max(1, round(budget * prompt_len))
-    if budget != int(budget):
-        raise KvminiError(f"--budget above 1 counts tokens per layer and must be a whole number, got {budget}")
-    return int(budget)
 
 
 @dataclass(slots=True)
@@ -75,9 +56,8 @@ class Policy:
         self.name, self.budget, self.schedule, self.prefill_chunk = name, budget, schedule, prefill_chunk
         self.scorer, self.budgeter, self.compressor = scorer, budgeter, compressor
         self.evict_every = 1  # N: during decoding, let a layer hold budget + N - 1 and evict N at once
-        if budget is not None and (never := compressor.problem(NO_LIMIT)) is not None:  # e.g. d2o nm=0:1 with sinks
-            raise KvminiError(f"{name}: no budget can work with these options: even a budget of {NO_LIMIT:,} "
-                              f"tokens is {never}; use fewer sinks or a smaller window")
+        if budget is not None:
+            some_budget_works(name, compressor)
         self.start(None)
 
     def start(self, prompt_len: int | None, total_len: int | None = None) -> None:
@@ -114,16 +94,7 @@ class Policy:
 
     def chunk_for(self, prompt_len: int, total_len: int | None) -> int | None:
         """The prefill chunk size this method asks for, or None (one call, also when its budget is a no-op)."""
-        b = None if self.budget is None else resolve_budget(self.budget, prompt_len)
-        if self.prefill_chunk is None or (b is not None and self._is_noop(b, prompt_len, total_len)):
-            return None
-        return self.prefill_chunk(b) if callable(self.prefill_chunk) else self.prefill_chunk
-
-    def _is_noop(self, b: int, prompt_len: int, total_len: int | None) -> bool:
-        """A budget >= the longest the cache gets under this schedule (unknown total: never) changes nothing,
-        even where a per-layer plan gives some layer less (as PyramidKV's code does): exactly `full`."""
-        longest = prompt_len if self.schedule == PREFILL else total_len
-        return longest is not None and b >= longest
+        return chunk_size(self.budget, self.prefill_chunk, self.schedule, prompt_len, total_len)
 
     def begin(self, cache: KVCache, T: int) -> None:
         start, n = cache.seen_tokens, self.prompt_end
@@ -161,47 +132,17 @@ class Policy:
 
     def _plan(self, L: int) -> None:
         """This prompt's budgets, for every token the run has seen when it completes (a ratio is of those)."""
-        if any(not -L <= layer < L for layer in self.budgeter.protected_spec):
-            raise KvminiError(f"{self.name}: protected layers {list(self.budgeter.protected_spec)} do not all exist; "
-                              f"this model has layers 0 to {L - 1}")
-        n, b, self.note = self.prompt_end, None if self.budget is None else resolve_budget(self.budget, self.prompt_end), None
+        n = self.prompt_end
+        b, self.note, advice = plan(self.name, self.budget, self.budgeter, self.compressor, L, n)
         self.planned = True
-        fits = b is None or self._fits(b, L)
-        fit = None if fits else next((x for x in range(b + 1, n + 1) if self._fits(x, L)), None)  # the least that does
-        if isinstance(self.budget, float) and self.budget <= 1 and not fits:  # a ratio (resolve_budget)
-            # a share of a short prompt smaller than what the method always keeps: raise it to the least that works
-            if fit is None:
-                self.note = f"not compressed: the {n}-token prompt is no longer than what {self.name} always keeps"
-                self.unchanged, self.active = [n] * L, False
-                return
-            self.note, b = f"budget raised from {b} to {fit} tokens per layer, the least {self.name} can keep", fit
+        if b is None and self.budget is not None:  # a prompt no longer than what the method always keeps
+            self.unchanged, self.active = [n] * L, False
+            return
         self.budgeter.start(b, L, n)
         if b is not None:
-            least = (f"the least budget that works on this {n}-token prompt is {fit} tokens per layer" if fit else
-                     f"no budget up to the prompt's {n} tokens works: use fewer sinks or a smaller window")
-            self._check({layer: b_l for layer, b_l in enumerate(self.budgets)}, f"; {least}", mean=b)
-        self.active = b is None or not self._is_noop(b, n, self.total_len)
-
-    def _fits(self, b: int, L: int) -> bool:
-        """Can the parts work with a mean budget of b tokens per layer? (Asks the budgeter's pure plan.)"""
-        try:
-            budgets = self.budgeter.plan(b, L, self.prompt_end)
-        except KvminiError:
-            return False
-        return not self._problems(dict(enumerate(budgets)), L)
-
-    def _problems(self, budgets: dict[int, int], L: int) -> list[tuple[int, int, str]]:
-        """(layer, budget, why) for the budgets the compressor cannot work with (protected layers never compress)."""
-        protected = self.budgeter.protected_in(L)
-        return [(layer, b, why) for layer, b in budgets.items()
-                if layer not in protected and (why := self.compressor.problem(b)) is not None]
-
-    def _check(self, budgets: dict[int, int], advice: str = "; raise --budget, or use fewer sinks or a smaller window",
-               mean: int | None = None) -> None:
-        if problems := self._problems(budgets, len(self.evicted)):
-            layer, b, why = problems[0]
-            source = f", from a mean budget of {tokens(mean)}" if mean not in (None, b) else ""
-            raise KvminiError(f"{self.name}: a budget of {tokens(b)} (layer {layer}{source}) is {why}{advice}")
+            check(self.name, self.compressor, dict(enumerate(self.budgeter.budgets)), self.budgeter.protected_in(L),
+                  advice, mean=b)
+        self.active = b is None or not is_noop(b, n, self.total_len, self.schedule)
 
     def accumulating(self) -> bool:
         """Does the scorer keep running sums now? (Always for decode-time methods, during the prompt otherwise.)"""
@@ -249,14 +190,14 @@ class Policy:
             self.scorer.update(lc, stats, call.start, call.T)
         if self.budgeter.accumulates and call.in_prompt:
             self.budgeter.update(layer, lc, stats, call.start, call.T)
-        known = self.budgeter.known(layer) if call.compress_now else None
+        known = self.budgeter.known(layer) if call.compress_now else None  # None: decided in this call
         slack = 0 if call.in_prompt else self.evict_every - 1  # held beyond the budget between evictions
         if not call.compress_now or (known is not None and lc.length <= known + slack):
             return
         call.scores[layer] = self.scorer(lc, stats)  # (B, H_kv, S), scored once per layer and call
         decided = self.budgeter.decide(layer, lc, stats, call.scores[layer])
-        if self.budget is not None:  # a budget the user gave; self-chosen ones are feasible by construction
-            self._check(decided)
+        if known is None and self.budget is not None:  # a budget the user gave, decided now: checked once
+            check(self.name, self.compressor, decided, self.budgeter.protected_in(len(cache)))
         for i, b in decided.items():
             if cache[i].length > b:
                 self.evicted[i] += cache[i].length - b

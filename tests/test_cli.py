@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from kvmini.budget import resolve_budget
 from kvmini.methods.registry import DEFAULT_BUDGET, METHODS, schedule
 from kvmini.parts import PREFILL
-from kvmini.policy import resolve_budget
 from tiny import least_budget
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -6,6 +6,7 @@ import torch
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
+from kvmini.budget import resolve_budget
 from kvmini.errors import KvminiError
 from kvmini.generate import generate
 from kvmini.methods.allocators import pyramid, round_to_total, uniform
@@ -13,7 +14,6 @@ from kvmini.methods.registry import METHODS, chooses_budget, make_policy, method
 from kvmini.methods.selectors import keep_top
 from kvmini.parts import AFTER_PROMPT, DECODE, EVERY_CALL
 from kvmini.per_sequence import PerSequence, sequence
-from kvmini.policy import resolve_budget
 from reference import in_position_order, random_model
 from tiny import budget_for, fitted, least_budget
 

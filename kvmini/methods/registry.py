@@ -18,8 +18,9 @@ from kvmini.methods import (cam, d2o, dbudgetkv, dynamickv, h2o, knorm, options,
 from kvmini.methods.options import Declared
 from kvmini.parts import EVERY_CALL, PREFILL
 from kvmini.at_once import AtOnce
+from kvmini.budget import resolve_budget
 from kvmini.per_sequence import PerSequence
-from kvmini.policy import Policy, resolve_budget
+from kvmini.policy import Policy
 
 METHODS = {
     "full": None,  # no compression

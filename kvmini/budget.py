@@ -1,0 +1,94 @@
+"""Budgets: what a `--budget` means in tokens, and whether a method's parts can work with it
+(docs/design.md, "Budgets"). Pure functions of their arguments, asked by kvmini.policy when it
+plans a prompt and when a budgeter decides a budget it did not know before.
+"""
+import math
+
+from kvmini.errors import KvminiError, tokens
+from kvmini.parts import PREFILL
+
+NO_LIMIT = 2**30  # tokens per layer: a budget no prompt reaches (asks a compressor whether any budget works)
+ADVICE = "; raise --budget, or use fewer sinks or a smaller window"
+
+
+def resolve_budget(budget: float, prompt_len: int) -> int:
+    """A budget in tokens per layer. Its type decides what it counts: a float up to 1.0 is a ratio
+    of the prompt length, an int (or a whole float above 1) is tokens.
+
+    0.25 with a 400-token prompt -> 100;  1.0 -> the whole prompt;  1 -> 1 token;  128 -> 128.
+    """
+    if isinstance(budget, bool) or not isinstance(budget, (int, float)) or not math.isfinite(budget) or budget <= 0:
+        raise KvminiError(f"--budget must be a finite number > 0 (a ratio in (0, 1] or tokens per layer), got {budget}")
+    if isinstance(budget, int):
+        return budget
+    if budget <= 1:
+        return max(1, round(budget * prompt_len))
+    if budget != int(budget):
+        raise KvminiError(f"--budget above 1 counts tokens per layer and must be a whole number, got {budget}")
+    return int(budget)
+
+
+def some_budget_works(name: str, compressor) -> None:
+    """Refuse options with which no budget can work (e.g. d2o nm=0:1 with sinks)."""
+    if (never := compressor.problem(NO_LIMIT)) is not None:
+        raise KvminiError(f"{name}: no budget can work with these options: even a budget of {NO_LIMIT:,} "
+                          f"tokens is {never}; use fewer sinks or a smaller window")
+
+
+def is_noop(b: int, prompt_len: int, total_len: int | None, schedule: str) -> bool:
+    """A budget >= the longest the cache gets under this schedule (unknown total: never) changes nothing,
+    even where a per-layer plan gives some layer less (as PyramidKV's code does): exactly `full`."""
+    longest = prompt_len if schedule == PREFILL else total_len
+    return longest is not None and b >= longest
+
+
+def chunk_size(budget: float | None, prefill_chunk, schedule: str, prompt_len: int, total_len: int | None) -> int | None:
+    """The prefill chunk size a method asks for, or None (one call, also when its budget is a no-op)."""
+    b = None if budget is None else resolve_budget(budget, prompt_len)
+    if prefill_chunk is None or (b is not None and is_noop(b, prompt_len, total_len, schedule)):
+        return None
+    return prefill_chunk(b) if callable(prefill_chunk) else prefill_chunk
+
+
+def problems(compressor, budgets: dict[int, int], protected: tuple) -> list[tuple[int, int, str]]:
+    """(layer, budget, why) for the budgets the compressor cannot work with (protected layers never compress)."""
+    return [(layer, b, why) for layer, b in budgets.items()
+            if layer not in protected and (why := compressor.problem(b)) is not None]
+
+
+def check(name: str, compressor, budgets: dict[int, int], protected: tuple, advice: str = ADVICE,
+          mean: int | None = None) -> None:
+    """Refuse the first budget the compressor cannot work with."""
+    if found := problems(compressor, budgets, protected):
+        layer, b, why = found[0]
+        source = f", from a mean budget of {tokens(mean)}" if mean not in (None, b) else ""
+        raise KvminiError(f"{name}: a budget of {tokens(b)} (layer {layer}{source}) is {why}{advice}")
+
+
+def plan(name: str, budget: float | None, budgeter, compressor, L: int, n: int) -> tuple[int | None, str | None, str]:
+    """(b, note, advice) for an n-token prompt and L layers: the mean budget b in tokens (None: the
+    budgeter chooses, or, for a budget given, the prompt is too short to compress), a note for the
+    report, and the advice a refusal of b gives. A ratio too small for what the method always keeps
+    is raised to the least mean budget that works."""
+    if any(not -L <= layer < L for layer in budgeter.protected_spec):
+        raise KvminiError(f"{name}: protected layers {list(budgeter.protected_spec)} do not all exist; "
+                          f"this model has layers 0 to {L - 1}")
+    b, note = None if budget is None else resolve_budget(budget, n), None
+    fits = b is None or _fits(budgeter, compressor, b, L, n)
+    fit = None if fits else next((x for x in range(b + 1, n + 1) if _fits(budgeter, compressor, x, L, n)), None)
+    if isinstance(budget, float) and budget <= 1 and not fits:  # a ratio (resolve_budget)
+        if fit is None:
+            return None, f"not compressed: the {n}-token prompt is no longer than what {name} always keeps", ""
+        note, b = f"budget raised from {b} to {fit} tokens per layer, the least {name} can keep", fit
+    least = (f"the least budget that works on this {n}-token prompt is {fit} tokens per layer" if fit else
+             f"no budget up to the prompt's {n} tokens works: use fewer sinks or a smaller window")
+    return b, note, f"; {least}"
+
+
+def _fits(budgeter, compressor, b: int, L: int, n: int) -> bool:
+    """Can the parts work with a mean budget of b tokens per layer? (Asks the budgeter's pure plan.)"""
+    try:
+        budgets = budgeter.plan(b, L, n)
+    except KvminiError:
+        return False
+    return not problems(compressor, dict(enumerate(budgets)), budgeter.protected_in(L))
