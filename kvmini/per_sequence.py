@@ -138,11 +138,12 @@ class PerSequence:
         self.make = make
         self.one = one if one is not None else make()
         self.name, self.budget, self.schedule = self.one.name, self.one.budget, self.one.schedule
-        self.start(None)
-
-    def start(self, prompt_len: int | None, total_len: int | None = None) -> None:
-        self.one.start(prompt_len, total_len)
         self.rows: list[Policy] | None = None
+        self.views = None
+
+    def start(self, prompt_len: int, total_len: int | None = None) -> None:
+        self.one.start(prompt_len, total_len)
+        self.rows = None
         self.views = None  # each row's view of the cache (`sequence`), made by begin
 
     def next_prompt(self, prompt_len: int, total_len: int | None = None) -> None:

@@ -46,6 +46,13 @@ class Call:
     scores: dict  # layer -> its score (B, H_kv, S), scored once in this call
 
 
+def prompt_length(name: str, call: str, n) -> int:
+    """n, a prompt's length in tokens, or a KvminiError naming the call it was given to."""
+    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+        raise KvminiError(f"{name}: {call} takes the prompt's length in tokens, a whole number >= 1, got {n!r}")
+    return n
+
+
 class Policy:
     """One method = scorer + budgeter + compressor + schedule, and one run's state."""
 
@@ -58,11 +65,14 @@ class Policy:
         self.evict_every = 1  # N: during decoding, let a layer hold budget + N - 1 and evict N at once
         if budget is not None:
             some_budget_works(name, compressor)
-        self.start(None)
+        self._new_run(None, None)  # not started: a call before `start` is refused
 
-    def start(self, prompt_len: int | None, total_len: int | None = None) -> None:
+    def start(self, prompt_len: int, total_len: int | None = None) -> None:
         """A new run whose first prompt has prompt_len tokens. total_len (prompt + new tokens) promises
         the run ends there: no next prompt, so a budget it never reaches computes no statistics."""
+        self._new_run(prompt_length(self.name, "start", prompt_len), total_len)
+
+    def _new_run(self, prompt_len: int | None, total_len: int | None) -> None:
         self.prompt_start, self.prompt_end, self.total_len = 0, prompt_len, total_len
         self.started, self.evicted, self.active, self.note = False, [], False, None  # parts start on the first call
         self.seen, self.skipped = 0, False  # tokens fed so far; statistics an idle run did not keep
@@ -71,9 +81,7 @@ class Policy:
     def next_prompt(self, prompt_len: int, total_len: int | None = None) -> None:
         """Continue the run: its next prompt_len tokens are a new prompt (a next turn, a next question),
         planned afresh when it arrives (docs/design.md, "A cache that lives on"). total_len as in start."""
-        if isinstance(prompt_len, bool) or not isinstance(prompt_len, int) or prompt_len < 1:
-            raise KvminiError(f"{self.name}: next_prompt takes the prompt's length in tokens, a whole number >= 1, "
-                              f"got {prompt_len!r}")
+        prompt_length(self.name, "next_prompt", prompt_len)
         if self.prompt_end is None:
             raise KvminiError(f"{self.name}: next_prompt continues a run; call policy.start(prompt_len) for the first prompt")
         if self.seen < self.prompt_end:

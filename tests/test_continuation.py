@@ -268,3 +268,15 @@ def test_a_batch_with_a_policy_per_sequence_moves_every_policy_to_the_next_promp
     first = generate(model, turns(B=2, sizes=(20,))[0], 2, policy=policy, more_prompts=True)
     generate(model, turns(B=2, sizes=(9,))[0], 2, policy=policy, cache=first.cache)
     assert [p.prompt_end for p in [policy.one, *policy.rows]] == [20 + 1 + 9] * 3
+
+
+@pytest.mark.parametrize("name", ["snapkv", "d2o", "h2o"])  # a Policy, a PerSequence, an AtOnce
+@pytest.mark.parametrize("bad", [0, -3, 2.5, True, None, "30"])
+def test_start_refuses_a_prompt_length_that_is_not_a_whole_number_of_at_least_one(name, bad):
+    """start, like next_prompt, is where a prompt's length enters a run: refused there, and the run stays
+    unstarted (its first call asks for start, as before any start)."""
+    model, policy = random_model(L=3), make_policy(name, 0.2)
+    with pytest.raises(KvminiError, match=f"start takes the prompt's length in tokens, a whole number >= 1, got {bad!r}$"):
+        policy.start(bad)
+    with torch.no_grad(), pytest.raises(KvminiError, match=r"call policy.start\(prompt_len\) before the first call"):
+        model(turns(sizes=(10,))[0], model.new_cache(1, 4), policy)
