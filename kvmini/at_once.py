@@ -65,7 +65,7 @@ class AtOnce(Policy):
                    and isinstance(cache, KVCache) and self.budgeter.known(0) is not None)
         self.update_only = False
         if at_once and self.evict_every > 1 and not self.evicts_anywhere(cache):  # only the scorer's update, at once
-            at_once = self.update_only = self.accumulating()
+            at_once = self.update_only = call.updates
         self.deferred = [] if at_once else None  # None: this call runs layer by layer
 
     def evicts_anywhere(self, cache: KVCache) -> bool:
@@ -82,7 +82,7 @@ class AtOnce(Policy):
             return super().request(layer)
         if self.budgeter.skips(layer):
             return None
-        wanted = self.accumulating() or self.call.cache[layer].length + 1 > self.budgeter.known(layer)
+        wanted = self.call.updates or self.call.cache[layer].length + 1 > self.budgeter.known(layer)
         return self.scorer.request if wanted else None  # without building a request: the scorer's, or none
 
     def after_attention(self, layer: int, cache: KVCache, stats: Stats) -> None:
@@ -122,7 +122,7 @@ class AtOnce(Policy):
         call, layers = self.call, tuple(layer for layer, _ in deferred)
         joint = join(cache, layers, room=self.evict_every)
         stats = Stacked([stats for _, stats in deferred], joint)
-        if self.accumulating():
+        if call.updates:
             self.scorer.update(joint, stats, call.start, call.T)
         if self.update_only:
             return

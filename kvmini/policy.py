@@ -1,28 +1,21 @@
 """The compression engine as its specification: a method's four parts (kvmini.parts) run inside the
-model's forward pass, layer by layer (docs/design.md, "One forward call").
+model's forward pass, layer by layer. The four calls the model makes (`begin`, `request`,
+`after_attention`, `end`) and the loop `after_attention` runs are docs/design.md's "One forward call",
+step for step.
 
-The model talks to a policy through four calls per forward pass of T new tokens:
-    begin(cache, T)                      before layer 0: which step of the schedule is this call?
-    request(layer) -> Request|None       before the layer's attention (None: the fast SDPA path)
-    after_attention(layer, cache, stats) after it; this may shrink cache[layer] (and, for a
-                                         budgeter that revisits layers, earlier ones)
-    end(cache)                           after the last layer (nothing to do in this form)
-In a call the schedule compresses, after layer l attended over its full cache:
-    score = scorer(cache[l], stats);  for i, b in budgeter.decide(l, ...): compressor(i, cache[i], score_i, b)
-Only later layers and later calls see what was kept. A run is told where each prompt ends and
-never guesses: `start(n)` before its first call (kvmini.generate.prefill calls it), `next_prompt(n)`
-before a later prompt (a next turn: planned afresh, docs/design.md "A cache that lives on"); calls
-after a prompt are generated tokens, one or several at a time. A call the policy would have to
-guess about (no start, another cache, one crossing a prompt's end) is refused with a KvminiError.
-A prompt fed in several calls (a chunked prefill) is one prompt: a method that compresses once the
-prompt is complete (every schedule but EVERY_CALL) sees its statistics, gathered over the calls
-(kvmini.statistics.Gathering), in the call that completes it, as if the prompt had come in that one
-call; EVERY_CALL methods compress after each chunk by design.
+A run is told where each prompt ends and never guesses: `start(n)` before its first call
+(kvmini.generate.prefill calls it), `next_prompt(n)` before a later prompt (a next turn: planned
+afresh, docs/design.md "A cache that lives on"); calls after a prompt are generated tokens, one or
+several at a time. A call it would have to guess about (no start, another cache, one crossing a
+prompt's end) is refused with a KvminiError. A prompt fed in several calls (a chunked prefill) is
+one prompt: a method that compresses once the prompt is complete (every schedule but EVERY_CALL)
+sees its statistics, gathered over the calls (kvmini.statistics.Gathering), in the call that
+completes it; EVERY_CALL methods compress after each chunk by design.
 
 Beside this file: kvmini.budget (what a budget means in tokens, and whether the parts can work with
-it), kvmini.at_once (the same decode step with every layer's eviction at once, what
-`make_policy` builds for decode-time methods; tests/test_together.py proves both equal) and
-kvmini.per_sequence (a batch whose sequences get their own budgets).
+it), kvmini.at_once (the same decode step with every layer's eviction at once, what `make_policy`
+builds for decode-time methods; tests/test_together.py proves both equal) and kvmini.per_sequence
+(a batch whose sequences get their own budgets).
 """
 from dataclasses import dataclass
 
@@ -35,14 +28,19 @@ from kvmini.statistics import Gathering, Request, Stats
 
 @dataclass(slots=True)
 class Call:
-    """One forward call of T new tokens, read against the schedule by `begin`."""
+    """One forward call of T new tokens, read against the schedule once, by `begin`."""
 
     cache: KVCache
     start: int  # the position of its first token
     T: int
     in_prompt: bool  # it ends within the prompt
+    completes: bool  # it ends the prompt
+    gathering: bool  # it is a piece of a prompt fed in several calls (and the run compresses)
+    updates: bool  # the scorer keeps running sums in this call (an idle run's too, unless told its end)
+    measures: bool  # the budgeter measures this call (a prompt call, an accumulating budgeter)
     compress_now: bool  # the schedule compresses in this call
-    gathering: bool  # it is part of a prompt fed in several calls
+    slack: int  # entries a layer may hold beyond its budget: evict_every - 1 while decoding, else 0
+    requests: tuple  # what a layer's pass computes when its budget is (not exceeded, exceeded, not known)
     scores: dict  # layer -> its score (B, H_kv, S), scored once in this call
 
 
@@ -105,6 +103,7 @@ class Policy:
         return chunk_size(self.budget, self.prefill_chunk, self.schedule, prompt_len, total_len)
 
     def begin(self, cache: KVCache, T: int) -> None:
+        """Before layer 0: this call against the schedule, and the requests its layers' passes make."""
         start, n = cache.seen_tokens, self.prompt_end
         end = start + T  # this call ends at token `end`
         self._check_call(start, end)
@@ -118,13 +117,25 @@ class Policy:
             self._plan(len(cache))
         self.seen = end
         when = {PREFILL: end == n, AFTER_PROMPT: end >= n, DECODE: end > n, EVERY_CALL: True}  # the schedule
-        gathering = self.schedule != EVERY_CALL and end <= n and T < n - self.prompt_start  # a prompt in several calls
-        self.call = Call(cache, start, T, end <= n, self.active and when[self.schedule], gathering, {})
+        compress_now = self.active and when[self.schedule]
+        gathering = self.active and self.schedule != EVERY_CALL and end <= n and T < n - self.prompt_start
+        accumulating = self.scorer.accumulates and (self.schedule != PREFILL or end <= n)  # decode-time: always
+        updates = accumulating and (self.active or self.total_len is None)  # an idle run that may go on, too
+        if accumulating and not updates:
+            self.skipped = True  # an idle run promised to end (total_len): a next prompt would lack these sums
+        measures = self.active and self.budgeter.accumulates and end <= n
         if gathering and start == self.prompt_start:
             wanted = Request.merge([self.scorer.request, self.budgeter.request])
             self.gathered = Gathering(wanted, n) if wanted else None
-        if not self.active and self.accumulating() and not self.counting():
-            self.skipped = True  # an idle run promised to end (total_len): a next prompt would lack these sums
+        if gathering:  # the parts see the prompt's statistics when it is complete
+            requests = (self.gathered.request(start, T) if self.gathered else None,) * 3
+        else:
+            wanted = ([self.scorer.request] if updates else []) + ([self.budgeter.request] if measures else [])
+            scoring = [self.scorer.request, self.budgeter.request] if compress_now else []
+            requests = tuple(Request.merge(wanted + scoring[:k]) for k in (0, 1, 2))
+        slack = 0 if end <= n else self.evict_every - 1  # held beyond the budget between evictions
+        self.call = Call(cache, start, T, end <= n, end == n, gathering, updates, measures, compress_now, slack,
+                         requests, {})
 
     def _check_call(self, start: int, end: int) -> None:
         """Refuse a call the policy would have to guess about: it never guesses where a prompt ends."""
@@ -152,57 +163,36 @@ class Policy:
                   advice, mean=b)
         self.active = b is None or not is_noop(b, n, self.total_len, self.schedule)
 
-    def accumulating(self) -> bool:
-        """Does the scorer keep running sums now? (Always for decode-time methods, during the prompt otherwise.)"""
-        return self.scorer.accumulates and (self.schedule != PREFILL or self.call.in_prompt)
-
-    def counting(self) -> bool:
-        """Does an idle run (nothing to compress yet) keep its scorer's running sums? Yes when it may go on
-        (no total_len): a next prompt that makes it compress then finds them complete."""
-        return self.total_len is None and self.accumulating()
-
     def request(self, layer: int) -> Request | None:
+        """What layer's attention pass computes: one of the call's requests (`begin`)."""
         call = self.call
         if self.budgeter.skips(layer):
             return None
-        if not self.active:
-            return self.scorer.request if self.counting() else None
-        if call.gathering:
-            return self.gathered.request(call.start, call.T) if self.gathered else None
-        wanted = [self.scorer.request] if self.accumulating() else []
-        if self.budgeter.accumulates and call.in_prompt:
-            wanted.append(self.budgeter.request)
-        if call.compress_now:
-            known = self.budgeter.known(layer)
-            if known is None:
-                wanted += [self.scorer.request, self.budgeter.request]
-            elif call.cache[layer].length + call.T > known:
-                wanted.append(self.scorer.request)
-        return Request.merge(wanted)
+        if not call.compress_now:
+            return call.requests[0]
+        known = self.budgeter.known(layer)
+        if known is None:
+            return call.requests[2]
+        return call.requests[1] if call.cache[layer].length + call.T > known else call.requests[0]
 
     def after_attention(self, layer: int, cache: KVCache, stats: Stats) -> None:
+        """docs/design.md's loop ("One forward call"), step for step."""
         call, lc = self.call, cache[layer]
-        if self.budgeter.skips(layer):
+        if self.budgeter.skips(layer):  # a protected layer
             return
-        if not self.active:
-            if self.counting():
-                self.scorer.update(lc, stats, call.start, call.T)
-            return
-        if call.gathering:  # a prompt in several calls: its parts see it when it is complete
-            complete = call.start + call.T == self.prompt_end
+        if call.gathering:  # a piece of a prompt: its statistics so far; stop unless it completes the prompt
             if self.gathered is not None:
-                stats = self.gathered.add(layer, stats, lc.keys.shape[1], complete)
-            if not complete:
+                stats = self.gathered.add(layer, stats, lc.keys.shape[1], call.completes)
+            if not call.completes:
                 return
-        if self.accumulating():
+        if call.updates:
             self.scorer.update(lc, stats, call.start, call.T)
-        if self.budgeter.accumulates and call.in_prompt:
+        if call.measures:
             self.budgeter.update(layer, lc, stats, call.start, call.T)
         known = self.budgeter.known(layer) if call.compress_now else None  # None: decided in this call
-        slack = 0 if call.in_prompt else self.evict_every - 1  # held beyond the budget between evictions
-        if not call.compress_now or (known is not None and lc.length <= known + slack):
+        if not call.compress_now or (known is not None and lc.length <= known + call.slack):
             return
-        call.scores[layer] = self.scorer(lc, stats)  # (B, H_kv, S), scored once per layer and call
+        call.scores[layer] = self.scorer(lc, stats)  # (B, H_kv, S), held for this call
         decided = self.budgeter.decide(layer, lc, stats, call.scores[layer])
         if known is None and self.budget is not None:  # a budget the user gave, decided now: checked once
             check(self.name, self.compressor, decided, self.budgeter.protected_in(len(cache)))
@@ -214,8 +204,7 @@ class Policy:
                     call.scores[i] = call.scores[i].gather(2, kept)
 
     def end(self, cache: KVCache) -> None:
-        """After the last layer: here every layer was compressed in its own `after_attention`
-        (kvmini.at_once.AtOnce uses this call to evict a decode step's layers together)."""
+        """After the last layer: nothing here (every layer was compressed in its own `after_attention`)."""
 
     @property
     def parts(self) -> tuple:

@@ -1,5 +1,7 @@
 """The compression engine's contracts: budgets, no-op equivalence, invariants, batching, no state leaks."""
+import inspect
 import itertools
+from pathlib import Path
 
 import pytest
 import torch
@@ -14,6 +16,7 @@ from kvmini.methods.registry import METHODS, chooses_budget, make_policy, method
 from kvmini.methods.selectors import keep_top
 from kvmini.parts import AFTER_PROMPT, DECODE, EVERY_CALL
 from kvmini.per_sequence import PerSequence, sequence
+from kvmini.policy import Policy
 from reference import in_position_order, random_model
 from tiny import budget_for, fitted, least_budget
 
@@ -368,3 +371,39 @@ def test_a_budgeter_plan_is_pure(name):
     first = budgeter.plan(12, 4, 40)
     assert budgeter.plan(12, 4, 40) == first and len(first) == 4
     assert vars(budgeter).keys() == before.keys() and all(vars(budgeter)[k] is v for k, v in before.items())
+
+
+LOOP = [  # (docs/design.md's after_attention block, Policy.after_attention): the same steps, in one order
+    ("stop if l is protected", "if self.budgeter.skips(layer)"),
+    ("if this call is a piece of a prompt", "if call.gathering"),
+    ("stats = the prompt's statistics so far", "stats = self.gathered.add("),
+    ("stop unless this call completes the prompt", "if not call.completes"),
+    ("scorer.update(lc, stats, start, T)", "self.scorer.update(lc, stats, call.start, call.T)"),
+    ("budgeter.update(l, lc, stats, start, T)", "self.budgeter.update(layer, lc, stats, call.start, call.T)"),
+    ("stop unless the schedule compresses now", "if not call.compress_now or"),
+    ("score = scorer(lc, stats)", "= self.scorer(lc, stats)"),
+    ("budgeter.decide(l, lc, stats, score)", "self.budgeter.decide(layer, lc, stats,"),
+    ("is checked", "check(self.name, self.compressor, decided,"),
+    ("evicted[i] +=", "self.evicted[i] +="),
+    ("compressor(i, cache[i], score_i, b)", "self.compressor(i, cache[i],"),
+    ("score_i follows what was kept", ".gather(2, kept)"),
+]
+
+
+def in_order(text: str, fragments: list[str]) -> bool:
+    at = 0
+    for fragment in fragments:
+        at = text.find(fragment, at)
+        if at < 0:
+            return False
+    return True
+
+
+def test_policy_s_loop_is_design_md_s_loop_step_for_step():
+    """docs/design.md says its after_attention block is the code, step for step: both name these steps in
+    this order (a step added to one, or moved, fails here until the other follows)."""
+    design = (Path(__file__).resolve().parent.parent / "docs/design.md").read_text()
+    block = design.split("`after_attention` (kvmini/policy.py, step for step):")[1].split("```")[1]
+    code = inspect.getsource(Policy.after_attention)
+    assert in_order(block, [d for d, _ in LOOP]) and in_order(code, [c for _, c in LOOP])
+    assert not in_order(code, [c for _, c in LOOP][::-1])  # the check can fail: the steps reversed do not match
