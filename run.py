@@ -213,8 +213,8 @@ def answer(args, model, tok, chat, ids: list[int], policy, cache=None):
                         vocab=min(tok.vocab_size, model.config.vocab_size))
     progress = Progress("prefill", len(ids), enabled=False if args.quiet else None)  # on a terminal only
     result = kvmini.generate.generate(model, torch.tensor([ids]), args.max_new_tokens, sampling, stop, policy,
-                                      chunk_size=args.chunk_size, on_token=write, progress=progress, cache=cache,
-                                      more_prompts=bool(args.chat))
+                                      chunk_size=args.chunk_size, on_token=write, on_progress=progress.update,
+                                      cache=cache, more_prompts=bool(args.chat))
     print(stream.flush())
     return result
 
@@ -234,7 +234,7 @@ def several_prompts(args, policy, context: str | None) -> int:
         turns = session.chat_turns(stdin_lines())
         last = turns[-1].result
     else:
-        progress = lambda n: Progress("context", n, enabled=False if args.quiet else None)  # noqa: E731
+        progress = lambda n: Progress("context", n, enabled=False if args.quiet else None).update  # noqa: E731
         last, turns = session.questions(context, args.question, progress)
     lines = run_report(folder.name, model, tok, chat, args.method, args.options, policy, last, sys.stdout.encoding)
     lines[3:3] = [f"{'' if i else 'prompts':<9} {line(t)}" for i, t in enumerate(turns)]

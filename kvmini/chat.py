@@ -9,7 +9,8 @@ checkpoint's Jinja chat template by its marker tokens (we never execute the temp
 import re
 from pathlib import Path
 
-from kvmini.errors import KvminiError, not_special
+from kvmini.errors import KvminiError
+from kvmini.files import not_special
 
 
 class ChatML:

@@ -4,7 +4,8 @@ A user's mistake (KvminiError) or a refusal from the operating system (OSError) 
 stderr and exit code 2; an argparse usage error is one line too (exit code 2, `--help` for the
 rest); Ctrl-C is one line and exit code 130, at any moment including the imports. An error kvmini
 does not anticipate is still one line, naming its type; KVMINI_DEBUG=1 shows the traceback instead.
-Standard library (and kvmini.errors) only, so that it is in place before torch is imported.
+Standard library (and kvmini.errors, kvmini.files) only, so that it is in place before torch is
+imported.
 
     from kvmini import cli
     cli.exit_on_ctrl_c(__name__)   # first, before the heavy imports
@@ -24,7 +25,8 @@ import sys
 import tempfile
 from pathlib import Path
 
-from kvmini.errors import KvminiError, not_special
+from kvmini.errors import KvminiError
+from kvmini.files import not_special
 
 INTERRUPTED = "\ninterrupted (Ctrl-C)"
 

@@ -131,7 +131,8 @@ class Session:
 
     def questions(self, context: str, questions: list[str], progress=None) -> tuple[GenerationResult, list[Turn]]:
         """Compress the context once (before any question is known), then answer each question from a copy.
-        progress(n): a kvmini.progress.Progress for the context's n tokens, or None."""
+        progress(n): the prefill's on_progress for the context's n tokens (e.g. a kvmini.progress.Progress's
+        update), or None."""
         parts = [split_at_context(self.chat, context, q) for q in questions]
         ctx_ids = self.context_ids = self.encode(parts[0][0], "the context")
         self.check(0, len(ctx_ids), "the context")
@@ -141,7 +142,7 @@ class Session:
         cache = self.model.new_cache(1, capacity=len(ctx_ids) + 64)
         t0 = time.perf_counter()
         prefill(self.model, torch.tensor([ctx_ids]), cache, self.policy,  # no total_len: the run goes on
-                progress=None if progress is None else progress(len(ctx_ids)))
+                on_progress=None if progress is None else progress(len(ctx_ids)))
         compressed = GenerationResult([[]], len(ctx_ids), time.perf_counter() - t0, 0.0, 0, cache)
         print(f"context     {len(ctx_ids)} tokens, compressed to {sum(cache.lengths()) / len(cache):.0f} entries per "
               f"layer (mean) before any question", flush=True)

@@ -5,8 +5,6 @@ line on stderr and exit code 2. Their shared error boundary (`kvmini.cli.run`) a
 from the operating system and anything unforeseen into one line; KVMINI_DEBUG=1 shows the
 traceback instead.
 """
-import stat
-from pathlib import Path
 
 
 class KvminiError(Exception):
@@ -19,20 +17,6 @@ def one_of(what: str, value, choices: tuple):
     if value not in choices:
         raise KvminiError(f"{what} must be one of {', '.join(map(str, choices))}, got {value!r}")
     return value
-
-
-def not_special(path, what: str):
-    """`path` unless it exists as something other than a regular file or a folder: a FIFO, a socket or a
-    device, whose read or write could wait forever (a FIFO nobody writes to) or never end. `what` names
-    it in the message: not_special(Path("p.txt"), "prompt file") -> Path("p.txt")."""
-    path = Path(path)
-    try:
-        mode = path.stat().st_mode
-    except OSError:  # missing, or not ours to look at: the caller's own check says so
-        return path
-    if not (stat.S_ISREG(mode) or stat.S_ISDIR(mode)):
-        raise KvminiError(f"{what} {path} is not a regular file (a FIFO, socket or device would block or never end)")
-    return path
 
 
 def tokens(n: int) -> str:

@@ -7,6 +7,7 @@
 import copy
 import math
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -14,7 +15,6 @@ import torch
 from kvmini.cache import KVCache
 from kvmini.errors import KvminiError
 from kvmini.model import Transformer
-from kvmini.progress import Progress
 
 
 @dataclass(frozen=True)
@@ -115,15 +115,15 @@ def synchronize(device: torch.device) -> None:
 
 @torch.inference_mode()
 def prefill(model: Transformer, ids: torch.Tensor, cache: KVCache, policy=None, chunk_size: int | None = None,
-            total_len: int | None = None, progress: Progress | None = None):
+            total_len: int | None = None, on_progress: Callable[[float], None] | None = None):
     """ids (B, T) -> logits of the last position (B, V). chunk_size splits the prompt into pieces.
 
     On a fresh cache the policy starts a run with this prompt; on a cache that holds tokens, ids are
     the run's next prompt (policy.next_prompt: a next turn or question, docs/design.md "A cache that
     lives on"): one prompt in pieces is one call of prefill with chunk_size, never one call per piece.
     total_len (every token the run will have seen at its end, if known) promises that the run ends
-    there, which lets a policy skip statistics its budget never needs. `progress` hears the tokens
-    done after every layer (a chunk of c tokens counts c/L per layer).
+    there, which lets a policy skip statistics its budget never needs. on_progress(done) hears the
+    tokens done after every layer (a chunk of c tokens counts c/L per layer; the last call says T).
     """
     ids = token_ids(ids, model.config.vocab_size)
     if chunk_size is not None and (not is_whole(chunk_size) or chunk_size < 1):
@@ -137,10 +137,8 @@ def prefill(model: Transformer, ids: torch.Tensor, cache: KVCache, policy=None, 
         policy.start(T, total_len) if before == 0 else policy.next_prompt(T, total_len)
     for start in range(0, T, step):
         c = min(step, T - start)
-        on_layer = None if progress is None else (lambda i, start=start, c=c: progress.update(start + c * (i + 1) / L))
+        on_layer = None if on_progress is None else (lambda i, start=start, c=c: on_progress(start + c * (i + 1) / L))
         logits = model(ids[:, start : start + step], cache, policy, on_layer=on_layer)
-    if progress is not None:
-        progress.close()
     return logits[:, -1]
 
 
@@ -160,13 +158,13 @@ def generate(
     policy=None,
     chunk_size: int | None = None,
     on_token=None,
-    progress: Progress | None = None,
+    on_progress: Callable[[float], None] | None = None,
     cache: KVCache | None = None,
     more_prompts: bool = False,
 ) -> GenerationResult:
     """Generate up to max_new_tokens after prompt ids (B, T); on_token(id) streams sequence 0;
-    `progress` reports the prefill (see `prefill`). With `cache` (a finished result's, or a `fork` of
-    it), ids are the run's next prompt and the answer continues that cache, which is changed in place.
+    on_progress hears the prefill's progress (see `prefill`). With `cache` (a finished result's, or a
+    `fork` of it), ids are the run's next prompt and the answer continues that cache, changed in place.
     more_prompts: a next prompt may follow this answer (a chat), so the policy is not told where the
     run ends (a run that is told may skip statistics a later prompt would need)."""
     ids = token_ids(ids, model.config.vocab_size)
@@ -186,7 +184,7 @@ def generate(
         raise KvminiError(f"cache must be a KVCache (a GenerationResult's .cache), got {type(cache).__name__}")
     t0 = time.perf_counter()
     longest = cache.seen_tokens + T + max(max_new_tokens - 1, 0)  # the last new token is sampled, never appended
-    logits = prefill(model, ids, cache, policy, chunk_size, None if more_prompts else longest, progress)  # (B, V)
+    logits = prefill(model, ids, cache, policy, chunk_size, None if more_prompts else longest, on_progress)  # (B, V)
     synchronize(device)
     t1 = time.perf_counter()
     tokens: list[list[int]] = [[] for _ in range(B)]

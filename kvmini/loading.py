@@ -17,7 +17,8 @@ import torch
 from safetensors import SafetensorError, safe_open
 
 from kvmini.config import ModelConfig
-from kvmini.errors import KvminiError, not_special
+from kvmini.errors import KvminiError
+from kvmini.files import not_special
 from kvmini.model import Transformer
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}

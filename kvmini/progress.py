@@ -2,7 +2,7 @@
 
     progress = Progress("prefill", total=8192, unit="tokens")
     progress.update(1024)   # -> "prefill  1,024/8,192 tokens  12.5%  210 tokens/s  ETA 33s"
-    progress.close()
+    progress.close()        # or progress.update(8192): reaching the total ends the line too
 
 It stays silent during the first `delay` seconds (short work prints nothing) and whenever the
 stream is not a terminal, unless `enabled=True` (tests, logs).
@@ -28,18 +28,21 @@ class Progress:
                 f"{rate:,.1f} {self.unit}/s  ETA {_duration(left)}")
 
     def update(self, done: float) -> None:
+        """Show `done` (after `delay`, at most every `every` seconds); reaching the total ends the line."""
         now = time.perf_counter()
-        if not self.enabled or now - self.start < self.delay or (self.shown and now - self.last < self.every):
-            return
-        self.stream.write("\r" + self.line(done, now - self.start) + "\033[K")
-        self.stream.flush()
-        self.last, self.shown = now, True
+        if self.enabled and now - self.start >= self.delay and not (self.shown and now - self.last < self.every):
+            self.stream.write("\r" + self.line(done, now - self.start) + "\033[K")
+            self.stream.flush()
+            self.last, self.shown = now, True
+        if done >= self.total:
+            self.close()
 
     def close(self) -> None:
         """End the line (if one was shown), leaving the final count on screen."""
         if self.shown:
             self.stream.write("\r" + self.line(self.total, time.perf_counter() - self.start) + "\033[K\n")
             self.stream.flush()
+            self.shown = False
 
 
 def _is_terminal(stream) -> bool:

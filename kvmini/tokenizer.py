@@ -15,7 +15,8 @@ from pathlib import Path
 
 import regex
 
-from kvmini.errors import KvminiError, not_special
+from kvmini.errors import KvminiError
+from kvmini.files import not_special
 
 # GPT-2's pre-tokenizer: contractions, letters, numbers, punctuation, whitespace runs.
 GPT2_PATTERN = r"""'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""

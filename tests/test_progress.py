@@ -1,11 +1,16 @@
 """Progress lines for long work: silent when short or not on a terminal; counts, rate and ETA otherwise."""
 import io
+import subprocess
+import sys
+from pathlib import Path
 
 import torch
 
 from kvmini.generate import prefill
 from kvmini.progress import Progress, _duration
 from reference import random_model
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_durations_by_hand():
@@ -28,15 +33,29 @@ def test_silent_when_not_a_terminal_or_short():
     assert stream.getvalue() == ""
 
 
+def test_reaching_the_total_ends_the_line_once():
+    stream = io.StringIO()
+    p = Progress("prefill", 100, enabled=True, stream=stream, delay=0, every=0)
+    p.update(50)
+    assert stream.getvalue().startswith("\rprefill  50/100 tokens") and "\n" not in stream.getvalue()
+    p.update(100)  # what prefill's last report does: the line ends before the answer streams
+    shown = stream.getvalue()
+    assert shown.count("\n") == 1 and shown.endswith("\033[K\n") and "100/100 tokens" in shown.split("\r")[-1]
+    p.close()
+    assert stream.getvalue() == shown
+
+
 def test_prefill_reports_tokens_after_every_layer():
     model = random_model(L=3)
     seen = []
 
-    class Recorder(Progress):
-        def update(self, done):
-            seen.append(done)
-
-    prefill(model, torch.randint(0, 61, (1, 30)), model.new_cache(1), chunk_size=12,
-            progress=Recorder("prefill", 30, enabled=False))
+    prefill(model, torch.randint(0, 61, (1, 30)), model.new_cache(1), chunk_size=12, on_progress=seen.append)
     # chunks of 12, 12 and 6 tokens; each layer of a chunk adds a third of it
     assert seen == [4, 8, 12, 16, 20, 24, 26, 28, 30]
+
+
+def test_the_loop_does_not_import_progress():
+    """prefill/generate hear a callback: the terminal line is the caller's (run.py), not the loop's."""
+    code = "import sys, kvmini.generate; print('kvmini.progress' in sys.modules)"
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True)
+    assert proc.stdout.strip() == "False", proc.stderr
