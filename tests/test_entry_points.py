@@ -330,6 +330,7 @@ class CtrlC:  # a real SIGINT at the moment module `at` is imported, before run.
             os.kill(os.getpid(), signal.SIGINT)  # delivered now: the default handler raises KeyboardInterrupt here
 
 at, sys.argv = sys.argv[1], sys.argv[2:]
+signal.signal(signal.SIGINT, signal.default_int_handler)  # as on a terminal, also when launched with `&` (ignored)
 sys.meta_path.insert(0, CtrlC())
 runpy.run_path("run.py", run_name="__main__")
 """
