@@ -144,7 +144,7 @@ class Compressor:
 
     A compressor with `one_each` also has `evict_one_each(layers, lc, score, budgets, newest)`: a decode
     step of many layers at once, each one entry over its budget, held as the rows of one LayerCache
-    (`KVCache.join`, kvmini.at_once); it must do per row exactly what `__call__` does per layer
+    (`kvmini.at_once.join`); it must do per row exactly what `__call__` does per layer
     (tests/test_together.py). `evict_few_each(layers, lc, score, budgets)` is the same for evict_every's
     batches (each row N over its budget drops N); it returns False where it cannot (by default), and
     kvmini.at_once then calls `__call__` layer by layer.
@@ -175,7 +175,7 @@ class Compressor:
         return merged
 
     def recent_rows(self, budgets: list[int], lc) -> int | torch.Tensor:
-        """recent(b) of each layer's budget, for the rows of `KVCache.join`: one int when they agree,
+        """recent(b) of each layer's budget, for the rows of `at_once.join`: one int when they agree,
         else (len(budgets) * B, 1, 1)."""
         recent = tuple(self.recent(b) for b in budgets)
         if min(recent) == max(recent):

@@ -26,7 +26,7 @@ M_i, per (sequence, KV head), by `mask`:
     always       M_i = 1 (Table 2's ablation "w.o. Merge Mask")
 Two implementations, one result: `merge_one` (a decode step: one eviction per head in a buffer out
 of position order, O(S) to find it and its targets, O(m D) to merge; also the rows of
-`KVCache.join`) and `merge_sequential` (many evictions after a prompt call, in position order).
+`at_once.join`) and `merge_sequential` (many evictions after a prompt call, in position order).
 """
 import torch
 import torch.nn.functional as F
@@ -95,7 +95,7 @@ class CacheMerge(Compressor):
         self.merged[layer] = self.merged[layer] + M.mean(1).sum()  # mean over KV heads
 
     def evict_one_each(self, layers: tuple, lc: LayerCache, score: torch.Tensor, budgets: list[int], newest: int) -> None:
-        """One decode step of many layers at once (kvmini.at_once): `lc` holds them as rows (`KVCache.join`),
+        """One decode step of many layers at once (kvmini.at_once): `lc` holds them as rows (`at_once.join`),
         each one entry over its budget: per row, `merge_one` as `__call__` does it, with each layer's draws."""
         note = None
         if self.trace is not None:

@@ -91,7 +91,7 @@ def merge_one(lc: LayerCache, sinks: int, recent, note=None, newest=None) -> Non
     index): j is the lowest abar after the sinks and before the recent window (ties: the earliest),
     its right neighbour the held entry with the next position. O(S) to find them, O(D) to merge and
     delete. Sinks and window are found as in `selectors.lowest` (`recent` and `newest` too: rows of
-    `KVCache.join` may differ in both). `note(evicted, into, weight)`, if given, hears the positions
+    `at_once.join` may differ in both). `note(evicted, into, weight)`, if given, hears the positions
     of j and its neighbour and the weight of v_j, each (B, H_kv, 1)."""
     j, nxt, share = next_merge(lc, sinks, recent, newest)
     if note is not None:
@@ -187,7 +187,7 @@ class ConvexValueMerge(Compressor):
 
     def evict_one_each(self, layers: tuple, lc: LayerCache, score: torch.Tensor, budgets: list[int], newest: int) -> None:
         """One decode step of many layers at once (kvmini.at_once): `lc` holds them as rows
-        (`KVCache.join`), each one entry over its budget: per row, `merge_one` as `__call__` does it."""
+        (`at_once.join`), each one entry over its budget: per row, `merge_one` as `__call__` does it."""
         for layer in layers:
             self.merged[layer] += 1
         note = None

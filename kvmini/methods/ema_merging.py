@@ -85,7 +85,7 @@ class EMAMerge:
         entry (Eq. 9) and, if similar enough, merged into its nearest (Eq. 11-12). The same result as
         `__call__` with every other entry kept, but only the nearest entry's key and value are written.
         Returns the merges per row (B,), mean over heads. `layer` may be a tuple of layers whose rows `lc`
-        holds (`KVCache.join`; pads are never a nearest entry): each row keeps its own layer's threshold."""
+        holds (`at_once.join`; pads are never a nearest entry): each row keeps its own layer's threshold."""
         D = lc.keys.shape[-1]
         at = victim[:, :, None, None].expand(-1, -1, 1, D)  # (B, H_kv, 1, D)
         k_evict = wide(lc.keys.gather(2, at))  # (B, H_kv, 1, D)

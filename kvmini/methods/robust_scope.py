@@ -80,7 +80,7 @@ def robust_set(sigma: torch.Tensor, positions: torch.Tensor, rho, sinks: int, re
     """(R3) The rho entries of largest sigma, (B, H_kv, S) bool in buffer order; the first `sinks` and the
     last `recent` held entries (by position) count as sigma = +inf. Ties: the later position first if
     `later_first`, else the earlier. rho and recent: ints, or one per row (R, 1, 1). Pads (position PAD,
-    the rows of KVCache.join) are never in it.
+    the rows of at_once.join) are never in it.
     Example: sigma [.3, .1, .2, .0] at positions 0..3, rho 2, sinks 0, recent 1 -> [True, False, False, True].
 
     Ranked by the pair (sigma, position), the set is the rho largest pairs. With a sigma of 32 bits or
@@ -185,7 +185,7 @@ class RobustScope(Compressor):
 
     @staticmethod
     def rows(values: list[int], lc: LayerCache) -> int | torch.Tensor:
-        """One value per layer of `KVCache.join`'s rows: an int when they agree, else (rows, 1, 1)."""
+        """One value per layer of `at_once.join`'s rows: an int when they agree, else (rows, 1, 1)."""
         if min(values) == max(values):
             return values[0]
         per_layer = torch.tensor(values, device=lc.positions.device)
