@@ -7,7 +7,7 @@
     schedule    PREFILL | AFTER_PROMPT | DECODE | EVERY_CALL
                                                            when the three above run
 
-A method is one of each, e.g. H2O = CumulativeAttention() + Uniform() + TopK(recent=HALF) on
+A method is one of each, e.g. H2O = CumulativeAttention() + Budgeter() + TopK(recent=HALF) on
 EVERY_CALL (kvmini.methods.h2o). The engine that runs them is kvmini.policy.Policy; it imports
 no method. The base classes below hold the shared defaults; a part overrides what it changes.
 Shapes: lc is a LayerCache (kvmini.cache); stats is a kvmini.statistics.Stats, the attention
