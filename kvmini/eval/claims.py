@@ -102,6 +102,8 @@ def claim_streaming(profiles: list[tuple[str, dict]], who: str, rivals: list[str
                 held, ppl = rows[r]
                 detail.append(f"| {label} | {capacity:,} | {name(r)} | {'—' if held is None else f'{held:,.0f}'} | "
                               f"{ppl:.2f} | | |")
+    if not cells:  # every run predates `held`
+        return "these streaming runs did not record the entries each method held", checks, "\n".join(detail)
     return f"{name(who)}, perplexity and entries held per layer: " + "; ".join(cells), checks, "\n".join(detail)
 
 
