@@ -37,6 +37,9 @@ def test_streaming_holds_the_capacity_and_scores_every_later_token():
     rows = streaming.run(model, ids, [8], methods=("full", "h2o", "d2o"), chunk=4, log=lambda m: None)
     assert [r["tokens"] for r in rows] == [34, 34, 34]  # 50 - 2 * 8
     assert rows[0]["ppl"] != rows[1]["ppl"] and all(math.isfinite(r["ppl"]) for r in rows)
+    # entries held per layer before each chunk (starts 16, 20, ..., 48): the full cache all it read, a
+    # mean of 32; H2O its capacity, 8, in every layer
+    assert rows[0]["held"] == 32.0 and rows[1]["held"] == 8.0
 
 
 def test_cumulative_curve_by_hand():

@@ -10,7 +10,10 @@ method shrinks the cache back to its capacity. For every token after the prompt:
     NLL_t = -\log p(x_t \mid \text{what the cache kept of } x_{<t}),   perplexity = \exp(\mathrm{mean}_t NLL_t)
 
 The full cache (nothing evicted) is the reference. The cumulative mean NLL along the text
-is kept (at up to 64 points) for the plot. Methods may carry options, as in the fidelity tool:
+is kept (at up to 64 points) for the plot, and `held`: the entries the cache held per layer,
+averaged over the layers and over the chunks (each measured after the method compressed), so that
+methods are compared at the memory they used, not at their nominal capacity (D2O keeps its
+protected layers whole). Methods may carry options, as in the fidelity tool:
 `d2o[allocation=uniform]`.
 """
 import time
@@ -26,13 +29,17 @@ METHODS = ("full", *specs(while_decoding=True))  # every method that evicts whil
 
 
 @torch.inference_mode()
-def stream_nll(model, ids: torch.Tensor, capacity: int, policy=None, chunk: int = 16) -> torch.Tensor:
-    """ids (1, N) -> NLL (N - P,) of tokens P..N-1, P = 2 * capacity, each predicted from the cache."""
+def stream_nll(model, ids: torch.Tensor, capacity: int, policy=None, chunk: int = 16,
+               held: list | None = None) -> torch.Tensor:
+    """ids (1, N) -> NLL (N - P,) of tokens P..N-1, P = 2 * capacity, each predicted from the cache.
+    `held`, if given, gets the mean entries per layer after the prompt and after every chunk."""
     N, P = ids.shape[1], 2 * capacity
     cache = model.new_cache(1, capacity=P + chunk)
     first = prefill(model, ids[:, :P], cache, policy, total_len=N - 1)  # (1, V): predicts token P
     nll = [F.cross_entropy(first.float(), ids[0, P : P + 1], reduction="none")]
     for start in range(P, N - 1, chunk):
+        if held is not None:
+            held.append(sum(cache.lengths()) / len(cache))
         end = min(start + chunk, N - 1)
         logits = model(ids[:, start:end], cache, policy, all_logits=True)[0]  # (end - start, V): start+1..end
         nll.append(F.cross_entropy(logits.float(), ids[0, start + 1 : end + 1], reduction="none"))
@@ -47,7 +54,8 @@ def curve(nll: torch.Tensor, points: int = 64) -> list[float]:
 
 
 def run(model, ids: torch.Tensor, capacities: list[int], methods=METHODS, chunk: int = 16, log=print) -> list[dict]:
-    """One row per (capacity, method): perplexity after the prompt and the cumulative-NLL curve."""
+    """One row per (capacity, method): perplexity after the prompt, the cumulative-NLL curve and the
+    mean entries held per layer."""
     N = ids.shape[1] if isinstance(ids, torch.Tensor) and ids.dim() == 2 else 0
     if isinstance(capacities, (int, float, str)):
         raise KvminiError(f"capacities must be a list of whole numbers such as [256], got {capacities!r}")
@@ -63,9 +71,10 @@ def run(model, ids: torch.Tensor, capacities: list[int], methods=METHODS, chunk:
         for name in methods:
             t0 = time.perf_counter()
             policy = policy_for(name, capacity)
-            nll = stream_nll(model, ids, capacity, policy, chunk)
+            held = []
+            nll = stream_nll(model, ids, capacity, policy, chunk, held)
             rows.append({"capacity": capacity, "method": name, "tokens": len(nll), "ppl": nll.mean().exp().item(),
-                         "curve": curve(nll), "seconds": time.perf_counter() - t0})
+                         "held": sum(held) / len(held), "curve": curve(nll), "seconds": time.perf_counter() - t0})
             log(f"[{len(rows)}/{total}] streaming capacity {capacity} {name}: ppl {rows[-1]['ppl']:.3f} "
-                f"over {len(nll)} tokens ({rows[-1]['seconds']:.1f} s)")
+                f"over {len(nll)} tokens, {rows[-1]['held']:.0f} entries held per layer ({rows[-1]['seconds']:.1f} s)")
     return rows
