@@ -12,12 +12,8 @@ def uniform(tokens_per_layer: int, L: int) -> list[int]:
 
 def pyramid(tokens_per_layer: int, L: int, window: int, beta: float = 20) -> list[int]:
     r"""PyramidKV (Cai et al. 2024, Sec. 3.3): budgets fall linearly from the bottom layer to the top.
-
-    Beyond the `window` kept by every layer, the top layer gets k_min = (b - w) / \beta and the
-    bottom layer k_max = 2 (b - w) - k_min, so the mean stays b - w; total = L * b exactly
-    (fractions are rounded by largest remainder).
-    Example: b = 40, L = 4, window 8, beta 4: k_min = 8, k_max = 56 -> [64, 48, 32, 16], sum 160 = 4 * 40.
-    """
+    Beyond the `window`, top k_min = (b - w) / \beta, bottom k_max = 2 (b - w) - k_min; total L * b exactly.
+    Example: b = 40, L = 4, window 8, beta 4 -> [64, 48, 32, 16]."""
     extra = tokens_per_layer - window
     if L == 1:
         return [tokens_per_layer]
@@ -28,10 +24,7 @@ def pyramid(tokens_per_layer: int, L: int, window: int, beta: float = 20) -> lis
 
 
 def round_to_total(exact: list[float], total: int) -> list[int]:
-    """Round non-negative reals to integers that sum to `total` (largest remainder method).
-
-    [1.5, 1.5, 1.0] with total 4 -> [2, 1, 1].
-    """
+    """Round non-negative reals to integers that sum to `total` (largest remainder): [1.5, 1.5, 1.0], 4 -> [2, 1, 1]."""
     floors = [int(x) for x in exact]
     short = total - sum(floors)
     by_remainder = sorted(range(len(exact)), key=lambda i: (-(exact[i] - floors[i]), i))
@@ -41,15 +34,9 @@ def round_to_total(exact: list[float], total: int) -> list[int]:
 
 
 def proportional(weights: list[float], total: int, low: int, high: list[int]) -> list[int]:
-    """S_l = clamp(lambda * w_l, low, high_l) with the one lambda that makes them sum to `total`:
-    a split in proportion to the weights where a clamped layer's excess or shortfall goes to the
-    others by weight. Rounded to integers with the same sum (largest remainder).
-    lambda is found by bisection: the sum only grows with it.
-
-    [0.9, 0.05, 0.05], total 300, low 60, high 200 each -> [180, 60, 60] (the floors take 120).
-    A weight below 1e-12 of the largest counts as 1e-12 of it (a softmax that underflows to 0), so
-    the total is always reachable without breaking a bound.
-    """
+    """S_l = clamp(lambda * w_l, low, high_l), lambda (by bisection) such that they sum to `total`, rounded
+    by largest remainder. [0.9, 0.05, 0.05], total 300, low 60, high 200 each -> [180, 60, 60].
+    A weight below 1e-12 of the largest counts as that (a softmax underflowing to 0): `total` stays reachable."""
     L = len(weights)
     weights = [max(w, max(weights) * 1e-12) for w in weights]
     total = max(min(total, sum(high)), low * L)

@@ -5,20 +5,15 @@ Zhongwei Wan et al., ICLR 2025, arXiv 2406.13035.
 
     scorer       cumulative attention (H2O), per KV head
     budgeter     S_l from the variance of each layer's prompt attention (Eq. 4-5: variance_softmax)
-    compressor   T sinks + N heavy + M recent (Eq. 6-8), evicted tokens merged into their nearest kept
-                 one when similar enough (Eq. 9-12: ema_merging)
-    schedule     when the prompt is complete (paper) or at the first decode step (official), then one
-                 eviction (and possible merge) per decode step
+    compressor   T sinks + N heavy + M recent (Eq. 6-8); an evicted token merged into its nearest
+                 kept one when similar enough (Eq. 9-12: ema_merging)
+    schedule     when the prompt is complete (paper) or at the first decode step (official), then every step
 
-Variants (every option overrides its part of the chosen one; docs/methods.md sets them side by side):
-`paper` is the equations (softmax(-F_v), N:M = 3:1, T + N + M = S_l, convex merge, per-head tau,
-beta 0.7); `official` is AIoT-MLSys-Lab/D2O (min-max variances, layers 0, 1 and the last never
-compressed, 1:1, sinks inside N, raw-cosine scatter-mean, per-layer tau, beta 0.5, first decode step).
+Variants `paper` (the equations) and `official` (AIoT-MLSys-Lab/D2O): docs/methods.md, "D2O".
 Deviation: one cache per KV head (the g query heads reduced by mean); the authors' code keeps one per query head.
 Deviation: `clamp_budgets` (default) bounds each S_l to [sinks + 4, n] and hands on the excess; Eq. 5 does not.
 Deviation: the EMA threshold restarts with every run; the authors' code never resets it.
-Deviation: every layer is held at its budget, also one budgeted n - 1 or more (the authors' code grows it,
-re-adds the prompt's scores, or fails: docs/methods.md).
+Deviation: every layer is held at its budget, also one budgeted n - 1 or more (the authors' code does not).
 """
 from dataclasses import dataclass
 from typing import Literal

@@ -8,17 +8,9 @@ merged into it instead of being dropped.
     k_j \leftarrow w_c k_j + \sum_{i \in E_j} w_i k_i,  v likewise                                  (Eq. 11-12)
     w_i = \frac{e^{u_{ij}}}{\sum_{i' \in E_j} e^{u_{i'j}} + e},   w_c = \frac{e}{\sum_{i' \in E_j} e^{u_{i'j}} + e}
 
-(a softmax over {j itself, similarity 1} and the tokens that chose j; the weights sum to 1). This
-reads Eq. 12's w_ei per evicted token: as printed, its numerator is the whole sum over K_e, which
-would give every token of E_j the same weight and weights that do not sum to 1 when two or more merge.
-tau is kept per (sequence, KV head). A kept token's accumulated attention is not changed by a
-merge. With several evicted tokens in a step the EMA takes the mean of their maxima.
-
-The authors' code (AIoT-MLSys-Lab/D2O) differs, and each difference is an option:
-`weights="official"`: k_j <- (k_j + \sum_{i \in E_j} u_{ij} k_i) / (1 + |E_j|), raw cosine weights
-and a mean that counts tokens (not a convex combination); `tau="per_layer"`: one threshold per
-layer (the mean over heads and evicted tokens), and a token is merged when its similarity
-averaged over the heads reaches it. (Its beta weighs the newest mean as here: alpha = 1 - beta.)
+(a softmax over {j itself, similarity 1} and the tokens that chose j), tau per (sequence, KV head).
+The authors' variants (`weights="official"`, `tau="per_layer"`) and kvmini's reading of Eq. 12:
+docs/methods.md, "D2O".
 Deviation: the official cache holds every query head (after repeat_kv); kvmini merges per KV head.
 """
 import math

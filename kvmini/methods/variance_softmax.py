@@ -7,25 +7,10 @@ one that concentrates on a few tokens needs less.
     F_v^{(l)} = \mathrm{mean}_h \mathrm{Var}_j(s^{(l,h)}_j)   (Eq. 4 omits heads; Var per head is App. A.9's Eq. 20)
     \alpha_l = \mathrm{softmax}(-F_v)_l \cdot L \cdot \rho,   S_l = \alpha_l \cdot n   (Eq. 5)
 
-so \sum_l S_l = L \rho n. Averaging the heads' variances is kvmini's reading of Eq. 4; App. A.9 instead
-sums per-head softmax shares, \alpha_l = \sum_h \exp(-F_v^{l,h}) / \sum_{l,h} \exp(-F_v^{l,h}) (Eq. 28-29).
-The `allocation` option chooses how F_v becomes shares:
-    paper       softmax(-F_v) of the raw variances, as Eq. 5 reads. Raw variances grow with n, so
-                on real prompts this is a one-hot: one layer takes everything the clamp allows.
-    official    the authors' code (AIoT-MLSys-Lab/D2O): per query head the unbiased variance,
-                min-max normalized across the heads of the layer, averaged (v_l in [0, 1]);
-                S_l = clamp(softmax(-v)_l L \rho, 0.01, 1) (n + 1), no renormalization; the
-                softmax counts the protected layers, whose share is then unused.
-    zscore      kvmini's own reading: F_v standardized across layers, divided by a temperature.
-                Deviation: F_v here is the variance of the column sums per KV head (the g query
-                heads of a group reduced by --reduce first), averaged over the KV heads.
-    reciprocal  (1/F_v) / \sum 1/F_v (Table 4); uniform: 1/L (Table 4).
-With `clamp` (kvmini's default), each S_l is clamped to [low, n] (except `official`: only at
-least low) and what the clamp removes or adds is given to the other layers in proportion to
-their weights, so the total stays L \rho n (largest remainder rounding); protected layers are left
-out of the split. Without it, S_l is Eq. 5 as written, rounded to the same total: a layer given
-more than it holds keeps everything, and one given fewer tokens than its sinks and recent window
-is an error (kvmini.policy), as the raw-variance softmax of Eq. 5 does on real prompts.
+so \sum_l S_l = L \rho n. `allocation` turns F_v into shares: paper (softmax(-F_v), Eq. 5), official
+(the authors' min-max normalized variances, clamped ratio), zscore (kvmini's), reciprocal and uniform
+(Table 4); each, the reading of Eq. 4 and what `clamp` does: docs/methods.md, "D2O".
+Deviation: zscore's F_v is the variance of the column sums per KV head (query heads reduced first).
 Deviation: `clamp` (the default) bounds S_l to [low, n] and redistributes the excess; Eq. 5 does not.
 """
 import sys
