@@ -163,16 +163,9 @@ class Transformer(nn.Module):
 
     def forward(self, ids: torch.Tensor, cache: KVCache | None = None, policy=None, all_logits: bool = False,
                 on_layer=None):
-        """Run T new tokens through the model, appending them to `cache`.
-
-        ids (B, T). Returns logits (B, T, V) if all_logits else (B, 1, V) for the last token.
-        `policy` (optional, see kvmini.policy) hears `begin(cache, T)`, is asked per layer for a
-        Request (`request(layer)`) and told after each layer's attention
-        (`after_attention(layer, cache, stats)`); it may then shrink that layer's cache, or wait for
-        `end(cache)` after the last layer to shrink several layers at once.
-        The attention of this call is computed before that. on_layer(i), if given, hears that
-        layer i is done (progress reports).
-        """
+        """Run T new tokens, ids (B, T), through the model, appending them to `cache`. Returns logits
+        (B, T, V) if all_logits else (B, 1, V). `policy`'s four calls: docs/design.md, "One forward call".
+        on_layer(i), if given, hears that layer i is done (progress reports)."""
         B, T = ids.shape
         cache = cache if cache is not None else self.new_cache(B, T)
         pos = torch.arange(cache.seen_tokens, cache.seen_tokens + T, device=ids.device).expand(B, T)  # (B, T)

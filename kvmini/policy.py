@@ -1,21 +1,8 @@
 """The compression engine as its specification: a method's four parts (kvmini.parts) run inside the
-model's forward pass, layer by layer. The four calls the model makes (`begin`, `request`,
-`after_attention`, `end`) and the loop `after_attention` runs are docs/design.md's "One forward call",
-step for step.
-
-A run is told where each prompt ends and never guesses: `start(n)` before its first call
-(kvmini.generate.prefill calls it), `next_prompt(n)` before a later prompt (a next turn: planned
-afresh, docs/design.md "A cache that lives on"); calls after a prompt are generated tokens, one or
-several at a time. A call it would have to guess about (no start, another cache, one crossing a
-prompt's end) is refused with a KvminiError. A prompt fed in several calls (a chunked prefill) is
-one prompt: a method that compresses once the prompt is complete (every schedule but EVERY_CALL)
-sees its statistics, gathered over the calls (kvmini.statistics.Gathering), in the call that
-completes it; EVERY_CALL methods compress after each chunk by design.
-
-Beside this file: kvmini.budget (what a budget means in tokens, and whether the parts can work with
-it), kvmini.at_once (the same decode step with every layer's eviction at once, what `make_policy`
-builds for decode-time methods; tests/test_together.py proves both equal) and kvmini.per_sequence
-(a batch whose sequences get their own budgets).
+model's forward pass, layer by layer. The four calls (`begin`, `request`, `after_attention`, `end`),
+the loop and the rules for prompts (`start`, `next_prompt`, chunked prefills) are docs/design.md's
+"One forward call" and "A cache that lives on". Beside it: kvmini.budget, kvmini.at_once (every
+layer's decode-step eviction at once) and kvmini.per_sequence (per-sequence budgets in a batch).
 """
 from dataclasses import dataclass
 
