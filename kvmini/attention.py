@@ -2,24 +2,15 @@ r"""Attention over the cache, in two paths that must agree.
 
     \mathrm{softmax}\!\left(\frac{q k^\top}{\sqrt{D}} + \text{mask}\right) v
 
-* `sdpa_attention` — PyTorch's fused kernel (for one decode query: two grouped
-  matmuls, faster on CPU); used when no statistics are needed.
-* `explicit_attention` — the same maths written out, one chunk of queries at a
-  time, which also returns the per-KV-head statistics a compression policy asks
-  for. It never holds more than (chunk x S) scores per head, never (n x n).
-* `attend` picks between them: SDPA alone when no statistics are asked for; SDPA
-  for the output plus the explicit pass over only the last queries when every
-  statistic asked for covers only the last queries (SnapKV, TOVA, DBudgetKV, ...);
-  the explicit pass over every query otherwise (column sums: H2O, D2O, WeightedKV).
-  A decode step (one query) gets every statistic from the attention row that the
-  output is computed with: for T = 1, column sums, window sums and last row are that row.
-The statistics are declared in kvmini.statistics: each a sum over some queries of a function
-of their attention rows, which is why one chunked pass can compute any of them.
+* `sdpa_attention` — PyTorch's fused kernel (one decode query: two grouped matmuls); no statistics.
+* `explicit_attention` — the same maths, a chunk of queries at a time, plus the statistics a policy
+  asks for (kvmini.statistics); never an (n x n) buffer.
+* `attend` picks: SDPA alone without statistics; SDPA plus the explicit pass over the last queries
+  when every statistic covers only those (SnapKV, TOVA, ...); the explicit pass otherwise (H2O, D2O).
+  A decode step's one attention row gives the output and every statistic.
 
-Masking uses absolute positions, so it stays right after tokens are evicted:
-key j is visible to query i iff pos_j <= pos_i (and pos_i - pos_j < window for
-sliding-window layers). Pad entries (kvmini.cache.PAD, a position later than any query)
-are therefore never visible.
+Masking uses absolute positions, so it stays right after evictions: key j is visible to query i
+iff pos_j <= pos_i (and pos_i - pos_j < window on sliding-window layers); pads (kvmini.cache.PAD) never are.
 """
 import torch
 import torch.nn.functional as F

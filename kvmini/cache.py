@@ -4,18 +4,11 @@ Per layer we store, for every KV head (never expanded to query heads):
     keys      (B, H_kv, S, D)  after RoPE, so a key never needs re-rotating
     values    (B, H_kv, S, D)
     positions (B, H_kv, S)     absolute token position of each entry
-    aux[name] (B, H_kv, S, ...) per-token statistics a compression policy keeps (a dtype and shape each)
-                               (e.g. accumulated attention); they follow every gather
-    aux[KEY_NORM] (B, H_kv, S) if declared: each key's l2 norm, set by the cache itself when the key
-                               is appended (D2O's Eq. 9 then reads S norms, not S x D keys); a part
-                               that changes a held key in place sets its norm too (`set_keys`)
+    aux[name] (B, H_kv, S, ...) per-token statistics a policy keeps (e.g. accumulated attention)
+    aux[KEY_NORM] (B, H_kv, S) if declared: each key's l2 norm, kept by the cache (D2O's Eq. 9)
 S may differ between layers (per-layer budgets); all heads of a layer hold S entries.
-Memory held by K and V: 2 * B * H_kv * S * D * bytes_per_element per layer.
-
-Buffers are allocated on a layer's first append (so a prefill that compresses layer by layer
-never holds every layer in full), grow geometrically, and shrink when eviction leaves them
-at most a quarter full. Rows that hold different counts (a batch with per-sequence budgets, the
-joined layers of a decode step) are kvmini.per_sequence's `PaddedLayer`.
+Buffers are allocated on a layer's first append, grow geometrically, and shrink when at most a
+quarter full. Rows holding different counts are kvmini.per_sequence's `PaddedLayer`.
 """
 import torch
 
@@ -25,8 +18,7 @@ from kvmini.errors import KvminiError
 
 def wide(t: torch.Tensor) -> torch.Tensor:
     """t in the precision of statistics and merges: float32, or float64 when t already is (a float64
-    model takes every decision in float64; the recorded-behaviour tests run one, so no other CPU's
-    float32 kernels can move a near tie)."""
+    model decides in float64: the recorded-behaviour tests rely on it)."""
     return t if t.dtype == torch.float64 else t.float()
 
 PAD = torch.iinfo(torch.long).max  # the position of a pad entry: no query is late enough to see it
@@ -82,10 +74,9 @@ class LayerCache:
     padded = False  # do some rows hold fewer entries than `length`? (kvmini.per_sequence.PaddedLayer)
 
     def declare(self, *buffers: "str | tuple") -> None:
-        """Per-entry buffers, zeros until written, that follow every append and eviction: a name (one
-        float per entry, float64 in a float64 model), (name, dtype) (e.g. torch.bool, torch.int32), or
-        (name, dtype, shape) for several values per entry (e.g. a history of w flags: (w,)). A part that
-        keeps statistics in the cache lists them (Scorer.aux) and the policy declares them."""
+        """Per-entry buffers, zeros until written, that follow every append and eviction: a name (one float
+        per entry), (name, dtype), or (name, dtype, shape) for several values per entry (a history: (w,)).
+        A part lists them (Scorer.aux), the policy declares them."""
         for spec in buffers:
             name, dtype, shape = (spec, wide(self._k).dtype, ()) if isinstance(spec, str) else (*spec, ())[:3]
             if name not in self._aux:
@@ -134,12 +125,8 @@ class LayerCache:
         self._shrink()
 
     def evict_one(self, slot: torch.Tensor) -> None:
-        """Evict entry `slot` (B, H_kv) of every head in O(D): the last entry moves into that slot.
-
-        The per-step case of `keep` (a decode step drops one entry per head): `keep` of every
-        other entry would move S entries, this moves one. Buffer order means nothing to attention,
-        which masks by positions, so after this the entries are no longer in position order.
-        """
+        """Evict entry `slot` (B, H_kv) of every head in O(D): the last entry moves into that slot (a decode
+        step's `keep`, moving one entry instead of S). Attention masks by position, so order does not matter."""
         slot, (b, h), last = self._slot(slot), self._rows, self.length - 1
         for buf in (self._k, self._v, self._pos, *self._aux.values()):  # (B, H_kv, cap, ...)
             buf[b, h, slot] = buf[:, :, last].clone()  # (B, H_kv, ...): the last entry into the slot
@@ -168,9 +155,8 @@ class LayerCache:
         return kept.scatter_(2, dest, src)[..., : S - m]
 
     def _slot(self, slot) -> torch.Tensor:
-        """`evict_one`'s argument as a (B, H_kv) tensor of held slots: a whole number is the same slot
-        in every head; a tensor's values are checked when it is on the CPU (on a GPU that would wait
-        for the device at every decode step)."""
+        """`evict_one`'s argument as a (B, H_kv) tensor of held slots (an int: that slot in every head);
+        values checked on the CPU only (on a GPU the check would wait for the device every step)."""
         B, H = self._k.shape[:2]
         if isinstance(slot, int) and not isinstance(slot, bool):
             if not 0 <= slot < self.length:
