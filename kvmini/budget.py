@@ -1,6 +1,5 @@
 """Budgets: what a `--budget` means in tokens, and whether a method's parts can work with it
-(docs/design.md, "Budgets"). Pure functions of their arguments, asked by kvmini.policy when it
-plans a prompt and when a budgeter decides a budget it did not know before.
+(docs/design.md, "Budgets"). Pure functions, asked by kvmini.policy.
 """
 import math
 
@@ -12,11 +11,8 @@ ADVICE = "; raise --budget, or use fewer sinks or a smaller window"
 
 
 def resolve_budget(budget: float, prompt_len: int) -> int:
-    """A budget in tokens per layer. Its type decides what it counts: a float up to 1.0 is a ratio
-    of the prompt length, an int (or a whole float above 1) is tokens.
-
-    0.25 with a 400-token prompt -> 100;  1.0 -> the whole prompt;  1 -> 1 token;  128 -> 128.
-    """
+    """A budget in tokens per layer: a float up to 1.0 is a ratio of the prompt length, an int (or a
+    whole float above 1) is tokens. 0.25 of 400 -> 100;  1.0 -> 400;  1 -> 1 token;  128 -> 128."""
     if isinstance(budget, bool) or not isinstance(budget, (int, float)) or not math.isfinite(budget) or budget <= 0:
         raise KvminiError(f"--budget must be a finite number > 0 (a ratio in (0, 1] or tokens per layer), got {budget}")
     if isinstance(budget, int):

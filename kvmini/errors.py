@@ -1,9 +1,5 @@
-"""The one exception type for mistakes a user can make (paths, options, configs).
-
-Every entry point (run.py, the `python -m kvmini...` tools) turns a `KvminiError` into a single
-line on stderr and exit code 2. Their shared error boundary (`kvmini.cli.run`) also turns refusals
-from the operating system and anything unforeseen into one line; KVMINI_DEBUG=1 shows the
-traceback instead.
+"""The one exception type for mistakes a user can make (paths, options, configs). Every entry point
+turns it into one line on stderr and exit code 2 (`kvmini.cli.run`; KVMINI_DEBUG=1: the traceback).
 """
 
 

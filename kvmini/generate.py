@@ -1,8 +1,5 @@
-"""Prefill + decode loop with greedy / temperature / top-k / top-p sampling.
-
-    prefill: the whole prompt (or chunks of it) goes through the model once,
-             filling the cache; only the last position's logits are computed.
-    decode:  one token at a time; each step appends one entry per layer.
+"""Prefill (the prompt, whole or in chunks, fills the cache) + decode (one token at a time) with
+greedy / temperature / top-k / top-p sampling.
 """
 import copy
 import math
@@ -116,15 +113,10 @@ def synchronize(device: torch.device) -> None:
 @torch.inference_mode()
 def prefill(model: Transformer, ids: torch.Tensor, cache: KVCache, policy=None, chunk_size: int | None = None,
             total_len: int | None = None, on_progress: Callable[[float], None] | None = None):
-    """ids (B, T) -> logits of the last position (B, V). chunk_size splits the prompt into pieces.
-
-    On a fresh cache the policy starts a run with this prompt; on a cache that holds tokens, ids are
-    the run's next prompt (policy.next_prompt: a next turn or question, docs/design.md "A cache that
-    lives on"): one prompt in pieces is one call of prefill with chunk_size, never one call per piece.
-    total_len (every token the run will have seen at its end, if known) promises that the run ends
-    there, which lets a policy skip statistics its budget never needs. on_progress(done) hears the
-    tokens done after every layer (a chunk of c tokens counts c/L per layer; the last call says T).
-    """
+    """ids (B, T) -> logits of the last position (B, V), in pieces of chunk_size. On a cache that holds
+    tokens, ids are the run's next prompt (docs/design.md, "A cache that lives on"). total_len (the run's
+    length, if known) lets a policy skip statistics its budget never needs. on_progress(done) hears the
+    tokens done after every layer (c/L per layer for a chunk of c)."""
     ids = token_ids(ids, model.config.vocab_size)
     if chunk_size is not None and (not is_whole(chunk_size) or chunk_size < 1):
         raise KvminiError(f"chunk_size must be None or a whole number >= 1, got {chunk_size!r}")

@@ -15,12 +15,9 @@ one number per cached key j, declared once (`Statistic`) beside the part that re
     window_sums(w, reduce)   SnapKV's observation window: Q = the last w queries
     last_row(reduce)         TOVA: Q = the last query
 
-Because a statistic is a sum over queries, one attention pass computes it chunk by chunk of
-queries without an (n x n) buffer (kvmini.attention), a decode step's single query gives it from
-the attention row the output is computed with, and a prompt fed in several calls adds its calls'
-per-query-head sums (`Gathering`). A part asks for the statistics it reads in its `request`
-(`Request(column_sums("mean"), ...)`) and reads them as attributes: stats.column_sums.
-Adding a statistic is declaring one; no engine file changes (tutorial 9, part 2).
+A sum over queries is computed chunk by chunk (kvmini.attention) and added up over a prompt's calls
+(`Gathering`). A part asks in its `request` and reads stats.column_sums; a new statistic is a
+declaration, no engine change (tutorial 9, part 2).
 """
 from collections.abc import Callable
 from dataclasses import dataclass, replace
@@ -131,9 +128,8 @@ class Request:
 
 
 class Stats:
-    """The attention statistics of one layer in one call, read as attributes (stats.column_sums).
-    Reading one that was not requested is an error naming it: a part lists what it reads in its
-    `request`. Iterating gives the names held. All are 3-D: (B, H_kv, S) or (B, H, S)."""
+    """One layer's attention statistics in one call, read as attributes (stats.column_sums), each
+    (B, H_kv, S) or (B, H, S); reading one not requested is an error naming it."""
 
     __slots__ = ("_held",)
 
@@ -166,12 +162,10 @@ class Stats:
 
 
 class Gathering:
-    """A prompt of n tokens fed in several calls, for a method that compresses once it is complete:
-    each call computes its share of every statistic per query head (a statistic over the prompt's
-    last w queries takes, from each call, its queries among those w), the shares are added up per
-    layer (the cache only grows during the prompt, so a later call's sums are longer: the earlier
-    ones are padded with zeros for the new keys), and the call that completes the prompt gets the
-    whole prompt's statistics, as if the prompt had come in that one call."""
+    """A prompt of n tokens fed in several calls: each call computes its share of every statistic per
+    query head (of a window over the last w queries, its queries among those w); the shares are added up
+    per layer (earlier, shorter ones zero-padded), and the call that completes the prompt gets the
+    whole prompt's statistics (docs/design.md, "One forward call")."""
 
     def __init__(self, wanted: Request, prompt_len: int):
         self.wanted, self.n = wanted, prompt_len
