@@ -8,11 +8,8 @@
                                                            when the three above run
 
 A method is one of each, e.g. H2O = CumulativeAttention() + Budgeter() + TopK(recent=HALF) on
-EVERY_CALL (kvmini.methods.h2o). The engine that runs them is kvmini.policy.Policy; it imports
-no method. The base classes below hold the shared defaults; a part overrides what it changes.
-Shapes: lc is a LayerCache (kvmini.cache); stats is a kvmini.statistics.Stats, the attention
-statistics the parts' requests asked for, e.g. stats.column_sums (B, H_kv, S); scores are
-(B, H_kv, S), higher = keep.
+EVERY_CALL; kvmini.policy.Policy runs them. The base classes hold the shared defaults. lc is a
+LayerCache, stats a kvmini.statistics.Stats (e.g. stats.column_sums (B, H_kv, S)), scores (B, H_kv, S).
 """
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -82,14 +79,9 @@ class Scorer:
 
 
 class Budgeter:
-    """How many tokens may each layer keep, and when is that known?
-
-    `start` gives the mean budget b (None: the budgeter chooses). `known(layer)` is a layer's
-    budget when it is known before this call's statistics (static budgets, or after a deferred
-    allocation), else None; `decide` then sees the layer's statistics and score and answers
-    {layer: budget} for the layers to compress now — possibly earlier ones too, and possibly none
-    yet (a deferred allocation waits for the last layer). `budgets` is what it decided so far.
-    """
+    """How many tokens may each layer keep, and when is that known? `start` gives the mean budget b
+    (None: the budgeter chooses); `known(layer)` a budget known before this call's statistics, else None;
+    `decide` answers {layer: budget} for the layers to compress now (earlier ones too, or none yet)."""
 
     request: Request | None = None  # statistics `decide` measures (asked for when known() is None)
     accumulates = False  # True: `update` also sees them in every call of the prompt (measured before compressing)
@@ -200,10 +192,8 @@ class Compressor:
 
 
 class Merged(NamedTuple):
-    """One compression's merges, as a merging compressor records them when its `trace` is a list
-    (None, the default: nothing is recorded). All (B, H_kv, E), E the tokens evicted in that call:
-    `evicted` their positions, `into` the position of the kept token each was merged into (-1: dropped,
-    not merged), `weight` its weight in that token's merged value (0 when dropped)."""
+    """One compression's merges, recorded when a merging compressor's `trace` is a list. All (B, H_kv, E):
+    `evicted` positions, `into` the kept position each merged into (-1: dropped), `weight` (0: dropped)."""
 
     layer: int
     evicted: torch.Tensor

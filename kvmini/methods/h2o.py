@@ -1,16 +1,10 @@
-"""H2O (Zhang et al. 2023): heavy hitters by accumulated attention + a recent window, after every call.
+r"""H2O (Zhang et al. 2023): heavy hitters by accumulated attention + a recent window, after every call.
 
-Paper: "H2O: Heavy-Hitter Oracle for Efficient Generative Inference of Large Language Models".
+"H2O: Heavy-Hitter Oracle for Efficient Generative Inference of Large Language Models",
+Zhenyu Zhang et al., NeurIPS 2023, arXiv 2306.14048.
 
-Score = attention each token has received, summed over every query so far (prefill column
-sums, then + each decode step's row), per KV head. Keep the heavy hitters and a recent window
-(default: half of the budget each). The cache is trimmed after the prompt, then one token (the
-lowest-scoring one outside the window) is evicted per decode step.
-Defaults: recent = budget // 2, sinks 0, group reduction mean.
-Chunked prefill: compressed after every call by design (each prefill chunk, each decode step), so
-a prompt in chunks of c is trimmed to the budget after each chunk: later chunks attend to the
-trimmed cache and a token's score sums only the attention it received while it stayed, so the
-kept set depends on c (c = 1 is H2O's token-by-token eviction during the prompt).
+    s_j = \sum_{i \le t} A_{ij}  (per KV head);  kept: the `recent` newest + the budget - recent highest s_j
+Compressed after every call (each prefill chunk, each decode step: docs/design.md, "One forward call").
 """
 from dataclasses import dataclass
 from typing import Literal

@@ -1,9 +1,5 @@
-"""Scorers: how important is each cached token? Each returns (B, H_kv, S) scores, higher = keep.
-
-A scorer names the attention statistics it needs (`request`, computed by the attention pass
-per KV head, declared in kvmini.statistics) and turns them into scores. `accumulates` scorers keep a
-running sum in the cache's aux tensors, which follow every eviction, so they need every call.
-The protocol is kvmini.parts.Scorer.
+"""Scorers (kvmini.parts.Scorer): how important is each cached token? (B, H_kv, S) scores, higher = keep,
+from the attention statistics each names in its `request`; `accumulates` ones keep running sums in lc.aux.
 """
 import torch
 import torch.nn.functional as F
@@ -57,10 +53,7 @@ class LastRowAttention(Scorer):
 class WindowAttention(Scorer):
     r"""SnapKV (Li et al. 2024, Sec. 4.2): C_j = \sum_{i \in window} A_{ij} over the last w queries,
     then pooled along the keys (kernel k, stride 1, zero padding k // 2) to keep neighbourhoods.
-
-    Only the keys before the window are pooled and ranked; the window itself is always kept
-    (the caller protects it as the recent tokens), so its scores are +inf.
-    """
+    The window itself is always kept (the recent tokens): its scores are +inf."""
 
     def __init__(self, window: int = 32, kernel: int = 7, pooling: str = "avg", reduce: str = "mean"):
         self.window, self.kernel, self.pooling = window, kernel, one_of("WindowAttention pooling", pooling, ("avg", "max"))

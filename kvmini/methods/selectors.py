@@ -6,12 +6,9 @@ from kvmini.parts import Compressor, Rule
 
 
 def keep_top(score: torch.Tensor, budget: int, sinks: int, recent: int) -> torch.Tensor:
-    """Indices to keep, (B, H_kv, budget) ascending: the first `sinks` entries, the last `recent`
-    entries, and the `budget - sinks - recent` highest-scoring entries between them.
-
-    score (B, H_kv, S), entries in position order. Ties go to the earlier entry (stable sort).
-    Example: score [5, 1, 9, 3, 7, 2], budget 4, sinks 1, recent 1 -> [0, 2, 4, 5].
-    """
+    """Indices to keep, (B, H_kv, budget) ascending: the first `sinks`, the last `recent` and the
+    budget - sinks - recent highest scores between them (ties: the earlier). score (B, H_kv, S) in position order.
+    Example: score [5, 1, 9, 3, 7, 2], budget 4, sinks 1, recent 1 -> [0, 2, 4, 5]."""
     B, H_kv, S = score.shape
     heavy = budget - sinks - recent
     middle = score[:, :, sinks : S - recent]  # (B, H_kv, S - sinks - recent)
@@ -21,18 +18,12 @@ def keep_top(score: torch.Tensor, budget: int, sinks: int, recent: int) -> torch
 
 
 def lowest(score: torch.Tensor, positions: torch.Tensor, sinks: int, recent, newest=None) -> torch.Tensor:
-    """The entry each head drops when it must drop exactly one, (B, H_kv): what `keep_top` with
-    budget S - 1 evicts, found in O(S) without sorting, in a buffer that may be out of position order.
-
-    The lowest score outside the sinks and the recent window; ties go to the later position (as
-    `keep_top` keeps the earlier). score, positions (B, H_kv, S).
-    Where they are, without sorting: the sinks stay in the first `sinks` slots (`keep` puts them
-    there, `evict_one` never moves them) and the window is the positions after newest - recent
-    (never evicted, so all of them are held). `newest`: the newest position (default: the latest
-    held); `recent`: an int, or one per row (B, 1, 1). Given both, pads (position PAD, later than
-    newest) are never chosen: the rows of `at_once.join` may hold different counts.
-    Example: score [5, 1, 9, 3, 7, 2] at positions 0..5, sinks 1, recent 1 -> entry 1 (score 1).
-    """
+    """The entry each head drops when it must drop exactly one, (B, H_kv): what `keep_top` with budget
+    S - 1 evicts (the lowest score outside the sinks and the window, ties to the later position), in O(S).
+    score, positions (B, H_kv, S), any buffer order: the sinks stay in the first slots (`evict_one` never
+    moves them), the window is the positions after newest - recent. `newest` (default: the latest held)
+    and `recent` (an int, or (B, 1, 1) per row) given, pads (PAD > newest) are never chosen.
+    Example: score [5, 1, 9, 3, 7, 2] at positions 0..5, sinks 1, recent 1 -> entry 1 (score 1)."""
     pos, s = positions[..., sinks:], score[..., sinks:]  # (B, H_kv, S - sinks): after the sinks
     newest = pos.amax(-1, keepdim=True) if newest is None else newest
     free = pos <= newest - recent  # not in the recent window
