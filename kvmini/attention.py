@@ -77,13 +77,9 @@ def attend(q, k, v, q_pos, k_pos, request: Request | None, window=None, padded=F
 
 
 def explicit_attention(q, k, v, q_pos, k_pos, request: Request, window=None, chunk: int = 64, padded=False):
-    """Like `sdpa_attention`, plus the statistics in `request`, computed chunk by chunk of queries (a
-    chunk's scores, g x 64 x S floats per KV head, stay in the CPU's caches: docs/speed.md).
-
-    Unless `padded`, the last T entries of k, v are the queries' own tokens, in order, so a chunk
-    of queries only scores the keys before its end (the rest are in its future).
-    Returns (out (B, H, T, D), stats: Stats).
-    """
+    """`sdpa_attention` plus the statistics in `request`, a chunk of queries at a time (g x 64 x S scores per
+    KV head stay in the CPU's caches). Unless `padded`, the last T entries of k, v are the queries' own
+    tokens, so a chunk scores only the keys before its end. Returns (out (B, H, T, D), stats: Stats)."""
     B, H, T, D = q.shape
     H_kv, S = k.shape[1], k.shape[2]
     g = H // H_kv

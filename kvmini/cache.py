@@ -37,9 +37,8 @@ def along(idx: torch.Tensor, buf: torch.Tensor) -> torch.Tensor:
 
 
 def entry_buffer(lead: tuple, cap: int, rest: tuple, dtype, device) -> torch.Tensor:
-    """Zeros for a per-entry buffer (*lead, cap, *rest), lead = (B, H_kv). Several values per entry (a
-    history of w steps, rest = (w,)) are laid out value-major in memory, (*lead, *rest, cap): a step
-    writes one value of every entry, which is then contiguous instead of one value every w."""
+    """Zeros for a per-entry buffer (*lead, cap, *rest), lead = (B, H_kv), laid out (*lead, *rest, cap) in
+    memory: a step writing one value of every entry's history (rest = (w,)) writes contiguous memory."""
     return torch.zeros(*lead, *rest, cap, dtype=dtype, device=device).movedim(-1, len(lead))
 
 
@@ -118,8 +117,7 @@ class LayerCache:
             self.aux(KEY_NORM).scatter_(2, idx, key_norm(k))
 
     def keep(self, idx: torch.Tensor) -> None:
-        """Keep only entries `idx` (B, H_kv, S') of every head, in that order; S' may be < S.
-        The bulk eviction (after a prompt): every kept entry moves, O(S·D); see `evict_one`."""
+        """Keep only entries `idx` (B, H_kv, S') of every head, in that order: the bulk eviction, O(S·D)."""
         self._gather(slice(None), idx, self.length)
         self.length = idx.shape[2]
         self._shrink()
@@ -201,8 +199,7 @@ class LayerCache:
         return per_entry * self._k.shape[0] * self.length
 
     def _resize(self, cap: int) -> None:
-        """Move the held entries into buffers of `cap` entries (cap >= length): keys, values and positions
-        uninitialized beyond them, aux buffers as `entry_buffer` lays them out."""
+        """Move the held entries into buffers of `cap` >= length entries (aux buffers as `entry_buffer`)."""
         S = self.length
         for name in ("_k", "_v", "_pos"):
             buf = getattr(self, name)

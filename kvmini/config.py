@@ -1,7 +1,5 @@
-"""ModelConfig: the few numbers that define a Llama / Mistral / Qwen2 / Qwen3 model.
-
-`kvmini.loading.read_config` builds one from a Hugging Face `config.json` (and refuses
-families and rope variants kvmini does not implement).
+"""ModelConfig: the few numbers that define a Llama / Mistral / Qwen2 / Qwen3 model
+(`kvmini.loading.read_config` builds one from a Hugging Face `config.json`).
 """
 from dataclasses import dataclass
 

@@ -81,8 +81,7 @@ def sample(logits: torch.Tensor, s: Sampling, generator: torch.Generator | None)
     logits = logits[:, : s.vocab]  # (B, vocab): ids the tokenizer has no text for are never chosen
     if s.temperature <= 0:
         return logits.argmax(-1)
-    # (logits - max) / T in float64, the best token's 0 left alone: any T > 0 works (a tiny T sends the
-    # others to -inf, never to inf or 0/0), and neither the softmax nor the top-k/top-p order changes
+    # (logits - max) / T in float64, the best token's 0 left alone: any T > 0 keeps the order, never inf or 0/0
     shifted = logits.double() - logits.double().amax(-1, keepdim=True)  # (B, V), <= 0
     logits = torch.where(shifted == 0, shifted, shifted / s.temperature)
     if s.top_k > 0:
@@ -154,11 +153,9 @@ def generate(
     cache: KVCache | None = None,
     more_prompts: bool = False,
 ) -> GenerationResult:
-    """Generate up to max_new_tokens after prompt ids (B, T); on_token(id) streams sequence 0;
-    on_progress hears the prefill's progress (see `prefill`). With `cache` (a finished result's, or a
-    `fork` of it), ids are the run's next prompt and the answer continues that cache, changed in place.
-    more_prompts: a next prompt may follow this answer (a chat), so the policy is not told where the
-    run ends (a run that is told may skip statistics a later prompt would need)."""
+    """Generate up to max_new_tokens after prompt ids (B, T); on_token(id) streams sequence 0. With `cache`
+    (a result's, or a `fork` of it), ids are the run's next prompt and the cache is continued in place.
+    more_prompts: a next prompt may follow (a chat), so the policy is not told where the run ends."""
     ids = token_ids(ids, model.config.vocab_size)
     if not is_whole(max_new_tokens) or max_new_tokens < 0:
         raise KvminiError(f"max_new_tokens must be a whole number >= 0, got {max_new_tokens!r}")

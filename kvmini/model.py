@@ -1,10 +1,8 @@
 """A Llama / Mistral / Qwen2 / Qwen3 decoder in one file, reading like the papers.
 
-References: Touvron et al. 2023 (Llama), Jiang et al. 2023 (Mistral, sliding
-window), Qwen team 2024/2025 (Qwen2 q/k/v bias, Qwen3 q/k RMSNorm), Su et al.
-2021 (RoPE), Ainslie et al. 2023 (GQA). Module and parameter names mirror the
-Hugging Face checkpoints (model.layers.{i}.self_attn.q_proj.weight, ...), so a
-safetensors file loads without a rename table.
+References: Touvron et al. 2023 (Llama), Jiang et al. 2023 (Mistral, sliding window), Qwen team
+2024/2025 (Qwen2 q/k/v bias, Qwen3 q/k RMSNorm), Su et al. 2021 (RoPE), Ainslie et al. 2023 (GQA).
+Names mirror the Hugging Face checkpoints (model.layers.{i}.self_attn.q_proj.weight, ...): no rename table.
 
 Shapes: B batch, T new tokens, S cached tokens, C hidden size, H query heads,
 H_kv KV heads, D head dim, V vocabulary.

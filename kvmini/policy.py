@@ -43,8 +43,7 @@ class Policy:
 
     def __init__(self, name: str, budget: float | None, scorer, budgeter, compressor, schedule: str = PREFILL,
                  prefill_chunk: int | None = None):
-        """budget None: the budgeter chooses; prefill_chunk: the prompt is fed in chunks of this size
-        (an int, or a function of the per-layer budget in tokens)."""
+        """budget None: the budgeter chooses; prefill_chunk: the prompt's chunk size (or a function of the budget)."""
         self.name, self.budget, self.schedule, self.prefill_chunk = name, budget, schedule, prefill_chunk
         self.scorer, self.budgeter, self.compressor = scorer, budgeter, compressor
         self.evict_every = 1  # N: during decoding, let a layer hold budget + N - 1 and evict N at once
@@ -53,8 +52,7 @@ class Policy:
         self._new_run(None, None)  # not started: a call before `start` is refused
 
     def start(self, prompt_len: int, total_len: int | None = None) -> None:
-        """A new run whose first prompt has prompt_len tokens. total_len (prompt + new tokens) promises
-        the run ends there: no next prompt, so a budget it never reaches computes no statistics."""
+        """A new run whose first prompt has prompt_len tokens; total_len (if given) promises it ends there."""
         self._new_run(prompt_length(self.name, "start", prompt_len), total_len)
 
     def _new_run(self, prompt_len: int | None, total_len: int | None) -> None:
@@ -64,8 +62,7 @@ class Policy:
         self._new_prompt()
 
     def next_prompt(self, prompt_len: int, total_len: int | None = None) -> None:
-        """Continue the run: its next prompt_len tokens are a new prompt (a next turn, a next question),
-        planned afresh when it arrives (docs/design.md, "A cache that lives on"). total_len as in start."""
+        """The run's next prompt_len tokens are a new prompt (docs/design.md, "A cache that lives on")."""
         prompt_length(self.name, "next_prompt", prompt_len)
         if self.prompt_end is None:
             raise KvminiError(f"{self.name}: next_prompt continues a run; call policy.start(prompt_len) for the first prompt")
