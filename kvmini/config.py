@@ -1,5 +1,6 @@
-"""ModelConfig: the few numbers that define a Llama / Mistral / Qwen2 / Qwen3 model
-(`kvmini.loading.read_config` builds one from a Hugging Face `config.json`).
+"""ModelConfig: the few numbers that define a Llama / Mistral / Qwen2 / Qwen3 model.
+
+`kvmini.loading.read_config` builds one from a Hugging Face `config.json`.
 """
 from dataclasses import dataclass
 

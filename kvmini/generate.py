@@ -1,5 +1,5 @@
-"""Prefill (the prompt, whole or in chunks, fills the cache) + decode (one token at a time) with
-greedy / temperature / top-k / top-p sampling.
+"""Prefill + decode loop with greedy / temperature / top-k / top-p sampling.
+Prefill: the prompt, whole or in chunks, fills the cache; decode: one token at a time.
 """
 import copy
 import math

@@ -1,5 +1,5 @@
-"""Scorers (kvmini.parts.Scorer): how important is each cached token? (B, H_kv, S) scores, higher = keep,
-from the attention statistics each names in its `request`; `accumulates` ones keep running sums in lc.aux.
+"""Scorers: how important is each cached token? Each (a kvmini.parts.Scorer) returns (B, H_kv, S) scores,
+higher = keep, from the statistics it names in its `request`; `accumulates` ones keep sums in lc.aux.
 """
 import torch
 import torch.nn.functional as F
