@@ -152,3 +152,12 @@ def test_the_documents_name_a_method_not_measured_with_the_command_that_measures
     table = docs.not_measured(("results/quick/results.json", results))
     assert ("| `results/quick/results.json` | speed | cam[variant=paper] | `python -m kvmini.eval.suite --out "
             "results/quick --only speed --methods cam` |") in table
+
+
+def test_a_result_names_the_machine_it_measured_on():
+    """Speed compares only on one machine: two hosts of one name may differ in vector units."""
+    info = ("processor\t: 0\nmodel name\t: Intel(R) Xeon(R) Processor\nmodel\t\t: 207\nflags\t\t: fpu avx2 avx512f "
+            "amx_tile\n\nprocessor\t: 1\nmodel name\t: Other\n")
+    assert provenance.machine(info).startswith("Intel(R) Xeon(R) Processor (model 207), AVX-512, AMX, ")
+    assert provenance.machine("model name : Old\nflags : fpu avx2\n").startswith("Old, ")
+    assert "machine" in provenance.stamp("fidelity", ["full"], ["--only", "fidelity"])

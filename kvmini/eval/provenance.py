@@ -1,8 +1,8 @@
 """Where a result came from, and whether the code it measured has changed since (docs/evaluation.md,
 "When a result is stale").
 
-Each experiment in a results.json carries `provenance`: the command, date and git commit that made it
-(for people: the check below reads no git), the method specs it measured, the `merged` runs that
+Each experiment in a results.json carries `provenance`: the command, date, git commit and CPU that made
+it (for people: the check below reads no git), the method specs it measured, the `merged` runs that
 measured single methods into it (`python -m kvmini.eval.suite --methods NAME`), and a fingerprint:
 
     code     what every row shares. Accuracy (streaming, passkey, fidelity, layers, ablations,
@@ -24,6 +24,8 @@ import ast
 import datetime
 import hashlib
 import json
+import os
+import platform
 import shlex
 import struct
 import subprocess
@@ -147,8 +149,22 @@ def fingerprint(experiment: str, specs: list[str]) -> dict:
 
 def stamp(experiment: str, specs: list[str], argv: list[str]) -> dict:
     """The provenance of an experiment run now by `python -m kvmini.eval.suite argv`."""
-    return {"command": command(argv), "date": now(), "commit": commit(), "methods": list(specs),
+    return {"command": command(argv), "date": now(), "commit": commit(), "machine": machine(), "methods": list(specs),
             "fingerprint": fingerprint(experiment, specs)}
+
+
+def machine(cpuinfo: str | None = None) -> str:
+    """The CPU a run measured on, e.g. 'Intel(R) Xeon(R) Processor (model 207), AVX-512, AMX, 2 cores': times
+    from two runs compare only on one machine (two hosts of one name may differ in model and vector units)."""
+    if cpuinfo is None:
+        cpuinfo = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").is_file() else ""
+    fields = dict(line.split(":", 1) for line in cpuinfo.split("\n\n")[0].splitlines() if ":" in line)
+    fields = {k.strip(): v.strip() for k, v in fields.items()}
+    flags = set(fields.get("flags", "").split())
+    units = [name for flag, name in (("avx512f", "AVX-512"), ("amx_tile", "AMX")) if flag in flags]
+    model = f" (model {fields['model']})" if "model" in fields else ""
+    return ", ".join([fields.get("model name", platform.processor() or platform.machine()) + model, *units,
+                      f"{os.cpu_count()} cores"])
 
 
 def merge_stamp(made: dict, experiment: str, specs: list[str], today_specs: list[str], argv: list[str]) -> dict:
@@ -161,7 +177,7 @@ def merge_stamp(made: dict, experiment: str, specs: list[str], today_specs: list
                             "methods": {**made["fingerprint"]["methods"],
                                         **{m: d for m, d in now_print["methods"].items() if m in names}}},
             "merged": made.get("merged", []) + [{"methods": [s for s in specs if s != "full"], "command": command(argv),
-                                                 "date": now(), "commit": commit()}]}
+                                                 "date": now(), "commit": commit(), "machine": machine()}]}
 
 
 def command(argv) -> str:

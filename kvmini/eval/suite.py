@@ -17,7 +17,7 @@ Experiments (sizes per profile in PROFILES):
 
 Writes results.json (everything), summary.md (the tables) and PNG plots (with matplotlib). Experiments
 that an earlier run of the same profile wrote to the folder and this run skips are kept. Each experiment
-records its provenance: the command, date and commit that made it and a fingerprint of the code it
+records its provenance: the command, date, commit and machine that made it and a fingerprint of the code it
 measured (kvmini/eval/provenance.py; tests/test_results_current.py names what is stale).
 """
 import json

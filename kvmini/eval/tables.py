@@ -253,11 +253,12 @@ def not_run(*results: dict) -> str:
 # Where the numbers came from (docs/evaluation.md)
 
 def provenance_table(*files: tuple[str, dict]) -> str:
-    out = ["| results file | experiment | command | commit | date | wall time |", "|---|---|---|---|---|---|"]
+    out = ["| results file | experiment | command | commit | date | machine | wall time |", "|---|---|---|---|---|---|---|"]
     for path, res in files:
         for experiment, p in res.get("provenance", {}).items():
             commit = p.get("commit") or "unknown (backfilled from git)"
             seconds = res.get("seconds", {}).get(experiment)
             took = "—" if seconds is None else f"{int(seconds // 60)}m{int(seconds % 60):02d}s"
-            out.append(f"| `{path}` | {experiment} | `{p['command']}` | {commit} | {p['date']} | {took} |")
+            out.append(f"| `{path}` | {experiment} | `{p['command']}` | {commit} | {p['date']} | {p.get('machine', '—')} "
+                       f"| {took} |")
     return "\n".join(out)
