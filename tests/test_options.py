@@ -63,8 +63,14 @@ def test_help_is_the_comment_beside_a_field_or_the_lines_just_above():
 
 
 def test_every_check_is_of_an_option_some_method_takes():
-    """One table of checks by name: no entry for a name nothing declares."""
-    assert set(options.CHECKS) <= set(every_option())
+    """One table of checks by name: no entry for a name nothing declares; a module's own checks are
+    of options only that module takes, so they cannot give a shared name a second meaning."""
+    flags = every_option()
+    assert set(options.CHECKS) <= set(flags)
+    for name in NAMED:
+        own = getattr(METHODS[name], "CHECKS", {})
+        assert not set(own) & set(options.CHECKS), name
+        assert all(flags[option][1] == [name] for option in own), name
 
 
 @pytest.mark.parametrize("name", [n for n in NAMED if hasattr(METHODS[n], "VARIANTS")])
@@ -136,7 +142,7 @@ def test_run_py_flags_come_from_the_declarations():
 
 def test_a_new_method_with_a_new_option_needs_its_module_and_one_registry_line(monkeypatch):
     """What tutorial 9 does: a module with its Options and build(), one entry in METHODS; the flag,
-    its help, its check (one line in options.CHECKS if it needs one), the spec syntax and the report follow."""
+    its help, its check (the module's own CHECKS), the spec syntax and the report follow: no shared file."""
     from kvmini.methods.allocators import Uniform
     from kvmini.methods.selectors import TopK
     from kvmini.parts import PREFILL, Scorer
@@ -152,9 +158,9 @@ def test_a_new_method_with_a_new_option_needs_its_module_and_one_registry_line(m
 
     mine = types.ModuleType("vnorm", "VNorm: keep the largest values.")
     mine.Options = Options
+    mine.CHECKS = {"norm_power": (lambda x: x >= 1, "be >= 1")}
     mine.build = lambda budget, o=Options(): Policy("vnorm", budget, ValueNorm(), Uniform(), TopK(), schedule=PREFILL)
     monkeypatch.setitem(METHODS, "vnorm", mine)
-    monkeypatch.setitem(options.CHECKS, "norm_power", options.at_least(1))
     registry.declarations.cache_clear()
     try:
         assert parse_spec("vnorm[norm_power=3]") == ("vnorm", {"norm_power": 3.0})

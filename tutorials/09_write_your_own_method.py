@@ -90,7 +90,8 @@ if solved("value_norm"):
 # A method's options are one frozen dataclass beside its `build`, plain fields: a type, a default and
 # the help in the comment beside the field (or just above it). Options several methods share
 # (`sinks`, `recent`, `reduce`) carry the same type and help everywhere, and their checks are one
-# table by name (`CHECKS` in `kvmini/methods/options.py`), so a name means one thing; VATP adds one
+# table by name (`CHECKS` in `kvmini/methods/options.py`), so a name means one thing (an option only
+# one method takes may be checked in its own module's `CHECKS`); VATP adds one
 # of its own, `value_norm`, a `Literal` of three choices. `recent` defaults to a `Rule`, a function of the
 # budget with a name, so the help can print it. `build` receives the typed values and composes the
 # parts: the new scorer, H2O's uniform budgets, `TopK` with sinks and a recent window, after every call.
@@ -566,8 +567,8 @@ print("budgets", policy.budgets, "from V_l", [round(policy.budgeter.variance[l],
 # 1. A module `kvmini/methods/<name>.py`: a docstring with the paper (title, authors, arXiv ID), the
 #    equation, the defaults and every `Deviation:` from the paper or the authors' code; the parts
 #    (reuse what exists, write the one that is new); `Options`, plain fields with their help in a
-#    comment (a new number option that needs a check: one line in `CHECKS`,
-#    `kvmini/methods/options.py`); `build(budget, o)`.
+#    comment (a new number option that needs a check: a `CHECKS` dict in the module, name ->
+#    (test, what it must be), e.g. `{"gamma": (lambda x: x >= 0, "be >= 0")}`); `build(budget, o)`.
 # 2. Its line in `METHODS` and its name in the import above it (`kvmini/methods/registry.py`).
 # 3. `tests/test_<name>.py`: a worked example by hand, a literal reference in loops compared with the
 #    engine (`reference.simulate`), and the special cases that must reduce to a known method.

@@ -16,7 +16,9 @@ the specs and text given to `make_policy`) and printed (`show`):
     int | Rule           a whole number; the default may be a Rule of the budget, which prints itself
 
 What a number must be is one table keyed by the option's name (CHECKS), so a name means one thing in
-every method (tests/test_options.py checks that type and help agree too).
+every method (tests/test_options.py checks that type and help agree too). An option only one method
+takes may be checked in that method's module instead, `CHECKS = {"gamma": (lambda x: x >= 0, "be >= 0")}`,
+so that adding a method edits no file but its own and the registry's table.
 The design: docs/design.md ("Options").
 """
 import functools
@@ -226,14 +228,15 @@ class Declared:
     by_variant: dict  # variant -> its value, when the variants differ in this option
 
 
-def declared(Options, variants: dict | None = None) -> list[Declared]:
-    """The fields of a method's Options, with the value each variant gives them."""
+def declared(Options, variants: dict | None = None, own: dict | None = None) -> list[Declared]:
+    """The fields of a method's Options, with the value each variant gives them; `own`: the module's
+    checks of the options only it takes (its `CHECKS`)."""
     hints, help_ = typing.get_type_hints(Options), helps(Options)
     out = []
     for f in fields(Options):
         values = {name: getattr(v, f.name) for name, v in (variants or {}).items()}
         differ = len({repr(v) for v in values.values()}) > 1
-        check, must = CHECKS.get(f.name, (None, ""))
+        check, must = CHECKS.get(f.name) or (own or {}).get(f.name, (None, ""))
         out.append(Declared(f.name, hints[f.name], f.default, help_.get(f.name, ""), check, must,
                             values if differ else {}))
     return out

@@ -59,7 +59,7 @@ def declarations(name: str) -> tuple[Declared, ...]:
     head = [Declared("variant", Literal[tuple(variants)], module.DEFAULT_VARIANT,
                      "paper (the equations) | official (the authors' code)", None, "", {})] if variants else []
     tail = [engine_option(name)] if evicts_while_decoding(name) else []
-    return tuple(head + options.declared(module.Options, variants) + tail)
+    return tuple(head + options.declared(module.Options, variants, getattr(module, "CHECKS", None)) + tail)
 
 
 def engine_option(name: str) -> Declared:
