@@ -91,6 +91,19 @@ def test_a_refactor_leaves_accuracy_current_and_makes_speed_stale(tmp_path, monk
     assert "parts_speed is stale (kvmini/cache.py changed)" in line
 
 
+def test_the_command_line_and_option_reading_stale_no_speed(tmp_path, monkeypatch):
+    """They run before any clock starts (provenance.UNTIMED); the registry's make_policy does not."""
+    root = copy_of_the_code(tmp_path, monkeypatch)
+    speed, today = speed_results(tmp_path, ["full", "h2o"])
+    for name in ("cli.py", "methods/options.py"):
+        with open(root / "kvmini" / name, "a") as f:
+            f.write("\nA_CHANGE = 1\n")
+    assert provenance.stale(speed, today) == []
+    with open(root / "kvmini" / "methods" / "registry.py", "a") as f:
+        f.write("\nA_CHANGE = 1\n")
+    assert "speed is stale (kvmini/methods/registry.py changed)" in provenance.stale(speed, today)[0]
+
+
 def test_a_method_s_code_stales_its_own_speed_rows_only(tmp_path, monkeypatch):
     root = copy_of_the_code(tmp_path, monkeypatch)
     speed, today = speed_results(tmp_path, ["full", "h2o", "snapkv", "d2o", "d2o[variant=paper]"])
