@@ -221,7 +221,6 @@ class KVCache:
             for _ in range(config.num_layers)
         ]
         self.seen_tokens = 0  # position of the next token (not the cache length: eviction shrinks that)
-        self.joined: dict[tuple, tuple] = {}  # layers -> (their shared buffers, lengths, counts, pad mask): kvmini.at_once.join
 
     def __getitem__(self, layer: int) -> LayerCache:
         return self.layers[layer]

@@ -3,7 +3,8 @@
     scorer      score = scorer(lc, stats)                  how important is each cached token?
     budgeter    {layer: budget} = budgeter.decide(layer, lc, stats, score)
                                                            how many tokens may each layer keep, and when?
-    compressor  compressor(layer, lc, score, budget)       shrink one layer to its budget (select, merge)
+    compressor  compressor(layers, lc, score, budget, newest)
+                                                           shrink one layer to its budget (select, merge)
     schedule    PREFILL | AFTER_PROMPT | DECODE | EVERY_CALL
                                                            when the three above run
 
@@ -12,7 +13,7 @@ EVERY_CALL; kvmini.policy.Policy runs them. The base classes hold the shared def
 LayerCache, stats a kvmini.statistics.Stats (e.g. stats.column_sums (B, H_kv, S)), scores (B, H_kv, S).
 """
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import NamedTuple
 
 import torch
@@ -33,9 +34,15 @@ class Rule:
 
     text: str
     of: Callable[[int], int]
+    last: list = field(default_factory=lambda: [None, None], compare=False)  # (budgets, counts) last mapped
 
-    def __call__(self, b: int) -> int:
-        return self.of(b)
+    def __call__(self, b):
+        """The count for budget b; b one per row (rows, 1, 1) gives one per row (mapped once per tensor)."""
+        if not isinstance(b, torch.Tensor):
+            return self.of(b)
+        if self.last[0] is not b:
+            self.last[:] = [b, torch.tensor([self.of(int(x)) for x in b.flatten().tolist()], device=b.device).view_as(b)]
+        return self.last[1]
 
     def __str__(self) -> str:
         return self.text
@@ -129,53 +136,31 @@ class Budgeter:
 
 
 class Compressor:
-    """Shrinks one layer to its budget: `__call__(layer, lc, score, b)`. The first `sinks` tokens and
-    the last `recent(b)` (by position) are always kept. Returns the kept indices (B, H_kv, b) in their
-    new buffer order, or None when entries were merged rather than selected. `merged[layer]` counts
-    evicted tokens merged into kept ones.
+    """Shrinks one layer to its budget: `__call__(layers, lc, score, b, newest)`. The first `sinks` tokens
+    and the last `recent(b)` (by position: after newest - recent(b), newest the position of the call's
+    newest token) are always kept. Returns the kept indices (B, H_kv, b) in their new buffer order, or
+    None when entries were merged rather than selected. `merged[layer]` counts evicted tokens merged
+    into kept ones (mean over KV heads).
 
-    A compressor with `one_each` also has `evict_one_each(layers, lc, score, budgets, newest)`: a decode
-    step of many layers at once, each one entry over its budget, held as the rows of one LayerCache
-    (`kvmini.at_once.join`); it must do per row exactly what `__call__` does per layer
-    (tests/test_together.py). `evict_few_each(layers, lc, score, budgets)` is the same for evict_every's
-    batches (each row N over its budget drops N); it returns False where it cannot (by default), and
-    kvmini.at_once then calls `__call__` layer by layer.
+    `layers` are the layers whose rows `lc` holds: `(layer,)` in kvmini.policy's loop. A decode step of
+    kvmini.at_once holds several layers as the rows of one LayerCache, right-aligned (pads in front, at
+    position PAD), each row one entry over its own budget, b then one per row (rows, 1, 1); a part finds
+    sinks and windows by position, so it does per row what it does per layer (docs/design.md).
     """
-
-    one_each = False  # has evict_one_each
 
     def __init__(self, sinks: int = 0, recent: int | Rule = 0):
         self.sinks, self.recent = sinks, Rule.of_(recent, "recent")
 
     def start(self, L: int) -> None:
-        self.merged = [0.0] * L  # per layer, mean over KV heads (floats or 0-d tensors)
-        self.merged_together: dict[tuple, torch.Tensor] = {}  # layers -> merges counted by evict_one_each
-        self._rows = (None, None)  # recent_rows: (the last recent windows, their rows)
+        self.merged = torch.zeros(L, dtype=torch.float64)  # per layer, mean over KV heads
+        self.rows_of: dict[tuple, torch.Tensor] = {}  # layers -> their indices, made once
 
-    def count_merged(self, layers: tuple, per_row: torch.Tensor) -> None:
-        """Add evict_one_each's merges, per row (len(layers) * B,), to each layer's count."""
-        per_layer = per_row.view(len(layers), -1).sum(1)  # (len(layers),)
-        old = self.merged_together.get(layers)
-        self.merged_together[layers] = per_layer if old is None else old + per_layer
-
-    def merged_per_layer(self) -> list[float]:
-        """merged, with what evict_one_each counted."""
-        merged = [float(m) for m in self.merged]
-        for layers, counts in self.merged_together.items():
-            for layer, m in zip(layers, counts.tolist()):
-                merged[layer] += m
-        return merged
-
-    def recent_rows(self, budgets: list[int], lc) -> int | torch.Tensor:
-        """recent(b) of each layer's budget, for the rows of `at_once.join`: one int when they agree,
-        else (len(budgets) * B, 1, 1)."""
-        recent = tuple(self.recent(b) for b in budgets)
-        if min(recent) == max(recent):
-            return recent[0]
-        if self._rows[0] != recent:  # made once per set of budgets (no copy to the device per step)
-            rows = torch.tensor(recent, device=lc.positions.device).repeat_interleave(lc.positions.shape[0] // len(recent))
-            self._rows = (recent, rows[:, None, None])
-        return self._rows[1]
+    def count(self, layers: tuple, per_row: torch.Tensor) -> None:
+        """Add merges counted per row of `lc` (len(layers) * B,) to each of `layers`' counts."""
+        if layers not in self.rows_of:
+            self.rows_of[layers] = torch.tensor(layers, device=per_row.device)
+        self.merged = self.merged.to(per_row.device)
+        self.merged.index_add_(0, self.rows_of[layers], per_row.view(len(layers), -1).sum(1).to(self.merged.dtype))
 
     def problem(self, b: int) -> str | None:
         """Why a layer budget of b tokens cannot work, or None."""
@@ -184,11 +169,14 @@ class Compressor:
             return f"too small for {self.sinks} sinks and a window of {tokens(max(recent, 0))}"
         return None
 
-    def evict_few_each(self, layers: tuple, lc, score: torch.Tensor, budgets: list[int]) -> bool:
-        return False
-
-    def __call__(self, layer: int, lc, score: torch.Tensor, b: int) -> torch.Tensor | None:
+    def __call__(self, layers: tuple, lc, score: torch.Tensor, b, newest: int) -> torch.Tensor | None:
         raise NotImplementedError
+
+
+def most(b) -> int:
+    """The largest budget of `b` (an int, or one per row (rows, 1, 1)): the rows of a LayerCache hold
+    that budget + the same excess each (right-aligned), so lc.length - most(b) entries go from each."""
+    return b if isinstance(b, int) else int(b.max())
 
 
 class Merged(NamedTuple):

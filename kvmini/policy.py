@@ -2,7 +2,8 @@
 model's forward pass, layer by layer. The four calls (`begin`, `request`, `after_attention`, `end`),
 the loop and the rules for prompts (`start`, `next_prompt`, chunked prefills) are docs/design.md's
 "One forward call" and "A cache that lives on". Beside it: kvmini.budget, kvmini.at_once (every
-layer's decode-step eviction at once) and kvmini.per_sequence (per-sequence budgets in a batch).
+layer's decode-step eviction at once, a wrapper for the methods in registry.TOGETHER) and
+kvmini.per_sequence (per-sequence budgets in a batch).
 """
 from dataclasses import dataclass
 
@@ -183,7 +184,7 @@ class Policy:
         for i, b in decided.items():
             if cache[i].length > b:
                 self.evicted[i] += cache[i].length - b
-                kept = self.compressor(i, cache[i], call.scores[i], b)
+                kept = self.compressor((i,), cache[i], call.scores[i], b, call.start + call.T - 1)
                 if self.budgeter.revisits and kept is not None:  # keep the score aligned with what is left
                     call.scores[i] = call.scores[i].gather(2, kept)
 
@@ -204,4 +205,4 @@ class Policy:
     @property
     def merged(self) -> list[float]:
         """Evicted tokens merged into kept ones, per layer (mean over KV heads)."""
-        return self.compressor.merged_per_layer()
+        return self.compressor.merged.tolist()

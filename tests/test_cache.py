@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-from kvmini.at_once import join
+from kvmini.at_once import Stack
 from kvmini.cache import PAD, KVCache, LayerCache
 from kvmini.generate import prefill
 from kvmini.loading import load_model
@@ -167,7 +167,7 @@ def test_aux_buffers_are_declared_before_use():
 
 
 def test_aux_buffers_keep_their_dtype_through_every_eviction_and_count_in_bytes():
-    """A bool and an int buffer follow keep, evict_one, padded rows and the joined layers of a decode
+    """A bool and an int buffer follow keep, evict_one, padded rows and the stacked layers of a decode
     step like a float one, stay of their dtype, and count in aux_nbytes (not in the K/V bytes)."""
     from kvmini.config import ModelConfig
     from kvmini.cache import KVCache
@@ -194,9 +194,9 @@ def test_aux_buffers_keep_their_dtype_through_every_eviction_and_count_in_bytes(
         layer.declare(("seen", torch.bool))
         layer.append(torch.zeros(1, 1, 3 + i, 2), torch.zeros(1, 1, 3 + i, 2), torch.arange(3 + i)[None])
         layer.aux("seen")[..., -1] = True
-    joint = join(cache, (0, 1))
+    joint = Stack(cache, (0, 1), room=1).joint
     assert joint.aux("seen").dtype == torch.bool
-    assert joint.aux("seen").tolist() == [[[False, False, True, False]], [[False, False, False, True]]]
+    assert joint.aux("seen").tolist() == [[[False, False, False, True]], [[False, False, False, True]]]  # a pad in front
     assert cache.aux_nbytes() == 3 + 4
 
 
@@ -223,10 +223,10 @@ def test_an_aux_buffer_of_several_values_per_entry_moves_whole():
         layer.declare(("history", torch.bool, (2,)))
         layer.append(torch.zeros(1, 1, 2 + i, 2), torch.zeros(1, 1, 2 + i, 2), torch.arange(2 + i)[None])
         layer.aux("history")[0, 0, -1, i] = True
-    joint = join(cache, (0, 1), room=1)
+    joint = Stack(cache, (0, 1), room=1).joint
     assert joint.aux("history").shape == (2, 1, 3, 2)
-    joint.evict_one(torch.tensor([[0], [0]]))  # each row's last entry moves into its slot 0
-    for layer in cache.layers:  # as Policy.end does after a joint eviction
+    joint.evict_one(torch.tensor([[1], [0]]))  # each row's last entry moves into its first entry's slot
+    for layer in cache.layers:  # as AtOnce.end does after a joint eviction
         layer.length -= 1
     assert cache[0].aux("history")[0, 0].int().tolist() == [[1, 0]]
     assert cache[1].aux("history")[0, 0, :2].int().tolist() == [[0, 1], [0, 0]]
@@ -255,7 +255,7 @@ def test_a_buffer_of_several_values_per_entry_holds_each_value_of_every_entry_si
     for layer in cache.layers:
         layer.declare(("history", torch.int16, (5,)))
         layer.append(torch.zeros(1, 1, 4, 2), torch.zeros(1, 1, 4, 2), torch.arange(4)[None])
-    assert side_by_side(join(cache, (0, 1), room=1).aux("history"))
+    assert side_by_side(Stack(cache, (0, 1), room=1).joint.aux("history"))
 
 
 def test_evict_moves_the_last_surviving_entries_into_the_victims_slots():
@@ -324,7 +324,7 @@ def test_key_norms_are_kept_by_the_cache_through_appends_evictions_joins_and_set
         lc.declare(KEY_NORM)
         lc.append(torch.randn(1, 1, 6 + i, 4, generator=gen), torch.randn(1, 1, 6 + i, 4, generator=gen),
                   torch.arange(6 + i)[None])
-    joint = join(cache, (0, 1))
+    joint = Stack(cache, (0, 1), room=1).joint
     joint.set_keys(torch.tensor([[[1]], [[6]]]), torch.randn(2, 1, 1, 4, generator=gen))
     joint.evict_one(torch.tensor([[2], [0]]))
     for lc in (joint, *cache.layers):

@@ -130,7 +130,7 @@ def test_d2o_merge_by_hand():
     Weights (Eq. 12): w_c = e / (e + e^0.995), w_2 = e^0.995 / (e + e^0.995)."""
     lc = toy_cache([(1, 0), (0, 1), (1, 0.1), (-1, 0)], [(1, 2), (5, 6), (3, 4), (7, 8)])
     merge = EMAMerge(beta=0.7)
-    merged = merge(0, lc, torch.tensor([[[0, 1]]]))
+    merged = merge((0,), lc, torch.tensor([[[0, 1]]]))
     u = 1 / math.sqrt(1.01)
     assert merge.tau[0].item() == pytest.approx(u / 2)
     w_c, w_2 = math.e / (math.e + math.exp(u)), math.exp(u) / (math.e + math.exp(u))
@@ -179,7 +179,7 @@ def test_merge_equals_literal_loops_over_several_steps(seed):
         sims = literal_merge(cur_k, cur_v, keep, float("inf"))[2]  # max similarities of the evicted
         threshold = sum(sims) / len(sims) if tau is None else tau  # tau_0, else compare with tau_{t-1}
         new_k, new_v, _ = literal_merge(cur_k, cur_v, keep, threshold)
-        merge(0, lc, torch.tensor([[keep]]))
+        merge((0,), lc, torch.tensor([[keep]]))
         lc.keep(torch.tensor([[keep]]))
         tau = threshold if tau is None else beta * sims[0] + (1 - beta) * tau
         assert merge.tau[0].item() == pytest.approx(tau, abs=1e-6)
@@ -197,10 +197,10 @@ def test_beta_extremes(beta):
     """beta 0: tau never moves from tau_0; beta 1: tau is the latest maximum similarity."""
     lc = toy_cache([(1, 0), (0, 1), (1, 0.1), (-1, 0), (1, 1)], [(0, 0)] * 5)
     merge = EMAMerge(beta)
-    merge(0, lc, torch.tensor([[[0, 1, 4]]]))  # prefill: evict k2, k3
+    merge((0,), lc, torch.tensor([[[0, 1, 4]]]))  # prefill: evict k2, k3
     tau_0 = merge.tau[0].item()
     lc.keep(torch.tensor([[[0, 1, 4]]]))
-    merge(0, lc, torch.tensor([[[0, 2]]]))  # a decode step evicts k1 = (0, 1): nearest (1, 1), cos 0.707
+    merge((0,), lc, torch.tensor([[[0, 2]]]))  # a decode step evicts k1 = (0, 1): nearest (1, 1), cos 0.707
     assert merge.tau[0].item() == pytest.approx(tau_0 if beta == 0 else 1 / math.sqrt(2))
 
 
@@ -455,7 +455,7 @@ def test_official_merge_equals_literal_loops_over_several_heads_and_steps(seed):
         keys = [list(lc.keys[0, h]) for h in range(H)]
         values = [list(lc.values[0, h]) for h in range(H)]
         want_k, want_v, tau = literal_official_merge(keys, values, keep, tau, beta)
-        merge(0, lc, torch.tensor([keep]))
+        merge((0,), lc, torch.tensor([keep]))
         lc.keep(torch.tensor([keep]))
         assert merge.tau[0].item() == pytest.approx(tau, abs=1e-6)
         torch.testing.assert_close(lc.keys[0], want_k, atol=1e-5, rtol=0)
@@ -476,7 +476,7 @@ def test_paper_merge_over_several_kv_heads_equals_loops_per_head():
     keys = [list(lc.keys[0, h].clone()) for h in range(H)]  # copies: the merge writes the cache in place
     values = [list(lc.values[0, h].clone()) for h in range(H)]
     merge = EMAMerge(0.7)
-    merge(0, lc, torch.tensor([keep]))
+    merge((0,), lc, torch.tensor([keep]))
     for h in range(H):
         sims = literal_merge(keys[h], values[h], keep[h], float("inf"))[2]
         new_k, new_v, _ = literal_merge(keys[h], values[h], keep[h], sum(sims) / len(sims))
@@ -510,7 +510,7 @@ def test_one_eviction_merge_equals_literal_loops_paper(seed):
         sim = literal_merge(cur_k, cur_v, keep, float("inf"))[2][0]
         tau = sim if tau is None else beta * sim + (1 - beta) * tau  # tau_t, compared with this step's
         new_k, new_v, _ = literal_merge(cur_k, cur_v, keep, tau)
-        merge.one(0, lc, torch.tensor([[victim]]))
+        merge.one((0,), lc, torch.tensor([[victim]]), 7 + step)
         lc.evict_one(torch.tensor([[victim]]))
         assert merge.tau[0].item() == pytest.approx(tau, abs=1e-6)
         want_k = after_evict_one([new_k.get(j, cur_k[j]) for j in range(S)], victim)
@@ -536,7 +536,7 @@ def test_one_eviction_merge_equals_literal_loops_official(seed):
         values = [list(lc.values[0, h].clone()) for h in range(H)]
         keep = [[j for j in range(S) if j != victims[h]] for h in range(H)]
         want_k, want_v, tau = literal_official_merge(keys, values, keep, tau, beta)  # (H, S-1, D) in keep order
-        merge.one(0, lc, torch.tensor([victims]))
+        merge.one((0,), lc, torch.tensor([victims]), 7 + step)
         lc.evict_one(torch.tensor([victims]))
         assert merge.tau[0].item() == pytest.approx(tau, abs=1e-6)
         for h in range(H):

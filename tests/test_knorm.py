@@ -66,5 +66,5 @@ def test_knorm_keeps_the_smallest_keys_by_hand():
     lc.append(keys.view(1, 1, 4, 2), keys.view(1, 1, 4, 2), torch.arange(4)[None])
     compressor = TopK()
     compressor.start(1)
-    compressor(0, lc, KNorm()(lc, Stats()), 2)
+    compressor((0,), lc, KNorm()(lc, Stats()), 2, int(lc.positions.max()))
     assert lc.positions.tolist() == [[[1, 2]]]  # the two keys of norm 1 (the tie goes to the earlier)

@@ -313,7 +313,7 @@ def test_lowest_drops_what_keep_top_drops_in_any_buffer_order(S, sinks, recent, 
     kept = keep_top(score.view(1, 1, S), S - 1, sinks, recent)[0, 0].tolist()
     dropped = positions[sorted(set(range(S)) - set(kept))].item()
     perm = torch.cat([torch.arange(sinks), torch.randperm(S - sinks, generator=gen) + sinks])  # sinks first
-    victim = lowest(score[perm].view(1, 1, S), positions[perm].view(1, 1, S), sinks, recent)
+    victim = lowest(score[perm].view(1, 1, S), positions[perm].view(1, 1, S), sinks, recent, int(positions.max()))
     assert positions[perm][victim].item() == dropped
 
 
@@ -385,7 +385,7 @@ LOOP = [  # (docs/design.md's after_attention block, Policy.after_attention): th
     ("budgeter.decide(l, lc, stats, score)", "self.budgeter.decide(layer, lc, stats,"),
     ("is checked", "check(self.name, self.compressor, decided,"),
     ("evicted[i] +=", "self.evicted[i] +="),
-    ("compressor(i, cache[i], score_i, b)", "self.compressor(i, cache[i],"),
+    ("compressor((i,), cache[i], score_i, b, newest)", "self.compressor((i,), cache[i],"),
     ("score_i follows what was kept", ".gather(2, kept)"),
 ]
 

@@ -68,7 +68,7 @@ def run_toy(calls, budget, options, seen=None):
         if seen is not None:
             seen(c, lc, scorer)
         if lc.length > budget:
-            compressor(0, lc, scorer(lc, stats), budget)
+            compressor((0,), lc, scorer(lc, stats), budget, int(lc.positions.max()))
         kept.append(sorted(lc.positions[0, 0].tolist()))
         t += T
     return kept
@@ -461,12 +461,9 @@ def test_never_above_budget_and_the_paper_guards_are_kept(options):
 
 def test_the_paper_variant_evicts_all_layers_at_once_as_layer_by_layer(monkeypatch):
     """tests/test_together.py checks the official default; here the paper variant, and that the joint path runs."""
-    from kvmini import at_once
-    from test_together import run, same
+    from test_together import calls_at_once, run, same
 
-    joins = []
-    real = at_once.join
-    monkeypatch.setattr(at_once, "join", lambda cache, layers, room=1: joins.append(layers) or real(cache, layers, room))
+    joins = calls_at_once(monkeypatch)
     model = random_model(L=4).to(torch.float64)
     for options in (PAPER, PAPER | {"sinks": 2, "recent": 2, "decode_sinks": False}, {}):
         joins.clear()

@@ -46,7 +46,7 @@ def test_the_hand_worked_stream():
         attention[..., order] = torch.tensor(row, dtype=torch.float64)  # the row in buffer order
         scorer.update(lc, Stats(low_counts=below_average(attention)[:, :, 0]), t, 1)
         if lc.length == 6:  # the cache reached B: drop m = 2
-            compressor(0, lc, scorer(lc, Stats()), 4)
+            compressor((0,), lc, scorer(lc, Stats()), 4, int(lc.positions.max()))
             kept[t] = sorted(lc.positions.flatten().tolist())
         sizes.append(lc.length)
     assert kept == {5: [0, 3, 4, 5], 7: [0, 5, 6, 7]}

@@ -1,5 +1,5 @@
-"""A decode step's evictions for all layers at once (`Policy.end`, `at_once.join`) equal the same
-evictions layer by layer (`AtOnce.together = False`: kvmini.policy, the readable specification).
+"""A decode step's evictions for all layers at once (`AtOnce.end`: the same parts on the layers held
+as the rows of one LayerCache, `at_once.Stack`) equal the same evictions layer by layer (`AtOnce.together = False`: kvmini.policy, the readable specification).
 
 The per-layer path is itself proven against literal references (tests/test_policy.py, test_d2o.py,
 test_weightedkv.py); here both paths run the same calls and must leave the same caches: the same
@@ -12,10 +12,10 @@ import torch
 
 from kvmini import at_once
 from kvmini.cache import PAD, KVCache, LayerCache
+from kvmini.config import ModelConfig
 from kvmini.methods.ema_merging import EMAMerge
 from kvmini.methods.registry import METHODS, evicts_while_decoding, make_policy
 from kvmini.methods.selectors import lowest
-from kvmini.per_sequence import PaddedLayer
 from kvmini.view import record_merges
 from reference import random_model
 
@@ -40,8 +40,8 @@ DECODE_TIME = [  # every method and variant that evicts while decoding
     ("d2o", 12, SKEWED),  # budgets [24, 8, 8, 8]: layer 0, over twice the median, is evicted on its own
     ("d2o", 0.4, SKEWED),  # [40, 8, 8, 8]: layer 0 holds the whole prompt, its first eviction a decode step's
     ("scissorhands", 30, {"evict_every": 3}),  # steps that only update the history at once, and steps that evict
-    ("scissorhands", 30, {"evict_every": 3, "history": 2}),  # a few (3 of 33): evict_few_each; the ring turns
-    ("scissorhands", 12, {"evict_every": 3}),  # 3 of 15 is not a few: layer after layer from the joined score
+    ("scissorhands", 30, {"evict_every": 3, "history": 2}),  # a few (3 of 33): lowest_few, layer after layer; the ring turns
+    ("scissorhands", 12, {"evict_every": 3}),  # 3 of 15 is not a few: keep_top, layer after layer from the joined score
     ("h2o", 30, {"evict_every": 4}),
     ("tova", 12, {"evict_every": 4}),  # nothing to update between evictions
     ("d2o", 12, {"variant": "paper", "evict_every": 3}),  # merges, rows of different lengths: layer after layer
@@ -112,46 +112,48 @@ def test_a_batch_at_once_equals_layer_by_layer(model, name, options):
     same(run(model, name, 12, options, True, batch=2), run(model, name, 12, options, False, batch=2))
 
 
-@pytest.mark.parametrize("name", ["h2o", "d2o", "weightedkv"])
+def calls_at_once(monkeypatch) -> list[tuple]:
+    """The layers of every `AtOnce.compress_together` call from now on."""
+    calls = []
+    real = at_once.AtOnce.compress_together
+    monkeypatch.setattr(at_once.AtOnce, "compress_together",
+                        lambda self, cache, deferred: calls.append(tuple(l for l, _ in deferred)) or real(self, cache, deferred))
+    return calls
+
+
+@pytest.mark.parametrize("name", ["h2o", "d2o"])
 def test_the_joint_path_runs(model, name, monkeypatch):
     """The comparison above compares two different paths: the joint one really runs (and the
-    layer-by-layer one really does not join)."""
-    joins = []
-    real = at_once.join
-    monkeypatch.setattr(at_once, "join", lambda cache, layers, room=1: joins.append(layers) or real(cache, layers, room))
+    layer-by-layer one really does not)."""
+    calls = calls_at_once(monkeypatch)
     run(model, name, 12, {"protected_layers": ""} if name == "d2o" else {}, False)
-    assert joins == []
+    assert calls == []
     run(model, name, 12, {"protected_layers": ""} if name == "d2o" else {}, True)
-    assert len(joins) >= 7 and all(layers == (0, 1, 2, 3) for layers in joins)
+    assert len(calls) >= 7 and all(layers == (0, 1, 2, 3) for layers in calls)
 
 
 def test_steps_between_evictions_update_at_once_without_copying(model, monkeypatch):
-    """evict_every = 3: the steps that evict nowhere update Scissorhands' history for all layers joined,
-    and the steps that evict drop 3 entries from each of them joined; the layers grow between evictions
-    inside the joined buffers' room, so they are copied in once."""
-    joins, shares = [], []
-    real_join, real_share = at_once.join, at_once._share
-    monkeypatch.setattr(at_once, "join", lambda cache, layers, room=1: joins.append(room) or real_join(cache, layers, room))
-    monkeypatch.setattr(at_once, "_share", lambda members, room: shares.append(room) or real_share(members, room))
+    """evict_every = 3: the steps that evict nowhere update Scissorhands' history for all layers at once,
+    and the steps that evict drop 3 entries from each layer; the layers grow between evictions inside
+    the stack's room, so they are copied in once."""
+    calls, stacks = calls_at_once(monkeypatch), []
+    real = at_once.Stack.__init__
+    monkeypatch.setattr(at_once.Stack, "__init__", lambda self, cache, layers, room: stacks.append(room) or real(self, cache, layers, room))
     _, policy, _, _ = run(model, "scissorhands", 30, {"evict_every": 3}, True)
     assert sum(policy.evicted) == 4 * (40 - 30) + 4 * 6  # the prompt, then 3 entries at steps 3 and 6 of 8
-    assert joins == [3] * 8 and shares == [3]
+    assert len(calls) == 8 and stacks == [3]
 
 
 def test_a_layer_far_longer_than_the_others_is_evicted_on_its_own(model, monkeypatch):
-    """Joined rows are as long as the longest: a layer budgeted over twice the median budget would make
-    every row that long, so it goes layer by layer (the equality above covers this run too)."""
-    joins = []
-    real = at_once.join
-    monkeypatch.setattr(at_once, "join", lambda cache, layers, room=1: joins.append(layers) or real(cache, layers, room))
+    """A stack's rows are as long as its longest layer: a layer budgeted over twice the median budget
+    would make every row that long, so it is a group of its own (the equality above covers this run too)."""
+    calls = calls_at_once(monkeypatch)
     _, policy, _, _ = run(model, "d2o", 12, SKEWED, True)
-    assert policy.budgets == [24, 8, 8, 8] and policy.one.join_limit == 16
-    assert len(joins) == 8 and all(layers == (1, 2, 3) for layers in joins)
+    assert policy.budgets == [24, 8, 8, 8] and policy.one.groups == ({0}, {1, 2, 3})
+    assert calls.count((1, 2, 3)) == 8 and set(calls) <= {(0,), (1, 2, 3)}
 
 
-def test_joined_layers_are_views_and_leave_when_they_outgrow_it():
-    from kvmini.config import ModelConfig
-
+def test_stacked_layers_are_views_right_aligned_and_rebuilt_when_one_outgrows_it():
     config = ModelConfig("llama", 11, 8, 16, 3, 2, 1, 4, rms_norm_eps=1e-5, rope_theta=1e4, max_position_embeddings=64)
     cache = KVCache(config, batch=1)
     for i, lc in enumerate(cache.layers):  # layer i holds 5 + i entries at positions 0..4+i
@@ -159,53 +161,61 @@ def test_joined_layers_are_views_and_leave_when_they_outgrow_it():
         lc.append(torch.full((1, 1, n, 4), float(i)), torch.full((1, 1, n, 4), -float(i)), torch.arange(n)[None])
         lc.declare("score")
         lc.aux("score").copy_(torch.arange(n, dtype=torch.float32)[None, None])
-    joint = at_once.join(cache, (0, 2))
-    assert joint.keys.shape == (2, 1, 7, 4) and joint.counts.tolist() == [5, 7]
-    assert joint.positions[0, 0].tolist() == [0, 1, 2, 3, 4, PAD, PAD]  # layer 0's row, padded
-    joint.evict_one(torch.tensor([[1], [3]]))  # layer 0 drops slot 1, layer 2 slot 3: each row's last moves there
-    cache[0].length, cache[2].length = joint.held()
+    stack = at_once.Stack(cache, (0, 2), room=1)
+    joint = stack.joint
+    assert type(joint) is LayerCache and joint.keys.shape == (2, 1, 7, 4) and stack.offsets == [2, 0]
+    assert joint.positions[0, 0].tolist() == [PAD, PAD, 0, 1, 2, 3, 4]  # layer 0's row: its pads in front
+    assert joint.keys[0, 0, :2].abs().sum() == 0 and joint.aux("score")[0, 0, :2].tolist() == [0, 0]
+    joint.evict_one(torch.tensor([[3], [3]]))  # layer 0 drops position 1, layer 2 position 3: each row's last moves there
+    for layer in (0, 2):
+        cache[layer].length -= 1
     assert cache[0].positions.tolist() == [[[0, 4, 2, 3]]] and cache[2].positions.tolist() == [[[0, 1, 2, 6, 4, 5]]]
     assert cache[0].aux("score").tolist() == [[[0, 4, 2, 3]]]
     assert cache[2].keys[0, 0, :, 0].tolist() == [2.0] * 6 and cache[1].length == 6  # layer 1 untouched
-    assert at_once.join(cache, (0, 2)) is joint  # no copy while the layers stay in it
-    assert joint.capacity == 8  # the longest layer's 7 entries + room for 1
-    cache[0].append(torch.zeros(1, 1, 5, 4), torch.zeros(1, 1, 5, 4), torch.arange(7, 12)[None])  # outgrows it
-    again = at_once.join(cache, (0, 2))
-    assert again is not joint and again.positions[0, 0].tolist() == [0, 4, 2, 3, 7, 8, 9, 10, 11]
-    assert again.positions[1, 0, :6].tolist() == [0, 1, 2, 6, 4, 5] and again.counts.tolist() == [9, 6]
+    assert stack.holds(cache) and joint.length == 6  # no copy while the layers stay in it
+    for layer in (0, 2):  # a decode step appends to each layer: the joint's next place, for both rows
+        cache[layer].append(torch.ones(1, 1, 1, 4), torch.ones(1, 1, 1, 4), torch.tensor([[7]]))
+    assert stack.holds(cache) and joint.positions[:, 0, -1].tolist() == [7, 7]
+    cache[0].append(torch.zeros(1, 1, 5, 4), torch.zeros(1, 1, 5, 4), torch.arange(8, 13)[None])  # outgrows it
+    assert not stack.holds(cache)
+    again = at_once.Stack(cache, (0, 2), room=1)
+    assert again.offsets == [0, 3] and again.joint.positions[0, 0, :10].tolist() == [0, 4, 2, 3, 7, 8, 9, 10, 11, 12]
+    assert again.joint.positions[1, 0, :10].tolist() == [PAD, PAD, PAD, 0, 1, 2, 6, 4, 5, 7]
 
 
 def test_lowest_skips_pads_and_takes_a_window_per_row():
-    # two rows (layers) of 5 places; row 1 holds 4 entries and a pad
-    score = torch.tensor([[[5.0, 1.0, 9.0, 3.0, 0.0]], [[4.0, 2.0, 8.0, 6.0, -1.0]]])
-    positions = torch.tensor([[[0, 1, 2, 3, 4]], [[0, 1, 2, 3, PAD]]])
-    recent = torch.tensor([3, 1])[:, None, None]  # row 0 protects positions 2-4, row 1 positions 4 only
-    # row 0: free positions 1 (score 1); row 1: positions 1, 2, 3 free, the lowest is 1 (score 2), the pad never
-    assert lowest(score, positions, 1, recent, newest=4).tolist() == [[1], [1]]
-    assert lowest(score, positions, 1, 0, newest=4).tolist() == [[4], [1]]
+    # two rows (layers) of 5 places; row 1 holds 4 entries after a pad
+    score = torch.tensor([[[5.0, 1.0, 9.0, 3.0, 0.0]], [[-1.0, 4.0, 2.0, 8.0, 6.0]]])
+    positions = torch.tensor([[[0, 1, 2, 3, 4]], [[PAD, 0, 1, 2, 3]]])
+    recent = torch.tensor([3, 1])[:, None, None]  # row 0 protects positions 2-4, row 1 position 4 (none held)
+    # row 0: free position 1 (score 1); row 1: positions 1, 2, 3 free, the lowest is 1 (score 2), the pad never
+    assert lowest(score, positions, 1, recent, newest=4).tolist() == [[1], [2]]
+    assert lowest(score, positions, 1, 0, newest=4).tolist() == [[4], [2]]
 
 
 def test_a_pad_is_never_the_nearest_entry():
     """A pad's key is zero, so its cosine (0) would beat real keys that all point away from the victim."""
-    joint = PaddedLayer(2, 1, 2, torch.float64, "cpu")
-    keys = torch.tensor([[1.0, 0.0], [-1.0, -0.5], [-1.0, 0.1], [0.0, 0.0]])  # a victim, two keys pointing away, zero
+    joint = LayerCache(2, 1, 2, torch.float64, "cpu")
+    keys = torch.tensor([[0.0, 0.0], [1.0, 0.0], [-1.0, -0.5], [-1.0, 0.1]])  # zero, a victim, two keys pointing away
     joint.append(keys.expand(2, 1, 4, 2), keys.expand(2, 1, 4, 2), torch.arange(4).expand(2, 4))
-    joint._pos[0, 0, 3] = PAD  # row 0 holds 3 entries and a pad; row 1 holds 4 (its zero key is real)
-    joint.counts = torch.tensor([3, 4])
+    joint._pos[0, 0, 0] = PAD  # row 0 holds a pad and 3 entries; row 1 holds 4 (its zero key is real)
     merge = EMAMerge(beta=0.5, weights="official", tau="per_layer")
     merge.trace = []  # a first threshold is the step's own similarity: every evicted token merges
-    merge.one((0, 1), joint, torch.tensor([[0], [0]]))
-    assert [record.into.item() for record in merge.trace] == [1, 3]  # cosines -0.89 and 0 (not the pad's 0)
+    merge.one((0, 1), joint, torch.tensor([[1], [1]]), 3)
+    assert [record.into.item() for record in merge.trace] == [2, 0]  # cosines -0.89 and 0 (not the pad's 0)
 
 
-def test_thresholds_of_a_tuple_of_layers_equal_each_layer_alone():
+def test_thresholds_of_several_layers_equal_each_layer_alone():
     best = torch.rand(3, 2, 1, dtype=torch.float64)  # three layers' rows, batch 1, 2 KV heads, one evicted token
     together, alone = EMAMerge(beta=0.3), EMAMerge(beta=0.3)
-    together.tau[0] = alone.tau[0] = torch.rand(1, 2, dtype=torch.float64)
-    together.tau[2] = alone.tau[2] = torch.rand(1, 2, dtype=torch.float64)  # layer 1 has no threshold yet
+    together.reset(3), alone.reset(3)
+    first = torch.rand(2, 2, 1, dtype=torch.float64)
+    for merge in (together, alone):  # layers 0 and 2 have a threshold, layer 1 none yet
+        merge.decide((0,), first[0:1])
+        merge.decide((2,), first[1:2])
     merge = together.decide((0, 1, 2), best)
     for layer in range(3):
-        assert torch.equal(alone.decide(layer, best[layer : layer + 1]), merge[layer : layer + 1])
+        assert torch.equal(alone.decide((layer,), best[layer : layer + 1]), merge[layer : layer + 1])
         assert torch.equal(together.tau[layer], alone.tau[layer])
     assert torch.equal(together.tau[1], best[1:2].mean(-1))  # tau_0: this step's mean, exactly
 
@@ -273,17 +283,14 @@ def test_d2o_first_compression_by_chunks_equals_one_call(model, options, monkeyp
 
 @pytest.mark.parametrize("L, budgets", [(6, [40, 8, 8, 24, 8, 8]), (8, [40, 8, 8, 40, 8, 8, 8, 8])])
 def test_several_layers_far_longer_than_the_others_are_joined_apart(L, budgets, monkeypatch):
-    """Layers budgeted over twice the median, when there are several, are evicted at once as a second
-    joined group (their rows padded to the longest of them, not the others'), with the same result as
-    layer by layer."""
+    """Layers budgeted over twice the median are evicted at once as a second group (their rows padded to
+    the longest of them, not the others'), with the same result as layer by layer."""
     model = random_model(L=L).to(torch.float64)
-    joins = []
-    real = at_once.join
-    monkeypatch.setattr(at_once, "join", lambda cache, layers, room=1: joins.append(layers) or real(cache, layers, room))
+    calls = calls_at_once(monkeypatch)
     joint = run(model, "d2o", 0.4, SKEWED, True)
-    assert joint[1].budgets == budgets and joint[1].one.long_together
+    assert joint[1].budgets == budgets and joint[1].one.groups[0] == {0, 3}
     short = tuple(l for l, b in enumerate(budgets) if b == 8)
-    assert joins.count((0, 3)) >= 7 and joins.count(short) >= 7 and set(joins) == {(0, 3), short}
+    assert calls.count((0, 3)) >= 7 and calls.count(short) >= 7 and set(calls) == {(0, 3), short}
     by_layer = lambda out: (*out[:3], sorted(out[3], key=lambda r: r.layer))  # noqa: E731  stable: steps in order
     alone = run(model, "d2o", 0.4, SKEWED, False)
     same(by_layer(joint), by_layer(alone))  # a step's trace: the long group first

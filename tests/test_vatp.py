@@ -6,10 +6,9 @@ import pytest
 import torch
 
 from kvmini.statistics import Stats
-from kvmini.cache import LayerCache
+from kvmini.cache import PAD, LayerCache
 from kvmini.methods.registry import make_policy
 from kvmini.methods.vatp import ValueWeightedAttention
-from kvmini.per_sequence import PaddedLayer
 from cases import stored
 from reference import engine_run, group_mean, random_model, simulate, top_positions
 
@@ -30,18 +29,17 @@ def test_value_weighting_by_hand():
 
 
 def test_a_norm_is_kept_from_the_call_that_cached_the_value():
-    """Rows of different lengths (a padded batch): each row's newly appended value gets its norm,
-    the pads and the earlier entries keep theirs."""
-    lc = PaddedLayer(2, 1, 2, torch.float32, "cpu", capacity=8)
-    lc.append(torch.zeros(2, 1, 2, 2), torch.tensor([[[[1.0, 2.0], [3.0, 0.0]]], [[[0.0, -1.0], [2.0, 2.0]]]]),
-              torch.tensor([[0, 1], [0, 1]]))
+    """Each row's newly appended values (its last T places, also in kvmini.at_once's right-aligned rows,
+    a pad in front) get their norms; the earlier entries keep theirs."""
+    lc = LayerCache(2, 1, 2, torch.float32, "cpu", capacity=8)
+    lc.append(torch.zeros(2, 1, 2, 2), torch.tensor([[[[0.0, 0.0], [3.0, 0.0]]], [[[0.0, -1.0], [2.0, 2.0]]]]),
+              torch.tensor([[PAD, 0], [0, 1]]))  # row 0: a pad, then its first entry
     scorer = ValueWeightedAttention(p=1.0)
     lc.declare(*scorer.aux)
     scorer.update(lc, Stats(column_sums=torch.ones(2, 1, 2)), 0, 2)
-    lc.keep_row(1, torch.tensor([[[1]]]))  # row 1 keeps its second entry only: rows now differ
-    lc.append(torch.zeros(2, 1, 1, 2), torch.tensor([[[[-4.0, 1.0]]], [[[0.5, 0.5]]]]), torch.tensor([[2], [2]]))
+    lc.append(torch.zeros(2, 1, 1, 2), torch.tensor([[[[-4.0, 1.0]]], [[[0.5, 0.5]]]]), torch.tensor([[1], [2]]))
     scorer.update(lc, Stats(column_sums=torch.zeros(2, 1, 3)), 2, 1)
-    assert lc.aux("value_norm").tolist() == [[[3.0, 3.0, 5.0]], [[4.0, 1.0, 0.0]]]
+    assert lc.aux("value_norm").tolist() == [[[0.0, 3.0, 5.0]], [[1.0, 4.0, 1.0]]]
 
 
 def vatp_literal(budget, g, sinks=4, recent=None, p=1):

@@ -81,7 +81,7 @@ def test_d2o_trace_by_hand():
     lc = toy_cache([(1, 0), (0, 1), (1, 0.1), (-1, 0)], [(1, 2), (5, 6), (3, 4), (7, 8)])
     merge = EMAMerge(beta=0.7)
     merge.trace = []
-    merge(5, lc, torch.tensor([[[0, 1]]]))
+    merge((5,), lc, torch.tensor([[[0, 1]]]))
     u = 1 / math.sqrt(1.01)
     (record,) = merge.trace
     assert record.layer == 5
@@ -111,7 +111,7 @@ def test_weightedkv_trace_by_hand(chunk_merge, budget, expected):
     compressor = ConvexValueMerge(sinks=1, recent=1, chunk_merge=chunk_merge)
     compressor.start(1)
     compressor.trace = []
-    compressor(0, lc, None, budget)
+    compressor((0,), lc, None, budget, int(lc.positions.max()))
     got = [(e, q, w) for m in compressor.trace
            for e, q, w in zip(m.evicted[0, 0].tolist(), m.into[0, 0].tolist(), m.weight[0, 0].tolist())]
     assert [(e, q) for e, q, _ in got] == [(e, q) for e, q, _ in expected]
@@ -266,27 +266,21 @@ class Decisions:
     def watch(self, monkeypatch) -> "Decisions":
         from kvmini.methods.selectors import TopK
 
-        me, call, each, merge, one = self, TopK.__call__, TopK.evict_one_each, EMAMerge.__call__, EMAMerge.one
+        me, call, merge, one = self, TopK.__call__, EMAMerge.__call__, EMAMerge.one
 
-        def call_(self, layer, lc, score, b):
+        def call_(self, layers, lc, score, b, newest):
             before = lc.positions.clone()
-            out = call(self, layer, lc, score, b)
-            me.evicted((layer,), before, score, lc.positions)
+            out = call(self, layers, lc, score, b, newest)
+            me.evicted(layers, before, score, lc.positions)
             return out
 
-        def each_(self, layers, lc, score, budgets, newest):
-            before = lc.positions.clone()
-            each(self, layers, lc, score, budgets, newest)
-            me.evicted(layers, before, score, lc.positions)
+        def merge_(self, layers, lc, keep):
+            return me.merged(self, lambda: merge(self, layers, lc, keep), lc, keep)
 
-        def merge_(self, layer, lc, keep):
-            return me.merged(self, lambda: merge(self, layer, lc, keep), lc, keep)
+        def one_(self, layers, lc, victim, newest):
+            return me.merged(self, lambda: one(self, layers, lc, victim, newest), lc, None)
 
-        def one_(self, layer, lc, victim):
-            return me.merged(self, lambda: one(self, layer, lc, victim), lc, None)
-
-        for cls, name, f in ((TopK, "__call__", call_), (TopK, "evict_one_each", each_),
-                             (EMAMerge, "__call__", merge_), (EMAMerge, "one", one_)):
+        for cls, name, f in ((TopK, "__call__", call_), (EMAMerge, "__call__", merge_), (EMAMerge, "one", one_)):
             monkeypatch.setattr(cls, name, f)
         return self
 

@@ -203,12 +203,12 @@ def test_merge_one_equals_algorithm_1_in_any_buffer_order(seed):
 
     gen = torch.Generator().manual_seed(seed)
     ordered = LayerCache(1, 1, 8, torch.float32, "cpu", capacity=16)
-    for t in range(1, 6):
+    for t in range(5):  # positions from 0: the sink is position 0 (a cache always starts there)
         append_token(ordered, t)
     mixed = scrambled_copy(ordered, [0] + (torch.randperm(4, generator=gen) + 1).tolist())  # the sink stays first
-    for t in range(5, 9):
+    for t in range(4, 8):
         for lc in (ordered, mixed):
-            if t > 5:
+            if t > 4:
                 append_token(lc, t)
         abar = torch.rand(ordered.length, generator=gen).tolist()
         set_average_attention(ordered, abar)
@@ -217,7 +217,7 @@ def test_merge_one_equals_algorithm_1_in_any_buffer_order(seed):
         mixed.aux("a")[:] = torch.tensor([by_pos[p] for p in mixed.positions.flatten().tolist()]).view(1, 1, -1)
         mixed.aux("n")[:] = 1.0
         convex_value_merge(ordered, capacity=ordered.length - 1, sinks=1, recent=2)
-        merge_one(mixed, sinks=1, recent=2)
+        merge_one(mixed, sinks=1, recent=2, newest=int(mixed.positions.max()))
         p, _, v = in_position_order(mixed)
         assert p.tolist() == ordered.positions.tolist()
         torch.testing.assert_close(v, ordered.values)

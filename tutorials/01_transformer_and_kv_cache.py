@@ -21,7 +21,7 @@ sys.path.insert(0, str(Path.cwd() if Path("kvmini").is_dir() else Path.cwd().par
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-from kvmini.at_once import join  # noqa: E402
+from kvmini.at_once import Stack  # noqa: E402
 from kvmini.attention import sdpa_attention  # noqa: E402
 from kvmini.cache import KVCache, LayerCache  # noqa: E402
 from kvmini.config import ModelConfig  # noqa: E402
@@ -186,25 +186,25 @@ torch.testing.assert_close(a, b)  # attention cannot tell the two buffers apart
 # must go (finding it with `selectors.lowest`, a masked minimum instead of a sort) and `keep`
 # otherwise (sorting by position first). Both keep the same tokens; tests/test_policy.py checks it.
 #
-# ## Every layer at once: `at_once.join`
+# ## Every layer at once: `kvmini.at_once`
 #
 # A decode step evicts one entry in each of $L$ layers. Done layer by layer, that is $L$ times the
 # same handful of small tensor operations (on a CPU each costs a few microseconds whatever its
 # size, so with 30 layers the bookkeeping cost more than the smaller cache saved). But layer
 # $l$'s eviction changes only layer $l$'s cache, and no later layer of the same step reads it, so
 # the engine waits until the last layer has attended (`AtOnce.end`) and evicts all of them
-# together: `join(cache, layers)` holds the layers as the rows of one `LayerCache` (each layer's
-# buffers become views of its buffers), so one `evict_one` moves an entry in every layer. Layers
-# that hold different counts (D2O's per-layer budgets) are padded after their entries, like the
-# rows of a batch.
+# together: `Stack(cache, layers)` holds the layers as the rows of one `LayerCache` (each layer's
+# buffers become views of its buffers), right-aligned: a layer that holds fewer entries (D2O's
+# per-layer budgets) has pads in front of them, so every row's last entry sits in the same place
+# and one `evict_one` moves an entry in every layer.
 
 # %%
 two = KVCache(ModelConfig("llama", 50, 32, 64, 2, 4, 1, 2, rope_theta=1000.0), batch=1)
 for i, lc in enumerate(two.layers):  # layer 0 holds positions 0..3, layer 1 positions 0..4
     n = 4 + i
     lc.append(torch.full((1, 1, n, 2), float(i)), torch.zeros(1, 1, n, 2), torch.arange(n)[None])
-joint = join(two, (0, 1))  # (2 rows, 1 KV head, 5 places, 2); row 0 ends with a pad
-joint.evict_one(torch.tensor([[1], [2]]))  # layer 0 drops slot 1, layer 1 slot 2: each row's last entry moves there
+joint = Stack(two, (0, 1), room=1).joint  # (2 rows, 1 KV head, 6 places, 2); row 0 starts with a pad
+joint.evict_one(torch.tensor([[2], [2]]))  # layer 0 drops position 1, layer 1 position 2: each row's last entry moves there
 two[0].length, two[1].length = two[0].length - 1, two[1].length - 1  # what AtOnce.end does after an eviction
 assert two[0].positions.tolist() == [[[0, 3, 2]]] and two[1].positions.tolist() == [[[0, 1, 4, 3]]]
 

@@ -238,7 +238,7 @@ def cam_down_to(budget):
     lc, merge = ten_values(), CacheMerge(sinks=1, m=3, divide="fixed", mask="expectation")
     merge.start(1)  # one layer
     merge.trace = []  # record the merges (Merged: evicted, first target, weight M / m)
-    merge(0, lc, lc.aux("attention_sum"), budget)  # Eq. 14 + Alg. 1, oldest first
+    merge((0,), lc, lc.aux("attention_sum"), budget, int(lc.positions.max()))  # Eq. 14 + Alg. 1, oldest first
     return lc, merge.trace
 
 

@@ -137,7 +137,7 @@ assert registry.METHODS["vatp"] is vatp
 #   the generated tokens equal the full cache's; invariants (held counts, no position twice, sinks and
 #   window kept) over random shapes, chunkings and batches; a batch of two equals two single runs;
 #   back-to-back prompts equal fresh runs;
-# - `tests/test_together.py`: evicting every layer at once in a decode step (`at_once.join`) leaves the
+# - `tests/test_together.py`: evicting every layer at once in a decode step (`kvmini.at_once`) leaves the
 #   same caches as evicting layer by layer;
 # - `tests/test_continuation.py`: three prompts on one cache, and budgets respected where they are given;
 # - `tests/test_chunked_prefill.py` (a method that compresses once the prompt is complete): a prompt in

@@ -25,15 +25,15 @@ M_i, per (sequence, KV head), by `mask`:
     threshold    M_i = [\bar A_i / avg > 1] (the authors' OPT/GPT-NeoX code, utils_hh/modify_opt_cam.py:30)
     always       M_i = 1 (Table 2's ablation "w.o. Merge Mask")
 Two implementations, one result: `merge_one` (a decode step: one eviction per head in a buffer out
-of position order, O(S) to find it and its targets, O(m D) to merge; also the rows of
-`at_once.join`) and `merge_sequential` (many evictions after a prompt call, in position order).
+of position order, found by position, O(S) to find it and its targets, O(m D) to merge) and
+`merge_sequential` (many evictions after a prompt call, in position order).
 """
 import torch
 import torch.nn.functional as F
 
 from kvmini.cache import PAD, LayerCache, wide
 from kvmini.errors import one_of
-from kvmini.parts import Compressor, Merged, Rule
+from kvmini.parts import Compressor, Merged, Rule, most
 
 MASKS = ("bernoulli", "expectation", "threshold", "always")
 DIVIDES = ("count", "fixed")
@@ -55,8 +55,6 @@ class CacheMerge(Compressor):
     `trace`: None (default, no cost), or a list that each compression extends with a `Merged` record:
     `into` is the FIRST target (the m - 1 after it received the same share; -1: not merged), `weight`
     is M_i / divisor, the coefficient of v_i in every target."""
-
-    one_each = True
 
     def __init__(self, sinks: int = 4, m: int = 16, divide: str = "fixed", mask: str = "bernoulli", seed: int = 0):
         super().__init__(sinks, Rule(f"budget - {sinks}", lambda b: b - sinks))
@@ -86,33 +84,26 @@ class CacheMerge(Compressor):
     def divisor(self, count: torch.Tensor) -> torch.Tensor | int:
         return self.m if self.divide == "fixed" else count.clamp(min=1)
 
-    def __call__(self, layer: int, lc: LayerCache, score: torch.Tensor, b: int) -> None:
-        note = None if self.trace is None else lambda *record: self.trace.append(Merged(layer, *record))
-        if lc.length == b + 1:
-            M = merge_one(lc, score, self, (layer,), note)
-        else:
-            M = merge_sequential(lc, score, b, self, layer, note)
-        self.merged[layer] = self.merged[layer] + M.mean(1).sum()  # mean over KV heads
-
-    def evict_one_each(self, layers: tuple, lc: LayerCache, score: torch.Tensor, budgets: list[int], newest: int) -> None:
-        """One decode step of many layers at once (kvmini.at_once): `lc` holds them as rows (`at_once.join`),
-        each one entry over its budget: per row, `merge_one` as `__call__` does it, with each layer's draws."""
+    def __call__(self, layers: tuple, lc: LayerCache, score: torch.Tensor, b, newest: int) -> None:
         note = None
         if self.trace is not None:
-            def note(*record):
+            def note(*record):  # one record per layer, of its rows
                 for i, layer in enumerate(layers):
                     self.trace.append(Merged(layer, *(t.chunk(len(layers))[i] for t in record)))
-        M = merge_one(lc, score, self, layers, note)  # (R, H_kv, 1)
-        self.count_merged(layers, M.mean(1)[:, 0])
+        if lc.length == most(b) + 1:
+            M = merge_one(lc, score, self, layers, note)
+        else:
+            M = merge_sequential(lc, score, b, self, layers, note)
+        self.count(layers, M.mean(1).sum(-1))  # mean over KV heads
 
 
 def merge_one(lc: LayerCache, score: torch.Tensor, cm: CacheMerge, layers: tuple, note=None) -> torch.Tensor:
     """Algorithm 1 once per row and head, in a buffer out of position order: the victim i is the oldest
-    entry after the sinks (which stay in the first slots), its targets the m held entries with the next
+    entry after the sinks (positions below `sinks`), its targets the m held entries with the next
     positions (pads, at position PAD, never). Merges, evicts (`LayerCache.evict_one`) and returns M (R, H_kv, 1)."""
     pos = lc.positions  # (R, H_kv, S)
     S, D = pos.shape[-1], lc.values.shape[-1]
-    i = pos[..., cm.sinks:].argmin(-1, keepdim=True) + cm.sinks  # (R, H_kv, 1): the oldest non-sink
+    i = pos.masked_fill(pos < cm.sinks, PAD).argmin(-1, keepdim=True)  # (R, H_kv, 1): the oldest non-sink
     later = pos.masked_fill(pos <= pos.gather(2, i), PAD)  # the entries after i
     t_pos, t = later.topk(min(cm.m, S), largest=False)  # (R, H_kv, m'): the next m' positions, their slots
     valid = t_pos != PAD  # (R, H_kv, m')
@@ -131,7 +122,7 @@ def merge_one(lc: LayerCache, score: torch.Tensor, cm: CacheMerge, layers: tuple
     return M
 
 
-def merge_sequential(lc: LayerCache, score: torch.Tensor, b: int, cm: CacheMerge, layer: int,
+def merge_sequential(lc: LayerCache, score: torch.Tensor, b: int, cm: CacheMerge, layers: tuple,
                      note=None) -> torch.Tensor:
     """Algorithm 1 for the E = S - b oldest non-sink entries, one after the other (the cascade), in position
     order; then the layer keeps its sinks and its b - sinks newest entries. Returns M (B, H_kv, E)."""
@@ -141,7 +132,7 @@ def merge_sequential(lc: LayerCache, score: torch.Tensor, b: int, cm: CacheMerge
     windows = F.pad(abar, (0, m), value=float("nan")).unfold(-1, m, 1)  # (B, H_kv, S + 1, m): [k, k + m)
     targets = windows[:, :, s + 1 : s + 1 + E]  # (B, H_kv, E, m): the m entries after each evicted one
     p, ratio = merge_probability(abar[..., s : s + E], targets)  # Eq. 14, (B, H_kv, E)
-    M = cm.merge_mask((layer,), p, ratio)  # (B, H_kv, E)
+    M = cm.merge_mask(layers, p, ratio)  # (B, H_kv, E)
     count = (S - 1 - torch.arange(s, s + E, device=abar.device)).clamp(max=m)  # (E,): targets that exist
     w = M / cm.divisor(count)  # (B, H_kv, E)
     at = order[..., None].expand(-1, -1, -1, D)

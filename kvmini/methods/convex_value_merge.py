@@ -14,7 +14,8 @@ its experiments (Sec. V-A) keep 4 initial tokens and (m - 8) // 2 recent ones, o
 Three implementations of lines 6-10, one result where they overlap:
     convex_value_merge  Alg. 1 as written: one merge at a time, the cache kept in position order
     merge_one           one excess entry (a decode step): the same merge, O(D) cache work
-                        (`LayerCache.evict_one`; the buffer is then no longer in position order)
+                        (`LayerCache.evict_one`; the buffer is then no longer in position order);
+                        found by position, so also per row of kvmini.at_once's stacked layers
     merge_runs          many excess entries (a prefill chunk): all merges at once
 Deviation: for a prompt, Alg. 1 runs after each chunk of the prefill (chunk size 1 is Alg. 1
 literally); n counts the queries of the chunk that could see the token (causal mask).
@@ -36,7 +37,7 @@ import torch
 from kvmini.statistics import Request, Stats, column_sums
 from kvmini.cache import PAD, LayerCache, wide
 from kvmini.errors import one_of
-from kvmini.parts import Compressor, Merged, Rule, Scorer
+from kvmini.parts import Compressor, Merged, Rule, Scorer, most
 
 
 class AverageAttention(Scorer):
@@ -86,12 +87,12 @@ def convex_value_merge(lc: LayerCache, capacity: int, sinks: int, recent: int) -
     # END EXERCISE
 
 
-def merge_one(lc: LayerCache, sinks: int, recent, note=None, newest=None) -> None:
+def merge_one(lc: LayerCache, sinks: int, recent, newest: int, note=None) -> None:
     """Alg. 1 lines 7-10 once, in a buffer out of position order (entries found by position, not by
     index): j is the lowest abar after the sinks and before the recent window (ties: the earliest),
     its right neighbour the held entry with the next position. O(S) to find them, O(D) to merge and
-    delete. Sinks and window are found as in `selectors.lowest` (`recent` and `newest` too: rows of
-    `at_once.join` may differ in both). `note(evicted, into, weight)`, if given, hears the positions
+    delete. Sinks and window are found as in `selectors.lowest` (`recent` an int or one per row).
+    `note(evicted, into, weight)`, if given, hears the positions
     of j and its neighbour and the weight of v_j, each (B, H_kv, 1)."""
     j, nxt, share = next_merge(lc, sinks, recent, newest)
     if note is not None:
@@ -108,13 +109,12 @@ def next_merge(lc: LayerCache, sinks: int, recent, newest=None):
     """Alg. 1 lines 7-8 in any buffer order: (j, its right neighbour, the weight of v_j), each (B, H_kv, 1)."""
     pos = lc.positions  # (B, H_kv, S)
     abar = lc.aux("a") / lc.aux("n")  # line 7
-    after_sinks = pos[..., sinks:]  # the sinks stay in the first slots (see selectors.lowest)
     newest = pos.amax(-1, keepdim=True) if newest is None else newest
     window = recent.clamp(min=1) if isinstance(recent, torch.Tensor) else max(recent, 1)
-    free = after_sinks <= newest - window  # not in the window: j may be these
-    masked = abar[..., sinks:].masked_fill(~free, float("inf"))
+    free = (pos >= sinks) & (pos <= newest - window)  # neither a sink nor in the window: j may be these
+    masked = abar.masked_fill(~free, float("inf"))
     low = free & (masked == masked.amin(-1, keepdim=True))  # line 8 (ties)
-    j = torch.where(low, after_sinks, PAD).argmin(-1, keepdim=True) + sinks  # (B, H_kv, 1): the earliest
+    j = torch.where(low, pos, PAD).argmin(-1, keepdim=True)  # (B, H_kv, 1): the earliest
     nxt = torch.where(pos > pos.gather(2, j), pos, PAD).argmin(-1, keepdim=True)  # its right neighbour
     w_j, w_next = abar.gather(2, j), abar.gather(2, nxt)  # (B, H_kv, 1) each
     den = w_j + w_next
@@ -162,7 +162,6 @@ class ConvexValueMerge(Compressor):
     def __init__(self, sinks: int = 0, recent: int | Rule = 0, chunk_merge: str = "runs"):
         super().__init__(sinks, recent)
         self.sequential = one_of("ConvexValueMerge chunk_merge", chunk_merge, ("runs", "sequential")) == "sequential"
-        self.one_each = not self.sequential  # sequential: Alg. 1's position-ordered buffer, layer by layer
         self.trace: list[Merged] | None = None
 
     def start(self, L: int) -> None:
@@ -170,9 +169,13 @@ class ConvexValueMerge(Compressor):
         if self.trace is not None:
             self.trace.clear()  # a new run
 
-    def __call__(self, layer: int, lc: LayerCache, score: torch.Tensor, b: int) -> None:
-        self.merged[layer] += lc.length - b
-        note = None if self.trace is None else lambda *record: self.trace.append(Merged(layer, *record))
+    def __call__(self, layers: tuple, lc: LayerCache, score: torch.Tensor, b, newest: int) -> None:
+        self.merged[list(layers)] += lc.length - most(b)
+        note = None
+        if self.trace is not None:
+            def note(*record):  # one record per layer, of its rows
+                for i, layer in enumerate(layers):
+                    self.trace.append(Merged(layer, *(t.chunk(len(layers))[i] for t in record)))
         if self.sequential and note is not None:  # Alg. 1 one merge at a time, each one recorded
             while lc.length > b:
                 j, nxt, share = next_merge(lc, self.sinks, self.recent(b))
@@ -180,19 +183,7 @@ class ConvexValueMerge(Compressor):
                 convex_value_merge(lc, lc.length - 1, self.sinks, self.recent(b))
         elif self.sequential:
             convex_value_merge(lc, b, self.sinks, self.recent(b))
-        elif lc.length == b + 1:
-            merge_one(lc, self.sinks, self.recent(b), note)
+        elif lc.length == most(b) + 1:
+            merge_one(lc, self.sinks, self.recent(b), newest, note)
         else:
             merge_runs(lc, b, self.sinks, self.recent(b), note)
-
-    def evict_one_each(self, layers: tuple, lc: LayerCache, score: torch.Tensor, budgets: list[int], newest: int) -> None:
-        """One decode step of many layers at once (kvmini.at_once): `lc` holds them as rows
-        (`at_once.join`), each one entry over its budget: per row, `merge_one` as `__call__` does it."""
-        for layer in layers:
-            self.merged[layer] += 1
-        note = None
-        if self.trace is not None:
-            def note(*record):
-                for i, layer in enumerate(layers):
-                    self.trace.append(Merged(layer, *(t.chunk(len(layers))[i] for t in record)))
-        merge_one(lc, self.sinks, self.recent_rows(budgets, lc), note, newest)

@@ -18,7 +18,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-from kvmini.cache import KEY_NORM, PAD, LayerCache, wide
+from kvmini.cache import KEY_NORM, LayerCache, wide
 from kvmini.errors import one_of
 from kvmini.parts import Merged
 
@@ -37,25 +37,22 @@ class EMAMerge:
         self.trace: list[Merged] | None = None
         self.reset()
 
-    def reset(self) -> None:
-        self._tau: dict[int, torch.Tensor] = {}  # layer -> (B, H_kv), or (B, 1) per layer
-        self._joint: dict[tuple, torch.Tensor] = {}  # layers decided at once -> their thresholds as one tensor
+    def reset(self, L: int = 0) -> None:
+        """A new run of L layers (more are added as they come)."""
+        self.L = L
+        self.thresholds: torch.Tensor | None = None  # (L, B, H_kv), or (L, B, 1) per layer; NaN: none yet
+        self.at: dict[tuple, torch.Tensor] = {}  # layers -> their indices into `thresholds`, made once
         if self.trace is not None:
             self.trace.clear()  # a new run
 
     @property
     def tau(self) -> dict[int, torch.Tensor]:
-        """Each layer's threshold (Eq. 10), (B, H_kv), or (B, 1) per layer. The layers of a decode step
-        taken at once (one tuple or more) keep theirs as one tensor each (`decide`), split into this dict when it is read."""
-        self._split()
-        return self._tau
+        """Each layer's threshold (Eq. 10), (B, H_kv), or (B, 1) per layer, for the layers that have one."""
+        if self.thresholds is None:
+            return {}
+        return {layer: t for layer, t in enumerate(self.thresholds) if not bool(t.isnan().all())}
 
-    def _split(self, layers: tuple | None = None) -> None:
-        """The joined thresholds of the tuples that share a layer with `layers` (None: all) into the per-layer dict."""
-        for group in [g for g in self._joint if layers is None or not set(g).isdisjoint(layers)]:
-            self._tau.update(zip(group, self._joint.pop(group).chunk(len(group))))
-
-    def __call__(self, layer: int, lc: LayerCache, keep: torch.Tensor) -> torch.Tensor:
+    def __call__(self, layers: tuple, lc: LayerCache, keep: torch.Tensor) -> torch.Tensor:
         B, H_kv, S = lc.positions.shape
         evicted = torch.ones(B, H_kv, S, dtype=torch.int8, device=keep.device).scatter_(2, keep, 0)  # 1: evicted
         evict = evicted.argsort(dim=-1, descending=True, stable=True)[..., : S - keep.shape[2]]  # (B, H_kv, E) asc.
@@ -63,32 +60,31 @@ class EMAMerge:
         gather = lambda x, idx: wide(x.gather(2, idx[..., None].expand(-1, -1, -1, D)))  # noqa: E731
         k_keep, k_evict = gather(lc.keys, keep), gather(lc.keys, evict)  # (B, H_kv, b, D), (B, H_kv, E, D)
         best, j_star = nearest_by_chunks(k_evict, k_keep)  # (B, H_kv, E) each, Eq. 9
-        merge = self.decide(layer, best)  # (B, H_kv, E)
+        merge = self.decide(layers, best)  # (B, H_kv, E)
         if self.trace is not None:
-            self.record(layer, lc.positions, evict, keep.gather(2, j_star), best, merge, S)
+            self.record(layers, lc.positions, evict, keep.gather(2, j_star), best, merge, S)
         combine = convex_merge if self.weights == "paper" else scatter_mean_merge
         lc.set_keys(keep, combine(k_keep, k_evict, j_star, best, merge))  # (B, H_kv, b, D), Eq. 11-12
         v_merged = combine(gather(lc.values, keep), gather(lc.values, evict), j_star, best, merge)  # likewise
         lc.values.scatter_(2, keep[..., None].expand(-1, -1, -1, D), v_merged.to(lc.values.dtype))
-        return merge.float().mean(1).sum()  # tokens merged, mean over heads
+        return merge.float().mean(1).sum(-1)  # (B,): tokens merged, mean over heads
 
-    def one(self, layer, lc: LayerCache, victim: torch.Tensor) -> torch.Tensor:
+    def one(self, layers: tuple, lc: LayerCache, victim: torch.Tensor, newest: int) -> torch.Tensor:
         """A decode step: the one entry each head evicts, `victim` (B, H_kv), is compared with every other
         entry (Eq. 9) and, if similar enough, merged into its nearest (Eq. 11-12). The same result as
         `__call__` with every other entry kept, but only the nearest entry's key and value are written.
-        Returns the merges per row (B,), mean over heads. `layer` may be a tuple of layers whose rows `lc`
-        holds (`at_once.join`; pads are never a nearest entry): each row keeps its own layer's threshold."""
+        Returns the merges per row (B,), mean over heads. The candidates are the entries at positions up
+        to `newest` (in kvmini.policy's loop: all; the pads in front of kvmini.at_once's rows: none)."""
         D = lc.keys.shape[-1]
         at = victim[:, :, None, None].expand(-1, -1, 1, D)  # (B, H_kv, 1, D)
         k_evict = wide(lc.keys.gather(2, at))  # (B, H_kv, 1, D)
         norms = lc.aux(KEY_NORM) if KEY_NORM in lc.aux_names() else None  # (B, H_kv, S), kept by the cache
         u = cosine(k_evict, wide(lc.keys), norms)  # (B, H_kv, 1, S)
-        if lc.padded:
-            u.masked_fill_((lc.positions == PAD)[:, :, None], float("-inf"))
+        u.masked_fill_((lc.positions > newest)[:, :, None], float("-inf"))
         best, j_star = u.scatter_(3, victim[:, :, None, None], float("-inf")).max(-1)  # (B, H_kv, 1): not itself
-        merge = self.decide(layer, best)  # (B, H_kv, 1)
+        merge = self.decide(layers, best)  # (B, H_kv, 1)
         if self.trace is not None:
-            self.record(layer, lc.positions, victim[..., None], j_star, best, merge, lc.length)
+            self.record(layers, lc.positions, victim[..., None], j_star, best, merge, lc.length)
         combine = convex_merge if self.weights == "paper" else scatter_mean_merge
         near = j_star[..., None].expand(-1, -1, -1, D)  # (B, H_kv, 1, D)
         # keys and values merge with the same weights: one call on [k | v], (B, H_kv, 1, 2D)
@@ -99,10 +95,10 @@ class EMAMerge:
         lc.values.scatter_(2, near, merged[..., D:].to(lc.values.dtype))
         return merge.float().mean(1)[:, 0]  # (B,)
 
-    def record(self, layer, pos, evict, into, best, merge, S: int) -> None:
+    def record(self, layers: tuple, pos, evict, into, best, merge, S: int) -> None:
         """Append to the trace: evicted entries `evict` (B, H_kv, E) and the entries `into` they are
         nearest to (indices into `pos`, (B, H_kv, S)), with each one's weight in Eq. 11-12 (or the
-        official scatter-mean). A tuple of layers: one record per layer, of its rows."""
+        official scatter-mean). One record per layer, of its rows."""
         if self.weights == "paper":  # w_i = e^u / (e + sum over the tokens merged into the same j of e^u)
             mass = torch.where(merge, best.exp(), 0.0)
             den = torch.full(pos.shape[:2] + (S,), math.e, dtype=mass.dtype, device=pos.device).scatter_add_(2, into, mass)
@@ -110,33 +106,25 @@ class EMAMerge:
             mass = torch.where(merge, best, 0.0)
             den = torch.ones(pos.shape[:2] + (S,), dtype=mass.dtype, device=pos.device).scatter_add_(2, into, merge.to(mass.dtype))
         record = (pos.gather(2, evict), torch.where(merge, pos.gather(2, into), -1), mass / den.gather(2, into))
-        layers = layer if isinstance(layer, tuple) else (layer,)
         for i, one in enumerate(layers):
             self.trace.append(Merged(one, *(t.chunk(len(layers))[i] for t in record)))
 
-    def decide(self, layer, best: torch.Tensor) -> torch.Tensor:
-        """Eq. 10: update layer's threshold with the evicted tokens' best similarities `best` (B, H_kv, E)
-        and say which of them merge, (B, H_kv, E) bool. A tuple of layers: `best` holds their rows, and
-        each layer keeps its own threshold."""
+    def decide(self, layers: tuple, best: torch.Tensor) -> torch.Tensor:
+        """Eq. 10: update the thresholds of `layers` (whose rows `best` holds, layer after layer) with the
+        evicted tokens' best similarities `best` (B, H_kv, E) and say which of them merge, (B, H_kv, E) bool."""
         sim = best.mean(1, keepdim=True) if self.per_layer else best  # official: one threshold per layer,
         new = sim.mean(-1)  # (B, H_kv) or (B, 1)                    # similarities averaged over heads
-        layers = layer if isinstance(layer, tuple) else (layer,)
-        if layers in self._joint:  # the same layers as at the last step, at once:
-            tau = ema_threshold(self._joint[layers], new, self.beta)  # their thresholds are one tensor already
-        else:
-            self._split(layers)  # only the joined thresholds some of these layers need apart
-            prev, rows = [self._tau.get(one) for one in layers], new.chunk(len(layers))
-            if all(p is None for p in prev):
-                tau = new  # tau_0
-            else:
-                tau = ema_threshold(torch.cat([rows[i] if p is None else p for i, p in enumerate(prev)]), new, self.beta)
-                if any(p is None for p in prev):  # a layer without a threshold yet starts at tau_0
-                    fresh = torch.tensor([p is None for p in prev], device=new.device).repeat_interleave(rows[0].shape[0])
-                    tau = torch.where(fresh[:, None], new, tau)
-        if isinstance(layer, tuple):
-            self._joint[layers] = tau  # (len(layers) * B, H_kv) or (len(layers) * B, 1), split when read
-        else:
-            self._tau[layer] = tau  # (B, H_kv), or (B, 1) per layer
+        if self.thresholds is None or max(layers) >= len(self.thresholds):
+            L = max(self.L, max(layers) + 1)
+            fresh = new.new_full((L, new.shape[0] // len(layers), new.shape[1]), float("nan"))
+            if self.thresholds is not None:
+                fresh[: len(self.thresholds)] = self.thresholds
+            self.thresholds = fresh
+        if layers not in self.at:
+            self.at[layers] = torch.tensor(layers, device=new.device)
+        prev = self.thresholds[self.at[layers]].view_as(new)  # NaN: the layer's first threshold is tau_0
+        tau = torch.where(prev.isnan(), new, ema_threshold(prev, new, self.beta))
+        self.thresholds[self.at[layers]] = tau.view(len(layers), -1, tau.shape[1])
         return (sim >= tau[..., None]).expand_as(best)
 
 

@@ -215,12 +215,15 @@ def refuse_idle(name: str, given: dict) -> None:
             raise KvminiError(f"--{key.replace('_', '-')} does nothing with {idle[key]}; leave it out")
 
 
+TOGETHER = {"streaming_llm", "h2o", "tova", "vatp", "scissorhands", "d2o", "weightedkv", "cam", "roco"}  # decode steps with every layer at once
+
+
 def make_policy(name: str, budget: float | None = None, **given) -> Policy | PerSequence | None:
     """A fresh policy for method `name`; clear errors for unknown names, options and values.
     Option values are typed (int, float, bool, a tuple for layers or N:M) or text as on the command
     line ("0,1,-1", "3:1", "true"). Methods whose budgets follow each sequence's statistics come
-    wrapped in PerSequence (batches); methods that evict while decoding run their decode steps with
-    every layer at once (kvmini.at_once). `evict_every=N` is an option of the engine (Policy.evict_every)
+    wrapped in PerSequence (batches); the methods in TOGETHER run their decode steps with every layer
+    at once (kvmini.at_once). `evict_every=N` is an option of the engine (Policy.evict_every)
     that every method evicting while decoding takes."""
     if not isinstance(name, str) or name not in METHODS:
         raise KvminiError(f"unknown method {name!r}; choose from {', '.join(METHODS)}")
@@ -243,7 +246,7 @@ def make_policy(name: str, budget: float | None = None, **given) -> Policy | Per
     def build() -> Policy:
         policy = METHODS[name].build(budget, o)
         policy.evict_every = every
-        return AtOnce.of(policy)
+        return AtOnce.of(policy) if name in TOGETHER else policy
 
     policy = build()
     return PerSequence(build, policy) if policy.budgeter.per_sequence else policy

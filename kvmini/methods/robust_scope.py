@@ -30,7 +30,7 @@ from kvmini.cache import PAD, LayerCache
 from kvmini.errors import one_of
 from kvmini.methods.convex_value_merge import AverageAttention
 from kvmini.methods.selectors import TopK, first_held, last_held
-from kvmini.parts import Budgeter, Compressor, Rule
+from kvmini.parts import Budgeter, Compressor, Rule, most
 from kvmini.statistics import Request, Statistic, Stats, column_sums
 
 
@@ -80,7 +80,7 @@ def robust_set(sigma: torch.Tensor, positions: torch.Tensor, rho, sinks: int, re
     """(R3) The rho entries of largest sigma, (B, H_kv, S) bool in buffer order; the first `sinks` and the
     last `recent` held entries (by position) count as sigma = +inf. Ties: the later position first if
     `later_first`, else the earlier. rho and recent: ints, or one per row (R, 1, 1). Pads (position PAD,
-    the rows of at_once.join) are never in it.
+    in front of kvmini.at_once's stacked rows) are never in it.
     Example: sigma [.3, .1, .2, .0] at positions 0..3, rho 2, sinks 0, recent 1 -> [True, False, False, True].
 
     Ranked by the pair (sigma, position), the set is the rho largest pairs. With a sigma of 32 bits or
@@ -133,8 +133,6 @@ class RobustScope(Compressor):
     prompt, 0.3 b and no sinks in decode); a call is a decode step when its newest position is at least
     the prompt length, which the budgeter was started with (Budgeter.start)."""
 
-    one_each = True
-
     def __init__(self, scope: str, robust: int | Rule, robust_decode: int | Rule, sinks: int, decode_sinks: bool,
                  recent: int | Rule, budgeter: Budgeter):
         self.scope = one_of("RobustScope scope", scope, ("paper", "official"))
@@ -149,13 +147,14 @@ class RobustScope(Compressor):
         super().start(L)
         self.select.start(L)
 
-    def size(self, b: int, e: int, decode: bool) -> tuple[int, int, int]:
-        """(sinks, recent, rho) for a layer of budget b holding b + e entries."""
+    def size(self, b, e: int, decode: bool) -> tuple:
+        """(sinks, recent, rho) for a layer of budget b holding b + e entries (b, recent, rho: ints, or one per row)."""
         T = self.guard_sinks if not decode or self.decode_sinks else 0
         L, r = self.guard_recent(b), (self.robust_decode if decode else self.robust)(b)
         if self.scope == "paper":
             return T, L, T + L + r
-        return T, L, min(e + r + T, b)  # S - k, k = max(b - r - T, e): easykv.py:635 (prompt), :722 (decode, T = 0)
+        # S - k, k = max(b - r - T, e): easykv.py:635 (prompt), :722 (decode, T = 0)
+        return T, L, (e + r + T).clamp(max=b) if isinstance(b, torch.Tensor) else min(e + r + T, b)
 
     def problem(self, b: int) -> str | None:
         if self.scope == "official":
@@ -171,22 +170,7 @@ class RobustScope(Compressor):
         robust = robust_set(deviation(lc), lc.positions, rho, T, L, later_first=self.scope == "official")
         return score.masked_fill(robust, float("inf"))
 
-    def __call__(self, layer: int, lc: LayerCache, score: torch.Tensor, b: int) -> torch.Tensor:
-        decode = int(lc.positions.amax()) >= self.budgeter.n
-        T, L, rho = self.size(b, lc.length - b, decode)
-        return self.select(layer, lc, self.shield(lc, score, T, L, rho), b)  # (R5)
-
-    def evict_one_each(self, layers: tuple, lc: LayerCache, score: torch.Tensor, budgets: list[int], newest: int) -> None:
-        """A decode step of many layers at once (kvmini.at_once): per row what `__call__` does."""
-        sizes = [self.size(b, 1, True) for b in budgets]
-        T = sizes[0][0]
-        L, rho = (self.rows([s[i] for s in sizes], lc) for i in (1, 2))
-        self.select.evict_one_each(layers, lc, self.shield(lc, score, T, L, rho), budgets, newest)
-
-    @staticmethod
-    def rows(values: list[int], lc: LayerCache) -> int | torch.Tensor:
-        """One value per layer of `at_once.join`'s rows: an int when they agree, else (rows, 1, 1)."""
-        if min(values) == max(values):
-            return values[0]
-        per_layer = torch.tensor(values, device=lc.positions.device)
-        return per_layer.repeat_interleave(lc.positions.shape[0] // len(values))[:, None, None]
+    def __call__(self, layers: tuple, lc: LayerCache, score: torch.Tensor, b, newest: int) -> torch.Tensor:
+        decode = newest >= self.budgeter.n
+        T, L, rho = self.size(b, lc.length - most(b), decode)
+        return self.select(layers, lc, self.shield(lc, score, T, L, rho), b, newest)  # (R5)

@@ -2,7 +2,7 @@
 import torch
 
 from kvmini.cache import PAD, LayerCache
-from kvmini.parts import Compressor, Rule
+from kvmini.parts import Compressor, Rule, most
 
 
 def keep_top(score: torch.Tensor, budget: int, sinks: int, recent: int) -> torch.Tensor:
@@ -17,19 +17,19 @@ def keep_top(score: torch.Tensor, budget: int, sinks: int, recent: int) -> torch
     return torch.cat([arange[:, :, :sinks], top.sort(-1).values, arange[:, :, S - recent :]], dim=-1)
 
 
-def lowest(score: torch.Tensor, positions: torch.Tensor, sinks: int, recent, newest=None) -> torch.Tensor:
+def lowest(score: torch.Tensor, positions: torch.Tensor, sinks: int, recent, newest: int) -> torch.Tensor:
     """The entry each head drops when it must drop exactly one, (B, H_kv): what `keep_top` with budget
     S - 1 evicts (the lowest score outside the sinks and the window, ties to the later position), in O(S).
-    score, positions (B, H_kv, S), any buffer order: the sinks stay in the first slots (`evict_one` never
-    moves them), the window is the positions after newest - recent. `newest` (default: the latest held)
-    and `recent` (an int, or (B, 1, 1) per row) given, pads (PAD > newest) are never chosen.
-    Example: score [5, 1, 9, 3, 7, 2] at positions 0..5, sinks 1, recent 1 -> entry 1 (score 1)."""
-    pos, s = positions[..., sinks:], score[..., sinks:]  # (B, H_kv, S - sinks): after the sinks
-    newest = pos.amax(-1, keepdim=True) if newest is None else newest
-    free = pos <= newest - recent  # not in the recent window
-    masked = s.masked_fill(~free, float("inf"))
+    score, positions (B, H_kv, S), any buffer order: the sinks are the positions below `sinks`, the window
+    the positions after newest - recent (`newest` the call's newest position, `recent` an int or (B, 1, 1)
+    per row), so a pad (position PAD > newest) is never chosen.
+    Example: score [5, 1, 9, 3, 7, 2] at positions 0..5, sinks 1, recent 1, newest 5 -> entry 1 (score 1)."""
+    free = positions <= newest - recent  # not in the window
+    if sinks:
+        free &= positions >= sinks  # nor a sink
+    masked = torch.where(free, score, float("inf"))
     low = free & (masked == masked.amin(-1, keepdim=True))  # the lowest free entries (ties)
-    return torch.where(low, pos, -1).argmax(-1) + sinks  # (B, H_kv): the latest of them
+    return torch.where(low, positions, -1).argmax(-1)  # (B, H_kv): the latest of them
 
 
 def first_held(positions: torch.Tensor, k: int) -> torch.Tensor:
@@ -81,8 +81,6 @@ class TopK(Compressor):
     them (`lowest_few`) and moves the last entries into the victims' slots (`LayerCache.evict`, O(m·D)).
     """
 
-    one_each = True
-
     def __init__(self, sinks: int = 0, recent: int | Rule = 0, merge=None):
         super().__init__(sinks, recent)
         self.merge = merge
@@ -90,47 +88,23 @@ class TopK(Compressor):
     def start(self, L: int) -> None:
         super().start(L)
         if self.merge is not None:
-            self.merge.reset()
+            self.merge.reset(L)
 
-    def __call__(self, layer, lc, score: torch.Tensor, b: int) -> torch.Tensor | None:
-        if lc.length == b + 1:  # one entry to drop
-            victim = lowest(score, lc.positions, self.sinks, self.recent(b))  # (B, H_kv)
+    def __call__(self, layers: tuple, lc, score: torch.Tensor, b, newest: int) -> torch.Tensor | None:
+        S = lc.length
+        if S == most(b) + 1:  # one entry to drop
+            victim = lowest(score, lc.positions, self.sinks, self.recent(b), newest)  # (B, H_kv)
             if self.merge is not None:
-                self.merged[layer] = self.merged[layer] + self.merge.one(layer, lc, victim).sum()
+                self.count(layers, self.merge.one(layers, lc, victim, newest))
             lc.evict_one(victim)
-            kept = torch.arange(b + 1, device=score.device).expand_as(score).clone()  # (B, H_kv, b + 1)
-            return kept.scatter_(2, victim[..., None], b)[..., :b]  # the victim's slot now holds entry b
-        if isinstance(lc, LayerCache) and self.few(lc, lc.length - b):  # evict_every's batches
-            victims = lowest_few(score, lc.positions, self.sinks, self.recent(b), lc.length - b)  # (B, H_kv, m)
+            slots = torch.arange(S - 1, device=score.device)
+            return torch.where(slots == victim[..., None], S - 1, slots)  # (B, H_kv, S - 1): the victim's slot holds entry S - 1
+        if self.merge is None and isinstance(lc, LayerCache) and 8 * (S - b) <= S:  # evict_every's batches
+            victims = lowest_few(score, lc.positions, self.sinks, self.recent(b), S - b)  # (B, H_kv, m)
             return lc.evict(victims)  # moves only the last entries
         order = lc.positions.argsort(dim=-1)  # (B, H_kv, S): position order (earlier steps may have mixed the buffer)
         idx = order.gather(2, keep_top(score.gather(2, order), b, self.sinks, self.recent(b)))  # (B, H_kv, b)
         if self.merge is not None:
-            self.merged[layer] = self.merged[layer] + self.merge(layer, lc, idx)
+            self.count(layers, self.merge(layers, lc, idx))
         lc.keep(idx)
         return idx
-
-    def few(self, lc, m: int) -> bool:
-        """Whether dropping m entries from every row of `lc` takes the few path (`lowest_few`): no merge,
-        rows all as long (no pads), and m at most an eighth of them."""
-        return self.merge is None and not lc.padded and 8 * m <= lc.length
-
-    def evict_one_each(self, layers: tuple, lc, score: torch.Tensor, budgets: list[int], newest: int) -> None:
-        """One decode step of many layers at once (kvmini.at_once): `lc` holds them as rows
-        (`at_once.join`), each one entry over its budget. Per row, the same victim, merge and move as
-        `__call__` with one entry to drop; one op per buffer for all layers instead of one per layer."""
-        recent = self.recent_rows(budgets, lc)
-        victim = lowest(score, lc.positions, self.sinks, recent, newest)  # (R, H_kv), R = len(layers) * B
-        if self.merge is not None:
-            self.count_merged(layers, self.merge.one(layers, lc, victim))
-        lc.evict_one(victim)
-
-    def evict_few_each(self, layers: tuple, lc, score: torch.Tensor, budgets: list[int]) -> bool:
-        """evict_every's batch of many layers at once: the rows of `lc` (`at_once.join`), all as long and
-        with one budget, each drop the same m entries `__call__`'s few path drops (`lowest_few`, moved
-        by `LayerCache.evict`). False (nothing done) for a merge or rows that differ."""
-        m = lc.length - budgets[0]
-        if min(budgets) != max(budgets) or not self.few(lc, m):
-            return False
-        lc.evict(lowest_few(score, lc.positions, self.sinks, self.recent(budgets[0]), m))
-        return True

@@ -62,14 +62,7 @@ class ValueWeightedAttention(CumulativeAttention):
         super().update(lc, stats, start, T)
         if self.p is None:
             return
-        if not lc.padded:  # every row's T new entries are its last T
-            lc.aux("value_norm")[:, :, lc.length - T :] = self.norm(wide(lc.values[:, :, lc.length - T :]))
-            return
-        # rows of different lengths (a batch, or the layers of at_once.join): each row's new entries end at its count
-        B, H_kv, _, D = lc.values.shape
-        at = ((lc.counts - T)[:, None, None] + torch.arange(T, device=lc.counts.device)).expand(B, H_kv, T)  # (B, H_kv, T)
-        new = lc.values.gather(2, at[..., None].expand(-1, -1, -1, D))  # (B, H_kv, T, D)
-        lc.aux("value_norm").scatter_(2, at, self.norm(wide(new)))
+        lc.aux("value_norm")[:, :, lc.length - T :] = self.norm(wide(lc.values[:, :, lc.length - T :]))  # the last T
 
     def __call__(self, lc: LayerCache, stats: Stats) -> torch.Tensor:
         received = super().__call__(lc, stats)  # (B, H_kv, S)
