@@ -7,6 +7,8 @@ Rows that keep different counts are padded (`PaddedLayer`): each row holds its e
 pads after them, up to the longest row; a pad's position is PAD, later than any query, so attention
 never sees it; `counts` says how many real entries each row holds.
 """
+import copy
+
 import torch
 
 from kvmini.cache import KEY_NORM, PAD, KVCache, LayerCache, along, key_norm
@@ -131,51 +133,53 @@ def sequence(cache: KVCache, b: int) -> "SequenceCache":
 
 class PerSequence:
     """The policy interface (kvmini.policy: the four calls, `start`, `chunk_for`, and what a run
-    reports) over a batch. `one` runs batch 1 and reads the run's schedule; `rows`, made by `make()`
-    at the first call of a larger batch, are the policies of its sequences (None until then)."""
+    reports) over a batch: `rows`, one policy per sequence, the first the policy given (`one`, which
+    also reads the run's schedule), the others copies of it made at a run's first call."""
 
-    def __init__(self, make, one: Policy | None = None):
-        self.make = make
-        self.one = one if one is not None else make()
-        self.name, self.budget, self.schedule = self.one.name, self.one.budget, self.one.schedule
-        self.rows: list[Policy] | None = None
-        self.views = None
+    def __init__(self, policy: Policy):
+        self.one = policy
+        self.name, self.budget, self.schedule = policy.name, policy.budget, policy.schedule
+        self.rows: list[Policy] = [policy]
+        self.views = None  # each row's view of the cache (`sequence`), made by begin
+
+    @classmethod
+    def of(cls, policy):
+        """The batch form of `policy` when its budgets follow each sequence (`Budgeter.per_sequence`), kept on
+        it (`policy.batch`) so that a run continued later finds its rows; else `policy` itself."""
+        if isinstance(policy, PerSequence) or not policy.budgeter.per_sequence:
+            return policy
+        found = getattr(policy, "batch", None)
+        if found is None or found.one is not policy:
+            found = policy.batch = cls(policy)
+        return found
 
     def start(self, prompt_len: int, total_len: int | None = None) -> None:
         self.one.start(prompt_len, total_len)
-        self.rows = None
-        self.views = None  # each row's view of the cache (`sequence`), made by begin
+        self.rows = [self.one]  # the copies are made by the run's first call, when the batch size is known
 
     def next_prompt(self, prompt_len: int, total_len: int | None = None) -> None:
-        for policy in [self.one, *(self.rows or [])]:  # `one` reads the schedule for every row
+        for policy in self.rows:
             policy.next_prompt(prompt_len, total_len)
 
     def chunk_for(self, prompt_len: int, total_len: int | None) -> int | None:
         return self.one.chunk_for(prompt_len, total_len)
 
     def begin(self, cache: KVCache, T: int) -> None:
-        if cache.seen_tokens == 0:
-            self.rows = None  # a new run
-        self.one.begin(cache, T)  # the run's prompt length and whether any compression happens
         B = cache[0].positions.shape[0]
-        if B == 1:
-            return
-        if self.rows is None:
-            self.rows = [self.make() for _ in range(B)]
-            for row in self.rows:
-                row.start(self.one.prompt_end, self.one.total_len)
-        self.views = [sequence(cache, b) for b in range(B)]
+        if cache.seen_tokens == 0:  # a new run: copies of the started, not yet called policy
+            self.rows = [self.one] + [copy.deepcopy(self.one) for _ in range(B - 1)]
+        self.views = [cache] if B == 1 else [sequence(cache, b) for b in range(B)]
         for row, view in zip(self.rows, self.views):
             row.begin(view, T)
 
     def request(self, layer: int) -> Request | None:
         """What any sequence asks for (one attention pass serves the batch)."""
-        if self.rows is None:
+        if len(self.rows) == 1:
             return self.one.request(layer)
         return Request.merge([row.request(layer) for row in self.rows])
 
     def after_attention(self, layer: int, cache: KVCache, stats: Stats) -> None:
-        if self.rows is None:
+        if len(self.rows) == 1:
             self.one.after_attention(layer, cache, stats)
             return
         for b, (row, view) in enumerate(zip(self.rows, self.views)):  # views of this cache, made by begin
@@ -183,16 +187,8 @@ class PerSequence:
             row.after_attention(layer, view, stats.map(lambda t: t[b : b + 1, :, :S_b]))
 
     def end(self, cache: KVCache) -> None:
-        if self.rows is None:
-            self.one.end(cache)
-            return
         for row, view in zip(self.rows, self.views):
             row.end(view)
-
-    @property
-    def policies(self) -> list[Policy]:
-        """The policies running now: one per sequence, or `one`."""
-        return self.rows or [self.one]
 
     @property
     def parts(self) -> tuple:
@@ -222,16 +218,16 @@ class PerSequence:
     @property
     def budgets(self) -> list[int] | None:
         """Mean over the sequences, rounded."""
-        rows = [p.budgets for p in self.policies]
+        rows = [p.budgets for p in self.rows]
         return None if rows[0] is None else [round(sum(r[i] for r in rows) / len(rows)) for i in range(len(rows[0]))]
 
     @property
     def evicted(self) -> list[int]:
-        return [sum(column) for column in zip(*(p.evicted for p in self.policies))]
+        return [sum(column) for column in zip(*(p.evicted for p in self.rows))]
 
     @property
     def merged(self) -> list[float]:
-        return [sum(column) for column in zip(*(p.merged for p in self.policies))]
+        return [sum(column) for column in zip(*(p.merged for p in self.rows))]
 
 
 def check_row(b, batch: int) -> int:

@@ -225,7 +225,7 @@ def test_every_method_continues_a_conversation(name, B):
     assert cache.seen_tokens == seen
     held = [[[[p for p in head if p < seen] for head in row] for row in lc.positions.tolist()] for lc in cache]
     assert all(len(set(h)) == len(h) for layer in held for row in layer for h in row)
-    rows = policy.policies if hasattr(policy, "policies") else [policy]
+    rows = policy.rows if hasattr(policy, "rows") else [policy]
     if gives_budgets(name):
         for b, row in enumerate(rows if len(rows) == B else rows * B):
             slack = row.evict_every - 1 + (2 if row.schedule == PREFILL else 0)
@@ -267,7 +267,7 @@ def test_a_batch_with_a_policy_per_sequence_moves_every_policy_to_the_next_promp
     model, policy = random_model(L=3), make_policy("d2o", 0.5, variant="paper")
     first = generate(model, turns(B=2, sizes=(20,))[0], 2, policy=policy, more_prompts=True)
     generate(model, turns(B=2, sizes=(9,))[0], 2, policy=policy, cache=first.cache)
-    assert [p.prompt_end for p in [policy.one, *policy.rows]] == [20 + 1 + 9] * 3
+    assert [p.prompt_end for p in policy.rows] == [20 + 1 + 9] * 2
 
 
 @pytest.mark.parametrize("name", ["snapkv", "d2o", "h2o"])  # a Policy, a PerSequence, an AtOnce

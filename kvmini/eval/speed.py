@@ -92,7 +92,7 @@ def set_together(policy, together: bool) -> None:
     from kvmini.per_sequence import PerSequence
 
     policy = policy.policy if isinstance(policy, Timed) else policy
-    for p in [policy.one, *(policy.rows or [])] if isinstance(policy, PerSequence) else [policy]:
+    for p in policy.rows if isinstance(policy, PerSequence) else [policy]:
         if isinstance(p, AtOnce):
             p.together = together
 

@@ -243,10 +243,6 @@ def make_policy(name: str, budget: float | None = None, **given) -> Policy | Per
     o = chosen(name, given)
     refuse_idle(name, given)
 
-    def build() -> Policy:
-        policy = METHODS[name].build(budget, o)
-        policy.evict_every = every
-        return AtOnce.of(policy) if name in TOGETHER else policy
-
-    policy = build()
-    return PerSequence(build, policy) if policy.budgeter.per_sequence else policy
+    policy = METHODS[name].build(budget, o)
+    policy.evict_every = every
+    return PerSequence.of(AtOnce.of(policy) if name in TOGETHER else policy)
