@@ -1,7 +1,7 @@
 """A batch whose sequences get their own budgets (methods whose budgets follow each sequence's
 statistics: D2O, DynamicKV, DBudgetKV): one policy per sequence, each acting on its row of the cache
-(`sequence(cache, b)`) with its row of the statistics. A batch of one sequence is run by the
-method's policy itself.
+(`sequence(cache, b)`) with its row of the statistics: kvmini.generate's form of such a policy for a
+batch of B > 1 (`PerSequence.of`); a single sequence is run by the method's policy itself.
 
 Rows that keep different counts are padded (`PaddedLayer`): each row holds its entries first and
 pads after them, up to the longest row; a pad's position is PAD, later than any query, so attention

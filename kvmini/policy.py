@@ -91,7 +91,7 @@ class Policy:
         """Before layer 0: this call against the schedule, and the requests its layers' passes make."""
         start, n = cache.seen_tokens, self.prompt_end
         end = start + T  # this call ends at token `end`
-        self._check_call(start, end)
+        self._check_call(cache, start, end)
         if not self.started:
             self.compressor.start(len(cache))
             self.started, self.evicted = True, [0] * len(cache)
@@ -122,8 +122,13 @@ class Policy:
         self.call = Call(cache, start, T, end <= n, end == n, gathering, updates, measures, compress_now, slack,
                          requests, {})
 
-    def _check_call(self, start: int, end: int) -> None:
-        """Refuse a call the policy would have to guess about: it never guesses where a prompt ends."""
+    def _check_call(self, cache: KVCache, start: int, end: int) -> None:
+        """Refuse a call the policy would have to guess about: it never guesses where a prompt ends, nor
+        shares one budget plan among sequences that each need their own."""
+        if self.budgeter.per_sequence and cache[0].positions.shape[0] > 1:
+            raise KvminiError(f"{self.name}: its budgets follow each sequence, and this batch holds "
+                              f"{cache[0].positions.shape[0]}: run it with kvmini.generate (generate or prefill), "
+                              "or wrap the policy: kvmini.per_sequence.PerSequence.of(policy)")
         if self.prompt_end is None:
             raise KvminiError(f"{self.name}: call policy.start(prompt_len) before the first call, so that the policy knows "
                               "where the prompt ends (kvmini.generate.prefill does it)")

@@ -11,9 +11,10 @@ import pytest
 import torch
 
 from kvmini.errors import KvminiError
-from kvmini.generate import fork, generate, prefill
+from kvmini.generate import for_batch, fork, generate, prefill
 from kvmini.methods.registry import METHODS, chooses_budget, make_policy
 from kvmini.parts import PREFILL
+from kvmini.per_sequence import PerSequence
 from reference import group_mean, random_model, simulate, top_positions
 from test_methods_reference import h2o, per_head
 from tiny import fitted, gives_budgets
@@ -30,6 +31,7 @@ def engine_turns(model, calls, policy, prompts: dict[int, int], total_len=None):
     Returns (last logits per call, kept positions entering each call and after the last)."""
     B, L, H_kv = calls[0].shape[0], model.config.num_layers, model.config.num_kv_heads
     cache = model.new_cache(B, 4)
+    policy = for_batch(policy, B)  # the model is called directly: per-sequence budgets get a policy per row
     logits, kept = [], []
     for c, ids in enumerate(calls):
         if c in prompts:
@@ -225,7 +227,7 @@ def test_every_method_continues_a_conversation(name, B):
     assert cache.seen_tokens == seen
     held = [[[[p for p in head if p < seen] for head in row] for row in lc.positions.tolist()] for lc in cache]
     assert all(len(set(h)) == len(h) for layer in held for row in layer for h in row)
-    rows = policy.rows if hasattr(policy, "rows") else [policy]
+    rows = getattr(PerSequence.of(policy), "rows", [policy])  # per-sequence budgets: generate ran a policy per row
     if gives_budgets(name):
         for b, row in enumerate(rows if len(rows) == B else rows * B):
             slack = row.evict_every - 1 + (2 if row.schedule == PREFILL else 0)
@@ -267,7 +269,7 @@ def test_a_batch_with_a_policy_per_sequence_moves_every_policy_to_the_next_promp
     model, policy = random_model(L=3), make_policy("d2o", 0.5, variant="paper")
     first = generate(model, turns(B=2, sizes=(20,))[0], 2, policy=policy, more_prompts=True)
     generate(model, turns(B=2, sizes=(9,))[0], 2, policy=policy, cache=first.cache)
-    assert [p.prompt_end for p in policy.rows] == [20 + 1 + 9] * 2
+    assert [p.prompt_end for p in PerSequence.of(policy).rows] == [20 + 1 + 9] * 2
 
 
 @pytest.mark.parametrize("name", ["snapkv", "d2o", "h2o"])  # a Policy, a PerSequence, an AtOnce

@@ -580,7 +580,7 @@ def test_key_norms_kept_by_the_cache_change_nothing(options, together):
 
     def run(kept: bool):
         policy = make_policy("d2o", 12, **options)
-        one = policy.one  # the batch-1 policy (kvmini.per_sequence)
+        one = policy
         one.together = together
         if not kept:
             one.scorer.aux = CumulativeAttention.aux  # the norms computed from the keys at every step

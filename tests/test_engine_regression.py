@@ -38,6 +38,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from kvmini.generate import for_batch
 from kvmini.methods.registry import chooses_budget, make_policy, parse_spec, specs
 from reference import random_model
 from tiny import fitted, least_budget
@@ -147,7 +148,7 @@ def tiny_model():
 @torch.no_grad()
 def run(model, calls, name, budget, options, prompt_len):
     """-> tensors (name -> tensor) and facts (budgets, evicted) of one method on one scenario."""
-    policy = make_policy(name, budget, **options)
+    policy = for_batch(make_policy(name, budget, **options), calls[0].shape[0])  # the model is called directly
     cache = model.new_cache(calls[0].shape[0], 4)
     if policy is not None:
         policy.start(prompt_len, prompt_len + len(calls) - 1)

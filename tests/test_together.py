@@ -13,6 +13,7 @@ import torch
 from kvmini import at_once
 from kvmini.cache import PAD, KVCache, LayerCache
 from kvmini.config import ModelConfig
+from kvmini.generate import for_batch
 from kvmini.methods.ema_merging import EMAMerge
 from kvmini.methods.registry import METHODS, evicts_while_decoding, make_policy
 from kvmini.methods.selectors import lowest
@@ -54,9 +55,8 @@ def run(model, name, budget, options, together: bool, batch: int = 1, steps: int
     gen = torch.Generator().manual_seed(seed)
     calls = [torch.randint(0, 61, (batch, 40), generator=gen)]
     calls += [torch.randint(0, 61, (batch, 1), generator=gen) for _ in range(steps)]
-    policy = make_policy(name, budget, **options)
-    for p in getattr(policy, "rows", None) or [getattr(policy, "one", policy)]:
-        p.together = together
+    policy = for_batch(make_policy(name, budget, **options), batch)  # a batch's copies are made at its first call
+    getattr(policy, "one", policy).together = together
     trace = record_merges(policy)
     policy.start(40, 40 + steps)
     cache = model.new_cache(batch, 4)
@@ -149,7 +149,7 @@ def test_a_layer_far_longer_than_the_others_is_evicted_on_its_own(model, monkeyp
     would make every row that long, so it is a group of its own (the equality above covers this run too)."""
     calls = calls_at_once(monkeypatch)
     _, policy, _, _ = run(model, "d2o", 12, SKEWED, True)
-    assert policy.budgets == [24, 8, 8, 8] and policy.one.groups == ({0}, {1, 2, 3})
+    assert policy.budgets == [24, 8, 8, 8] and policy.groups == ({0}, {1, 2, 3})
     assert calls.count((1, 2, 3)) == 8 and set(calls) <= {(0,), (1, 2, 3)}
 
 
@@ -288,7 +288,7 @@ def test_several_layers_far_longer_than_the_others_are_joined_apart(L, budgets, 
     model = random_model(L=L).to(torch.float64)
     calls = calls_at_once(monkeypatch)
     joint = run(model, "d2o", 0.4, SKEWED, True)
-    assert joint[1].budgets == budgets and joint[1].one.groups[0] == {0, 3}
+    assert joint[1].budgets == budgets and joint[1].groups[0] == {0, 3}
     short = tuple(l for l, b in enumerate(budgets) if b == 8)
     assert calls.count((0, 3)) >= 7 and calls.count(short) >= 7 and set(calls) == {(0, 3), short}
     by_layer = lambda out: (*out[:3], sorted(out[3], key=lambda r: r.layer))  # noqa: E731  stable: steps in order

@@ -16,7 +16,6 @@ import typing
 from kvmini.errors import KvminiError
 from kvmini.methods import options as declared
 from kvmini.methods.registry import METHODS, chooses_budget, declarations, make_policy, parse_spec, specs
-from kvmini.per_sequence import PerSequence
 from kvmini.statistics import Request
 
 WINDOW = 3  # tokens: the tiny prompts' observation window and recent window
@@ -31,8 +30,7 @@ def fitted(name: str) -> dict:
 
 def parts(name: str, options: dict):
     """The method's policy with these options (its budgets from the parts), the one a batch row runs."""
-    policy = make_policy(name, **options) if chooses_budget(name) else make_policy(name, 0.5, **options)
-    return policy.one if isinstance(policy, PerSequence) else policy
+    return make_policy(name, **options) if chooses_budget(name) else make_policy(name, 0.5, **options)
 
 
 def least_budget(name: str, options: dict, L: int, n: int) -> int | None:

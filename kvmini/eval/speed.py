@@ -38,7 +38,7 @@ import torch
 from kvmini import cli
 from kvmini.errors import KvminiError
 from kvmini.statistics import Stats
-from kvmini.generate import fork, prefill, synchronize
+from kvmini.generate import for_batch, fork, prefill, synchronize
 from kvmini.methods import registry
 from kvmini.methods.registry import policy_for
 from kvmini.parts import DECODE
@@ -224,7 +224,7 @@ def batch_under_cap(model, ids: torch.Tensor, methods: list[str], budget: float,
             torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats(model.device)
             try:
-                policy = _policy(name, budget)
+                policy = for_batch(_policy(name, budget), B)  # the decode steps below call the model directly
                 cache = model.new_cache(B, ids.shape[1] + steps)
                 nxt = prefill(model, ids.expand(B, -1), cache, policy, total_len=ids.shape[1] + steps).argmax(-1)[:, None]
                 synchronize(model.device)

@@ -19,7 +19,6 @@ from kvmini.methods.options import Declared
 from kvmini.parts import EVERY_CALL, PREFILL
 from kvmini.at_once import AtOnce
 from kvmini.budget import resolve_budget
-from kvmini.per_sequence import PerSequence
 from kvmini.policy import Policy
 
 METHODS = {
@@ -218,12 +217,12 @@ def refuse_idle(name: str, given: dict) -> None:
 TOGETHER = {"streaming_llm", "h2o", "tova", "vatp", "scissorhands", "d2o", "weightedkv", "cam", "roco"}  # decode steps with every layer at once
 
 
-def make_policy(name: str, budget: float | None = None, **given) -> Policy | PerSequence | None:
+def make_policy(name: str, budget: float | None = None, **given) -> Policy | None:
     """A fresh policy for method `name`; clear errors for unknown names, options and values.
     Option values are typed (int, float, bool, a tuple for layers or N:M) or text as on the command
-    line ("0,1,-1", "3:1", "true"). Methods whose budgets follow each sequence's statistics come
-    wrapped in PerSequence (batches); the methods in TOGETHER run their decode steps with every layer
-    at once (kvmini.at_once). `evict_every=N` is an option of the engine (Policy.evict_every)
+    line ("0,1,-1", "3:1", "true"). The policy runs one sequence (a batch with per-sequence budgets is
+    kvmini.generate's concern: kvmini.per_sequence); the methods in TOGETHER run their decode steps
+    with every layer at once (kvmini.at_once). `evict_every=N` is an option of the engine (Policy.evict_every)
     that every method evicting while decoding takes."""
     if not isinstance(name, str) or name not in METHODS:
         raise KvminiError(f"unknown method {name!r}; choose from {', '.join(METHODS)}")
@@ -245,4 +244,4 @@ def make_policy(name: str, budget: float | None = None, **given) -> Policy | Per
 
     policy = METHODS[name].build(budget, o)
     policy.evict_every = every
-    return PerSequence.of(AtOnce.of(policy) if name in TOGETHER else policy)
+    return AtOnce.of(policy) if name in TOGETHER else policy
