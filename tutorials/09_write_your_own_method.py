@@ -572,17 +572,19 @@ print("budgets", policy.budgets, "from V_l", [round(policy.budgeter.variance[l],
 # 2. Its line in `METHODS` and its name in the import above it (`kvmini/methods/registry.py`).
 # 3. `tests/test_<name>.py`: a worked example by hand, a literal reference in loops compared with the
 #    engine (`reference.simulate`), and the special cases that must reduce to a known method.
-# 4. Record its behaviour: `PYTHONPATH=. python tests/test_engine_regression.py --record <name>` (its
+# 4. `git add` the new files: the course's copies and the tests that make them (`tests/test_assignments.py`)
+#    take what git tracks, so a module git does not know is missing there.
+# 5. Record its behaviour: `PYTHONPATH=. python tests/test_engine_regression.py --record <name>` (its
 #    entries only, on the tiny and the default model; every other entry keeps its bytes).
-# 5. Run the tests: `python -m pytest -q tests/test_<name>.py`, then the generic ones
+# 6. Run the tests: `python -m pytest -q tests/test_<name>.py`, then the generic ones
 #    (`tests/test_policy.py tests/test_together.py tests/test_continuation.py tests/test_chunked_prefill.py
 #    tests/test_options.py tests/test_engine_regression.py`), or the whole suite, `python -m pytest -q`.
-# 6. Measure it: `python -m pytest -q tests/test_results_current.py` names it as not measured in each
+# 7. Measure it: `python -m pytest -q tests/test_results_current.py` names it as not measured in each
 #    results folder (results/quick, results/full, results/full-speed), with the command that measures it
 #    there: `python -m kvmini.eval.suite ... --methods <name>`, with that folder's profile and `--out`
 #    (the method alone, in every experiment that measures every method; its rows are merged into the
 #    folder's results). Run each command it prints.
-# 7. Regenerate the documents from the results: `python -m kvmini.eval.docs` (`--check` is tested). Then
+# 8. Regenerate the documents from the results: `python -m kvmini.eval.docs` (`--check` is tested). Then
 #    its rows in the README's and docs/methods.md's method tables.
 #
 # ## Exercises
