@@ -12,8 +12,9 @@ from kvmini.errors import KvminiError
 from kvmini.methods.ema_merging import EMAMerge, nearest, nearest_by_chunks
 from kvmini.methods.registry import make_policy
 from kvmini.generate import prefill
-from kvmini.methods.scorers import CumulativeAttention, WindowAttention
+from kvmini.methods.scorers import CumulativeAttention
 from kvmini.methods.selectors import TopK
+from kvmini.methods.snapkv import WindowAttention
 from kvmini.methods.allocators import proportional
 from kvmini.methods.variance_softmax import VarianceSoftmax, layer_weights
 from kvmini.parts import PREFILL, Rule

@@ -369,7 +369,7 @@ def test_every_part_refuses_a_mode_it_does_not_know():
     from kvmini.methods.ema_merging import EMAMerge
     from kvmini.methods.frobenius_stop import FrobeniusStop
     from kvmini.methods.progressive_budgets import ProgressiveBudgets
-    from kvmini.methods.scorers import WindowAttention
+    from kvmini.methods.snapkv import WindowAttention
     from kvmini.methods.variance_softmax import VarianceSoftmax, layer_weights
 
     for make in (lambda: EMAMerge(weights="papr"), lambda: EMAMerge(tau="per_token"),

@@ -5,8 +5,8 @@ import pytest
 import torch
 
 from kvmini.methods.registry import make_policy
-from kvmini.methods.scorers import WindowAttention
 from kvmini.methods.selectors import TopK
+from kvmini.methods.snapkv import WindowAttention
 from kvmini.methods.variance_softmax import VarianceSoftmax
 from kvmini.parts import PREFILL
 from kvmini.policy import Policy

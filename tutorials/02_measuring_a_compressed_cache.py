@@ -189,6 +189,7 @@ show(fig, "02_fidelity")
 # 1. Run H2O with `--recent 0` (no recent window) and with the default `budget // 2`. Predict which
 #    has the lower KL, then check with `python -m kvmini.eval.fidelity --methods h2o "h2o[recent=0]"`.
 # 2. Build a new policy: SnapKV's scores with StreamingLLM's 4 sinks
-#    (`Policy("mine", 128, WindowAttention(32), Uniform(), TopK(sinks=4, recent=32))`).
+#    (`Policy("mine", 128, WindowAttention(32), Uniform(), TopK(sinks=4, recent=32))`, WindowAttention
+#    from kvmini.methods.snapkv).
 # 3. Why does TOVA, which keeps no recent window, still never evict the token it has just seen
 #    in most steps? Look at the last row of attention.

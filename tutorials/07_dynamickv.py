@@ -18,7 +18,7 @@ import torch.nn.functional as F  # noqa: E402
 from kvmini.course.cells import solved  # noqa: E402  (a student copy: skip what needs an exercise not done yet)
 from kvmini.attention import Stats  # noqa: E402
 from kvmini.methods.registry import make_policy  # noqa: E402
-from kvmini.methods.scorers import WindowAttention  # noqa: E402
+from kvmini.methods.snapkv import WindowAttention  # noqa: E402
 
 # %% [markdown]
 # ## Window scores with pooling (Eq. 1)

@@ -31,8 +31,8 @@ from dataclasses import dataclass
 from typing import Literal
 
 from kvmini.methods.progressive_budgets import ProgressiveBudgets
-from kvmini.methods.scorers import WindowAttention
 from kvmini.methods.selectors import TopK
+from kvmini.methods.snapkv import WindowAttention
 from kvmini.parts import PREFILL
 from kvmini.policy import Policy
 

@@ -11,8 +11,8 @@ from dataclasses import dataclass
 
 from kvmini.methods import snapkv
 from kvmini.methods.allocators import Pyramid
-from kvmini.methods.scorers import WindowAttention
 from kvmini.methods.selectors import TopK
+from kvmini.methods.snapkv import WindowAttention
 from kvmini.parts import PREFILL
 from kvmini.policy import Policy
 

@@ -11,11 +11,35 @@ group reduction mean. Compression happens layer by layer inside the prefill forw
 from dataclasses import dataclass
 from typing import Literal
 
+import torch
+import torch.nn.functional as F
+
+from kvmini.cache import LayerCache
+from kvmini.errors import one_of
 from kvmini.methods.allocators import Uniform
-from kvmini.methods.scorers import WindowAttention
 from kvmini.methods.selectors import TopK
-from kvmini.parts import PREFILL
+from kvmini.parts import PREFILL, Scorer
 from kvmini.policy import Policy
+from kvmini.statistics import Request, Stats, window_sums
+
+
+class WindowAttention(Scorer):
+    r"""SnapKV (Li et al. 2024, Sec. 4.2): C_j = \sum_{i \in window} A_{ij} over the last w queries,
+    then pooled along the keys (kernel k, stride 1, zero padding k // 2) to keep neighbourhoods.
+    The window itself is always kept (the recent tokens): its scores are +inf."""
+
+    def __init__(self, window: int = 32, kernel: int = 7, pooling: str = "avg", reduce: str = "mean"):
+        self.window, self.kernel, self.pooling = window, kernel, one_of("WindowAttention pooling", pooling, ("avg", "max"))
+        self.request = Request(window_sums(window, reduce))
+
+    def __call__(self, lc: LayerCache, stats: Stats) -> torch.Tensor:
+        C = stats.window_sums  # (B, H_kv, S)
+        B, H_kv, S = C.shape
+        prefix = C[:, :, : S - self.window].reshape(B * H_kv, 1, -1)  # (B*H_kv, 1, S - w)
+        pool = F.avg_pool1d if self.pooling == "avg" else F.max_pool1d
+        pooled = pool(prefix, self.kernel, stride=1, padding=self.kernel // 2).view(B, H_kv, -1)
+        inf = C.new_full((B, H_kv, S - pooled.shape[2]), float("inf"))
+        return torch.cat([pooled, inf], dim=-1)  # (B, H_kv, S)
 
 
 @dataclass(frozen=True)

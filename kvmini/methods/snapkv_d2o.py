@@ -1,6 +1,6 @@
 """SnapKV scores with D2O's layer budgets and merging: a composition no paper ran.
 
-    scorer      SnapKV's pooled attention of the observation window (scorers.WindowAttention)
+    scorer      SnapKV's pooled attention of the observation window (snapkv.WindowAttention)
     budgeter    D2O's variance-softmax over layers (variance_softmax.VarianceSoftmax, Eq. 4-5)
     compressor  the observation window + the best-scoring keys (TopK), evicted keys merged into
                 their nearest kept key when similar enough (ema_merging.EMAMerge, Eq. 9-12)
@@ -12,8 +12,8 @@ from dataclasses import dataclass
 from typing import Literal
 
 from kvmini.methods.ema_merging import EMAMerge
-from kvmini.methods.scorers import WindowAttention
 from kvmini.methods.selectors import TopK
+from kvmini.methods.snapkv import WindowAttention
 from kvmini.methods.variance_softmax import VarianceSoftmax, idle_temperature
 from kvmini.parts import PREFILL
 from kvmini.policy import Policy

@@ -12,11 +12,24 @@ positions inside the cache (0..S-1), which we do not do (positions are never rew
 """
 from dataclasses import dataclass
 
+import torch
+
+from kvmini.cache import LayerCache
 from kvmini.methods.allocators import Uniform
-from kvmini.methods.scorers import Position
 from kvmini.methods.selectors import TopK
-from kvmini.parts import EVERY_CALL, Rule
+from kvmini.parts import EVERY_CALL, Rule, Scorer
 from kvmini.policy import Policy
+from kvmini.statistics import Stats
+
+
+class Position(Scorer):
+    """StreamingLLM, DBudgetKV: the later a token, the more important (no attention statistics)."""
+
+    def __call__(self, lc: LayerCache, stats: Stats) -> torch.Tensor:
+        return lc.positions.float()  # (B, H_kv, S)
+
+    def describe(self, lc: LayerCache) -> tuple[str, torch.Tensor | None]:
+        return "the position itself (the later, the more important)", None
 
 
 @dataclass(frozen=True)

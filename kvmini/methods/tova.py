@@ -14,11 +14,24 @@ over all heads of a layer, so one layer evicts the same token in every head.
 from dataclasses import dataclass
 from typing import Literal
 
+import torch
+
+from kvmini.cache import LayerCache
 from kvmini.methods.allocators import Uniform
-from kvmini.methods.scorers import LastRowAttention
 from kvmini.methods.selectors import TopK
-from kvmini.parts import EVERY_CALL, Rule
+from kvmini.parts import EVERY_CALL, Rule, Scorer
 from kvmini.policy import Policy
+from kvmini.statistics import Request, Stats, last_row
+
+
+class LastRowAttention(Scorer):
+    r"""TOVA (Oren et al. 2024): s_j = A_{tj}, the attention of the latest query only."""
+
+    def __init__(self, reduce: str = "mean"):
+        self.request = Request(last_row(reduce))
+
+    def __call__(self, lc: LayerCache, stats: Stats) -> torch.Tensor:
+        return stats.last_row
 
 
 @dataclass(frozen=True)
