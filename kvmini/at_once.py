@@ -16,7 +16,7 @@ import torch
 from kvmini.cache import PAD, KVCache, LayerCache, entry_buffer
 from kvmini.parts import PREFILL
 from kvmini.policy import Policy
-from kvmini.statistics import DECLARED, Request, Stats
+from kvmini.statistics import Request, Stats
 
 
 class AtOnce(Policy):
@@ -94,7 +94,7 @@ class AtOnce(Policy):
         stack = self.stacks.get(layers)
         if stack is None or not stack.holds(cache):
             stack = self.stacks[layers] = Stack(cache, layers, room=N)
-        joint, stats = stack.joint, Stacked([stats for _, stats in deferred], stack.joint.length)
+        joint, stats = stack.joint, stacked([stats for _, stats in deferred], stack.joint.length)
         if call.updates:
             self.scorer.update(joint, stats, call.start, call.T)
         if self.update_only:
@@ -174,24 +174,8 @@ class Stack:
         return True
 
 
-class Stacked:
-    """The statistics of the layers of a `Stack`, as its rows (len(layers) * B, H_kv, S), read as a Stats
-    is: each is stacked when first read, a shorter layer's rows right-aligned after zeros."""
 
-    def __init__(self, per_layer: list[Stats], S: int):
-        self.per_layer, self.S, self.stacked = per_layer, S, {}
-
-    def __getattr__(self, name: str) -> torch.Tensor:
-        if name not in DECLARED:
-            raise AttributeError(name)
-        if name not in self.stacked:
-            rows = [getattr(stats, name) for stats in self.per_layer]  # (B, H_kv, S_l) each
-            if all(t.shape[-1] == self.S for t in rows):
-                self.stacked[name] = torch.cat(rows)  # (len(layers) * B, H_kv, S)
-            else:
-                B = rows[0].shape[0]
-                out = rows[0].new_zeros(len(rows) * B, *rows[0].shape[1:-1], self.S)  # (len(layers) * B, H_kv, S)
-                for i, t in enumerate(rows):
-                    out[i * B : (i + 1) * B, :, self.S - t.shape[-1] :] = t
-                self.stacked[name] = out
-        return self.stacked[name]
+def stacked(per_layer: list[Stats], S: int) -> Stats:
+    """The layers' statistics as a Stack's rows (len(layers) * B, H_kv, S), shorter layers right-aligned after zeros."""
+    pad = lambda t: t if t.shape[-1] == S else torch.cat([t.new_zeros(*t.shape[:-1], S - t.shape[-1]), t], -1)  # noqa: E731
+    return Stats(**{name: torch.cat([pad(getattr(s, name)) for s in per_layer]) for name in per_layer[0]})
