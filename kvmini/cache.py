@@ -235,23 +235,3 @@ class KVCache:
     def nbytes(self) -> int:
         """Exact bytes of all keys and values held."""
         return sum(layer.nbytes() for layer in self.layers)
-
-    def aux_nbytes(self) -> int:
-        """Exact bytes of every layer's aux buffers (the method's per-token statistics)."""
-        return sum(layer.aux_nbytes() for layer in self.layers)
-
-    def allocated_nbytes(self) -> int:
-        """Bytes of the K/V buffers actually allocated (held entries plus room to grow)."""
-        return sum(layer.entry_nbytes * layer.capacity for layer in self.layers)
-
-    def full_nbytes(self) -> int:
-        """Bytes of keys and values an uncompressed cache would hold now (seen_tokens per layer)."""
-        return sum(layer.entry_nbytes * self.seen_tokens for layer in self.layers)
-
-    def summary(self) -> str:
-        """One line: layers, entries held (min/mean/max over layers), bytes."""
-        n = self.lengths()
-        return (
-            f"{len(n)} layers, {min(n)}/{sum(n) / len(n):.1f}/{max(n)} entries (min/mean/max), "
-            f"{self.nbytes() / 2**20:.2f} MiB of K/V"
-        )

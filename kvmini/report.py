@@ -85,17 +85,41 @@ def layer_bars(kept: list[int], full: int, per_line: int = 10, blocks: str = BLO
     return lines
 
 
+def cache_summary(cache: KVCache) -> str:
+    """One line: layers, entries held (min/mean/max over layers), bytes."""
+    n = cache.lengths()
+    return (
+        f"{len(n)} layers, {min(n)}/{sum(n) / len(n):.1f}/{max(n)} entries (min/mean/max), "
+        f"{cache.nbytes() / 2**20:.2f} MiB of K/V"
+    )
+
+
+def full_nbytes(cache: KVCache) -> int:
+    """Bytes of keys and values an uncompressed cache would hold now (seen_tokens per layer)."""
+    return sum(layer.entry_nbytes * cache.seen_tokens for layer in cache.layers)
+
+
+def allocated_nbytes(cache: KVCache) -> int:
+    """Bytes of the K/V buffers actually allocated (held entries plus room to grow)."""
+    return sum(layer.entry_nbytes * layer.capacity for layer in cache.layers)
+
+
+def aux_nbytes(cache: KVCache) -> int:
+    """Exact bytes of every layer's aux buffers (the method's per-token statistics)."""
+    return sum(layer.aux_nbytes() for layer in cache.layers)
+
+
 def cache_report(cache: KVCache, policy=None, blocks: str = BLOCKS) -> list[str]:
     """Report lines: entries per layer, kept vs full bytes, evictions and merges."""
     kept = cache.lengths()
     top = max(max(kept), 1)
-    lines = [f"KV cache  {cache.summary()}"]
+    lines = [f"KV cache  {cache_summary(cache)}"]
     lines += [f"kept      {line}" for line in layer_bars(kept, top, blocks=blocks)]
     lines[-1] += f"   ({blocks[-1]} = {top} token{'s' * (top != 1)}; the full cache holds {cache.seen_tokens})"
-    ratio = cache.nbytes() / max(cache.full_nbytes(), 1)
-    lines.append(f"bytes     {cache.nbytes() / 2**20:.2f} MiB kept vs {cache.full_nbytes() / 2**20:.2f} MiB full "
-                 f"(ratio {ratio:.3f}); {cache.allocated_nbytes() / 2**20:.2f} MiB allocated")
-    if aux := cache.aux_nbytes():
+    ratio = cache.nbytes() / max(full_nbytes(cache), 1)
+    lines.append(f"bytes     {cache.nbytes() / 2**20:.2f} MiB kept vs {full_nbytes(cache) / 2**20:.2f} MiB full "
+                 f"(ratio {ratio:.3f}); {allocated_nbytes(cache) / 2**20:.2f} MiB allocated")
+    if aux := aux_nbytes(cache):
         lines.append(f"aux       {aux / 2**20:.2f} MiB of per-token statistics the method keeps beside K/V "
                      f"({', '.join(dict.fromkeys(n for lc in cache.layers for n in lc.aux_names()))})")
     if policy is not None and policy.active and policy.schedule == PREFILL and cache.seen_tokens > policy.prompt_end:

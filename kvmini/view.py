@@ -33,8 +33,8 @@ from kvmini.cache import KVCache  # noqa: E402
 from kvmini.errors import KvminiError  # noqa: E402
 from kvmini.parts import PREFILL, Merged  # noqa: E402
 
-LAZY_IMPORTS = ("kvmini.chat", "kvmini.generate", "kvmini.loading", "kvmini.methods.registry", "kvmini.tokenizer",
-                "kvmini.weights")  # the comparison's work imports these
+LAZY_IMPORTS = ("kvmini.chat", "kvmini.generate", "kvmini.loading", "kvmini.methods.registry", "kvmini.report",
+                "kvmini.tokenizer", "kvmini.weights")  # the comparison's work imports these
 
 TEMPLATE = Path(__file__).with_name("view.html")
 
@@ -77,6 +77,8 @@ def panel(cache: KVCache, policy=None, trace: list[Merged] | None = None, name: 
           generated: list[str] = ()) -> dict:
     """What the page shows of one finished run (row 0 of the batch), JSON-ready; `generated`: the texts
     of the tokens it generated that its cache saw (positions prompt_len...)."""
+    from kvmini.report import aux_nbytes
+
     n, L = cache.seen_tokens, len(cache)
     scorer, budgeter, compressor = policy.parts if policy is not None else (None, None, None)
     protected = set(budgeter.protected) if budgeter is not None else set()
@@ -131,7 +133,7 @@ def panel(cache: KVCache, policy=None, trace: list[Merged] | None = None, name: 
         "scores": scores if True in notes else None,
         "score_note": notes.get(True, notes.get(False)),
         "kv_bytes": cache.nbytes(),
-        "aux_bytes": cache.aux_nbytes(),  # the method's per-token statistics beside K/V
+        "aux_bytes": aux_nbytes(cache),  # the method's per-token statistics beside K/V
     }
 
 
@@ -228,6 +230,7 @@ def compare(args) -> int:
     from kvmini.chat import load_chat_format
     from kvmini.loading import load_model
     from kvmini.methods.registry import DEFAULT_BUDGET, make_policy, parse_spec
+    from kvmini.report import cache_summary
     from kvmini.tokenizer import load_tokenizer
     from kvmini.weights import DEFAULT_MODEL_DIR, ensure_default_model
 
@@ -254,7 +257,7 @@ def compare(args) -> int:
                                args.max_new_tokens))
         cache, policy = runs[-1][:2]
         note = f"; {policy.note}" if getattr(policy, "note", None) else ""  # e.g. a budget raised to fit
-        print(f"{spec}: {cache.summary()}{note}", file=sys.stderr)
+        print(f"{spec}: {cache_summary(cache)}{note}", file=sys.stderr)
     write_comparison(out, runs, tok, prompt)
     print(f"wrote {out} ({out.stat().st_size / 2**20:.2f} MiB)")
     return 0

@@ -7,6 +7,7 @@ from kvmini.cache import PAD, KVCache, LayerCache
 from kvmini.generate import prefill
 from kvmini.loading import load_model
 from kvmini.per_sequence import PaddedLayer
+from kvmini.report import allocated_nbytes, aux_nbytes, full_nbytes
 
 
 def test_prefill_then_stepwise_decode_equals_full_forward(tiny):
@@ -93,8 +94,8 @@ def test_prefill_compression_releases_memory():
     with torch.no_grad():
         prefill(model, torch.randint(0, 61, (1, 400)), cache, make_policy("snapkv", 40, window=4, kernel=3))
     assert cache.lengths() == [40] * 4
-    assert cache.allocated_nbytes() <= 2 * cache.nbytes() + 4 * 64 * cache[0].entry_nbytes
-    assert cache.allocated_nbytes() < cache.full_nbytes() / 4
+    assert allocated_nbytes(cache) <= 2 * cache.nbytes() + 4 * 64 * cache[0].entry_nbytes
+    assert allocated_nbytes(cache) < full_nbytes(cache) / 4
 
 
 def test_rows_of_different_lengths_are_padded_at_their_end():
@@ -197,7 +198,7 @@ def test_aux_buffers_keep_their_dtype_through_every_eviction_and_count_in_bytes(
     joint = Stack(cache, (0, 1), room=1).joint
     assert joint.aux("seen").dtype == torch.bool
     assert joint.aux("seen").tolist() == [[[False, False, False, True]], [[False, False, False, True]]]  # a pad in front
-    assert cache.aux_nbytes() == 3 + 4
+    assert aux_nbytes(cache) == 3 + 4
 
 
 def test_an_aux_buffer_of_several_values_per_entry_moves_whole():

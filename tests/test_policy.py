@@ -17,6 +17,7 @@ from kvmini.methods.selectors import keep_top
 from kvmini.parts import AFTER_PROMPT, DECODE, EVERY_CALL
 from kvmini.per_sequence import PerSequence, sequence
 from kvmini.policy import Policy
+from kvmini.report import full_nbytes
 from reference import in_position_order, random_model
 from tiny import budget_for, fitted, least_budget
 
@@ -270,7 +271,7 @@ def test_cache_bytes_follow_the_formula(name, budget, dtype):
     elem = 2 if dtype == torch.bfloat16 else 4
     assert cache.lengths() == kept
     assert cache.nbytes() == 2 * sum(kept) * H_kv * D * elem * B
-    assert cache.full_nbytes() == 2 * 4 * (n + steps) * H_kv * D * elem * B
+    assert full_nbytes(cache) == 2 * 4 * (n + steps) * H_kv * D * elem * B
 
 
 # --- the registry ------------------------------------------------------------------------------

@@ -42,6 +42,7 @@ from kvmini.generate import for_batch, fork, prefill, synchronize
 from kvmini.methods import registry
 from kvmini.methods.registry import policy_for
 from kvmini.parts import DECODE
+from kvmini.report import full_nbytes
 
 
 POLICY = "kvmini.policy"  # the profiler label of the policy's hooks (ops_per_step)
@@ -131,7 +132,7 @@ def prefill_times(model, ids: torch.Tensor, methods: list[str], budget: float, r
             hooks[name].append(0.0 if policy is None else policy.seconds)
             if policy is not None and policy.schedule == DECODE:  # it compresses at the first decode step: take it
                 model(logits.argmax(-1, keepdim=True), cache, policy)
-            kept[name] = cache.nbytes() / cache.full_nbytes()
+            kept[name] = cache.nbytes() / full_nbytes(cache)
             log(f"prefill {ids.shape[1]} tokens, round {rep + 1}/{reps}, {name}: {times[name][-1]:.2f} s")
     full = statistics.median(times["full"])
     return {name: {"seconds": statistics.median(t), "ratio": statistics.median(t) / full,
@@ -331,7 +332,7 @@ def step_profile(method: str, n: int, budget: float, model_folder: str | None, a
     total_us = sum(e.self_cpu_time_total for e in ops)
     which = "first decode step" if after == 0 and steps == 1 else f"decode steps {after + 1} to {after + steps}"
     lines = [f"{method}: {which} after {n:,} tokens at budget {budget:g}: {wall:.3f} s per step (profiled), "
-             f"{hooks * 1e3:.2f} ms of it in the policy's hooks, cache {cache.nbytes() / cache.full_nbytes():.3f} "
+             f"{hooks * 1e3:.2f} ms of it in the policy's hooks, cache {cache.nbytes() / full_nbytes(cache):.3f} "
              "of the full cache after it",
              f"{'operation':<28} {'self CPU':>10} {'share':>7} {'calls':>7}  input shapes"]
     lines += [f"{e.key:<28} {e.self_cpu_time_total / 1e6 / steps:>8.4f} s {e.self_cpu_time_total / total_us:>7.1%} "
