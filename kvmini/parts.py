@@ -14,7 +14,6 @@ LayerCache, stats a kvmini.statistics.Stats (e.g. stats.column_sums (B, H_kv, S)
 """
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import NamedTuple
 
 import torch
 
@@ -177,13 +176,3 @@ def most(b) -> int:
     """The largest budget of `b` (an int, or one per row (rows, 1, 1)): the rows of a LayerCache hold
     that budget + the same excess each (right-aligned), so lc.length - most(b) entries go from each."""
     return b if isinstance(b, int) else int(b.max())
-
-
-class Merged(NamedTuple):
-    """One compression's merges, recorded when a merging compressor's `trace` is a list. All (B, H_kv, E):
-    `evicted` positions, `into` the kept position each merged into (-1: dropped), `weight` (0: dropped)."""
-
-    layer: int
-    evicted: torch.Tensor
-    into: torch.Tensor
-    weight: torch.Tensor

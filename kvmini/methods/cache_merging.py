@@ -33,7 +33,8 @@ import torch.nn.functional as F
 
 from kvmini.cache import PAD, LayerCache, wide
 from kvmini.errors import one_of
-from kvmini.parts import Compressor, Merged, Rule, most
+from kvmini.methods.merged import Merged
+from kvmini.parts import Compressor, Rule, most
 
 MASKS = ("bernoulli", "expectation", "threshold", "always")
 DIVIDES = ("count", "fixed")

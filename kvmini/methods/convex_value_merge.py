@@ -37,7 +37,8 @@ import torch
 from kvmini.statistics import Request, Stats, column_sums
 from kvmini.cache import PAD, LayerCache, wide
 from kvmini.errors import one_of
-from kvmini.parts import Compressor, Merged, Rule, Scorer, most
+from kvmini.methods.merged import Merged
+from kvmini.parts import Compressor, Rule, Scorer, most
 
 
 class AverageAttention(Scorer):

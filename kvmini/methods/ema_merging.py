@@ -20,7 +20,7 @@ import torch.nn.functional as F
 
 from kvmini.cache import KEY_NORM, LayerCache, wide
 from kvmini.errors import one_of
-from kvmini.parts import Merged
+from kvmini.methods.merged import Merged
 
 WEIGHTS = ("paper", "official")
 TAUS = ("per_head", "per_layer")
