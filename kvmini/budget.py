@@ -6,7 +6,6 @@ import math
 from kvmini.errors import KvminiError, tokens
 from kvmini.parts import PREFILL
 
-NO_LIMIT = 2**30  # tokens per layer: a budget no prompt reaches (asks a compressor whether any budget works)
 ADVICE = "; raise --budget, or use fewer sinks or a smaller window"
 
 
@@ -22,13 +21,6 @@ def resolve_budget(budget: float, prompt_len: int) -> int:
     if budget != int(budget):
         raise KvminiError(f"--budget above 1 counts tokens per layer and must be a whole number, got {budget}")
     return int(budget)
-
-
-def some_budget_works(name: str, compressor) -> None:
-    """Refuse options with which no budget can work (e.g. d2o nm=0:1 with sinks)."""
-    if (never := compressor.problem(NO_LIMIT)) is not None:
-        raise KvminiError(f"{name}: no budget can work with these options: even a budget of {NO_LIMIT:,} "
-                          f"tokens is {never}; use fewer sinks or a smaller window")
 
 
 def is_noop(b: int, prompt_len: int, total_len: int | None, schedule: str) -> bool:

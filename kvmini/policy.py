@@ -7,7 +7,7 @@ kvmini.per_sequence (per-sequence budgets in a batch).
 """
 from dataclasses import dataclass
 
-from kvmini.budget import check, chunk_size, is_noop, plan, some_budget_works
+from kvmini.budget import check, chunk_size, is_noop, plan
 from kvmini.cache import KVCache
 from kvmini.errors import KvminiError
 from kvmini.parts import AFTER_PROMPT, DECODE, EVERY_CALL, PREFILL
@@ -48,8 +48,6 @@ class Policy:
         self.name, self.budget, self.schedule, self.prefill_chunk = name, budget, schedule, prefill_chunk
         self.scorer, self.budgeter, self.compressor = scorer, budgeter, compressor
         self.evict_every = 1  # N: during decoding, let a layer hold budget + N - 1 and evict N at once
-        if budget is not None:
-            some_budget_works(name, compressor)
         self._new_run(None, None)  # not started: a call before `start` is refused
 
     def start(self, prompt_len: int, total_len: int | None = None) -> None:

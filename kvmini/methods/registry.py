@@ -214,6 +214,16 @@ def refuse_idle(name: str, given: dict) -> None:
             raise KvminiError(f"--{key.replace('_', '-')} does nothing with {idle[key]}; leave it out")
 
 
+NO_LIMIT = 2**30  # tokens per layer: a budget no prompt reaches (asks a compressor whether any budget works)
+
+
+def some_budget_works(policy: Policy) -> None:
+    """Refuse options with which no budget can work (e.g. d2o nm=0:1 with sinks)."""
+    if (never := policy.compressor.problem(NO_LIMIT)) is not None:
+        raise KvminiError(f"{policy.name}: no budget can work with these options: even a budget of {NO_LIMIT:,} "
+                          f"tokens is {never}; use fewer sinks or a smaller window")
+
+
 TOGETHER = {"streaming_llm", "h2o", "tova", "vatp", "scissorhands", "d2o", "weightedkv", "cam", "roco"}  # decode steps with every layer at once
 
 
@@ -243,5 +253,7 @@ def make_policy(name: str, budget: float | None = None, **given) -> Policy | Non
     refuse_idle(name, given)
 
     policy = METHODS[name].build(budget, o)
+    if budget is not None:
+        some_budget_works(policy)
     policy.evict_every = every
     return AtOnce.of(policy) if name in TOGETHER else policy
