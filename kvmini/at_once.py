@@ -16,7 +16,7 @@ import torch
 from kvmini.cache import PAD, KVCache, LayerCache, entry_buffer
 from kvmini.parts import PREFILL
 from kvmini.policy import Policy
-from kvmini.statistics import Request, Stats
+from kvmini.statistics import Stats
 
 
 class AtOnce(Policy):
@@ -55,14 +55,6 @@ class AtOnce(Policy):
         """Will some layer exceed its budget + evict_every - 1 entries in this decode step?"""
         return any(cache[layer].length + 1 > self.budgeter.known(layer) + self.evict_every - 1
                    for layer in range(len(cache)) if not self.budgeter.skips(layer))
-
-    def request(self, layer: int) -> Request | None:
-        if self.deferred is None:
-            return super().request(layer)
-        if self.budgeter.skips(layer):
-            return None
-        wanted = self.call.updates or self.call.cache[layer].length + 1 > self.budgeter.known(layer)
-        return self.scorer.request if wanted else None  # without building a request: the scorer's, or none
 
     def after_attention(self, layer: int, cache: KVCache, stats: Stats) -> None:
         if (self.deferred is not None and not self.budgeter.skips(layer)
