@@ -77,12 +77,6 @@ class Scorer:
     def __call__(self, lc, stats: Stats) -> torch.Tensor:
         raise NotImplementedError
 
-    def describe(self, lc) -> tuple[str, torch.Tensor | None]:
-        """(what the score is, (B, H_kv, S)) of the score the cache keeps for its held entries, or (why
-        there is none to show, None): what the kept-token page (kvmini.view) shows."""
-        return (f"not kept in the cache ({type(self).__name__} scores the tokens from one call's attention when "
-                "the method compresses, then discards them)"), None
-
 
 class Budgeter:
     """How many tokens may each layer keep, and when is that known? `start` gives the mean budget b

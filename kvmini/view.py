@@ -65,11 +65,14 @@ def bitset(positions: np.ndarray, n: int) -> str:
 
 def scores_of(lc, scorer) -> tuple[str, torch.Tensor | None]:
     """(what it is, (H_kv, S) per held entry) of the score the cache keeps for row 0, or (why not, None):
-    the scorer describes itself (Scorer.describe)."""
+    a scorer may describe itself, `describe(lc)` -> (what its score is, (B, H_kv, S)) or (why none, None)."""
     if scorer is None:
         return "no scores: the full cache keeps every token", None
     if any((a if isinstance(a, str) else a[0]) not in lc.aux_names() for a in scorer.aux):  # never scored here
         return "not scored: this layer is never compressed", None
+    if not hasattr(scorer, "describe"):
+        return (f"not kept in the cache ({type(scorer).__name__} scores the tokens from one call's attention when "
+                "the method compresses, then discards them)"), None
     label, score = scorer.describe(lc)
     return label, None if score is None else score[0].float()
 
