@@ -112,12 +112,6 @@ class Budgeter:
     def update(self, layer: int, lc, stats: Stats, start: int, T: int) -> None:
         """After a prompt call of T queries at positions start..start+T-1 (accumulating budgeters only)."""
 
-    def holds_more_because(self) -> str:
-        """Why layers may hold more than the mean budget b asks (for run.py's report), or ''."""
-        if not self.protected:
-            return ""
-        return f"layers {', '.join(map(str, sorted(self.protected)))} are protected (never compressed)"
-
     def skips(self, layer: int) -> bool:
         return layer in self.protected
 

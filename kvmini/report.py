@@ -51,11 +51,13 @@ def describe(method: str, given: dict, policy) -> str:
 
 def budget_note(policy) -> str:
     """Why the cache holds more than the budget asks (D2O's official protected layers, DynamicKV's
-    last L % m layers), when it does."""
+    last L % m layers: a budgeter's own `holds_more_because()`), when it does."""
     if policy.unchanged is not None:  # a prompt too short to compress: the note says so
         return ""
-    budgeter = policy.parts[1]
-    asked, budgets, why = getattr(budgeter, "b", None), policy.budgets, budgeter.holds_more_because()
+    budgeter, protected = policy.parts[1], sorted(policy.parts[1].protected)
+    why = getattr(budgeter, "holds_more_because", lambda: "")() or (
+        f"layers {', '.join(map(str, protected))} are protected (never compressed)" if protected else "")
+    asked, budgets = getattr(budgeter, "b", None), policy.budgets
     mean = sum(budgets) / len(budgets)
     if not why or asked is None or mean <= asked:
         return ""

@@ -59,9 +59,10 @@ class ProgressiveBudgets(Budgeter):
         return [int(self.r_max * (b - self.window)) + self.window] * L
 
     def holds_more_because(self) -> str:
+        """Why layers may hold more than the mean budget b asks (run.py's report, kvmini.report), or ''."""
         tail = self.L % self.interval
         if not tail or self.tail:
-            return super().holds_more_because()
+            return ""
         return (f"the last {tail} layers come after the last re-allocation (every {self.interval} layers, "
                 "Alg. 1 line 24) and keep b_s + w_s; --tail-reallocation true re-budgets them")
 
