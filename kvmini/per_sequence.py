@@ -184,7 +184,7 @@ class PerSequence:
             return
         for b, (row, view) in enumerate(zip(self.rows, self.views)):  # views of this cache, made by begin
             S_b = view[layer].length
-            row.after_attention(layer, view, stats.map(lambda t: t[b : b + 1, :, :S_b]))
+            row.after_attention(layer, view, Stats(**{n: getattr(stats, n)[b : b + 1, :, :S_b] for n in stats}))
 
     def end(self, cache: KVCache) -> None:
         for row, view in zip(self.rows, self.views):

@@ -153,13 +153,6 @@ class Stats:
     def __contains__(self, name: str) -> bool:
         return name in self._held
 
-    def items(self):
-        return self._held.items()
-
-    def map(self, fn) -> "Stats":
-        """fn applied to every statistic held (e.g. one sequence's rows)."""
-        return Stats(**{name: fn(t) for name, t in self._held.items()})
-
 
 class Gathering:
     """A prompt of n tokens fed in several calls: each call computes its share of every statistic per
