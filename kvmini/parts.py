@@ -50,17 +50,12 @@ class Rule:
         return f"Rule({self.text!r})"
 
     @staticmethod
-    def fixed(n: int) -> "Rule":
-        """The same count n for every budget."""
-        return Rule(str(n), lambda b: n)
-
-    @staticmethod
     def of_(value: "int | Rule", what: str) -> "Rule":
         """An int or a Rule as a Rule; anything else (an unnamed function) is refused."""
         if isinstance(value, Rule):
             return value
         if isinstance(value, int) and not isinstance(value, bool):
-            return Rule.fixed(value)
+            return Rule(str(value), lambda b: value)  # the same count for every budget
         raise KvminiError(f"{what} must be a whole number or a Rule (a named function of the budget), got {value!r}")
 
 
