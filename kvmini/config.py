@@ -28,8 +28,3 @@ class ModelConfig:
     tie_word_embeddings: bool = False
     bos_token_id: int | None = None
     eos_token_ids: tuple = ()
-
-    @property
-    def group_size(self) -> int:
-        """g = H / H_kv query heads share one KV head (GQA)."""
-        return self.num_heads // self.num_kv_heads

@@ -9,7 +9,7 @@ BASE = dict(vocab_size=10, hidden_size=16, intermediate_size=32, num_hidden_laye
 
 def test_gqa_and_head_dim_defaults():
     c = config_from_hf(dict(BASE, model_type="llama", num_key_value_heads=2))
-    assert (c.head_dim, c.group_size, c.qkv_bias, c.qk_norm, c.sliding_window) == (4, 2, False, False, None)
+    assert (c.head_dim, c.num_kv_heads, c.qkv_bias, c.qk_norm, c.sliding_window) == (4, 2, False, False, None)
 
 
 def test_qwen_families():

@@ -234,7 +234,8 @@ def literal_variances(model, ids):
     variances = []
 
     def record(layer, c, probs, kept, new):
-        col = group_mean(probs, model.config.group_size)[0].sum(1)  # (H_kv, n): column sums per KV head
+        g = model.config.num_heads // model.config.num_kv_heads  # query heads per KV head
+        col = group_mean(probs, g)[0].sum(1)  # (H_kv, n): column sums per KV head
         per_head = [sum((x - sum(row) / len(row)) ** 2 for x in row) / len(row) for row in col.tolist()]
         variances.append(sum(per_head) / len(per_head))
         return [[sorted(s + new) for s in kept[0]]]
