@@ -13,7 +13,7 @@ EVERY_CALL; kvmini.policy.Policy runs them. The base classes hold the shared def
 LayerCache, stats a kvmini.statistics.Stats (e.g. stats.column_sums (B, H_kv, S)), scores (B, H_kv, S).
 """
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -33,15 +33,12 @@ class Rule:
 
     text: str
     of: Callable[[int], int]
-    last: list = field(default_factory=lambda: [None, None], compare=False)  # (budgets, counts) last mapped
 
     def __call__(self, b):
-        """The count for budget b; b one per row (rows, 1, 1) gives one per row (mapped once per tensor)."""
+        """The count for budget b; b one per row (rows, 1, 1) gives one per row."""
         if not isinstance(b, torch.Tensor):
             return self.of(b)
-        if self.last[0] is not b:
-            self.last[:] = [b, torch.tensor([self.of(int(x)) for x in b.flatten().tolist()], device=b.device).view_as(b)]
-        return self.last[1]
+        return torch.tensor([self.of(int(x)) for x in b.flatten().tolist()], device=b.device).view_as(b)
 
     def __str__(self) -> str:
         return self.text
