@@ -132,14 +132,11 @@ class Compressor:
 
     def start(self, L: int) -> None:
         self.merged = torch.zeros(L, dtype=torch.float64)  # per layer, mean over KV heads
-        self.rows_of: dict[tuple, torch.Tensor] = {}  # layers -> their indices, made once
 
     def count(self, layers: tuple, per_row: torch.Tensor) -> None:
-        """Add merges counted per row of `lc` (len(layers) * B,) to each of `layers`' counts."""
-        if layers not in self.rows_of:
-            self.rows_of[layers] = torch.tensor(layers, device=per_row.device)
+        """Add merges counted per row of `lc` (len(layers) * B,) to each of `layers`' (distinct) counts."""
         self.merged = self.merged.to(per_row.device)
-        self.merged.index_add_(0, self.rows_of[layers], per_row.view(len(layers), -1).sum(1).to(self.merged.dtype))
+        self.merged[list(layers)] += per_row.view(len(layers), -1).sum(1).to(self.merged.dtype)
 
     def problem(self, b: int) -> str | None:
         """Why a layer budget of b tokens cannot work, or None."""
