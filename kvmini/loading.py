@@ -19,7 +19,7 @@ from safetensors import SafetensorError, safe_open
 from kvmini.config import ModelConfig
 from kvmini.errors import KvminiError
 from kvmini.files import not_special
-from kvmini.model import Transformer
+from kvmini.model import Transformer, rope_frequencies
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)  # buffers some old checkpoints saved; recomputed here
@@ -141,7 +141,7 @@ def load_model(folder: str | Path, device: str = "auto", dtype: str = "auto") ->
     model.load_state_dict(state, strict=False, assign=True)
     if config.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
-    model.reset_rope(dev)
+    model.inv_freq = rope_frequencies(config, dev)  # the buffer, recomputed: it was built on the meta device
     return model.eval().requires_grad_(False)
 
 

@@ -144,10 +144,6 @@ class Transformer(nn.Module):
             self.lm_head.weight = self.model.embed_tokens.weight
         self.register_buffer("inv_freq", rope_frequencies(config), persistent=False)  # (D/2,)
 
-    def reset_rope(self, device) -> None:
-        """Recompute the RoPE frequencies (needed after building on the meta device)."""
-        self.inv_freq = rope_frequencies(self.config, device)
-
     @property
     def device(self):
         return self.model.embed_tokens.weight.device
