@@ -34,8 +34,9 @@ class Turn:
 
 def line(turn: Turn) -> str:
     r = turn.result
-    return (f"{turn.label:<11} {len(turn.ids)} tokens in, {r.new_tokens} out; the cache holds {turn.held:.0f} "
-            f"entries per layer (mean) of the {turn.seen} it has seen" + (f"; {turn.note}" if turn.note else ""))
+    return (f"{turn.label:<11} {len(turn.ids)} tokens in, {max(map(len, r.tokens))} out; "
+            f"the cache holds {turn.held:.0f} entries per layer (mean) of the {turn.seen} it has seen"
+            + (f"; {turn.note}" if turn.note else ""))
 
 
 def split_at_context(chat, context: str, question: str) -> tuple[str, str]:

@@ -71,10 +71,6 @@ class GenerationResult:
     decode_steps: int
     cache: KVCache = field(repr=False)
 
-    @property
-    def new_tokens(self) -> int:
-        return max(len(t) for t in self.tokens)
-
 
 def sample(logits: torch.Tensor, s: Sampling, generator: torch.Generator | None) -> torch.Tensor:
     """logits (B, V) -> next ids (B,)."""

@@ -24,7 +24,7 @@ def run_report(folder: str, model, tok, chat, method: str, options: dict, policy
     lines.append(f"prompt    {result.prompt_tokens} tokens ({type(chat).__name__ if chat else 'raw'} format)")
     lines.append(f"prefill   {result.prefill_s:.3f} s, {result.prompt_tokens / result.prefill_s:.1f} tokens/s")
     rate = f", {result.decode_steps / result.decode_s:.1f} tokens/s" if result.decode_steps else ""
-    lines.append(f"decode    {result.new_tokens} new tokens{rate}")
+    lines.append(f"decode    {max(map(len, result.tokens))} new tokens{rate}")
     return lines + cache_report(result.cache, policy, BLOCKS if can_print(BLOCKS, encoding) else ASCII_BLOCKS)
 
 
