@@ -123,9 +123,6 @@ class Request:
     def finish(self, summed: dict[Sum, torch.Tensor]) -> "Stats":
         return Stats(**{s.name: s.finish(summed[s.sum]) for s in self.statistics})
 
-    def __repr__(self) -> str:
-        return f"Request{self.statistics}"
-
 
 class Stats:
     """One layer's attention statistics in one call, read as attributes (stats.column_sums), each
