@@ -11,7 +11,8 @@ from hypothesis import strategies as st
 from kvmini.budget import resolve_budget
 from kvmini.errors import KvminiError
 from kvmini.generate import for_batch, generate
-from kvmini.methods.allocators import pyramid, round_to_total, uniform
+from kvmini.methods.allocators import round_to_total
+from kvmini.methods.pyramidkv import pyramid
 from kvmini.methods.registry import METHODS, chooses_budget, make_policy, method_options
 from kvmini.methods.selectors import keep_top
 from kvmini.parts import AFTER_PROMPT, DECODE, EVERY_CALL
@@ -68,7 +69,6 @@ def test_keep_top_worked_example():
 def test_round_to_total_and_pyramid_by_hand():
     assert round_to_total([1.5, 1.5, 1.0], 4) == [2, 1, 1]
     assert pyramid(40, 4, window=8, beta=4) == [64, 48, 32, 16]  # k_min 8, k_max 56, see the docstring
-    assert uniform(7, 3) == [7, 7, 7]
 
 
 @given(b=st.integers(5, 3000), L=st.integers(1, 40), w=st.integers(0, 4), beta=st.floats(1, 50))

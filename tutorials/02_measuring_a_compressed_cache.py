@@ -22,7 +22,7 @@ import torch.nn.functional as F  # noqa: E402
 from kvmini.attention import explicit_attention  # noqa: E402
 from kvmini.budget import resolve_budget  # noqa: E402
 from kvmini.config import ModelConfig  # noqa: E402
-from kvmini.methods.allocators import pyramid  # noqa: E402
+from kvmini.methods.pyramidkv import pyramid  # noqa: E402
 from kvmini.methods.registry import make_policy  # noqa: E402
 from kvmini.methods.selectors import keep_top  # noqa: E402
 from kvmini.model import Transformer  # noqa: E402

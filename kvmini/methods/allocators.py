@@ -1,26 +1,8 @@
 """Allocators: how many tokens may each layer keep? Each returns one budget per layer.
 
-`Uniform` and `Pyramid` are the static budgeters (kvmini.parts.Budgeter) built on them.
+`Uniform` is the static budgeter (kvmini.parts.Budgeter); PyramidKV's pyramid is in its own module.
 """
 from kvmini.parts import Budgeter
-
-
-def uniform(tokens_per_layer: int, L: int) -> list[int]:
-    """Every layer keeps the same number of tokens."""
-    return [tokens_per_layer] * L
-
-
-def pyramid(tokens_per_layer: int, L: int, window: int, beta: float = 20) -> list[int]:
-    r"""PyramidKV (Cai et al. 2024, Sec. 3.3): budgets fall linearly from the bottom layer to the top.
-    Beyond the `window`, top k_min = (b - w) / \beta, bottom k_max = 2 (b - w) - k_min; total L * b exactly.
-    Example: b = 40, L = 4, window 8, beta 4 -> [64, 48, 32, 16]."""
-    extra = tokens_per_layer - window
-    if L == 1:
-        return [tokens_per_layer]
-    k_min = extra / beta
-    k_max = 2 * extra - k_min
-    exact = [k_max - (k_max - k_min) * l / (L - 1) for l in range(L)]
-    return [window + k for k in round_to_total(exact, extra * L)]
 
 
 def round_to_total(exact: list[float], total: int) -> list[int]:
@@ -52,14 +34,3 @@ def proportional(weights: list[float], total: int, low: int, high: list[int]) ->
 
 class Uniform(Budgeter):
     """Every layer keeps the mean budget b, known from the start."""
-
-
-class Pyramid(Budgeter):
-    """PyramidKV's linearly falling budgets (`pyramid`), known from the start."""
-
-    def __init__(self, window: int, beta: float = 20):
-        super().__init__()
-        self.window, self.beta = window, beta
-
-    def plan(self, b: int, L: int, n: int) -> list[int]:
-        return pyramid(b, L, self.window, self.beta)
