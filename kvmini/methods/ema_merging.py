@@ -41,7 +41,6 @@ class EMAMerge:
         """A new run of L layers (more are added as they come)."""
         self.L = L
         self.thresholds: torch.Tensor | None = None  # (L, B, H_kv), or (L, B, 1) per layer; NaN: none yet
-        self.at: dict[tuple, torch.Tensor] = {}  # layers -> their indices into `thresholds`, made once
         if self.trace is not None:
             self.trace.clear()  # a new run
 
@@ -120,11 +119,9 @@ class EMAMerge:
             if self.thresholds is not None:
                 fresh[: len(self.thresholds)] = self.thresholds
             self.thresholds = fresh
-        if layers not in self.at:
-            self.at[layers] = torch.tensor(layers, device=new.device)
-        prev = self.thresholds[self.at[layers]].view_as(new)  # NaN: the layer's first threshold is tau_0
+        prev = self.thresholds[list(layers)].view_as(new)  # NaN: the layer's first threshold is tau_0
         tau = torch.where(prev.isnan(), new, ema_threshold(prev, new, self.beta))
-        self.thresholds[self.at[layers]] = tau.view(len(layers), -1, tau.shape[1])
+        self.thresholds[list(layers)] = tau.view(len(layers), -1, tau.shape[1])
         return (sim >= tau[..., None]).expand_as(best)
 
 
