@@ -130,28 +130,6 @@ class LayerCache:
             buf[b, h, slot] = buf[:, :, last].clone()  # (B, H_kv, ...): the last entry into the slot
         self.length = last
 
-    def evict(self, slots: torch.Tensor) -> torch.Tensor:
-        """Evict entries `slots` (B, H_kv, m), distinct per head, m at most half of the S held: the last
-        m places' surviving entries move into the victims' slots below S - m, O(m·D) where `keep`
-        moves every kept entry, O(S·D); `evict_one` is its m = 1 case.
-        Returns the old slot of each kept entry in its new place, (B, H_kv, S - m).
-        Example: S = 6, slots [1, 4] -> entry 5 moves to slot 1, kept [0, 5, 2, 3]."""
-        S, m = self.length, slots.shape[2]
-        if not 0 < 2 * m <= S:
-            raise ValueError(f"evict: {m} entries of {S}, at most half")
-        victims = slots.sort(-1).values  # (B, H_kv, m): the holes below S - m first
-        tail = torch.arange(S - m, S, device=slots.device)  # (m,): the places that become free
-        gone = (victims[..., :, None] == tail).any(-2)  # (B, H_kv, m): tail places whose entry is a victim
-        movers = torch.where(gone, S, tail).sort(-1).values  # (B, H_kv, m): the surviving tail entries first
-        hole = victims < S - m  # as many holes as surviving tail entries, in the same leading places
-        dest = torch.where(hole, victims, tail)  # the rest copies a tail place onto itself
-        src = torch.where(hole, movers, tail)
-        for buf in (self._k, self._v, self._pos, *self._aux.values()):  # (B, H_kv, cap, ...)
-            buf.scatter_(2, along(dest, buf), buf.gather(2, along(src, buf)))
-        self.length = S - m
-        kept = torch.arange(S, device=slots.device).expand_as(self._pos[:, :, :S]).clone()  # (B, H_kv, S)
-        return kept.scatter_(2, dest, src)[..., : S - m]
-
     def _slot(self, slot) -> torch.Tensor:
         """`evict_one`'s argument as a (B, H_kv) tensor of held slots (an int: that slot in every head);
         values checked on the CPU only (on a GPU the check would wait for the device every step)."""

@@ -56,11 +56,6 @@ class PaddedLayer(LayerCache):
             raise ValueError("keep() of a layer whose rows differ in length: use keep_row()")
         super().keep(idx)
 
-    def evict(self, slots: torch.Tensor) -> torch.Tensor:
-        if self.counts is not None:
-            raise ValueError(f"evict: {slots.shape[2]} entries of {self.length}, in a cache whose rows hold different counts")
-        return super().evict(slots)
-
     def evict_one(self, slot: torch.Tensor) -> None:
         """As LayerCache.evict_one; when rows differ, each row's own last entry moves, and the place it
         leaves becomes a pad."""

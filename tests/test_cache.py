@@ -259,43 +259,6 @@ def test_a_buffer_of_several_values_per_entry_holds_each_value_of_every_entry_si
     assert side_by_side(Stack(cache, (0, 1), room=1).joint.aux("history"))
 
 
-def test_evict_moves_the_last_surviving_entries_into_the_victims_slots():
-    """evict(slots), worked by hand: per head, the victims below S - m take the surviving entries of the
-    last m places, smallest hole first; an aux buffer of several values per entry moves whole."""
-    lc = LayerCache(1, 3, 1, torch.float32, "cpu")
-    lc.declare(("history", torch.int16, (2,)))
-    for t in range(6):
-        lc.append(torch.full((1, 3, 1, 1), float(t)), torch.full((1, 3, 1, 1), 10.0 * t), torch.tensor([[t]]))
-    lc.aux("history")[:] = (torch.arange(6, dtype=torch.int16)[:, None] * torch.tensor([1, -1], dtype=torch.int16))
-    kept = lc.evict(torch.tensor([[[4, 1], [5, 4], [0, 5]]]))
-    # head 0: holes {1}, tail 4, 5 -> 5 (survives) into 1; head 1: both victims in the tail; head 2: 4 into 0
-    assert kept.tolist() == [[[0, 5, 2, 3], [0, 1, 2, 3], [4, 1, 2, 3]]]
-    assert lc.length == 4 and lc.positions.tolist() == kept.tolist()
-    assert lc.keys[..., 0].tolist() == [[[0, 5, 2, 3], [0, 1, 2, 3], [4, 1, 2, 3]]]
-    assert lc.values[..., 0].tolist() == [[[0, 50, 20, 30], [0, 10, 20, 30], [40, 10, 20, 30]]]
-    assert lc.aux("history")[0, 2].tolist() == [[4, -4], [1, -1], [2, -2], [3, -3]]
-    with pytest.raises(ValueError, match="at most half"):
-        lc.evict(torch.tensor([[[0, 1, 2]] * 3]))
-
-
-def test_evict_keeps_the_set_keep_keeps():
-    """Random victims: the entries evict leaves are the ones keep leaves (by position, with their K/V)."""
-    g = torch.Generator().manual_seed(0)
-    for S, m in [(9, 4), (16, 1), (30, 15)]:
-        a, b = LayerCache(2, 3, 4, torch.float32, "cpu"), LayerCache(2, 3, 4, torch.float32, "cpu")
-        k, v = torch.randn(2, 3, S, 4, generator=g), torch.randn(2, 3, S, 4, generator=g)
-        for lc in (a, b):
-            lc.append(k, v, torch.arange(S)[None].expand(2, S))
-        victims = torch.rand(2, 3, S, generator=g).argsort(-1)[..., :m]  # (2, 3, m)
-        a.evict(victims)
-        survivors = torch.ones(2, 3, S, dtype=torch.bool).scatter_(2, victims, False)
-        b.keep(survivors.nonzero()[:, 2].view(2, 3, S - m))
-        order = a.positions.argsort(-1)  # a's entries in position order
-        assert torch.equal(a.positions.gather(2, order), b.positions)
-        assert torch.equal(a.keys.gather(2, order[..., None].expand(-1, -1, -1, 4)), b.keys)
-        assert torch.equal(a.values.gather(2, order[..., None].expand(-1, -1, -1, 4)), b.values)
-
-
 def test_key_norms_are_kept_by_the_cache_through_appends_evictions_joins_and_set_keys():
     """KEY_NORM, once declared, holds the norm of every held key: the keys held when it is declared,
     each appended one (also in padded rows), after evictions and in a join, and after `set_keys`."""

@@ -9,12 +9,13 @@ from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 from kvmini.budget import resolve_budget
+from kvmini.cache import LayerCache
 from kvmini.errors import KvminiError
 from kvmini.generate import for_batch, generate
 from kvmini.methods.allocators import round_to_total
 from kvmini.methods.pyramidkv import pyramid
 from kvmini.methods.registry import METHODS, chooses_budget, make_policy, method_options
-from kvmini.methods.selectors import keep_top
+from kvmini.methods.selectors import TopK, keep_top
 from kvmini.parts import AFTER_PROMPT, DECODE, EVERY_CALL
 from kvmini.per_sequence import PerSequence, sequence
 from kvmini.policy import Policy
@@ -337,32 +338,36 @@ def test_lowest_drops_what_keep_top_drops_in_any_buffer_order(S, sinks, recent, 
 
 
 @settings(max_examples=60, deadline=None)
-@given(S=st.integers(3, 30), sinks=st.integers(0, 4), recent=st.integers(0, 6), m=st.integers(1, 8),
+@given(S=st.integers(3, 30), sinks=st.integers(0, 4), recent=st.integers(0, 6), m=st.integers(2, 8),
        seed=st.integers(0, 10**6))
-def test_lowest_few_drops_what_keep_top_drops_in_any_buffer_order(S, sinks, recent, m, seed):
-    """evict_every's m victims (`lowest_few`, two selections of m, buffer in any order) are the m entries
-    keep_top leaves out, per head, on scores with many ties."""
-    from kvmini.methods.selectors import keep_top, lowest_few
-
+def test_topk_dropping_m_at_once_keeps_what_keep_top_keeps_in_any_buffer_order(S, sinks, recent, m, seed):
+    """evict_every's batches (Scissorhands drops m at once): TopK keeps, per head, the entries keep_top
+    keeps on the position-ordered scores with many ties, keys with them, whatever the buffer's order."""
     if sinks + recent + m > S:
         return
     gen = torch.Generator().manual_seed(seed)
     positions = torch.stack([torch.randperm(3 * S, generator=gen)[:S].sort().values for _ in range(2)])  # (2, S)
     score = torch.randint(0, 4, (2, S), generator=gen).double()  # few values: many ties
-    kept = keep_top(score.view(1, 2, S), S - m, sinks, recent)[0]  # (2, S - m), position order
-    want = [sorted(set(row) - set(k)) for row, k in zip(positions.tolist(), positions.gather(1, kept).tolist())]
+    want = positions.gather(1, keep_top(score.view(1, 2, S), S - m, sinks, recent)[0])  # (2, S - m) ascending
     perm = torch.stack([torch.randperm(S, generator=gen) for _ in range(2)])  # each head's buffer in its own order
-    slots = lowest_few(score.gather(1, perm).view(1, 2, S), positions.gather(1, perm).view(1, 2, S), sinks, recent, m)
-    assert positions.gather(1, perm).gather(1, slots[0]).sort().values.tolist() == want
+    lc = LayerCache(1, 2, 1, torch.float64, "cpu")
+    lc.append(torch.zeros(1, 2, S, 1), torch.zeros(1, 2, S, 1), torch.zeros(1, S, dtype=torch.long))
+    lc.positions[0] = positions.gather(1, perm)
+    lc.keys[0, :, :, 0] = positions.gather(1, perm).double()  # each key names its position
+    TopK(sinks, recent)((0,), lc, score.gather(1, perm).view(1, 2, S), S - m, int(positions.max()))
+    assert lc.positions[0].sort(-1).values.tolist() == want.tolist()
+    assert torch.equal(lc.keys[0, :, :, 0], lc.positions[0].double())
 
 
-def test_lowest_few_worked_example():
-    from kvmini.methods.selectors import lowest_few
-
-    score, positions = torch.tensor([[[5.0, 1, 9, 1, 7, 2]]]), torch.arange(6).view(1, 1, 6)
-    assert lowest_few(score, positions, 1, 1, 2).tolist() == [[[1, 3]]]
-    assert lowest_few(score, positions, 1, 1, 1).tolist() == [[[3]]]  # of the tied 1s, the later goes
-    assert lowest_few(score, positions, 0, 3, 2).tolist() == [[[0, 1]]]  # the window 3, 4, 5 stays
+def test_topk_dropping_two_worked_example():
+    """score [5, 1, 9, 1, 7, 2] at positions 0..5: with 1 sink and a window of 1, dropping two drops the
+    tied 1s; a window of 3 keeps 3, 4, 5 and the best of 0, 1, 2."""
+    score = torch.tensor([[[5.0, 1, 9, 1, 7, 2]]])
+    for sinks, recent, kept in [(1, 1, [0, 2, 4, 5]), (0, 3, [2, 3, 4, 5])]:
+        lc = LayerCache(1, 1, 1, torch.float32, "cpu")
+        lc.append(torch.zeros(1, 1, 6, 1), torch.zeros(1, 1, 6, 1), torch.arange(6)[None])
+        TopK(sinks, recent)((0,), lc, score, 4, 5)
+        assert lc.positions.tolist() == [[kept]]
 
 
 def test_every_part_refuses_a_mode_it_does_not_know():

@@ -29,7 +29,7 @@ import torch
 from kvmini.cache import PAD, LayerCache
 from kvmini.errors import one_of
 from kvmini.methods.convex_value_merge import AverageAttention
-from kvmini.methods.selectors import TopK, first_held, last_held
+from kvmini.methods.selectors import TopK
 from kvmini.parts import Budgeter, Compressor, Rule, most
 from kvmini.statistics import Request, Statistic, Stats, column_sums
 
@@ -38,6 +38,27 @@ def group_mean_square(rows: torch.Tensor) -> torch.Tensor:
     """(..., g, T, S) attention rows -> (mean over the g query heads of a KV head)^2, the same for each of
     them: EasyKV squares the group-mean row (easykv.py:195, :611, :701), not each head's."""
     return rows.mean(-3, keepdim=True).square().expand_as(rows)
+
+
+def first_held(positions: torch.Tensor, k: int) -> torch.Tensor:
+    """The k held entries of lowest position, (B, H_kv, S) bool (pads, at PAD, come last)."""
+    if k <= 0:
+        return torch.zeros_like(positions, dtype=torch.bool)
+    nth = positions.topk(min(k, positions.shape[-1]), dim=-1, largest=False).values[..., -1:]  # (B, H_kv, 1)
+    return (positions <= nth) & (positions != PAD)
+
+
+def last_held(positions: torch.Tensor, k) -> torch.Tensor:
+    """The k held entries of highest position, (B, H_kv, S) bool; k an int or one per row (R, 1, 1)."""
+    most = k if isinstance(k, int) else int(k.max())
+    if most <= 0:
+        return torch.zeros_like(positions, dtype=torch.bool)
+    held = positions.masked_fill(positions == PAD, -1)  # pads first from the top
+    top = held.topk(min(most, held.shape[-1]), dim=-1).values  # (B, H_kv, most): the latest, descending
+    nth = top[..., -1:] if isinstance(k, int) else top.gather(-1, (k - 1).clamp(0, top.shape[-1] - 1).expand(
+        -1, held.shape[1], 1))  # (B, H_kv, 1): each row's k-th latest
+    latest = (held >= nth) & (held >= 0)
+    return latest if isinstance(k, int) else latest & (k > 0)
 
 
 COLUMN_SQUARES = Statistic("column_squares", None, group_mean_square, "mean")  # (B, H_kv, S): sum_i Abar_ij^2
