@@ -91,11 +91,11 @@ def test_a_refactor_leaves_accuracy_current_and_makes_speed_stale(tmp_path, monk
     assert "parts_speed is stale (kvmini/cache.py changed)" in line
 
 
-def test_the_command_line_and_option_reading_stale_no_speed(tmp_path, monkeypatch):
-    """They run before any clock starts (provenance.UNTIMED); the registry's make_policy does not."""
+def test_the_command_line_option_reading_and_report_stale_no_speed(tmp_path, monkeypatch):
+    """They run outside any clock (provenance.UNTIMED); the registry's make_policy does not."""
     root = copy_of_the_code(tmp_path, monkeypatch)
     speed, today = speed_results(tmp_path, ["full", "h2o"])
-    for name in ("cli.py", "methods/options.py"):
+    for name in ("cli.py", "methods/options.py", "report.py"):
         with open(root / "kvmini" / name, "a") as f:
             f.write("\nA_CHANGE = 1\n")
     assert provenance.stale(speed, today) == []
