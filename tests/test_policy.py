@@ -341,7 +341,7 @@ def test_lowest_drops_what_keep_top_drops_in_any_buffer_order(S, sinks, recent, 
 @given(S=st.integers(3, 30), sinks=st.integers(0, 4), recent=st.integers(0, 6), m=st.integers(2, 8),
        seed=st.integers(0, 10**6))
 def test_topk_dropping_m_at_once_keeps_what_keep_top_keeps_in_any_buffer_order(S, sinks, recent, m, seed):
-    """evict_every's batches (Scissorhands drops m at once): TopK keeps, per head, the entries keep_top
+    """evict_every's batches (e.g. h2o[evict_every=8]): TopK keeps, per head, the entries keep_top
     keeps on the position-ordered scores with many ties, keys with them, whatever the buffer's order."""
     if sinks + recent + m > S:
         return

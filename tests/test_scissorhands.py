@@ -7,7 +7,7 @@ import torch
 
 from kvmini.cache import LayerCache
 from kvmini.methods.registry import declarations, make_policy
-from kvmini.methods.scissorhands import LowHistory, below_average
+from kvmini.methods.scissorhands import DropLowest, LowHistory, below_average, drop
 from kvmini.methods.selectors import TopK
 from kvmini.statistics import Stats
 from reference import engine_run, random_model, simulate
@@ -29,12 +29,13 @@ ROWS = {  # step t -> the query's attention over the cache, in position order (s
 }
 
 
-def test_the_hand_worked_stream():
+@pytest.mark.parametrize("compressor", [TopK(0, 2), DropLowest(0, 2)], ids=["TopK", "DropLowest"])
+def test_the_hand_worked_stream(compressor):
     """B = 6, m = 2 (budget 4, evict 2 at once), w = 3, r = 2. After step 5 the window is steps 3-5:
     I = 0, 3, 2, 1 for positions 0-3 (4 and 5 are recent), so 1 and 2 go: [0, 3, 4, 5]. After step 7
     (steps 5-7): I(0) = 0, I(3) = 1, I(4) = 3, I(5) = 1: 4 goes, then the tie of 3 and 5 drops the
     older, 3: [0, 5, 6, 7]. The cache holds 1, 2, 3, 4, 5, 4, 5, 4 entries."""
-    scorer, compressor = LowHistory(w=3), TopK(0, 2)
+    scorer = LowHistory(w=3)
     compressor.start(1)
     lc = LayerCache(1, 1, 1, torch.float64, "cpu")
     lc.declare(*scorer.aux)
@@ -51,6 +52,57 @@ def test_the_hand_worked_stream():
         sizes.append(lc.length)
     assert kept == {5: [0, 3, 4, 5], 7: [0, 5, 6, 7]}
     assert sizes == [1, 2, 3, 4, 5, 4, 5, 4]
+
+
+def test_drop_moves_the_last_surviving_entries_into_the_victims_slots():
+    """drop(victims), worked by hand: per head, the victims below S - m take the surviving entries of the
+    last m places, smallest hole first; a record of several values per entry moves whole."""
+    lc = LayerCache(1, 3, 1, torch.float32, "cpu")
+    lc.declare(("history", torch.int16, (2,)))
+    for t in range(6):
+        lc.append(torch.full((1, 3, 1, 1), float(t)), torch.full((1, 3, 1, 1), 10.0 * t), torch.tensor([[t]]))
+    lc.aux("history")[:] = (torch.arange(6, dtype=torch.int16)[:, None] * torch.tensor([1, -1], dtype=torch.int16))
+    kept = drop(lc, torch.tensor([[[4, 1], [5, 4], [0, 5]]]))
+    # head 0: hole 1, tail 4 (a victim), 5 -> 5 into 1; head 1: both victims in the tail; head 2: 4 into 0
+    assert kept.tolist() == [[[0, 5, 2, 3], [0, 1, 2, 3], [4, 1, 2, 3]]]
+    assert lc.length == 4 and lc.positions.tolist() == kept.tolist()
+    assert lc.keys[..., 0].tolist() == [[[0, 5, 2, 3], [0, 1, 2, 3], [4, 1, 2, 3]]]
+    assert lc.values[..., 0].tolist() == [[[0, 50, 20, 30], [0, 10, 20, 30], [40, 10, 20, 30]]]
+    assert lc.aux("history")[0, 2].tolist() == [[4, -4], [1, -1], [2, -2], [3, -3]]
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_drop_lowest_keeps_what_topk_keeps_in_any_buffer_order(seed):
+    """Random decode-time caches (sinks at positions 0.., gaps, the window the newest positions), buffers
+    in any order, distinct scores: DropLowest leaves the tokens TopK's sort and keep leave, each with its
+    key, value and record."""
+    gen = torch.Generator().manual_seed(seed)
+    sinks, recent, m = (int(x) for x in torch.randint(0, 4, (3,), generator=gen))
+    m, S = m + 2, int(torch.randint(12, 40, (1,), generator=gen))
+    b = S - m
+    middle = (torch.randperm(3 * S, generator=gen)[: S - sinks - recent] + sinks).sort().values
+    top = int(middle.max()) + 1
+    positions = torch.cat([torch.arange(sinks), middle, torch.arange(top, top + recent)])  # (S,) ascending
+    caches = []
+    for compressor in (TopK(sinks, recent), DropLowest(sinks, recent)):
+        lc = LayerCache(1, 2, 1, torch.float64, "cpu")
+        lc.declare(("record", torch.int16, (3,)))
+        perm = torch.stack([torch.randperm(S, generator=torch.Generator().manual_seed(seed + h)) for h in range(2)])
+        pos = positions[perm]  # (2, S): each head's buffer in its own order
+        lc.append(pos[None, :, :, None].double(), -pos[None, :, :, None].double(), torch.zeros(1, S, dtype=torch.long))
+        lc.positions[0] = pos
+        lc.aux("record")[0] = pos[..., None].to(torch.int16) * torch.tensor([1, 2, 3], dtype=torch.int16)
+        score = torch.sin(pos.double() * 7.3 + seed)[None]  # (1, 2, S): distinct
+        compressor.start(1)
+        if isinstance(compressor, DropLowest):  # its own path: no entry but the last m moves
+            lc.keep = lambda idx: pytest.fail("DropLowest fell back to keep")
+        compressor((0,), lc, score, b, int(positions.max()))
+        order = lc.positions.argsort(-1)
+        caches.append([lc.positions.gather(2, order), lc.keys[..., 0].gather(2, order),
+                       lc.values[..., 0].gather(2, order), lc.aux("record")[..., 2].gather(2, order)])
+    for want, got in zip(*caches):
+        assert torch.equal(want, got)
+    assert torch.equal(caches[1][1], caches[1][0].double()) and torch.equal(caches[1][3], 3 * caches[1][0].to(torch.int16))
 
 
 def scissorhands_literal(budget, g, n, w=400, sinks=0, recent=10, m=16):

@@ -42,7 +42,7 @@ DECODE_TIME = [  # every method and variant that evicts while decoding
     ("d2o", 0.4, SKEWED),  # [40, 8, 8, 8]: layer 0 holds the whole prompt, its first eviction a decode step's
     ("scissorhands", 30, {"evict_every": 3}),  # steps that only update the history at once, and steps that evict
     ("scissorhands", 30, {"evict_every": 3, "history": 2}),  # 3 of 33, layer after layer; the ring turns
-    ("scissorhands", 12, {"evict_every": 3}),  # 3 of 15: keep_top, layer after layer from the joined score
+    ("scissorhands", 12, {"evict_every": 3}),  # 3 of 15: DropLowest, layer after layer from the joined score
     ("h2o", 30, {"evict_every": 4}),
     ("tova", 12, {"evict_every": 4}),  # nothing to update between evictions
     ("d2o", 12, {"variant": "paper", "evict_every": 3}),  # merges, rows of different lengths: layer after layer

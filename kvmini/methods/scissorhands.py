@@ -39,7 +39,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvmini.cache import LayerCache
+from kvmini.cache import LayerCache, along
 from kvmini.methods.allocators import Uniform
 from kvmini.methods.selectors import TopK
 from kvmini.parts import EVERY_CALL, Rule, Scorer
@@ -93,6 +93,36 @@ class LowHistory(Scorer):
         return f"minus the low-attention steps among the last {self.w} (Scissorhands' importance record)", self(lc, None)
 
 
+class DropLowest(TopK):
+    """Alg. 2's eviction: the m tokens of lowest score go at once, outside the sinks and the window (the
+    scores never tie: the position breaks them), and the last entries move into their slots (`drop`), so
+    m entries move with their w-step records where TopK's sort and `keep` move all S. One entry, the
+    prompt, or rows of different lengths: TopK's (tests/test_scissorhands.py: the same tokens stay)."""
+
+    def __call__(self, layers: tuple, lc: LayerCache, score: torch.Tensor, b, newest: int) -> torch.Tensor | None:
+        if not isinstance(b, int) or not isinstance(lc, LayerCache) or lc.padded or not 1 < lc.length - b <= b:
+            return super().__call__(layers, lc, score, b, newest)
+        free = (lc.positions >= self.sinks) & (lc.positions <= newest - self.recent(b))  # (B, H_kv, S)
+        return drop(lc, score.masked_fill(~free, float("inf")).topk(lc.length - b, -1, largest=False).indices)
+
+
+def drop(lc: LayerCache, victims: torch.Tensor) -> torch.Tensor:
+    """Evict entries `victims` (B, H_kv, m), distinct per head, m <= S - m: the surviving entries of the
+    last m places move into the victims' slots below S - m. Returns each kept place's old slot (B, H_kv, S - m).
+    Example: S = 6, victims [1, 4] -> entry 5 moves to slot 1; kept [0, 5, 2, 3]."""
+    S, m = lc.length, victims.shape[2]
+    victims = victims.sort(-1).values  # the holes below S - m first
+    tail = torch.arange(S - m, S, device=victims.device)  # (m,): the places that become free
+    gone = (victims[..., :, None] == tail).any(-2)  # (B, H_kv, m): tail places whose entry is a victim
+    movers = torch.where(gone, S, tail).sort(-1).values  # the surviving tail entries first
+    hole = victims < S - m  # as many holes as surviving tail entries, in the same leading places
+    dest, src = torch.where(hole, victims, tail), torch.where(hole, movers, tail)  # the rest copy onto themselves
+    for buf in (lc.keys, lc.values, lc.positions, *map(lc.aux, lc.aux_names())):  # views (B, H_kv, S, ...)
+        buf.scatter_(2, along(dest, buf), buf.gather(2, along(src, buf)))
+    lc.length = S - m
+    return torch.arange(S, device=victims.device).expand(*victims.shape[:2], S).clone().scatter_(2, dest, src)[..., : S - m]
+
+
 @dataclass(frozen=True)
 class Options:
     history: int = 400  # Scissorhands' history window w: the last steps whose low-attention flags count
@@ -101,5 +131,5 @@ class Options:
 
 
 def build(budget: float, o: Options = Options()) -> Policy:
-    return Policy("scissorhands", budget, LowHistory(o.history), Uniform(), TopK(o.sinks, o.recent),
+    return Policy("scissorhands", budget, LowHistory(o.history), Uniform(), DropLowest(o.sinks, o.recent),
                   schedule=EVERY_CALL)
