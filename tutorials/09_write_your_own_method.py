@@ -340,14 +340,16 @@ print("low counts over the last 3 queries:", stats.low_counts[0, 0].tolist())
 # a slot held leaves as the new one comes), so that an eviction reads $I_j$ without summing $w$ values
 # per token. The cache moves both with their token through every eviction and counts their bytes
 # (`aux` in run.py's report). The hand-worked stream of `tests/test_scissorhands.py` (cache of
-# $B = 6$, $m = 2$, $w = 3$, $r = 2$) runs the scorer and TopK on a cache by hand:
+# $B = 6$, $m = 2$, $w = 3$, $r = 2$) runs the scorer and Scissorhands' compressor on a cache by hand
+# (`DropLowest`: it drops the $m$ lowest at once by moving only the last $m$ entries; the test runs
+# TopK's sort and keep too, which keep the same tokens):
 
 # %%
 from test_scissorhands import test_the_hand_worked_stream  # noqa: E402
 
 print(scissorhands.LowHistory(w=3).aux)
 print(inspect.getsource(test_the_hand_worked_stream).split('"""')[1])
-test_the_hand_worked_stream()
+test_the_hand_worked_stream(scissorhands.DropLowest(0, 2))
 
 # %% [markdown]
 # **Dropping $m$ at once** is the engine's `evict_every`: a layer holds up to budget + m − 1 entries
