@@ -154,7 +154,7 @@ def test_aux_buffers_are_declared_before_use():
     """A statistic kept in the cache is declared by the part that owns it (Scorer.aux); a name never
     declared (a typo) is an error, not a silent buffer of zeros."""
     from kvmini.errors import KvminiError
-    from kvmini.methods.convex_value_merge import AverageAttention
+    from kvmini.methods.average_attention import AverageAttention
     from kvmini.methods.scorers import CumulativeAttention
 
     lc = LayerCache(batch=1, kv_heads=1, head_dim=2, dtype=torch.float32, device="cpu")

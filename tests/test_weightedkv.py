@@ -172,7 +172,7 @@ def test_the_newest_token_is_never_merged_even_without_a_recent_window():
 
 def test_counts_of_a_chunk_follow_the_causal_mask():
     """A chunk of 3 queries at positions 5, 6, 7: older keys are seen 3 times, new keys 3, 2 and 1 times."""
-    from kvmini.methods.convex_value_merge import AverageAttention
+    from kvmini.methods.average_attention import AverageAttention
 
     lc = LayerCache(1, 1, 8, torch.float32, "cpu")
     for t in [1, 3, 5, 6, 7]:

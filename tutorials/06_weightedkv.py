@@ -17,7 +17,8 @@ import torch  # noqa: E402
 from kvmini.course.cells import solved  # noqa: E402  (a student copy: skip what needs an exercise not done yet)
 from kvmini.attention import Stats  # noqa: E402
 from kvmini.cache import LayerCache  # noqa: E402
-from kvmini.methods.convex_value_merge import AverageAttention, convex_value_merge  # noqa: E402
+from kvmini.methods.average_attention import AverageAttention  # noqa: E402
+from kvmini.methods.convex_value_merge import convex_value_merge  # noqa: E402
 from kvmini.methods.registry import make_policy  # noqa: E402
 
 # %% [markdown]

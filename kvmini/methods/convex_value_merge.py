@@ -1,6 +1,6 @@
 r"""Convex value merging (WeightedKV, Yuan et al. 2025, Sec. III-B and Alg. 1).
 
-Every token keeps two running sums (cache aux, gathered with the cache):
+Every token keeps two running sums (cache aux, kvmini.methods.average_attention):
     a_j  attention it has received, summed over all queries        (Alg. 1 line 4)
     n_j  how many queries have attended to it (could see it)       (Alg. 1 line 5)
 Whenever the cache holds more than its capacity m:
@@ -34,33 +34,10 @@ cache in 17.9 s; chunks of the capacity 0.035 (runs, 0.8 s) and 0.033 (sequentia
 """
 import torch
 
-from kvmini.statistics import Request, Stats, column_sums
 from kvmini.cache import PAD, LayerCache, wide
 from kvmini.errors import one_of
 from kvmini.methods.merged import Merged
-from kvmini.parts import Compressor, Rule, Scorer, most
-
-
-class AverageAttention(Scorer):
-    """The running sums a and n of Alg. 1 lines 4-5, per KV head (query heads of a group reduced)."""
-
-    accumulates = True
-    aux = ("a", "n")
-
-    def __init__(self, reduce: str = "mean"):
-        self.request = Request(column_sums(reduce))
-
-    def update(self, lc: LayerCache, stats: Stats, start: int, T: int) -> None:
-        """After a call of T queries at positions start..start+T-1."""
-        lc.aux("a").add_(stats.column_sums)  # (B, H_kv, S)  line 4
-        # line 5: a key at position p is seen by the queries at positions max(p, start)..start+T-1
-        lc.aux("n").add_(T - (lc.positions - start).clamp(min=0))  # (B, H_kv, S)
-
-    def __call__(self, lc: LayerCache, stats: Stats) -> torch.Tensor:
-        return lc.aux("a") / lc.aux("n")  # line 7: abar (B, H_kv, S)
-
-    def describe(self, lc: LayerCache) -> tuple[str, torch.Tensor | None]:
-        return "average attention a/n (WeightedKV's ranking)", self(lc, None)
+from kvmini.parts import Compressor, Rule, most
 
 
 def convex_value_merge(lc: LayerCache, capacity: int, sinks: int, recent: int) -> None:

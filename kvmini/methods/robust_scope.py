@@ -28,8 +28,9 @@ import torch
 
 from kvmini.cache import PAD, LayerCache
 from kvmini.errors import one_of
+from kvmini.methods.average_attention import AverageAttention
 from kvmini.methods.selectors import TopK
-from kvmini.parts import Budgeter, Compressor, Rule, Scorer, most
+from kvmini.parts import Budgeter, Compressor, Rule, most
 from kvmini.statistics import Request, Statistic, Stats, column_sums
 
 
@@ -63,15 +64,14 @@ def last_held(positions: torch.Tensor, k) -> torch.Tensor:
 COLUMN_SQUARES = Statistic("column_squares", None, group_mean_square, "mean")  # (B, H_kv, S): sum_i Abar_ij^2
 
 
-class MeanAttention(Scorer):
-    r"""The running sums of R1-R2 in lc.aux, per KV head: a (attention), q (its squares), n (queries);
-    the score is MAS = a / n (R1: WeightedKV's average attention, kvmini.methods.convex_value_merge).
+class MeanAttention(AverageAttention):
+    r"""The running sums of R1-R2 in lc.aux, per KV head: a (WeightedKV's a), q (squares), n (queries).
+    MAS = a / n is WeightedKV's average attention (kvmini.methods.average_attention); RoCo adds q.
 
     `from_budget`: None counts every query (the paper); a budgeter counts only the calls whose cache
     exceeds its budget b (EasyKV with keep_attention=False, :603 and :620: statistics start with the
     first call that overflows the cache; every later call overflows too)."""
 
-    accumulates = True
     aux = ("a", "q", "n")
 
     def __init__(self, from_budget: Budgeter | None = None):
@@ -79,16 +79,10 @@ class MeanAttention(Scorer):
         self.from_budget = from_budget
 
     def update(self, lc: LayerCache, stats: Stats, start: int, T: int) -> None:
-        """After a call of T queries at positions start..start+T-1."""
         if self.from_budget is not None and lc.length <= self.from_budget.b:
             return
-        lc.aux("a").add_(stats.column_sums)  # (B, H_kv, S)  a += sum_i A_ij (R1)
+        super().update(lc, stats, start, T)  # a += sum_i A_ij (R1), n += the queries that saw j
         lc.aux("q").add_(stats.column_squares)  # (B, H_kv, S)  q += sum_i A_ij^2 (R2)
-        # n: a key at position p is seen by the queries at positions max(p, start)..start+T-1
-        lc.aux("n").add_(T - (lc.positions - start).clamp(min=0))  # (B, H_kv, S)
-
-    def __call__(self, lc: LayerCache, stats: Stats) -> torch.Tensor:
-        return lc.aux("a") / lc.aux("n")  # MAS (R1), (B, H_kv, S)
 
     def describe(self, lc: LayerCache) -> tuple[str, torch.Tensor | None]:
         mas = lc.aux("a") / lc.aux("n").clamp(min=1)

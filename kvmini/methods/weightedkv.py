@@ -19,7 +19,8 @@ from dataclasses import dataclass
 from typing import Literal
 
 from kvmini.methods.allocators import Uniform
-from kvmini.methods.convex_value_merge import AverageAttention, ConvexValueMerge
+from kvmini.methods.average_attention import AverageAttention
+from kvmini.methods.convex_value_merge import ConvexValueMerge
 from kvmini.parts import EVERY_CALL, Rule
 from kvmini.policy import Policy
 
