@@ -20,6 +20,7 @@ cli.exit_on_ctrl_c(__name__)  # before anything imports torch
 import torch  # noqa: E402
 
 from kvmini.chat import load_chat_format, stop_token_ids  # noqa: E402
+from kvmini.compare import comparison  # noqa: E402
 from kvmini.conversation import Session, line  # noqa: E402
 from kvmini.errors import KvminiError  # noqa: E402
 import kvmini.generate  # noqa: E402  (called as kvmini.generate.generate: a test replaces it)
@@ -30,7 +31,7 @@ from kvmini.methods.registry import (DEFAULT_BUDGET, METHODS, compress_every_cal
 from kvmini.progress import Progress  # noqa: E402
 from kvmini.report import run_report  # noqa: E402
 from kvmini.tokenizer import StreamDecoder, load_tokenizer  # noqa: E402
-from kvmini.view import record_merges, write_html, write_turns  # noqa: E402
+from kvmini.view import record_merges, write_comparison, write_turns  # noqa: E402
 from kvmini.weights import DEFAULT_MODEL_DIR, ensure_default_model  # noqa: E402
 
 EXAMPLES = """examples:
@@ -41,6 +42,7 @@ EXAMPLES = """examples:
   python run.py --prompt doc.txt --method snapkv --budget 128 --window 16 --pooling max
   python run.py --prompt doc.txt --method h2o --budget 0.1      # keep 10% of the prompt per layer
   python run.py --prompt doc.txt --method d2o --html kept.html  # a web page of what each layer and head kept
+  python run.py --prompt doc.txt --method d2o --compare         # the full cache's answer beside d2o's, and what changed
   python run.py --chat --method snapkv < turns.txt              # a conversation: one turn per line, one cache
   python run.py --context doc.txt --question "Who?" --question "When?" --method snapkv
                                           # the context compressed once, each question answered from a copy
@@ -122,6 +124,10 @@ def parse_args(argv=None):
                         f"complete keep what one call keeps; {', '.join(compress_every_call())} compress after every "
                         "chunk by design, so the size changes what they keep)")
     p.add_argument("--raw", action="store_true", help="feed the prompt as is, without the chat template")
+    p.add_argument("--compare", action="store_true",
+                   help="also answer with the full cache, and show where the two answers part, the method's KL and "
+                        "top-1 agreement with the full cache's answer fed in, and the K/V bytes it kept (--prompt, "
+                        "or each --question)")
     p.add_argument("--html", type=cli.path, metavar="FILE", help="also write a web page of what each layer and KV head kept, "
                                                   "token by token (one self-contained file)")
     p.add_argument("--quiet", action="store_true", help="no progress on stderr (it shows only on a terminal, for long work)")
@@ -150,6 +156,13 @@ def mode_errors(p, args) -> None:
         p.error("--question asks about a --context FILE; give one")
     if not (args.prompt or args.chat or args.context):
         p.error("give the prompt: --prompt FILE, --chat (turns on stdin) or --context FILE --question TEXT")
+    if args.compare and args.chat:
+        p.error("--compare takes --prompt or --context/--question: a --chat turn continues the method's own answers, "
+                "so the full cache's turn would answer a different conversation")
+    if args.compare and args.method == "full":
+        p.error("--compare puts a method beside the full cache; give a --method other than full")
+    if args.compare and args.temperature > 0 and args.seed is None:
+        p.error("--compare with --temperature above 0 needs --seed N, so that both runs draw the same random numbers")
     if args.temperature == 0:  # greedy decoding draws nothing: a sampling option would be silently ignored
         for flag, off in (("top_k", 0), ("top_p", 1.0), ("seed", None)):
             if getattr(args, flag) != off:
@@ -177,8 +190,12 @@ def generate_answer(args) -> int:
     result = answer(args, model, tok, chat, ids, policy)
     print("\n".join(run_report(folder.name, model, tok, chat, args.method, args.options, policy, result,
                                 sys.stdout.encoding)))
+    runs, parts = [(result.cache, policy, trace, args.method, result.tokens[0])], None
+    if args.compare:
+        full, found = beside_full(args, model, tok, chat, ids, result, "the full cache, on the same prompt")
+        runs, parts = [(full.cache, None, None, "full", full.tokens[0])] + runs, [found.parts] * 2
     if args.html is not None:
-        page = write_html(args.html, result.cache, tok, ids, result.tokens[0], policy, trace, args.method)
+        page = write_comparison(args.html, runs, tok, ids, parts=parts)
         print(f"page      {page} ({page.stat().st_size / 2**20:.2f} MiB): what each layer and KV head kept")
     sys.stdout.flush()
     return 0
@@ -219,6 +236,18 @@ def answer(args, model, tok, chat, ids: list[int], policy, cache=None):
     return result
 
 
+def beside_full(args, model, tok, chat, ids: list[int], result, title: str, context=None):
+    """--compare: answer `ids` with the full cache (after context[0], a --question's context), then print what
+    the method changed (kvmini.compare); -> (the full cache's result, the Comparison)."""
+    print(f"\n--- {title} ---")
+    before = [] if context is None else context[0]
+    full = answer(args, model, tok, chat, before + ids, None)
+    fresh = make_policy(args.method, args.budget, **args.options)  # the teacher-forced pass runs from the start
+    found = comparison(args.method, model, ids, full.tokens[0], result, fresh, context, args.chunk_size)
+    print("\n".join(found.lines(tok.decode)))
+    return full, found
+
+
 def several_prompts(args, policy, context: str | None) -> int:
     """--chat or --context/--question: prompts over one cache (kvmini.conversation), a line after each
     answer, the report at the end."""
@@ -239,9 +268,15 @@ def several_prompts(args, policy, context: str | None) -> int:
     lines = run_report(folder.name, model, tok, chat, args.method, args.options, policy, last, sys.stdout.encoding)
     lines[3:3] = [f"{'' if i else 'prompts':<9} {line(t)}" for i, t in enumerate(turns)]
     print("\n".join(lines))
+    parts = None
+    if args.compare:  # (--context: --chat is refused)
+        parts = []
+        for t in turns:
+            parts.append(beside_full(args, model, tok, chat, t.ids, t.result, f"{t.label}, the full cache (the "
+                                     "context uncompressed)", (session.context_ids, last.cache, policy))[1].parts)
     if args.html is not None:
         page = write_turns(args.html, turns, tok, trace, args.method,
-                           (session.context_ids, last.cache, policy) if args.context else None)
+                           (session.context_ids, last.cache, policy) if args.context else None, parts)
         print(f"page      {page} ({page.stat().st_size / 2**20:.2f} MiB): what each layer and KV head kept, "
               f"after each {'question' if args.context else 'turn'}")
     sys.stdout.flush()

@@ -163,21 +163,25 @@ def write_html(path, cache: KVCache, tokenizer, prompt: list[int], generated: li
 
 
 def write_comparison(path, runs: list[tuple], tokenizer, prompt: list[int], title: str | None = None,
-                     after: str = "generated") -> Path:
+                     after: str = "generated", parts: list[int | None] | None = None) -> Path:
     """One page, one text per run of the same prompt: runs are (cache, policy, trace, name, generated ids);
-    `after` names the tokens after the prompt (for several prompts: later prompts and answers)."""
+    `after` names the tokens after the prompt (for several prompts: later prompts and answers); parts: per
+    run, the index in its generated ids from which its answer differs from the full cache's (run.py
+    --compare), or None."""
+    parts = parts or [None] * len(runs)
     panels = [panel(cache, policy, trace, name, token_texts(tokenizer, new[: cache.seen_tokens - len(prompt)]))
-              | {"after": after} for cache, policy, trace, name, new in runs]
+              | {"after": after, "parts": at} for (cache, policy, trace, name, new), at in zip(runs, parts)]
     title = title or "kvmini: what " + ", ".join(p["name"] for p in panels) + " kept"
     path = Path(path)
     path.write_text(page(token_texts(tokenizer, prompt), panels, title), encoding="utf-8")
     return path
 
 
-def write_turns(path, turns: list, tokenizer, trace, name: str, context=None) -> Path:
+def write_turns(path, turns: list, tokenizer, trace, name: str, context=None, parts=None) -> Path:
     """One page of a run of several prompts (kvmini.conversation): a text per turn, shaded by what the cache
     held after it (the copies `Turn.snapshot`). context: for --question, (its ids, its compressed cache,
-    the policy after it), shown first; each question's text then continues the context alone."""
+    the policy after it), shown first; each question's text then continues the context alone. parts: per
+    question, where its answer parts from the full cache's (an index in the answer), or None."""
     runs = []
     if context is None:  # a chat: every turn continues the one before, so each text runs on from the first turn
         prompt, fed = turns[0].ids, []
@@ -191,8 +195,11 @@ def write_turns(path, turns: list, tokenizer, trace, name: str, context=None) ->
         for t in turns:
             cache, policy = t.snapshot
             runs.append((cache, policy, trace_of(policy), t.label, t.ids + t.result.tokens[0][: t.result.decode_steps]))
+        if parts is not None:  # the context's text first, then each question's, whose answer follows its ids
+            parts = [None] + [None if at is None else len(t.ids) + at for t, at in zip(turns, parts)]
     return write_comparison(path, runs, tokenizer, prompt, title=f"kvmini: what {name} kept, prompt by prompt",
-                            after="later prompts and answers" if context is None else "question and answer")
+                            after="later prompts and answers" if context is None else "question and answer",
+                            parts=parts)
 
 
 def trace_of(policy) -> list[Merged] | None:
