@@ -30,6 +30,7 @@ from kvmini.methods.registry import (DEFAULT_BUDGET, METHODS, compress_every_cal
                                      every_option, make_policy, summary)
 from kvmini.progress import Progress  # noqa: E402
 from kvmini.report import run_report  # noqa: E402
+from kvmini.threads import fit_threads  # noqa: E402
 from kvmini.tokenizer import StreamDecoder, load_tokenizer  # noqa: E402
 from kvmini.view import record_merges, write_comparison, write_turns  # noqa: E402
 from kvmini.weights import DEFAULT_MODEL_DIR, ensure_default_model  # noqa: E402
@@ -175,13 +176,19 @@ def mode_errors(p, args) -> None:
             p.error("--question is not UTF-8 text")
 
 
-def generate_answer(args) -> int:
-    """Check the input, load the model, generate (streaming the answer), report, write the page."""
+def generate_answer(args, set_threads: bool = False) -> int:
+    """Check the input, load the model, generate (streaming the answer), report, write the page.
+    set_threads: fit torch's threads to the cores free now (kvmini.threads; the command line does)."""
     policy = make_policy(args.method, args.budget, **args.options)  # bad options fail before the model loads
     text = cli.read_prompt(args.context or args.prompt) if not args.chat else None
     if args.html is not None:
         cli.writable_file(cli.not_an_input(args.html, "--html", args.prompt, args.context,
                                            args.model or DEFAULT_MODEL_DIR), "--html")
+    args.threads = None
+    if set_threads:
+        n, why = fit_threads(torch.get_num_threads())
+        torch.set_num_threads(n)
+        args.threads = f"{n} thread{'s' * (n != 1)}: {why}"
     if args.chat or args.context:
         return several_prompts(args, policy, text)
     folder, model, tok, chat = load(args)
@@ -189,7 +196,7 @@ def generate_answer(args) -> int:
     trace = record_merges(policy) if args.html is not None else None
     result = answer(args, model, tok, chat, ids, policy)
     print("\n".join(run_report(folder.name, model, tok, chat, args.method, args.options, policy, result,
-                                sys.stdout.encoding)))
+                                sys.stdout.encoding, args.threads)))
     runs, parts = [(result.cache, policy, trace, args.method, result.tokens[0])], None
     if args.compare:
         full, found = beside_full(args, model, tok, chat, ids, result, "the full cache, on the same prompt")
@@ -265,7 +272,8 @@ def several_prompts(args, policy, context: str | None) -> int:
     else:
         progress = lambda n: Progress("context", n, enabled=False if args.quiet else None).update  # noqa: E731
         last, turns = session.questions(context, args.question, progress)
-    lines = run_report(folder.name, model, tok, chat, args.method, args.options, policy, last, sys.stdout.encoding)
+    lines = run_report(folder.name, model, tok, chat, args.method, args.options, policy, last, sys.stdout.encoding,
+                       args.threads)
     lines[3:3] = [f"{'' if i else 'prompts':<9} {line(t)}" for i, t in enumerate(turns)]
     print("\n".join(lines))
     parts = None
@@ -294,10 +302,11 @@ def stdin_lines():
             raise KvminiError(f"--chat: line {number} of stdin is not UTF-8 text (byte {e.start})") from None
 
 
-def main(argv=None) -> int:
-    """The entry point; `kvmini.cli.run` is the error boundary (one line on stderr, exit code 2 or 130)."""
-    return cli.run(lambda: generate_answer(parse_args(argv)))
+def main(argv=None, set_threads: bool = False) -> int:
+    """The entry point; `kvmini.cli.run` is the error boundary (one line on stderr, exit code 2 or 130).
+    set_threads: the command line's (a caller in Python keeps its own thread count)."""
+    return cli.run(lambda: generate_answer(parse_args(argv), set_threads))
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(main(set_threads=True))

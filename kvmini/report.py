@@ -9,8 +9,10 @@ BLOCKS = "▁▂▃▄▅▆▇█"
 ASCII_BLOCKS = " .:-=+*#"  # the bars where the terminal cannot print block characters
 
 
-def run_report(folder: str, model, tok, chat, method: str, options: dict, policy, result, encoding: str | None) -> list[str]:
-    """The report's lines: `result` is kvmini.generate's, `encoding` the terminal's (None: ASCII)."""
+def run_report(folder: str, model, tok, chat, method: str, options: dict, policy, result, encoding: str | None,
+               threads: str | None = None) -> list[str]:
+    """The report's lines: `result` is kvmini.generate's, `encoding` the terminal's (None: ASCII), `threads`
+    how many torch ran on and why (kvmini.threads), if run.py chose."""
     c, vocab = model.config, model.config.vocab_size
     lines = ["", "--- kvmini report ---",
              f"model     {folder} ({c.model_type}, {c.num_layers} layers, {c.num_heads}/{c.num_kv_heads} q/kv heads)"
@@ -22,7 +24,8 @@ def run_report(folder: str, model, tok, chat, method: str, options: dict, policy
     if policy is not None and policy.note:
         lines.append(f"note      {policy.note}")
     lines.append(f"prompt    {result.prompt_tokens} tokens ({type(chat).__name__ if chat else 'raw'} format)")
-    lines.append(f"prefill   {result.prefill_s:.3f} s, {result.prompt_tokens / result.prefill_s:.1f} tokens/s")
+    lines.append(f"prefill   {result.prefill_s:.3f} s, {result.prompt_tokens / result.prefill_s:.1f} tokens/s"
+                 + (f" ({threads})" if threads else ""))
     rate = f", {result.decode_steps / result.decode_s:.1f} tokens/s" if result.decode_steps else ""
     lines.append(f"decode    {max(map(len, result.tokens))} new tokens{rate}")
     return lines + cache_report(result.cache, policy, BLOCKS if can_print(BLOCKS, encoding) else ASCII_BLOCKS)

@@ -1,0 +1,53 @@
+"""How many threads run.py gives torch: its default, or fewer when other work keeps some of the cores busy.
+
+With a core busy, torch's threads wait at every operation for the one that shares that core, and a
+small model's decode step, many short operations, slows down several times (the commit that added this
+module gives the measurement). So the command line counts the cores this process may use that are idle
+now (Linux's /proc/stat, over a tenth of a second) and runs at most that many threads. An
+OMP_NUM_THREADS the user set wins; elsewhere torch's default stays.
+"""
+import os
+import time
+from pathlib import Path
+
+
+def idle_cores(before: str, after: str, allowed: set[int]) -> float:
+    """The idle share of each allowed core between two readings of /proc/stat, summed (2.0: two idle cores).
+
+    A core's line is `cpuN user nice system idle iowait irq softirq steal ...` in clock ticks since boot;
+    idle time is idle + iowait. A core with no ticks between the readings counts as idle.
+    """
+    def ticks(text):  # core -> (idle ticks, all ticks)
+        out = {}
+        for line in text.splitlines():
+            name, *fields = line.split()
+            if name.startswith("cpu") and name[3:].isdigit():
+                t = [int(x) for x in fields[:8]]
+                out[int(name[3:])] = (t[3] + t[4], sum(t))
+        return out
+
+    a, b = ticks(before), ticks(after)
+    share = 0.0
+    for core in allowed & a.keys() & b.keys():
+        idle, total = b[core][0] - a[core][0], b[core][1] - a[core][1]
+        share += idle / total if total > 0 else 1.0
+    return share
+
+
+def fit_threads(default: int, sample_s: float = 0.1) -> tuple[int, str]:
+    """-> (threads to use, the reason in a few words), never more than `default` (torch's own count)."""
+    if os.environ.get("OMP_NUM_THREADS"):
+        return default, "OMP_NUM_THREADS"
+    try:
+        allowed = os.sched_getaffinity(0)
+        stat = Path("/proc/stat")
+        before = stat.read_text()
+        time.sleep(sample_s)
+        after = stat.read_text()
+    except (OSError, AttributeError):  # not Linux: torch's default
+        return default, "torch's default"
+    free = round(idle_cores(before, after, allowed))
+    if free >= default:
+        return default, "torch's default"
+    n = max(1, free)
+    return n, f"{len(allowed) - free} of its {len(allowed)} usable cores busy at the start"
