@@ -11,7 +11,8 @@ from dataclasses import dataclass
 
 import torch
 
-from kvmini.eval.fidelity import compare, continuation_logits
+from kvmini.eval.fidelity import compare
+from kvmini.generate import fork, prefill
 from kvmini.report import full_nbytes
 
 
@@ -55,6 +56,20 @@ class Comparison:
                 "the full cache's)"]
 
 
+@torch.inference_mode()
+def teacher_forced(model, prompt: list[int], answer: list[int], policy=None, cache=None, chunk_size=None):
+    """-> logits (K, V) predicting each of the K answer tokens: the prompt fills the cache (or continues
+    `cache`, a run's), then the answer is fed a token a step, as the run's decode loop feeds its own."""
+    if cache is None:
+        cache = model.new_cache(1, capacity=len(prompt) + len(answer))
+    ids = torch.tensor([prompt + answer], device=model.device)  # (1, T + K)
+    logits = [prefill(model, ids[:, : len(prompt)], cache, policy, chunk_size,
+                      cache.seen_tokens + ids.shape[1] - 1)]  # (1, V) each
+    for t in range(len(prompt), ids.shape[1] - 1):
+        logits.append(model(ids[:, t : t + 1], cache, policy)[:, -1])
+    return torch.cat(logits).float()
+
+
 def comparison(name: str, model, prompt: list[int], full: list[int], method, policy, context=None,
                chunk_size=None) -> Comparison:
     """Compare a method's result (`method`, kvmini.generate's) with the full cache's answer `full` to `prompt`.
@@ -66,12 +81,8 @@ def comparison(name: str, model, prompt: list[int], full: list[int], method, pol
         return Comparison(name, full, method.tokens[0], None, None, kept)
     before, cache = [], None
     if context is not None:
-        from kvmini.generate import fork
-
         before, (cache, policy) = context[0], fork(*context[1:])
-    ids = torch.tensor([prompt + full], device=model.device)
-    logits, _ = continuation_logits(model, ids, len(prompt), policy, cache, chunk_size)  # (K, V)
-    reference, _ = continuation_logits(model, torch.tensor([before + prompt + full], device=model.device),
-                                       len(before) + len(prompt))
-    scores = compare(logits, reference, ids[0, len(prompt) :])
+    logits = teacher_forced(model, prompt, full, policy, cache, chunk_size)  # (K, V)
+    reference = teacher_forced(model, before + prompt, full)
+    scores = compare(logits, reference, torch.tensor(full, device=model.device))
     return Comparison(name, full, method.tokens[0], scores["kl"], scores["top1"], kept)

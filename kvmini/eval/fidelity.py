@@ -45,20 +45,17 @@ def pydoc_text() -> str:
 
 
 @torch.inference_mode()
-def continuation_logits(model, ids: torch.Tensor, n: int, policy=None, cache=None, chunk_size=None):
+def continuation_logits(model, ids: torch.Tensor, n: int, policy=None):
     """ids (1, N + K) -> (logits (K, V) predicting tokens N..N+K-1, the entries each layer keeps).
 
     The prompt ids[:, :n] fills (and the policy compresses) the cache, in chunks where the method asks
-    for them (WeightedKV) or of chunk_size; the rest is teacher-forced. With `cache` (a run's, e.g. a
-    compressed context), ids[:, :n] is that run's next prompt. What a layer keeps is its length after
-    the prompt for prefill-only methods, and after the continuation for those that compress while
+    for them (WeightedKV); the rest is teacher-forced. What a layer keeps is its length after the
+    prompt for prefill-only methods, and after the continuation for those that compress while
     decoding (their steady size; D2O's official variant compresses only from the first step).
     """
     total = ids.shape[1]
-    if cache is None:
-        cache = model.new_cache(1, capacity=total)
-    first = prefill(model, ids[:, :n], cache, policy, chunk_size,  # (1, V); chunked if the method asks
-                    total_len=cache.seen_tokens + total - 1)
+    cache = model.new_cache(1, capacity=total)
+    first = prefill(model, ids[:, :n], cache, policy, total_len=total - 1)  # (1, V); chunked if the method asks
     kept = cache.lengths()
     rest = ids[:, n : total - 1]  # (1, K - 1): the inputs whose outputs predict tokens N+1..N+K-1
     if policy is not None and policy.schedule != PREFILL:  # decode-time methods compress at every step
