@@ -262,6 +262,134 @@ fig.tight_layout()
 show(fig, "04_d2o_vs_cam_merges")
 
 # %% [markdown]
+# ## Why merging keys costs accuracy on SmolLM2
+#
+# On the default model D2O does worse than H2O at equal memory, and the ablation in this section finds
+# the cause: its merge. Eq. 9 merges an evicted key into its most similar kept key when their cosine
+# clears the threshold $\tau$ (Eq. 10). A cosine that high sounds like "nearly the same
+# key", but attention does not read all of a key. Split each key of a head into the head's mean key
+# and the rest, $k = \mu + r$: the logit $q \cdot k / \sqrt{D}$ is $q \cdot \mu / \sqrt{D}$, the same
+# for every key of that query, which the softmax ignores, plus $q \cdot r / \sqrt{D}$, which ranks the
+# keys. If most of a key's energy lies along $\mu$, any two keys have a high cosine while their $r$,
+# the part attention reads, can be unrelated; averaging them (Eq. 11–12) then blurs the kept key's $r$
+# and moves its logit. Below, on 1,024 tokens of Python's documentation: per layer, the median cosine
+# of random key pairs, of their residuals $r$, and the share of key energy along $\mu$.
+
+# %%
+from kvmini.eval.fidelity import pydoc_text, run as fidelity  # noqa: E402
+from kvmini.loading import load_model  # noqa: E402
+from kvmini.tokenizer import load_tokenizer  # noqa: E402
+from kvmini.weights import ensure_default_model  # noqa: E402
+
+folder = ensure_default_model()
+smol = load_model(folder, "cpu", "float32")
+N = 1024
+ids = torch.tensor([load_tokenizer(folder).encode(pydoc_text())[: N + 32]])  # the prompt + 32 tokens to score
+full = smol.new_cache(1, capacity=N + 1)
+queries = {}  # layer -> the first decode step's queries (1, H, 1, D), read off the model as it runs
+hooks = [layer.self_attn.register_forward_pre_hook(
+    lambda attn, args, l=l: queries.__setitem__(l, attn.project(args[0], args[2], args[3])[0]))
+    for l, layer in enumerate(smol.model.layers)]
+with torch.no_grad():
+    smol(ids[:, :N], full)
+    smol(ids[:, N : N + 1], full)  # the first decode step, where the official D2O compresses
+for h in hooks:
+    h.remove()
+
+pairs = torch.randint(0, N, (2, 4000), generator=torch.Generator().manual_seed(0))  # random (i, j) pairs
+cos_k, cos_r, along = [], [], []
+for lc in full.layers:
+    k = lc.keys[0, :, :N]  # (H_kv, N, D)
+    mu = k.mean(1, keepdim=True)  # (H_kv, 1, D): each head's mean key
+    r = k - mu
+    cos_k.append(F.cosine_similarity(k[:, pairs[0]], k[:, pairs[1]], dim=-1).median().item())
+    cos_r.append(F.cosine_similarity(r[:, pairs[0]], r[:, pairs[1]], dim=-1).median().item())
+    along.append(((k @ F.normalize(mu, dim=-1).transpose(1, 2)).square().sum() / k.square().sum()).item())
+print("median cosine of random key pairs per layer:", [round(c, 2) for c in cos_k])
+print("share of key energy along the mean key:     ", [round(a, 2) for a in along])
+print("median cosine of their residuals r:         ", [round(c, 2) for c in cos_r])
+# Two keys whose residuals are unrelated have cosine ~ (share along mu): the mean key alone makes them "similar"
+assert all(abs(c - a) < 0.1 for c, a in zip(cos_k, along)) and all(abs(c) < 0.1 for c in cos_r)
+
+# %% [markdown]
+# Now D2O itself (the official variant, 20%) on the same prompt, its merges recorded. In layer 14, each
+# merged pair's cosine beside its residuals' cosine; and for every kept key a merge wrote into, how far
+# its logit moved for the first decode step's queries, against how widely the logits of the
+# full cache's keys spread for those queries (their standard deviation).
+
+# %%
+L = 14
+if solved("ema_merging"):
+    d2o = make_policy("d2o", 0.2)
+    trace = record_merges(d2o)
+    cache = smol.new_cache(1, capacity=N + 1)
+    d2o.start(N, N + 1)
+    with torch.no_grad():
+        smol(ids[:, :N], cache, d2o)
+        smol(ids[:, N : N + 1], cache, d2o)
+    k = full[L].keys[0]  # (H_kv, N + 1, D): the keys before any merge
+    r = k - k[:, :N].mean(1, keepdim=True)
+    pair_cos, pair_cos_r, into = [], [], set()
+    for m in (m for m in trace if m.layer == L):
+        for h in range(k.shape[0]):
+            for e, t in zip(m.evicted[0, h].tolist(), m.into[0, h].tolist()):
+                if t >= 0:
+                    pair_cos.append(F.cosine_similarity(k[h, e], k[h, t], dim=0).item())
+                    pair_cos_r.append(F.cosine_similarity(r[h, e], r[h, t], dim=0).item())
+                    into.add((h, t))
+    q = queries[L][0, :, 0]  # (H, D)
+    g = q.shape[0] // k.shape[0]  # query heads per KV head
+    moved, still, spread = [], [], []
+    for h, pos in enumerate(cache[L].positions[0]):  # pos (S,): the kept positions of KV head h
+        for qh in range(h * g, (h + 1) * g):
+            change = (cache[L].keys[0, h] - k[h, pos]) @ q[qh] / q.shape[-1] ** 0.5  # (S,): q . (k' - k) / sqrt(D)
+            spread.append((k[h] @ q[qh] / q.shape[-1] ** 0.5).std().item())
+            for s, p in enumerate(pos.tolist()):
+                (moved if (h, p) in into else still).append(change[s].abs().item())
+    print(f"layer {L}: {len(pair_cos)} merges; median cosine {torch.tensor(pair_cos).median():.2f}, "
+          f"of their residuals {torch.tensor(pair_cos_r).median():.2f}")
+    print(f"|logit change| of merged-into keys: median {torch.tensor(moved).median():.2f}; the logits' spread (std): "
+          f"{torch.tensor(spread).mean():.2f}")
+    assert max(still) < 1e-4  # a kept key no merge wrote into is the full cache's key, exactly as it was
+    assert torch.tensor(pair_cos_r).median() < torch.tensor(pair_cos).median()
+
+# %%
+if solved("ema_merging"):
+    fig, axes = plt.subplots(1, 3, figsize=(13, 3.4))
+    axes[0].plot(cos_k, marker=".", label="cosine of random key pairs (median)")
+    axes[0].plot(along, marker=".", ls="--", label="share of key energy along the mean key")
+    axes[0].plot(cos_r, marker=".", label="cosine of their residuals r (median)")
+    axes[0].set_xlabel("layer")
+    axes[0].set_title("every layer: keys alike through their mean", fontsize=10)
+    axes[0].legend(fontsize=8)
+    axes[1].scatter(pair_cos, pair_cos_r, s=3, alpha=0.4)
+    axes[1].set_xlabel("cosine of a merged pair (Eq. 9)")
+    axes[1].set_ylabel("cosine of their residuals")
+    axes[1].set_title(f"layer {L}: the pairs D2O merged", fontsize=10)
+    axes[2].hist(moved, bins=40)
+    axes[2].axvline(torch.tensor(spread).mean(), c="k", ls="--", label="spread of the logits (std)")
+    axes[2].set_xlabel("|logit change| of a merged-into key")
+    axes[2].set_title(f"layer {L}, first decode step's queries", fontsize=10)
+    axes[2].legend(fontsize=8)
+    fig.tight_layout()
+    show(fig, "04_why_key_merges_hurt")
+
+# %% [markdown]
+# The ablation, at the fidelity protocol of tutorial 2 (32 tokens teacher-forced after the prompt, KL
+# to the full cache): D2O, D2O with its merge off (`--merge off`: the same evictions, nothing
+# merged), and H2O at the same 20%. Turning the merge off keeps the same share of the cache and
+# lowers the KL; the variance budgets and protected layers change little beside it
+# (`results/quick`'s `ablations` experiment has those rows).
+
+# %%
+if solved("ema_merging"):
+    rows = {r["method"]: r for r in fidelity(smol, ids, N, ["d2o", "d2o[merge=off]", "h2o"], [0.2], log=lambda m: None)}
+    for name, r in rows.items():
+        print(f"{name:16} kept {r['kept_share']:.1%}   KL {r['kl']:.3f}   top-1 {r['top1']:.0%}")
+    assert rows["d2o"]["kept_share"] == rows["d2o[merge=off]"]["kept_share"]  # the merge changes no count
+    assert rows["d2o[merge=off]"]["kl"] < rows["d2o"]["kl"]  # ... and is what costs the KL
+
+# %% [markdown]
 # ## Exercises
 #
 # 1. *(assignment: `ema_merging`)* Implement Eq. 9–12 in the three module-level functions of
