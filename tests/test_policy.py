@@ -408,6 +408,7 @@ LOOP = [  # (docs/design.md's after_attention block, Policy.after_attention): th
     ("score = scorer(lc, stats)", "= self.scorer(lc, stats)"),
     ("budgeter.decide(l, lc, stats, score)", "self.budgeter.decide(layer, lc, stats,"),
     ("is checked", "check(self.name, self.compressor, decided,"),
+    ("skip layer i unless it holds more than b", "if cache[i].length > b"),
     ("evicted[i] +=", "self.evicted[i] +="),
     ("compressor((i,), cache[i], score_i, b, newest)", "self.compressor((i,), cache[i],"),
     ("score_i follows what was kept", ".gather(2, kept)"),
@@ -431,3 +432,28 @@ def test_policy_s_loop_is_design_md_s_loop_step_for_step():
     code = inspect.getsource(Policy.after_attention)
     assert in_order(block, [d for d, _ in LOOP]) and in_order(code, [c for _, c in LOOP])
     assert not in_order(code, [c for _, c in LOOP][::-1])  # the check can fail: the steps reversed do not match
+
+
+FORWARD = [  # (docs/design.md's forward call, the model's code): the same calls, in one order
+    ("policy.begin(cache, T)", "policy.begin(cache, T)"),
+    ("request = policy.request(l)", "policy.request(i)"),
+    ("cache[l].append(k, v, positions)", "cache.append(k, v, pos)"),
+    ("attend(q, cache[l], request)", "attend(q, K, V,"),
+    ("o_proj -> MLP", "self.mlp("),
+    ("policy.after_attention(l, cache, stats)", "policy.after_attention(i, cache, stats)"),
+    ("policy.end(cache)", "policy.end(cache)"),
+]
+
+
+def test_the_model_calls_the_policy_in_design_md_s_order():
+    """docs/design.md's forward call is the order model.py runs: the request before the append, the
+    MLP before after_attention (read in the order the code runs: forward, into the block, back)."""
+    from kvmini.model import Attention, Block, Transformer
+
+    design = (Path(__file__).resolve().parent.parent / "docs/design.md").read_text()
+    block = design.split("model.forward(ids (B, T), cache, policy)")[1].split("```")[0]
+    forward = inspect.getsource(Transformer.forward)
+    at = forward.index("block(x,")
+    code = forward[:at] + inspect.getsource(Attention.forward) + inspect.getsource(Block.forward) + forward[at:]
+    assert in_order(block, [d for d, _ in FORWARD]) and in_order(code, [c for _, c in FORWARD])
+    assert not in_order(code, [c for _, c in FORWARD][::-1])
