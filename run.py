@@ -19,6 +19,7 @@ except KeyboardInterrupt:
 cli.exit_on_ctrl_c(__name__)  # before anything imports torch
 import torch  # noqa: E402
 
+from kvmini.at_once import AtOnce  # noqa: E402
 from kvmini.chat import load_chat_format, stop_token_ids  # noqa: E402
 from kvmini.compare import comparison  # noqa: E402
 from kvmini.conversation import Session, line  # noqa: E402
@@ -131,6 +132,10 @@ def parse_args(argv=None):
                         "or each --question)")
     p.add_argument("--html", type=cli.path, metavar="FILE", help="also write a web page of what each layer and KV head kept, "
                                                   "token by token (one self-contained file)")
+    p.add_argument("--layer-by-layer", action="store_true",
+                   help="decode steps run kvmini.policy's loop, one layer at a time as docs/design.md writes it, instead "
+                        "of kvmini.at_once's step with every layer at once: the same caches, slower; for following a "
+                        "run in a debugger")
     p.add_argument("--quiet", action="store_true", help="no progress on stderr (it shows only on a terminal, for long work)")
     p.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N (default: auto)")
     p.add_argument("--dtype", default="auto", help="auto | float32 | bfloat16 | float16 (auto: fp32 on CPU, bf16 on CUDA)")
@@ -179,7 +184,7 @@ def mode_errors(p, args) -> None:
 def generate_answer(args, set_threads: bool = False) -> int:
     """Check the input, load the model, generate (streaming the answer), report, write the page.
     set_threads: fit torch's threads to the cores free now (kvmini.threads; the command line does)."""
-    policy = make_policy(args.method, args.budget, **args.options)  # bad options fail before the model loads
+    policy = method_policy(args)  # bad options fail before the model loads
     text = cli.read_prompt(args.context or args.prompt) if not args.chat else None
     if args.html is not None:
         cli.writable_file(cli.not_an_input(args.html, "--html", args.prompt, args.context,
@@ -206,6 +211,15 @@ def generate_answer(args, set_threads: bool = False) -> int:
         print(f"page      {page} ({page.stat().st_size / 2**20:.2f} MiB): what each layer and KV head kept")
     sys.stdout.flush()
     return 0
+
+
+def method_policy(args):
+    """A fresh policy of the method and its options (None: the full cache); --layer-by-layer turns off
+    kvmini.at_once's every-layer decode step, so the loop that runs is kvmini.policy's."""
+    policy = make_policy(args.method, args.budget, **args.options)
+    if args.layer_by_layer and isinstance(policy, AtOnce):
+        policy.together = False
+    return policy
 
 
 def load(args):
@@ -249,7 +263,7 @@ def beside_full(args, model, tok, chat, ids: list[int], result, title: str, cont
     print(f"\n--- {title} ---")
     before = [] if context is None else context[0]
     full = answer(args, model, tok, chat, before + ids, None)
-    fresh = make_policy(args.method, args.budget, **args.options)  # the teacher-forced pass runs from the start
+    fresh = method_policy(args)  # the teacher-forced pass runs from the start
     found = comparison(args.method, model, ids, full.tokens[0], result, fresh, context, args.chunk_size)
     print("\n".join(found.lines(tok.decode)))
     return full, found

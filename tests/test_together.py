@@ -298,3 +298,27 @@ def test_several_layers_far_longer_than_the_others_are_joined_apart(L, budgets, 
     assert tau.keys() == other.keys() == set(range(L))
     for layer in tau:
         torch.testing.assert_close(tau[layer], other[layer], **TOL)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("method", ["h2o", "d2o"])
+def test_run_py_layer_by_layer_runs_the_specification_loop(method, default_model_dir, tmp_path, monkeypatch, capsys):
+    """run.py --layer-by-layer: no decode step goes through at_once's every-layer step, and the answer and
+    what the cache kept are the default run's (the same evictions, as the tests above prove)."""
+    import run
+
+    prompt = tmp_path / "prompt.txt"
+    prompt.write_text("Name the planets of the solar system in order, with one fact about each.")
+    together = []
+    real = at_once.AtOnce.compress_together
+    monkeypatch.setattr(at_once.AtOnce, "compress_together",
+                        lambda self, cache, deferred: (together.append(1), real(self, cache, deferred)))
+    outs = {}
+    for flags in ([], ["--layer-by-layer"]):
+        together.clear()
+        assert run.main(["--method", method, "--prompt", str(prompt), "--max-new-tokens", "8", "--quiet", *flags]) == 0
+        out = capsys.readouterr().out
+        outs[bool(flags)] = [line.split("; ")[0] if line.startswith("bytes") else line  # (at_once's Stack
+                             for line in out.splitlines() if not line.startswith(("prefill", "decode"))]  # reallocates)
+        assert bool(together) != bool(flags)  # at_once's step ran by default, never with the flag
+    assert outs[True] == outs[False]
