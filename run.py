@@ -263,7 +263,7 @@ def beside_full(args, model, tok, chat, ids: list[int], result, title: str, cont
     print(f"\n--- {title} ---")
     before = [] if context is None else context[0]
     full = answer(args, model, tok, chat, before + ids, None)
-    fresh = method_policy(args)  # the teacher-forced pass runs from the start
+    fresh = method_policy(args) if context is None else None  # a question's pass forks the context's policy
     found = comparison(args.method, model, ids, full.tokens[0], result, fresh, context, args.chunk_size)
     print("\n".join(found.lines(tok.decode)))
     return full, found

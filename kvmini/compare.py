@@ -74,8 +74,8 @@ def comparison(name: str, model, prompt: list[int], full: list[int], method, pol
                chunk_size=None) -> Comparison:
     """Compare a method's result (`method`, kvmini.generate's) with the full cache's answer `full` to `prompt`.
     `policy`: a fresh policy of the method for the teacher-forced pass; context: for a question about a
-    compressed context, (the context's ids, the compressed cache and policy to fork) — the full cache then
-    reads context + prompt."""
+    compressed context, (the context's ids, the compressed cache and policy to fork, used instead of
+    `policy`) — the full cache then reads context + prompt."""
     kept = method.cache.nbytes() / max(full_nbytes(method.cache), 1)
     if not full:
         return Comparison(name, full, method.tokens[0], None, None, kept)
