@@ -606,3 +606,24 @@ def test_key_norms_kept_by_the_cache_change_nothing(options, together):
     assert norms > 0 and KEY_NORM not in slow[0].aux_names() + slow[2].aux_names()
     for layer, tau in p_fast.compressor.merge.tau.items():
         torch.testing.assert_close(tau, p_slow.compressor.merge.tau[layer], rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("writes", ["keys", "values"])
+def test_a_merge_that_writes_one_side_leaves_the_other(writes):
+    """writes="keys" (or "values"): the by-hand merge above on that side, the other side as it was:
+    the bulk merge and a decode step's single merge alike."""
+    keys, values = [(1, 0), (0, 1), (1, 0.1), (-1, 0)], [(1, 2), (5, 6), (3, 4), (7, 8)]
+    both, one = toy_cache(keys, values), toy_cache(keys, values)
+    EMAMerge(beta=0.7)((0,), both, torch.tensor([[[0, 1]]]))
+    EMAMerge(beta=0.7, writes=writes)((0,), one, torch.tensor([[[0, 1]]]))
+    as_before = toy_cache(keys, values)
+    written, kept = (one.keys, one.values) if writes == "keys" else (one.values, one.keys)
+    torch.testing.assert_close(written[0, 0, :2], (both.keys if writes == "keys" else both.values)[0, 0, :2])
+    torch.testing.assert_close(kept[0, 0, :2], (as_before.values if writes == "keys" else as_before.keys)[0, 0, :2])
+    for lc, w in ((toy_cache(keys, values), "both"), (toy_cache(keys, values), writes)):  # one step: evict k2
+        EMAMerge(beta=0.7, writes=w).one((0,), lc, torch.tensor([[2]]), newest=3)
+        if w == "both":
+            k_both, v_both = lc.keys.clone(), lc.values.clone()
+    torch.testing.assert_close(lc.keys, k_both if writes == "keys" else as_before.keys)
+    torch.testing.assert_close(lc.values, v_both if writes == "values" else as_before.values)
+    assert not torch.equal(k_both, as_before.keys) and not torch.equal(v_both, as_before.values)  # k2 merged into k0

@@ -164,3 +164,20 @@ def test_budget_and_option_errors():
         make_policy("dbudgetkv", 0.5)
     with pytest.raises(KvminiError, match="--threshold must be in"):
         make_policy("dbudgetkv", threshold=1.5)
+
+
+@pytest.mark.parametrize("share", [0.25, 0.5])
+def test_fixed_share_keeps_the_same_count_in_every_layer(share):
+    """fixed_share replaces the stopping rule: with the paper's ranking (position, 4 sinks) every layer keeps
+    the 4 sinks and the most recent round(share * n) - 4 tokens, protected layers too."""
+    from kvmini.generate import prefill
+
+    model = random_model(L=3)
+    n = 40
+    ids = torch.randint(0, 61, (1, n), generator=torch.Generator().manual_seed(1))
+    cache = model.new_cache(1)
+    prefill(model, ids, cache, make_policy("dbudgetkv", fixed_share=share))
+    b = round(share * n)
+    expected = list(range(4)) + list(range(n - (b - 4), n))
+    for lc in cache.layers:
+        assert lc.positions.sort(-1).values[0].tolist() == [expected] * lc.positions.shape[1]

@@ -222,3 +222,21 @@ def test_eq7_8_split_of_tutorial_7_by_hand():
 
     assert proportional([30, 10, 5, 5], 32, 0, [100] * 4) == [19, 7, 3, 3]
     assert proportional([30, 10, 5, 5], 32, 0, [15, 100, 100, 100]) == [15, 9, 4, 4]
+
+
+def test_uniform_allocation_is_snapkv_with_dynamickv_window():
+    """layer_budgets=uniform switches the progressive re-allocation off: every layer keeps the mean budget,
+    chosen by the same window scores, which is SnapKV with DynamicKV's window (8) and kernel (7)."""
+    model = random_model(L=4)
+    ids = torch.randint(0, 61, (1, 40), generator=torch.Generator().manual_seed(3))
+    kept = {}
+    for spec, opts in (("dynamickv", {"layer_budgets": "uniform"}), ("snapkv", {"window": 8})):
+        cache = model.new_cache(1)
+        prefill(model, ids, cache, make_policy(spec, 16, **opts))
+        kept[spec] = [lc.positions.sort(-1).values for lc in cache.layers]
+    assert [len(p[0, 0]) for p in kept["dynamickv"]] == [16] * 4
+    for a, b in zip(kept["dynamickv"], kept["snapkv"]):
+        assert torch.equal(a, b)
+    cache = model.new_cache(1)
+    prefill(model, ids, cache, make_policy("dynamickv", 16))
+    assert len({lc.length for lc in cache.layers}) > 1  # progressive: the layers differ (what the option switches off)

@@ -285,3 +285,21 @@ def test_how_far_chunked_run_merging_moves_from_algorithm_1():
           for name in ("runs", "sequential")}
     print("KL(Alg. 1 token by token || one chunk), mean over 8 steps:", {k: round(v, 4) for k, v in kl.items()})
     assert 0 < kl["sequential"] < 0.0065 and 0 < kl["runs"] < min(0.0065, 1.1 * kl["sequential"])
+
+
+def test_merge_off_drops_the_same_tokens_and_merges_no_value():
+    """value_merge=off: the tokens WeightedKV deletes (lowest a/n, sinks and window kept) are dropped, key and
+    value: after one prefill chunk the same positions are held, every value as the full cache's."""
+    model = random_model(L=2)
+    ids = torch.randint(0, 61, (1, 48), generator=torch.Generator().manual_seed(2))
+    caches = {}
+    for merge in ("convex", "off", None):
+        caches[merge] = model.new_cache(1)
+        policy = None if merge is None else make_policy("weightedkv", 24, value_merge=merge)
+        prefill(model, ids, caches[merge], policy)  # one chunk (of 64): one ranking, no merge feeds back
+    for lc_w, lc_off, lc_full in zip(*(caches[m].layers for m in ("convex", "off", None))):
+        assert lc_off.length == 24
+        assert torch.equal(lc_w.positions.sort(-1).values, lc_off.positions.sort(-1).values)
+        as_full = lambda lc: lc_full.values.gather(2, lc.positions[..., None].expand_as(lc.values))  # noqa: E731
+        torch.testing.assert_close(lc_off.values, as_full(lc_off))
+        assert not torch.allclose(lc_w.values, as_full(lc_w))  # WeightedKV merged values into their neighbours

@@ -38,6 +38,7 @@ class Options:
     split: Literal["paper", "official"] = "official"
     # paper (convex, Eq. 11-12) | official (raw-cosine scatter-mean) | off
     merge: Literal["paper", "official", "off"] = "official"
+    merge_writes: Literal["both", "keys", "values"] = "both"  # what a merge overwrites (keys or values alone: an ablation)
     tau: Literal["per_head", "per_layer"] = "per_layer"  # merge threshold per_head | per_layer
     beta: float = 0.5  # EMA weight of the newest similarity in D2O's merge threshold (Eq. 10)
     # compress when the prompt ends (prompt) or at the first decode step (first_decode)
@@ -60,7 +61,7 @@ def idle(o: Options) -> dict[str, str]:
     are refused: kvmini.methods.registry.make_policy)."""
     found = idle_temperature(o)
     if o.merge == "off":
-        found.update(beta="--merge off (beta and tau set the merge)", tau="--merge off (beta and tau set the merge)")
+        found.update({key: "--merge off (beta, tau and merge_writes set the merge)" for key in ("beta", "tau", "merge_writes")})
     return found
 
 
@@ -73,7 +74,7 @@ def build(budget: float, o: Options = Options()) -> Policy:
     first_decode = o.start == "first_decode"
     budgeter = VarianceSoftmax(o.allocation, o.softmax_temperature, o.sinks + 4, o.reduce, o.protected_layers,
                                parts=(N, M), measure_in_prompt=first_decode, clamp=o.clamp_budgets)
-    merging = None if o.merge == "off" else EMAMerge(o.beta, weights=o.merge, tau=o.tau)
+    merging = None if o.merge == "off" else EMAMerge(o.beta, weights=o.merge, tau=o.tau, writes=o.merge_writes)
     scorer = CumulativeAttention(o.reduce)
     if merging is not None:  # Eq. 9 divides by the kept keys' norms: the cache keeps them from each append
         scorer.aux = scorer.aux + (KEY_NORM,)  # in a buffer the policy declares with the scorer's own

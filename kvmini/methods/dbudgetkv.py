@@ -12,7 +12,9 @@ Two variants; every option overrides its part of the chosen one:
     threshold           0.01                         0.05
     protected_layers    0,1                          none
     norm_excludes_kept  false                        true (sinks / window zeroed out of the row)
-`ranking=cumulative` ranks by the prompt's column sums (the paper's Table 3). Both use k = 1
+`ranking=cumulative` ranks by the prompt's column sums (the paper's Table 3). `fixed_share` replaces the
+stopping rule by a fixed budget, the same share of the prompt in every layer (an ablation: the rule against
+a fixed budget at the share it chose; kvmini.eval.ablation). Both use k = 1
 (the last query's row) and group reduction mean. Default: the `paper` variant (docs/methods.md's
 DBudgetKV table has the measured comparison). In a batch, every sequence gets its own budgets
 (kvmini.per_sequence.PerSequence).
@@ -21,6 +23,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from kvmini.errors import KvminiError
+from kvmini.methods.allocators import Uniform
 from kvmini.methods.frobenius_stop import FrobeniusStop
 from kvmini.methods.scorers import CumulativeAttention
 from kvmini.methods.selectors import TopK
@@ -30,6 +33,7 @@ from kvmini.parts import PREFILL
 from kvmini.policy import Policy
 
 CHOOSES_BUDGET = True  # the registry rejects --budget for this method
+CHECKS = {"fixed_share": (lambda x: 0 <= x <= 1, "be in [0, 1] (0: the stopping rule chooses)")}
 
 
 @dataclass(frozen=True)
@@ -43,6 +47,7 @@ class Options:
     sinks: int = 4  # first tokens always kept
     window: int = 8  # observation window: the last prompt tokens whose attention scores the others; always kept
     reduce: Literal["mean", "max", "sum"] = "mean"  # how the query heads of a KV head are combined
+    fixed_share: float = 0.0  # 0: the stopping rule chooses; else every layer keeps this share of the prompt
 
 
 VARIANTS = {"paper": Options(),
@@ -59,6 +64,14 @@ def build(budget: None, o: Options = Options()) -> Policy:
         "cumulative": (CumulativeAttention(o.reduce), TopK()),
         "window_attention": (WindowAttention(o.window, kernel=1, reduce=o.reduce), TopK(recent=o.window)),
     }[o.ranking]
+    if o.fixed_share:
+        return Policy("dbudgetkv", o.fixed_share, scorer, Uniform(), compressor, schedule=PREFILL)
     rule = FrobeniusStop(o.threshold, o.k, o.ranking, o.sinks, o.reduce, o.protected_layers, o.window,
                          o.norm_excludes_kept)
     return Policy("dbudgetkv", None, scorer, rule, compressor, schedule=PREFILL)
+
+
+def idle(o: Options) -> dict[str, str]:
+    """The options that do nothing in these settings (given, they are refused)."""
+    why = "--fixed-share (they set the stopping rule)"
+    return {k: why for k in ("threshold", "protected_layers", "norm_excludes_kept", "k")} if o.fixed_share else {}

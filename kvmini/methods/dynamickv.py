@@ -30,6 +30,7 @@ Deviation: the authors' code computes A per query head after repeat_kv; kvmini p
 from dataclasses import dataclass
 from typing import Literal
 
+from kvmini.methods.allocators import Uniform
 from kvmini.methods.progressive_budgets import ProgressiveBudgets
 from kvmini.methods.selectors import TopK
 from kvmini.methods.snapkv import WindowAttention
@@ -49,6 +50,9 @@ class Options:
     # exact (kvmini: largest remainder, capped at what a layer holds) | floor (the authors' int() floors, remainder to
     # the last layer) | alg1 (Alg. 1's floors, normalised by the largest count)
     rounding: Literal["exact", "floor", "alg1"] = "exact"
+    # progressive (Alg. 1) | uniform: every layer keeps the mean budget, the same window and kernel (an ablation:
+    # SnapKV with DynamicKV's window)
+    layer_budgets: Literal["progressive", "uniform"] = "progressive"
     reduce: Literal["mean", "max", "sum"] = "mean"  # how the query heads of a KV head are combined
 
 
@@ -56,7 +60,14 @@ VARIANTS = {"paper": Options(), "official": Options(rounding="floor")}
 DEFAULT_VARIANT = "paper"
 
 
+def idle(o: Options) -> dict[str, str]:
+    """The options that do nothing in these settings (given, they are refused)."""
+    why = "--layer-budgets uniform (they set the progressive re-allocation)"
+    return {k: why for k in ("r_max", "interval", "tail_reallocation", "rounding")} if o.layer_budgets == "uniform" else {}
+
+
 def build(budget: float, o: Options = Options()) -> Policy:
-    return Policy("dynamickv", budget, WindowAttention(o.window, o.kernel, o.pooling, o.reduce),
-                  ProgressiveBudgets(o.window, o.r_max, o.interval, o.tail_reallocation, o.rounding),
+    budgeter = Uniform() if o.layer_budgets == "uniform" else \
+        ProgressiveBudgets(o.window, o.r_max, o.interval, o.tail_reallocation, o.rounding)
+    return Policy("dynamickv", budget, WindowAttention(o.window, o.kernel, o.pooling, o.reduce), budgeter,
                   TopK(recent=o.window), schedule=PREFILL)

@@ -9,6 +9,8 @@ merged into it instead of being dropped.
     w_i = \frac{e^{u_{ij}}}{\sum_{i' \in E_j} e^{u_{i'j}} + e},   w_c = \frac{e}{\sum_{i' \in E_j} e^{u_{i'j}} + e}
 
 (a softmax over {j itself, similarity 1} and the tokens that chose j), tau per (sequence, KV head).
+`writes` says what a merge overwrites: both the key and the value (the paper), or one of them (an ablation:
+docs/methods.md, "Why D2O loses here").
 The authors' variants (`weights="official"`, `tau="per_layer"`) and kvmini's reading of Eq. 12:
 docs/methods.md, "D2O".
 Deviation: the official cache holds every query head (after repeat_kv); kvmini merges per KV head.
@@ -24,6 +26,7 @@ from kvmini.methods.merged import Merged
 
 WEIGHTS = ("paper", "official")
 TAUS = ("per_head", "per_layer")
+WRITES = ("both", "keys", "values")
 
 
 class EMAMerge:
@@ -31,9 +34,11 @@ class EMAMerge:
     gathered. Returns how many evicted tokens were merged (mean over KV heads), a 0-d tensor.
     `trace`: None (default, no cost), or a list that each call extends with a `Merged` record."""
 
-    def __init__(self, beta: float = 0.7, weights: str = "paper", tau: str = "per_head"):
+    def __init__(self, beta: float = 0.7, weights: str = "paper", tau: str = "per_head", writes: str = "both"):
         self.beta, self.weights = beta, one_of("EMAMerge weights", weights, WEIGHTS)
         self.per_layer = one_of("EMAMerge tau", tau, TAUS) == "per_layer"
+        writes = one_of("EMAMerge writes", writes, WRITES)
+        self.keys, self.values = writes != "values", writes != "keys"  # what a merge overwrites
         self.trace: list[Merged] | None = None
         self.reset()
 
@@ -63,9 +68,11 @@ class EMAMerge:
         if self.trace is not None:
             self.record(layers, lc.positions, evict, keep.gather(2, j_star), best, merge, S)
         combine = convex_merge if self.weights == "paper" else scatter_mean_merge
-        lc.set_keys(keep, combine(k_keep, k_evict, j_star, best, merge))  # (B, H_kv, b, D), Eq. 11-12
-        v_merged = combine(gather(lc.values, keep), gather(lc.values, evict), j_star, best, merge)  # likewise
-        lc.values.scatter_(2, keep[..., None].expand(-1, -1, -1, D), v_merged.to(lc.values.dtype))
+        if self.keys:
+            lc.set_keys(keep, combine(k_keep, k_evict, j_star, best, merge))  # (B, H_kv, b, D), Eq. 11-12
+        if self.values:
+            v_merged = combine(gather(lc.values, keep), gather(lc.values, evict), j_star, best, merge)  # likewise
+            lc.values.scatter_(2, keep[..., None].expand(-1, -1, -1, D), v_merged.to(lc.values.dtype))
         return merge.float().mean(1).sum(-1)  # (B,): tokens merged, mean over heads
 
     def one(self, layers: tuple, lc: LayerCache, victim: torch.Tensor, newest: int) -> torch.Tensor:
@@ -90,8 +97,10 @@ class EMAMerge:
         x_near = wide(torch.cat([lc.keys.gather(2, near), lc.values.gather(2, near)], -1))
         x_evict = torch.cat([k_evict, wide(lc.values.gather(2, at))], -1)
         merged = combine(x_near, x_evict, torch.zeros_like(j_star), best, merge)  # Eq. 11-12
-        lc.set_keys(j_star, merged[..., :D])
-        lc.values.scatter_(2, near, merged[..., D:].to(lc.values.dtype))
+        if self.keys:
+            lc.set_keys(j_star, merged[..., :D])
+        if self.values:
+            lc.values.scatter_(2, near, merged[..., D:].to(lc.values.dtype))
         return merge.float().mean(1)[:, 0]  # (B,)
 
     def record(self, layers: tuple, pos, evict, into, best, merge, S: int) -> None:

@@ -21,6 +21,7 @@ from typing import Literal
 from kvmini.methods.allocators import Uniform
 from kvmini.methods.average_attention import AverageAttention
 from kvmini.methods.convex_value_merge import ConvexValueMerge
+from kvmini.methods.selectors import TopK
 from kvmini.parts import EVERY_CALL, Rule
 from kvmini.policy import Policy
 
@@ -35,8 +36,16 @@ class Options:
     reduce: Literal["mean", "max", "sum"] = "mean"  # how the query heads of a KV head are combined
     # a prefill chunk's merges all at once (runs) or one by one in Alg. 1's order (sequential)
     chunk_merge: Literal["runs", "sequential"] = "runs"
+    # convex: the weakest token's value merged into its neighbour (Alg. 1 line 9) | off: dropped, key and value (an ablation)
+    value_merge: Literal["convex", "off"] = "convex"
+
+
+def idle(o: Options) -> dict[str, str]:
+    """The options that do nothing in these settings (given, they are refused)."""
+    return {"chunk_merge": "--value-merge off (nothing is merged)"} if o.value_merge == "off" else {}
 
 
 def build(budget: float, o: Options = Options()) -> Policy:
-    return Policy("weightedkv", budget, AverageAttention(o.reduce), Uniform(),
-                  ConvexValueMerge(o.sinks, o.recent, o.chunk_merge), schedule=EVERY_CALL, prefill_chunk=CHUNK)
+    compressor = TopK(o.sinks, o.recent) if o.value_merge == "off" else ConvexValueMerge(o.sinks, o.recent, o.chunk_merge)
+    return Policy("weightedkv", budget, AverageAttention(o.reduce), Uniform(), compressor, schedule=EVERY_CALL,
+                  prefill_chunk=CHUNK)
