@@ -8,9 +8,14 @@ layers 0, 1 and the last whole) is set against its rival read off the rival's fr
 measured share (`at_share`), not against the rival's point at the same nominal budget.
 
     verdict(checks) = "holds" if every check is yes, "does not hold here" if none is, else "holds in part"
+
+A seed paper's claim rows also carry a row of the `why` experiment (kvmini.eval.why, kvmini.eval.paired): the seed against the
+rivals that row names, paired over windows, and the part whose switching off moves its KL most. That row's
+verdict is the sign test's ("not settled at this size" where it cannot tell), and so is the README's.
 """
 import math
 
+from kvmini.eval import paired
 from kvmini.eval.tables import Missing, budget_text, fidelity_by_spec, name, need
 
 SAME = 0.005  # two measured shares within half a percentage point are equal memory
@@ -241,6 +246,46 @@ def claim_passkey(quick: dict):
     return "; ".join(cell), checks, "\n".join(detail)
 
 
+# --- why: the seed papers' claims paired over windows, with their cause ---------------------------
+
+WHY = {  # claim row -> (the seed method, the rivals the row's claim names)
+    "d2o-streaming": ("d2o", ["h2o", "streaming_llm"]), "d2o-roco-cam": ("d2o", ["roco", "cam"]),
+    "weightedkv-baselines": ("weightedkv", ["streaming_llm", "h2o", "tova"]), "weightedkv-cam": ("weightedkv", ["cam"]),
+    "dynamickv": ("dynamickv", ["snapkv"]), "dbudgetkv": ("dbudgetkv", []),
+}
+
+
+def why_verdict(rows: list[dict], seed: str, rivals: list[str]) -> str:
+    """The sign test's verdict: against the rivals at equal memory, or (no rivals: DBudgetKV) perplexity
+    within 1% of the full cache's window by window."""
+    if rivals:
+        return paired.verdict(paired.comparisons(rows), seed, rivals)
+    x = paired.near_lossless(rows, seed)
+    if x["p"] >= paired.ALPHA:
+        return "not settled at this size"
+    return "holds" if 2 * x["within"] > x["windows"] else "does not hold"
+
+
+def why_cell(rows: list[dict], seed: str, rivals: list[str]) -> str:
+    cell = paired.reason(paired.comparisons(rows), seed, rivals, name)
+    if rivals:
+        return cell
+    x = paired.near_lossless(rows, seed)
+    return (f"perplexity within 1% of the full cache's in {x['within']} of {x['windows']} windows (worst ×{x['worst']:.3f},"
+            f" sign test p {x['p']:.2g}); " + cell)
+
+
+def claim_why(quick: dict, anchor: str):
+    """(cell, checks, detail, verdict) of a seed claim's `why` row."""
+    seed, rivals = WHY[anchor]
+    rows = need(quick, "why")
+    comp = paired.comparisons(rows)
+    if seed not in comp:
+        raise Missing("why")
+    checks = [(name(r), {"lower": True, "higher": False}.get(paired.settled(comp[seed]["rivals"][r]))) for r in rivals]
+    return why_cell(rows, seed, rivals), checks, paired.table(rows, name, [seed]), why_verdict(rows, seed, rivals)
+
+
 # --- layers and speed --------------------------------------------------------------------------
 
 def claim_layer_variance(res):
@@ -291,9 +336,13 @@ def claim_speed(fs):
 # --- the table ---------------------------------------------------------------------------------
 
 def rows(quick: dict, full: dict, fs: dict) -> list[tuple]:
-    """(anchor, paper, claim, [(experiment, measure)]): measure() -> (cell, checks, detail)."""
+    """(anchor, paper, claim, [(experiment, measure)]): measure() -> (cell, checks, detail[, verdict]); each
+    seed claim's row ends with its `why` row."""
     both = [("full", full), ("quick", quick)]
-    return [
+    windows = quick.get("sizes", {}).get("why", {}).get("windows", "?")
+    why_row = f"why: {windows} windows, paired"
+    return [(anchor, paper, claim, parts + ([(why_row, lambda a=anchor: claim_why(quick, a))] if anchor in WHY else []))
+            for anchor, paper, claim, parts in [
         ("weightedkv-baselines", "WeightedKV", "Table I: at equal capacity, streaming perplexity below "
          "StreamingLLM's, H2O's and TOVA's",
          [("streaming", lambda: claim_streaming(both, "weightedkv", ["streaming_llm", "h2o", "tova"]))]),
@@ -325,65 +374,69 @@ def rows(quick: dict, full: dict, fs: dict) -> list[tuple]:
          [("layers", lambda: claim_layer_budgets(quick))]),
         ("speed", "D2O, all", "D2O Table 5 and all: a 20% cache decodes faster, needs less memory, and costs "
          "little prefill time", [("speed", lambda: claim_speed(fs))]),
-    ]
+    ]]
 
 
 def measured(quick: dict, full: dict, fs: dict) -> list[tuple]:
-    """(anchor, paper, claim, experiment, cell, checks, detail) for every (claim, experiment)."""
+    """(anchor, paper, claim, experiment, cell, checks, detail, verdict) for every (claim, experiment); the
+    verdict is the paired test's for a `why` row, else verdict(checks)."""
     out = []
     for anchor, paper, claim, parts in rows(quick, full, fs):
         for experiment, measure in parts:
             try:
-                cell, checks, detail = measure()
+                cell, checks, detail, *told = measure()
             except Missing as e:
-                cell, checks, detail = f"not measured yet (no {e} in the results files)", [], ""
-            out.append((anchor, paper, claim, experiment, cell, checks, detail))
+                cell, checks, detail, told = f"not measured yet (no {e} in the results files)", [], "", []
+            out.append((anchor, paper, claim, experiment, cell, checks, detail, told[0] if told else verdict(checks)))
     return out
 
 
 def claims(quick: dict, full: dict, fs: dict) -> str:
     """docs/evaluation.md: one row per (claim, experiment); the numbers of each below it (`details`)."""
     out = ["| paper: claim | experiment | measured on SmolLM2-135M | holds? |", "|---|---|---|---|"]
-    for anchor, paper, claim, experiment, cell, checks, _ in measured(quick, full, fs):
-        out.append(f"| [{paper}](#{anchor}): {claim} | {experiment} | {cell} | {verdict_cell(checks)} |")
+    for anchor, paper, claim, experiment, cell, checks, _, told in measured(quick, full, fs):
+        shown = verdict_cell(checks) if told == verdict(checks) else f"**{told}**"
+        out.append(f"| [{paper}](#{anchor}): {claim} | {experiment} | {cell} | {shown} |")
     return "\n".join(out)
 
 
 def details(quick: dict, full: dict, fs: dict) -> str:
     """Every number each verdict of `claims` rests on, one section per claim and experiment."""
     out, seen = [], set()
-    for anchor, paper, claim, experiment, _, checks, detail in measured(quick, full, fs):
+    for anchor, paper, claim, experiment, _, checks, detail, told in measured(quick, full, fs):
         if anchor not in seen:
             out += [f'<a id="{anchor}"></a>', f"#### {paper}: {claim}", ""]
             seen.add(anchor)
-        out += [f"*{experiment}*: {verdict(checks)}.", "", detail or "—", ""]
+        out += [f"*{experiment}*: {told}.", "", detail or "—", ""]
     return "\n".join(out).rstrip()
 
 
-SEED = {  # the seed papers' headline claims as the README states them: the rows that decide each, and the
-    # (row, experiment) whose numbers say why
+SEED = {  # the seed papers' headline claims as the README states them, and the rows that decide each (the
+    # first names the seed method in WHY)
     "D2O": ("at equal memory, a lower loss than eviction (H2O, RoCo, StreamingLLM) and merging (CaM)",
-            ["d2o-streaming", "d2o-roco-cam"], ("d2o-roco-cam", "fidelity, vs RoCo")),
-    "DBudgetKV": ("with t = 1%, a self-chosen budget that is near-lossless", ["dbudgetkv"], ("dbudgetkv", "fidelity")),
+            ["d2o-streaming", "d2o-roco-cam"]),
+    "DBudgetKV": ("with t = 1%, a self-chosen budget that is near-lossless", ["dbudgetkv"]),
     "WeightedKV": ("at equal capacity, streaming perplexity below eviction (StreamingLLM, H2O, TOVA) and CaM's "
-                   "merge", ["weightedkv-baselines", "weightedkv-cam"], ("weightedkv-baselines", "streaming")),
+                   "merge", ["weightedkv-baselines", "weightedkv-cam"]),
     "DynamicKV": ("layer budgets set per task beat SnapKV's uniform ones at equal memory; most passkey answers at "
-                  "small budgets", ["dynamickv", "passkey"], ("dynamickv", "fidelity")),
+                  "small budgets", ["dynamickv", "passkey"]),
 }
 
 
 def readme(quick: dict, full: dict, fs: dict) -> str:
-    """README.md: one line per seed paper's headline claim: the verdict over its rows, and why (how many
-    comparisons went its way, and the numbers of its main one)."""
-    found = measured(quick, full, fs)
+    """README.md: one line per seed paper's headline claim: the paired test's verdict over every rival its
+    rows name, and why (the numbers, and the part that accounts for them), from the `why` experiment."""
     out = ["| paper | headline claim | here | why |", "|---|---|---|---|"]
-    for paper, (claim, anchors, (anchor, experiment)) in SEED.items():
-        checks = [c for a, _, _, _, _, cs, _ in found if a in anchors for c in cs
-                  if not (paper == "DynamicKV" and c[0].startswith("D2O"))]  # the passkey row judges both
-        known = [ok for _, ok in checks if ok is not None]
-        cell = next(cell for a, _, _, e, cell, _, _ in found if (a, e) == (anchor, experiment))
-        count = (f"{sum(known)} of {len(known)} checks go its way" if known else
-                 "no measurement compares at equal memory")
-        out.append(f"| {paper} | {claim} | **{verdict(checks)}** | {count}; {cell} "
+    for paper, (claim, anchors) in SEED.items():
+        seed = WHY[anchors[0]][0]
+        rivals = list(dict.fromkeys(r for a in anchors if a in WHY for r in WHY[a][1]))
+        try:
+            rows = need(quick, "why")
+            here, cell = why_verdict(rows, seed, rivals), why_cell(rows, seed, rivals)
+        except Missing:
+            here, cell = "not measured yet", "no why experiment in results/quick/results.json"
+        windows = quick.get("sizes", {}).get("why", {}).get("windows")
+        more = " Its passkey claim: the detail." if paper == "DynamicKV" else ""
+        out.append(f"| {paper} | {claim} | **{here}** ({windows} windows, paired) | {cell}{more} "
                    f"([detail](docs/evaluation.md#{anchors[0]})) |")
     return "\n".join(out)

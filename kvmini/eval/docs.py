@@ -27,7 +27,7 @@ from kvmini import cli
 cli.exit_on_ctrl_c(__name__)  # before the imports below
 from kvmini.errors import KvminiError  # noqa: E402
 from kvmini.eval import claims, tables  # noqa: E402
-from kvmini.eval import bench_hf, test_run  # noqa: E402
+from kvmini.eval import bench_hf, paired, test_run  # noqa: E402
 from kvmini.eval.tables import FULL, FULL_SPEED, QUICK  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -59,6 +59,7 @@ TABLES = {
     "parts-8k": ((FULL_SPEED,), tables.parts_table),
     "parts-2k": ((QUICK,), tables.parts_table),
     "queryaware": ((QUICK,), tables.queryaware_table),
+    "why": ((QUICK,), lambda q: paired.table(tables.need(q, "why"), tables.name)),
     "queryaware-verdict": ((QUICK,), tables.queryaware_verdict),
     "test-run": ((TESTS,), test_run.summary),
     "hf": ((HF,), bench_hf.table),

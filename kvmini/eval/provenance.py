@@ -6,7 +6,7 @@ it (for people: the check below reads no git), the method specs it measured, the
 measured single methods into it (`python -m kvmini.eval.suite --methods NAME`), and a fingerprint:
 
     code     what every row shares. Accuracy (streaming, passkey, fidelity, layers, ablations,
-             queryaware): the experiment's module. Speed (speed, parts_speed): the timed path every
+             queryaware, why): the experiment's module. Speed (speed, parts_speed): the timed path every
              method shares: kvmini/eval/speed.py and the kvmini modules it imports, the model and the
              engine among them, and the registry without its table of methods (not the command line,
              the option reading or the report, which run outside the clock: UNTIMED).
@@ -36,7 +36,8 @@ ROOT = Path(__file__).resolve().parents[2]
 RECORDING = ROOT / "tests" / "data" / "engine_regression"
 EXPERIMENT_MODULE = {"streaming": "kvmini/eval/streaming.py", "passkey": "kvmini/eval/passkey.py",
                      "fidelity": "kvmini/eval/fidelity.py", "layers": "kvmini/eval/layers.py",
-                     "ablations": "kvmini/eval/fidelity.py", "queryaware": "kvmini/eval/query_aware.py"}
+                     "ablations": "kvmini/eval/fidelity.py", "queryaware": "kvmini/eval/query_aware.py",
+                     "why": "kvmini/eval/why.py"}
 TIMED = ("speed", "parts_speed")  # experiments that measure time: fingerprinted by the code on the timed path
 REGISTRY = "kvmini/methods/registry.py"
 RECORD = "PYTHONPATH=. python tests/test_engine_regression.py --record"

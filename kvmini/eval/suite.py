@@ -13,6 +13,8 @@ Experiments (sizes per profile in PROFILES):
     speed      prefill overhead, decode speed, kept bytes and peak memory relative to the full cache
     parts_speed  D2O's decode step with its parts switched on in turn (PARTS): what each costs over SnapKV's
     ablations  fidelity of each difference between a paper and its authors' code, one prompt (docs/methods.md)
+    why        each seed method with one part switched off, against its rivals at equal memory, paired over
+               windows of the text (kvmini/eval/why.py; the reasons beside the claims' verdicts)
     queryaware passkey accuracy and answer fidelity with the question in the prompt and after it (issue 31)
 
 Writes results.json (everything), summary.md (the tables) and PNG plots (with matplotlib). Experiments
@@ -31,7 +33,7 @@ cli.exit_on_ctrl_c(__name__)  # before the imports below
 import torch  # noqa: E402
 
 from kvmini.errors import KvminiError  # noqa: E402
-from kvmini.eval import fidelity, layers, passkey, plots, provenance, query_aware, speed, streaming  # noqa: E402
+from kvmini.eval import fidelity, layers, passkey, plots, provenance, query_aware, speed, streaming, why  # noqa: E402
 from kvmini.eval.summary import summary  # noqa: E402
 from kvmini.methods import registry  # noqa: E402
 
@@ -76,6 +78,7 @@ PROFILES = {
         "parts_speed": dict(decode_n=256, steps=2, rounds=1, budget=0.5),
         "ablations": dict(n=128, k=16, budgets=[0.5], methods=["h2o", "d2o[merge=off]", "h2o[evict_every=8]"]),
         "queryaware": dict(length=256, depths=[0.5], budgets=[0.5], k=2),
+        "why": dict(n=128, k=8, windows=2, budget=0.5, seeds=["dbudgetkv"]),  # a share-matched rival and ablation
     },
     "quick": {
         "streaming": dict(n=2048, capacities=[256], chunk=16),
@@ -87,6 +90,7 @@ PROFILES = {
         "parts_speed": dict(decode_n=2048, steps=16, rounds=8, budget=0.2),
         "ablations": dict(n=1024, k=128, budgets=[0.2], methods=ABLATIONS),
         "queryaware": dict(length=512, depths=[0.25, 0.75], budgets=[0.1, 0.3], k=4),
+        "why": dict(n=1024, k=32, windows=12, budget=0.2, seeds=list(why.SEEDS)),  # 12: 10 of 12 settles (p 0.04)
     },
     "full": {
         "streaming": dict(n=4096, capacities=[256, 1024], chunk=16),
@@ -98,6 +102,7 @@ PROFILES = {
         "parts_speed": dict(decode_n=8128, steps=8, rounds=7, budget=0.2),
         "ablations": dict(n=2048, k=256, budgets=[0.2], methods=ABLATIONS),
         "queryaware": dict(length=2048, depths=[0.1, 0.5, 0.9], budgets=[0.1, 0.2, 0.3], k=8),
+        "why": dict(n=2048, k=64, windows=12, budget=0.2, seeds=list(why.SEEDS)),
     },
 }
 EXPERIMENTS = list(PROFILES["quick"])
@@ -136,6 +141,10 @@ def run_fidelity(model, text_ids, p, specs, log):
     return rows
 
 
+def run_why(model, text_ids, p, log):
+    return why.run(model, text_ids, p["n"], p["k"], p["windows"], p["budget"], p["seeds"], log=log)
+
+
 def run_ablations(model, text_ids, p, specs, log):
     ids = torch.tensor([text_ids[: p["n"] + p["k"]]], device=model.device)
     return fidelity.run(model, ids, p["n"], specs, p["budgets"], log=log)
@@ -147,7 +156,7 @@ def measured(name: str, p: dict) -> list[str]:
             "fidelity": ["full", *p.get("methods", [])], "layers": ["full", *layers.ADAPTIVE],
             "speed": ["full", *EVERY], "parts_speed": ["full", "snapkv", *dict.fromkeys(
                 spec for rungs in PARTS.values() for _, spec in rungs)], "ablations": ["full", *p.get("methods", [])],
-            "queryaware": ["full", *BUDGETED, *SELF_BUDGETED]}[name]
+            "queryaware": ["full", *BUDGETED, *SELF_BUDGETED], "why": ["full", *why.specs(p.get("seeds", []))]}[name]
 
 
 def today(profile: str) -> dict[str, dict]:
@@ -317,7 +326,7 @@ def tokens_needed(name: str, p: dict) -> int:
         return max(p["lengths"]) + 10  # prompts of about `length` tokens, answers of up to 10
     if name == "queryaware":
         return p["length"] + max(p["k"], query_aware.ANSWER_TOKENS)
-    if name in ("fidelity", "ablations"):
+    if name in ("fidelity", "ablations", "why"):
         return p["n"] + p["k"]
     if name == "speed":
         return max(p["prefill_n"], speed.decode_length(p["decode_n"], p["steps"], p["rounds"]), p["peak_n"], p["batch_n"])
@@ -363,6 +372,7 @@ def run_suite(profile: str, only: list[str], model_folder: str | None, device: s
         "parts_speed": lambda specs: run_parts_speed(model, text_ids, P["parts_speed"], log),
         "ablations": lambda specs: run_ablations(model, text_ids, P["ablations"], specs, log),
         "queryaware": lambda specs: run_queryaware(model, tok, chat, stop_ids, P["queryaware"], specs, log),
+        "why": lambda specs: run_why(model, text_ids, P["why"], log),
     }
     for name in only:
         specs = measured(name, P[name])[1:]

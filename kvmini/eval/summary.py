@@ -3,7 +3,7 @@ writes it after a run; `python -m kvmini.eval.docs` rewrites it from the committ
 parts tables are those of docs/speed.md (kvmini.eval.tables)."""
 import statistics
 
-from kvmini.eval import passkey, query_aware, tables
+from kvmini.eval import paired, passkey, query_aware, tables
 
 
 def summary(results: dict) -> str:
@@ -81,6 +81,9 @@ def summary(results: dict) -> str:
         out += [_fidelity_line([{"prompt": 0, **r} for r in results["ablations"]], key) for key in dict.fromkeys(
             (r["method"], r["budget"]) for r in results["ablations"] if r["method"] != "full")]
         out.append("")
+    if "why" in results:
+        out += ["## Why: each seed method with one part switched off, at equal memory", "",
+                paired.table(results["why"], tables.name), ""]
     if "queryaware" in results:
         m = query_aware.by_condition(results["queryaware"])
         out += ["## Query-aware: the question in the prompt, or after the context was compressed", "",

@@ -219,6 +219,7 @@ PROFILE_CELLS = {  # experiment -> its sizes in words: every key of its entry in
     "parts_speed": "decode after {decode_n} tokens, {rounds} rounds of {steps} steps, budget {budget}",
     "ablations": "one prompt, N={n}, K={k}, budgets {budgets}; {methods}",
     "queryaware": "{length} tokens × depths {depths}; budgets {budgets}; K={k}",
+    "why": "{windows} windows, N={n}, K={k}, budget {budget}; seeds {seeds} with their parts and rivals",
 }
 
 
@@ -226,6 +227,8 @@ def size_text(key: str, value) -> str:
     """One size of a profile in words: budgets as budget_text, depths as fractions, a list of method specs as its count."""
     if key == "methods":
         return f"{len(value)} method specs"
+    if isinstance(value, str):
+        return name(value)
     if isinstance(value, list):
         return ", ".join(size_text(key, v) for v in value)
     if key.startswith("budget"):
