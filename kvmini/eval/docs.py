@@ -27,7 +27,7 @@ from kvmini import cli
 cli.exit_on_ctrl_c(__name__)  # before the imports below
 from kvmini.errors import KvminiError  # noqa: E402
 from kvmini.eval import claims, tables  # noqa: E402
-from kvmini.eval import bench_hf, paired, test_run  # noqa: E402
+from kvmini.eval import authors, bench_hf, paired, test_run  # noqa: E402
 from kvmini.eval.tables import FULL, FULL_SPEED, QUICK  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -35,6 +35,7 @@ REGION = re.compile(r"<!-- generated: (\S+)[^\n]*-->\n(.*?)<!-- end generated --
 
 TESTS = test_run.OUT  # the last recorded run of the test suite
 HF = "results/hf/bench.json"  # kvmini against HF transformers (kvmini.eval.bench_hf --out)
+AUTHORS = {m: f"results/authors/{m}.json" for m in authors.ADAPTERS}  # python -m kvmini.eval.authors METHOD
 PROFILES_SOURCE = "kvmini/eval/suite.py"  # not a results file: the profiles' sizes, read from the module
 READING_SOURCE = "kvmini/"  # not a results file: the reading path's files and lines, read from the code
 # name -> (the results files it reads, the function of their contents)
@@ -64,6 +65,7 @@ TABLES = {
     "test-run": ((TESTS,), test_run.summary),
     "hf": ((HF,), bench_hf.table),
     "tutorial-times": ((TESTS,), test_run.tutorials),
+    **{f"authors-{m}": ((path,), authors.table) for m, path in AUTHORS.items()},
 }
 # the command that measures an experiment into each file, for a table that finds it missing
 MEASURE = {QUICK: "python -m kvmini.eval.suite --only {experiment} --out results/quick",
@@ -71,7 +73,8 @@ MEASURE = {QUICK: "python -m kvmini.eval.suite --only {experiment} --out results
            FULL_SPEED: "python -m kvmini.eval.suite --profile full --only {experiment} --out results/full-speed"}
 
 # the command that records each file read by a region but not made by the suite
-RECORD = {TESTS: "python -m kvmini.eval.test_run",
+RECORD = {**{path: f"python -m kvmini.eval.authors {m} --code CHECKOUT --deps DEPS" for m, path in AUTHORS.items()},
+          TESTS: "python -m kvmini.eval.test_run",
           HF: "python -m kvmini.eval.bench_hf --out results/hf/bench.json`, then with `--dtype bfloat16"}
 
 
