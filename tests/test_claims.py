@@ -82,3 +82,54 @@ def test_passkey_pairs_compare_at_the_share_kept():
     cell, checks, _ = claims.claim_passkey_pair({"passkey": rows}, "d2o", "roco")
     assert checks == [("passkey 10%", True), ("passkey 20%", False)]
     assert "20% 2 vs 2.0" in cell
+
+
+def why_rows(windows: int, d2o_kl: list[float], h2o_kl: list[float], off_kl: list[float]) -> list[dict]:
+    """Made-up `why` rows: D2O (28% kept), its ablations, and each rival at D2O's share."""
+    from kvmini.eval.why import SEEDS
+
+    rows = []
+    for w in range(windows):
+        rows.append({"window": w, "method": "full", "budget": None, "kl": 0.0, "ppl": 10.0, "kept_share": 1.0})
+        rows.append({"window": w, "method": "d2o", "budget": 0.2, "kl": d2o_kl[w], "ppl": 11.0, "kept_share": 0.28})
+        for spec in SEEDS["d2o"]["parts"].values():
+            kl = off_kl[w] if spec == "d2o[merge=off]" else d2o_kl[w]
+            rows.append({"window": w, "method": spec, "budget": 0.2, "kl": kl, "ppl": 11.0, "kept_share": 0.28})
+        for rival in SEEDS["d2o"]["rivals"]:
+            kl = h2o_kl[w] if rival == "h2o" else 0.9
+            rows.append({"window": w, "method": rival, "budget": 0.28, "kl": kl, "ppl": 11.0, "kept_share": 0.28,
+                         "at": ["d2o", *SEEDS["d2o"]["parts"].values()]})
+    return rows
+
+
+def test_a_seed_claims_why_row_takes_the_sign_tests_verdict_and_names_its_cause():
+    """H2O lower than D2O in all 12 windows: 'does not hold' against H2O; StreamingLLM (0.9) above it in all:
+    'holds' against that one; both: 'holds in part'. Switching the merge off lowers D2O's KL in every window:
+    the cause. With H2O lower in only 9 of 12 (p = 0.15): 'not settled at this size'."""
+    W = 12
+    quick = {"sizes": {"why": {"windows": W}}, "why": why_rows(W, [0.3] * W, [0.1] * W, [0.12] * W)}
+    cell, checks, detail, told = claims.claim_why(quick, "d2o-streaming")
+    assert told == "holds in part" and checks == [("H2O", False), ("StreamingLLM", True)]
+    assert "What costs it: the merge (without it KL 0.120, lower in 12 of 12, p 0.0005; 90% of the gap" in cell
+    assert len(cell.split()) <= 60
+    assert claims.why_verdict(quick["why"], "d2o", ["h2o"]) == "does not hold"
+    split = why_rows(W, [0.3] * W, [0.1] * 9 + [0.5] * 3, [0.12] * W)
+    assert claims.why_verdict(split, "d2o", ["h2o"]) == "not settled at this size"
+    table = claims.claims(quick, {}, {})
+    assert "| [D2O](#d2o-streaming): " in table and "| why: 12 windows, paired | " in table
+
+
+def test_the_readme_cells_of_the_committed_results_stay_short():
+    """Each seed claim's 'why' cell in the README is at most 60 words (issue 58)."""
+    import json
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    load = lambda p: json.loads((root / p).read_text())  # noqa: E731
+    table = claims.readme(load("results/quick/results.json"), load("results/full/results.json"),
+                          load("results/full-speed/results.json"))
+    for line in table.splitlines()[2:]:
+        why_cell = line.split(" | ")[3]
+        assert len(why_cell.split("([detail]")[0].split()) <= 60, line
+        assert line.split(" | ")[2].split("**")[1] in ("holds", "does not hold", "holds in part",
+                                                        "not settled at this size")

@@ -131,7 +131,7 @@ def test_not_run_names_the_experiments_no_file_holds():
     from kvmini.eval import tables
 
     assert tables.not_run({"streaming": {}, "fidelity": {}}, {"speed": {}, "parts_speed": {}, "layers": {}}) == (
-        "Not measured in the full profile (no results file holds them): passkey, ablations, queryaware.")
+        "Not measured in the full profile (no results file holds them): passkey, ablations, queryaware, why.")
 
 
 def test_what_the_tutorials_say_of_the_committed_ablations():

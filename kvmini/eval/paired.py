@@ -11,6 +11,7 @@ import random
 
 from kvmini.eval.why import SEEDS
 
+WORDS = 55  # a cell's length, the second part dropped beyond it (the README's cells stay under 60 words)
 ALPHA = 0.05  # the sign test's level: with 8 windows only 8 of 8 settles (p = 0.008), with 12 10 of 12 (p = 0.039)
 
 
@@ -100,24 +101,31 @@ def causes(comp: dict, seed: str, helps: bool) -> list[tuple[str, dict]]:
 
 
 def reason(comp: dict, seed: str, rivals: list[str], name=str) -> str:
-    """The verdict's numbers and its cause in a few words (the README's and docs/evaluation.md's cells)."""
+    """The verdict's numbers and its cause in a few words (the README's and docs/evaluation.md's cells): the
+    part whose switching off moves the seed's KL most in a settled way, and how much of the gap to the best
+    rival that closes."""
     c = comp[seed]
     mine = c["rivals"][rivals[0]]["a"] if rivals else next(iter(c["parts"].values()))["vs_seed"]["b"]
     W = next(iter(c["parts"].values()))["vs_seed"]["windows"]
     head = f"KL {mine:.3f} keeping {c['share']:.1%}"
     if rivals:
         ps = [c["rivals"][r] for r in rivals]
-        head += (" vs " + ", ".join(f"{name(r)} {p['b']:.3f}" for r, p in zip(rivals, ps)) + " at that share (lower in "
-                 + ", ".join(str(p["lower"]) for p in ps) + f" of {W} windows; sign test p "
-                 + ", ".join(f"{p['p']:.2g}" for p in ps) + ")")
+        head += (" vs " + ", ".join(f"{name(r)} {p['b']:.3f}" for r, p in zip(rivals, ps)) + " at that share, lower in "
+                 + ", ".join(str(p["lower"]) for p in ps) + f" of {W} windows (p " + ", ".join(f"{p['p']:.1g}" for p in ps)
+                 + ")")
     losing = verdict(comp, seed, rivals) != "holds" if rivals else True
     found = causes(comp, seed, helps=losing)[:2]
     if not found:
-        return f"{head}. No part switched off changes its KL in a settled way."
+        return f"{head}. No part switched off moves its KL in a settled way."
     side = "lower" if losing else "higher"
-    said = [f"without {label}, KL {x['vs_seed']['a']:.3f} ({side} in {x['vs_seed'][side]} of {W}, p "
-            f"{x['vs_seed']['p']:.2g})" for label, x in found]
-    return f"{head}. Cause: " + "; ".join(said) + "."
+    said = [f"{label} (without it KL {x['vs_seed']['a']:.3f}, {side} in {x['vs_seed'][side]} of {W}, p "
+            f"{x['vs_seed']['p']:.1g})" for label, x in found]
+    best = min((c["rivals"][r]["b"] for r in rivals), default=None)
+    if losing and best is not None and mine > best:  # how much of the gap the first part accounts for
+        closed = (mine - found[0][1]["vs_seed"]["a"]) / (mine - best)
+        said[0] = said[0][:-1] + f"; {min(closed, 1):.0%} of the gap to the best rival)"
+    cell = f"{head}. {'What costs it' if losing else 'What it rests on'}: " + "; ".join(said) + "."
+    return cell if len(cell.split()) <= WORDS or len(said) == 1 else cell.rsplit("; ", 1)[0].rstrip(")") + ")."
 
 
 def near_lossless(rows: list[dict], seed: str, tolerance: float = 0.01) -> dict:
