@@ -19,7 +19,7 @@ ROOT = Path(__file__).resolve().parents[1]
 def test_match_finds_each_held_key_by_exact_value():
     keys = torch.arange(2 * 5 * 3, dtype=torch.float32).view(1, 2, 5, 3)  # 2 KV heads, 5 positions
     held = torch.stack([keys[0, 0, [4, 0]], keys[0, 0, [1, 2]], keys[0, 1, [3, 0]], keys[0, 1, [3, 3]]])[None]
-    assert authors.match(held, keys, groups=2) == [[0, 4], [1, 2], [0, 3], [3]]  # query heads 0-1 read KV head 0
+    assert authors.match(held, keys, groups=2) == [[0, 4], [1, 2], [0, 3], [3, 3]]  # heads 0-1 read KV head 0
     merged = held.clone()
     merged[0, 1, 0] += 0.5  # an averaged key is no prompt key
     with pytest.raises(ValueError, match="query head 1: 1 held keys match no prompt key"):
@@ -28,10 +28,10 @@ def test_match_finds_each_held_key_by_exact_value():
 
 def test_compare_kept_sets_by_hand():
     """kvmini holds {0, 1, 2} and {3} per KV head; the authors' query heads (2 per KV head) hold {0, 1, 2},
-    {0, 1}, {3} and {3, 4}: Jaccard 1, 2/3, 1, 1/2; two identical sets of four."""
-    out = authors.compare([[[0, 1, 2], [3]]], [[[0, 1, 2], [0, 1], [3], [3, 4]]], groups=2)
+    {0, 1}, {3, 3} (position 3 held twice) and {3, 4}: Jaccard 1, 2/3, 1, 1/2; two identical sets of four."""
+    out = authors.compare([[[0, 1, 2], [3]]], [[[0, 1, 2], [0, 1], [3, 3], [3, 4]]], groups=2)
     assert out["jaccard"] == [pytest.approx((1 + 2 / 3 + 1 + 1 / 2) / 4)]
-    assert (out["identical"], out["sets"], out["lengths"]) == (2, 4, [2.0])
+    assert (out["identical"], out["sets"], out["lengths"], out["held_twice"]) == (2, 4, [2.25], 1)
 
 
 @pytest.mark.parametrize("spec", ["h2o", "snapkv"])

@@ -49,14 +49,15 @@ def full_keys(full, prompt) -> list:
 
 def match(cached, keys, groups: int) -> list[list[int]]:
     """The prompt positions an authors' cache holds: cached (1, H_q, S, D) keys, found by exact match in the
-    layer's full keys (1, H_kv, n, D); a key that matches none (a merged one) is refused by name."""
+    layer's full keys (1, H_kv, n, D), a position held twice listed twice; a key that matches none (a merged
+    one) is refused by name."""
     out = []
     for h in range(cached.shape[1]):
         where = {row.numpy().tobytes(): j for j, row in enumerate(keys[0, h // groups])}
         found = [where.get(row.numpy().tobytes()) for row in cached[0, h]]
         if None in found:
             raise ValueError(f"query head {h}: {found.count(None)} held keys match no prompt key exactly")
-        out.append(sorted(set(found)))
+        out.append(sorted(found))
     return out
 
 
@@ -89,15 +90,17 @@ def kl(p_logits, q_logits) -> float:
 
 
 def compare(kvmini_held, authors_kept, groups: int) -> dict:
-    """Per layer: the authors' mean kept length, the Jaccard of kvmini's KV-head set with each query head's
-    set (mean over query heads); and how many (layer, query head) sets are identical."""
-    lengths, jaccard, same = [], [], 0
+    """Per layer: the authors' mean held length, the Jaccard of kvmini's KV-head set with each query head's
+    set (mean over query heads); how many (layer, query head) sets are identical, and how many entries the
+    authors' cache holds a second time (a position twice)."""
+    lengths, jaccard, same, twice = [], [], 0, 0
     for mine, theirs in zip(kvmini_held, authors_kept):
         lengths.append(sum(map(len, theirs)) / len(theirs))
         pairs = [(set(mine[h // groups]), set(s)) for h, s in enumerate(theirs)]
         jaccard.append(sum(len(a & b) / len(a | b) for a, b in pairs) / len(pairs))
         same += sum(a == b for a, b in pairs)
-    return {"lengths": lengths, "jaccard": jaccard, "identical": same,
+        twice += sum(len(s) - len(set(s)) for s in theirs)
+    return {"lengths": lengths, "jaccard": jaccard, "identical": same, "held_twice": twice,
             "sets": sum(len(t) for t in authors_kept)}
 
 
@@ -181,12 +184,16 @@ def table(result: dict) -> str:
            "| authors' code | KL(full‖kvmini) | KL(full‖authors) | KL(authors‖kvmini) | largest logit difference | "
            "identical kept sets | kept-set Jaccard per layer (lowest) | kept per layer, authors − kvmini (mean of \\|·\\|) |",
            "|---|---|---|---|---|---|---|---|"]
+    def twice(mode: str) -> str:  # entries their cache holds twice, in which windows
+        found = [(r["window"], r[mode].get("held_twice", 0)) for r in rows if r[mode].get("held_twice", 0)]
+        return "".join(f"; {n} entries held twice in window {w}" for w, n in found)
+
     for mode, label in (("as_released", "as released (per query head)"), ("per_kv_head", "selecting per KV head")):
         ours = [r["kvmini"]["kl_full"] for r in rows]
         diff = [abs(a - b) for r in rows for a, b in zip(r[mode]["lengths"], r["kvmini"]["lengths"])]
         out.append(f"| {label} | {spread(ours)} | {spread([r[mode]['kl_full'] for r in rows])} | "
                    f"{spread([r[mode]['kl_to_kvmini'] for r in rows])} | {max(r[mode]['max_logit_diff'] for r in rows):.2g} | "
-                   f"{sum(r[mode]['identical'] for r in rows):,} of {sum(r[mode]['sets'] for r in rows):,} | "
+                   f"{sum(r[mode]['identical'] for r in rows):,} of {sum(r[mode]['sets'] for r in rows):,}{twice(mode)} | "
                    f"{min(min(r[mode]['jaccard']) for r in rows):.3f} | {mean(diff):.1f} |")
     packages = ", ".join(f"{k} {v}" for k, v in result["packages"].items())
     out += ["", f"Run with {packages}; `{result['provenance']['command']}`. Adaptations made at run time:", ""]
