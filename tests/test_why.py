@@ -32,6 +32,8 @@ def test_paired_by_hand():
     assert paired.settled(p) == "not settled"
     assert paired.settled(paired.paired([0.1] * 8, [0.2] * 8)) == "lower"
     assert paired.settled(paired.paired([0.3] * 8, [0.2] * 8)) == "higher"
+    with pytest.raises(ValueError, match="one value of each per window, got 8 and 7"):
+        paired.paired([0.3] * 8, [0.2] * 7)  # a window without its rival is never paired with another
 
 
 def rows_of(kls: dict, shares: dict, at: dict, windows: int) -> list[dict]:

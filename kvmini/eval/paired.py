@@ -33,6 +33,8 @@ def bootstrap(d: list[float], rounds: int = 2000, seed: int = 0) -> tuple[float,
 
 def paired(a: list[float], b: list[float]) -> dict:
     """a against b, window by window (the same windows in the same order)."""
+    if len(a) != len(b) or not a:
+        raise ValueError(f"paired needs one value of each per window, got {len(a)} and {len(b)}")
     d = [x - y for x, y in zip(a, b)]
     lower, higher = sum(x < 0 for x in d), sum(x > 0 for x in d)
     lo, hi = bootstrap(d)
