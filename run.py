@@ -136,6 +136,9 @@ def parse_args(argv=None):
                    help="decode steps run kvmini.policy's loop, one layer at a time as docs/design.md writes it, instead "
                         "of kvmini.at_once's step with every layer at once: the same caches, slower; for following a "
                         "run in a debugger")
+    p.add_argument("--per-query-head", action="store_true",
+                   help="the cache holds one entry set per query head, as the authors' codes hold it after repeat_kv "
+                        "(H/H_kv times the memory), so every method selects per query head; default: per KV head")
     p.add_argument("--quiet", action="store_true", help="no progress on stderr (it shows only on a terminal, for long work)")
     p.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N (default: auto)")
     p.add_argument("--dtype", default="auto", help="auto | float32 | bfloat16 | float16 (auto: fp32 on CPU, bf16 on CUDA)")
@@ -226,7 +229,7 @@ def load(args):
     """-> (the checkpoint folder, the model, its tokenizer, its chat format or None for --raw)."""
     log = (lambda m: None) if args.quiet else (lambda m: print(m, file=sys.stderr))
     folder = Path(args.model) if args.model else ensure_default_model(log=log)
-    model = load_model(folder, args.device, args.dtype)
+    model = load_model(folder, args.device, args.dtype, per_query_head=args.per_query_head)
     tok = load_tokenizer(folder)
     if tok.vocab_size > model.config.vocab_size:
         raise KvminiError(f"the tokenizer has {tok.vocab_size} ids but the model only {model.config.vocab_size} "

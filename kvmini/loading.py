@@ -8,6 +8,7 @@ model needs must be present with the right shape, and nothing unknown may be
 left over. The model is built on the meta device and the loaded tensors are
 assigned in place, so no memory is spent on a random initialization.
 """
+import dataclasses
 import json
 import math
 import re
@@ -23,6 +24,7 @@ from kvmini.model import Transformer, rope_frequencies
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)  # buffers some old checkpoints saved; recomputed here
+KV_PROJ = tuple(f"self_attn.{p}_proj.{w}" for p in "kv" for w in ("weight", "bias"))  # repeated by per_query_head
 LAYER = re.compile(r"model\.layers\.(\d+)\.")  # a decoder layer's tensors (HF names)
 SUPPORTED = {"llama", "mistral", "qwen2", "qwen3"}
 
@@ -95,7 +97,12 @@ def layers_held(files: list[Path]) -> int:
     return max(found, default=-1) + 1
 
 
-def load_model(folder: str | Path, device: str = "auto", dtype: str = "auto") -> Transformer:
+def load_model(folder: str | Path, device: str = "auto", dtype: str = "auto", per_query_head: bool = False) -> Transformer:
+    """The checkpoint in `folder` as a Transformer. `per_query_head`: every query head gets a KV head of its
+    own, k_proj's and v_proj's rows repeated for each query head of their group (what `repeat_kv` does to
+    the keys and values, done once to the weights): the same model, whose cache holds one entry set per
+    query head, g = H / H_kv times the memory, as the authors' codes hold it; every method then selects
+    per query head (docs/methods.md, "Per KV head or per query head")."""
     folder = Path(folder)
     if folder.exists() and not folder.is_dir():
         raise KvminiError(f"{folder} is a file, not a checkpoint folder (config.json and safetensors)")
@@ -109,8 +116,9 @@ def load_model(folder: str | Path, device: str = "auto", dtype: str = "auto") ->
     if held != config.num_layers:
         raise KvminiError(f"config.json has num_hidden_layers {config.num_layers} but the weights in {folder} hold "
                           f"{held} layers: config and weights do not match")
+    groups = config.num_heads // config.num_kv_heads if per_query_head else 1
     with torch.device("meta"):
-        model = Transformer(config)
+        model = Transformer(dataclasses.replace(config, num_kv_heads=config.num_kv_heads * groups))
     expected = {name: t.shape for name, t in model.state_dict().items()}
     if config.tie_word_embeddings:
         expected.pop("lm_head.weight")
@@ -124,6 +132,8 @@ def load_model(folder: str | Path, device: str = "auto", dtype: str = "auto") ->
                     if name not in expected:
                         raise KvminiError(f"unexpected tensor {name!r} in {path.name}")
                     t = f.get_tensor(name)
+                    if groups > 1 and name.endswith(KV_PROJ):  # (H_kv D, ...) -> (H D, ...): each head g times
+                        t = t.unflatten(0, (config.num_kv_heads, -1)).repeat_interleave(groups, 0).flatten(0, 1)
                     if not t.dtype.is_floating_point:
                         raise KvminiError(f"tensor {name!r} in {path.name} has dtype {str(t.dtype).removeprefix('torch.')}; "
                                           "weights must be floating point")
