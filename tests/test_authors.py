@@ -47,7 +47,11 @@ def test_kvmini_side_is_the_fidelity_protocol(spec):
 
 @pytest.mark.parametrize("argv, said", [(["d2o", "--code", "/nonexistent/checkout", "--deps", "."],
                                          "--code /nonexistent/checkout is not a folder"),
-                                        (["cam", "--code", ".", "--deps", "."], "invalid choice: 'cam'")])
+                                        (["cam", "--code", ".", "--deps", "."], "invalid choice: 'cam'"),
+                                        (["d2o", "--code", ".", "--deps", ".", "--budget", "1.5"],
+                                         "--budget 1.5 is not a ratio in (0, 1)"),
+                                        (["dbudgetkv", "--code", ".", "--deps", ".", "--budget", "0.3"],
+                                         "--budget: dbudgetkv chooses its own budget")])
 def test_refusals(argv, said, capsys):
     with pytest.raises(SystemExit) as e:
         authors.main(argv)
@@ -72,6 +76,5 @@ def test_committed_cross_checks_describe_todays_method(path):
     name = result["spec"].split("[")[0]
     now = provenance.recorded_behaviour([name])[name]
     assert result["provenance"]["behaviour"] == now, (
-        f"{path.relative_to(ROOT)} was made with another behaviour of {name}: re-run "
-        f"python -m kvmini.eval.authors {path.stem} --code CHECKOUT --deps DEPS")
+        f"{path.relative_to(ROOT)} was made with another behaviour of {name}: re-run {authors.command(path.stem)}")
     assert result["windows"] and all(r["per_kv_head"]["sets"] > 0 for r in result["windows"])

@@ -6,12 +6,14 @@
 CHECKOUT is your clone of the authors' repository (nothing of it enters kvmini), DEPS the transformers their
 code needs (the adapter's PACKAGES), put first on sys.path before transformers is imported; kvmini itself
 never imports transformers. An adapter (kvmini/eval/authors_<method>.py) names every change it makes to
-their code at run time (ADAPTATIONS) and runs it in two modes: as released, and with their selection made
-per KV head (`kv_head`: their scores averaged over a KV head's query heads, as kvmini does), which
-separates the one difference kvmini documents (per KV head, not per query head) from any other.
+their code at run time (ADAPTATIONS) and runs it in two modes, each beside the kvmini run that selects
+the same way: as released (per query head: their cache holds every query head after `repeat_kv`) beside
+kvmini loaded `per_query_head`; and with their selection made per KV head (`kv_head`: their scores
+averaged over a KV head's query heads) beside kvmini's default. The first shows kvmini equal to their
+code, the second the one difference kvmini documents; between the two rows, its measured effect.
 
-Per window and mode: each layer's kept length (kvmini per KV head, the authors' mean over query heads),
-the overlap of the kept sets (Jaccard of kvmini's KV-head set with each of its query heads' sets), the
+Per window and mode: each layer's kept length (kvmini's, the authors' mean over query heads), the overlap
+of the kept sets (Jaccard of kvmini's set for a query head's KV head with that query head's set), the
 number of identical (layer, query head) sets, KL(full ‖ kvmini), KL(full ‖ authors), KL(authors ‖ kvmini).
 """
 import importlib
@@ -29,6 +31,15 @@ N, K, BUDGET, WINDOWS = 1024, 32, 0.2, 12  # the `why` experiment's windows (kvm
 ADAPTERS = {"d2o": "kvmini.eval.authors_d2o", "dynamickv": "kvmini.eval.authors_dynamickv",
             "dbudgetkv": "kvmini.eval.authors_dbudgetkv"}
 OUT = Path(__file__).resolve().parents[2] / "results" / "authors"
+# the committed cross-checks: each method at its adapter's budget; D2O also at 25%, where kvmini's budget in
+# tokens over n is the ratio itself (at 20%, 205 / 1,024: docs/methods.md, "D2O")
+RESULTS = {**{m: (m, None) for m in ADAPTERS}, "d2o-0.25": ("d2o", 0.25)}
+
+
+def command(stem: str) -> str:
+    """The command that makes results/authors/<stem>.json."""
+    method, budget = RESULTS[stem]
+    return f"python -m kvmini.eval.authors {method} --code CHECKOUT --deps DEPS" + (f" --budget {budget:g}" if budget else "")
 
 
 def use_deps(deps: Path) -> None:
@@ -133,10 +144,12 @@ def cross_check(args) -> int:
     from kvmini.weights import ensure_default_model
 
     adapter = importlib.import_module(ADAPTERS[args.method])
+    budget = adapter.BUDGET if args.budget is None else args.budget
     log = lambda m: print(m, file=sys.stderr, flush=True)  # noqa: E731
     out = cli.writable_folder(args.out, "--out")
     folder = Path(args.model) if args.model else ensure_default_model(log=log)
     model = load_model(folder, "cpu", "float32")
+    wide = load_model(folder, "cpu", "float32", per_query_head=True)  # one KV head per query head
     ids = load_tokenizer(folder).encode(fidelity.pydoc_text())
     starts = why.windows(len(ids), N + K, WINDOWS)[: args.windows]
     groups = model.config.num_heads // model.config.num_kv_heads
@@ -146,25 +159,26 @@ def cross_check(args) -> int:
     for w, start in enumerate(starts):
         x = torch.tensor([ids[start : start + N + K]])
         full, _ = fidelity.continuation_logits(model, x, N)
-        mine, held = kvmini_run(model, x, N, make_policy(name, adapter.BUDGET, **options))
-        row = {"window": w, "start": start, "kvmini": {"kl_full": kl(full, mine), "lengths": [len(h[0]) for h in held]}}
-        for mode, kv_head in (("as_released", False), ("per_kv_head", True)):
-            theirs, kept = adapter.run(runner, x, N, kv_head)
+        row = {"window": w, "start": start}
+        for mode, kvmini, g in (("as_released", wide, 1), ("per_kv_head", model, groups)):
+            mine, held = kvmini_run(kvmini, x, N, make_policy(name, budget, **options))
+            row[f"kvmini_{mode}"] = {"kl_full": kl(full, mine), "lengths": [len(h[0]) for h in held]}
+            theirs, kept = adapter.run(runner, x, N, g > 1, budget)
             row[mode] = {"kl_full": kl(full, theirs), "kl_to_kvmini": kl(theirs, mine),
-                         "max_logit_diff": (theirs - mine).abs().max().item(), **compare(held, kept, groups)}
-            log(f"window {w + 1}/{len(starts)} {mode}: KL(full‖kvmini) {row['kvmini']['kl_full']:.4f}, "
+                         "max_logit_diff": (theirs - mine).abs().max().item(), **compare(held, kept, g)}
+            log(f"window {w + 1}/{len(starts)} {mode}: KL(full‖kvmini) {row[f'kvmini_{mode}']['kl_full']:.4f}, "
                 f"KL(full‖authors) {row[mode]['kl_full']:.4f}, identical kept sets {row[mode]['identical']}/"
                 f"{row[mode]['sets']}")
         rows.append(row)
     found = checkout_commit(args.code)
-    result = {"method": args.method, "spec": adapter.SPEC, "budget": adapter.BUDGET, "n": N, "k": K,
+    result = {"method": args.method, "spec": adapter.SPEC, "budget": budget, "n": N, "k": K, "groups": groups,
               "authors": {"repo": adapter.REPO, "commit": found or adapter.COMMIT, "git_checkout": found is not None},
               "packages": {**versions(args.deps, adapter.PACKAGES), "torch": torch.__version__},
               "adaptations": adapter.ADAPTATIONS, "windows": rows,
               "provenance": {"command": " ".join(["python -m kvmini.eval.authors", *args.argv]), "date": provenance.now(),
                              "commit": provenance.commit(), "machine": provenance.machine(),
                              "behaviour": provenance.recorded_behaviour([name])[name]}}
-    path = out / f"{args.method}.json"
+    path = out / (f"{args.method}.json" if budget == adapter.BUDGET else f"{args.method}-{budget:g}.json")
     path.write_text(json.dumps(result, indent=1))
     print(table(result), flush=True)
     log(f"wrote {path}")
@@ -181,20 +195,25 @@ def table(result: dict) -> str:
     out = [f"{name(result['spec'])} beside {result['authors']['repo']} @ {result['authors']['commit'][:7]}{where}, "
            f"{W} window{'s' * (W > 1)} of N={result['n']:,}, K={result['k']}" + (f", budget {result['budget']:.0%}" if result["budget"]
                                                                    else "") + " (mean, and range over windows):", "",
-           "| authors' code | KL(full‖kvmini) | KL(full‖authors) | KL(authors‖kvmini) | largest logit difference | "
+           "| authors' code | kvmini | KL(full‖kvmini) | KL(full‖authors) | KL(authors‖kvmini) | largest logit difference | "
            "identical kept sets | kept-set Jaccard per layer (lowest) | kept per layer, authors − kvmini (mean of \\|·\\|) |",
-           "|---|---|---|---|---|---|---|---|"]
+           "|---|---|---|---|---|---|---|---|---|"]
     def twice(mode: str) -> str:  # entries their cache holds twice, in which windows
         found = [(r["window"], r[mode].get("held_twice", 0)) for r in rows if r[mode].get("held_twice", 0)]
         return "".join(f"; {n} entries held twice in window {w}" for w, n in found)
 
-    for mode, label in (("as_released", "as released (per query head)"), ("per_kv_head", "selecting per KV head")):
-        ours = [r["kvmini"]["kl_full"] for r in rows]
-        diff = [abs(a - b) for r in rows for a, b in zip(r[mode]["lengths"], r["kvmini"]["lengths"])]
-        out.append(f"| {label} | {spread(ours)} | {spread([r[mode]['kl_full'] for r in rows])} | "
+    for mode, label, ours in (("as_released", "as released (per query head)", "`per_query_head`"),
+                              ("per_kv_head", "selecting per KV head", "default (per KV head)")):
+        diff = [abs(a - b) for r in rows for a, b in zip(r[mode]["lengths"], r[f"kvmini_{mode}"]["lengths"])]
+        out.append(f"| {label} | {ours} | {spread([r[f'kvmini_{mode}']['kl_full'] for r in rows])} | "
+                   f"{spread([r[mode]['kl_full'] for r in rows])} | "
                    f"{spread([r[mode]['kl_to_kvmini'] for r in rows])} | {max(r[mode]['max_logit_diff'] for r in rows):.2g} | "
                    f"{sum(r[mode]['identical'] for r in rows):,} of {sum(r[mode]['sets'] for r in rows):,}{twice(mode)} | "
                    f"{min(min(r[mode]['jaccard']) for r in rows):.3f} | {mean(diff):.1f} |")
+    default, per_query = ([r[f"kvmini_{m}"]["kl_full"] for r in rows] for m in ("per_kv_head", "as_released"))
+    out += ["", f"The measured effect of kvmini's default: selecting per KV head, KL(full‖kvmini) is {mean(default):.4f}, "
+            f"against {mean(per_query):.4f} selecting per query head (`per_query_head`, {result['groups']}× the entries); "
+            f"lower in {sum(a < b for a, b in zip(default, per_query))} of {W} windows."]
     packages = ", ".join(f"{k} {v}" for k, v in result["packages"].items())
     out += ["", f"Run with {packages}; `{result['provenance']['command']}`. Adaptations made at run time:", ""]
     out += [f"{i}. {a}" for i, a in enumerate(result["adaptations"], 1)]
@@ -208,6 +227,7 @@ def main(argv=None) -> int:
     p.add_argument("--code", type=cli.path, required=True, help="your checkout of the authors' repository")
     p.add_argument("--deps", type=cli.path, required=True,
                    help="a folder holding the transformers their code needs (pip install --target DEPS --no-deps ...)")
+    p.add_argument("--budget", type=cli.real_number, help="a ratio of the prompt in (0, 1) (default: the adapter's, 0.2)")
     p.add_argument("--windows", type=cli.at_least(1), default=4, help=f"how many of the {WINDOWS} windows (default 4)")
     p.add_argument("--out", type=cli.path, default=str(OUT), help="output folder (default results/authors)")
     p.add_argument("--model", type=cli.path, help="HF-layout folder (default: SmolLM2-135M-Instruct)")
@@ -217,6 +237,10 @@ def main(argv=None) -> int:
     for flag in ("code", "deps"):
         if not Path(getattr(args, flag)).is_dir():
             p.error(f"--{flag} {getattr(args, flag)} is not a folder")
+    if args.budget is not None and not 0 < args.budget < 1:
+        p.error(f"--budget {args.budget:g} is not a ratio in (0, 1)")
+    if args.budget is not None and importlib.import_module(ADAPTERS[args.method]).BUDGET is None:
+        p.error(f"--budget: {args.method} chooses its own budget")
     args.code, args.deps = Path(args.code), Path(args.deps)
     return cli.run(lambda: cross_check(args))
 

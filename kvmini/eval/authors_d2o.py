@@ -60,7 +60,7 @@ def load(code, folder):
     mod.D2O_LayerKVCache.__call__ = followed(mod.D2O_LayerKVCache.__call__)
     config = AutoConfig.from_pretrained(folder)
     config.hh_size, config.recent_size = 4, 512  # unused by D2O (d2o.py:324-328 overwrite them)
-    config.hh_ratio = config.recent_ratio = BUDGET / 2
+    config.hh_ratio = config.recent_ratio = BUDGET / 2  # each run's budget is set by reset()
     config.alpha = config.belta = 0.5
     with contextlib.redirect_stdout(io.StringIO()):
         model = mod.Llama3ForCausalLM_D2O.from_pretrained(folder, config=config, torch_dtype=torch.float32)
@@ -102,24 +102,24 @@ def in_order(before, after):
     return torch.tensor(idx)
 
 
-def reset(model, kv_head: bool) -> None:
+def reset(model, kv_head: bool, budget: float) -> None:
     groups = model.config.num_attention_heads // model.config.num_key_value_heads if kv_head else 1
     for layer in model.model.layers:
         a = layer.self_attn
         a._clean_cache()  # run_pred.py:277-297
         a.layer_hh_ratio = a.layer_recent_ratio = a.multimodal_entropy = a.prfill_size = 0
         a.prefill_score = None
-        a.uniform_hh_ratio = a.uniform_recent_ratio = BUDGET / 2
+        a.uniform_hh_ratio = a.uniform_recent_ratio = budget / 2
         c = a.kv_cache
         c.threshold, c.slots, c.groups = None, None, groups
-        c.hh_ratio = c.recent_ratio = BUDGET / 2
+        c.hh_ratio = c.recent_ratio = budget / 2
 
 
-def run(model, ids, n: int, kv_head: bool):
+def run(model, ids, n: int, kv_head: bool, budget: float):
     """ids (1, N + K) -> (logits (K, V) as kvmini's protocol, [layer][query head] kept prompt positions)."""
     import torch
 
-    reset(model, kv_head)
+    reset(model, kv_head, budget)
     logits, past = [], None
     with torch.inference_mode(), contextlib.redirect_stdout(io.StringIO()):  # their prints (d2o.py:314, :676-679)
         for t0, t1 in [(0, n)] + [(t, t + 1) for t in range(n, ids.shape[1] - 1)]:

@@ -77,7 +77,7 @@ def load(code, folder):
     return model, ml.LlamaAttention, full_forward, llama_model.llama_attn_forward_H2O
 
 
-def run(runner, ids, n: int, kv_head: bool):
+def run(runner, ids, n: int, kv_head: bool, budget=None):
     """ids (1, N + K) -> (logits (K, V) as kvmini's protocol, [layer][query head] kept prompt positions)."""
     import torch
     from transformers.cache_utils import DynamicCache

@@ -21,7 +21,7 @@ ADAPTATIONS = [
     "model is loaded eager, then config._attn_implementation is set to 'flash_attention_2' and each layer's "
     "attention made a LlamaFlashAttention2 (the same weights; the forward is the authors').",
     "Settings as pred.py:174-207 and run_llama3_8b_dynamic_v11.2_max_radio_10.sh write them: window 8, kernel 7, "
-    "avgpool, radio_max 10, max_capacity_prompt = round(0.2 n) (pred.py:177; kvmini's budget in tokens).",
+    "avgpool, radio_max 10, max_capacity_prompt = round(budget n) (pred.py:177; kvmini's budget in tokens).",
     "kvmini's protocol instead of model.generate: the prompt in one call, then each continuation token in its own "
     "call with its absolute position; each layer's kv_seq_len reset to 0 before a prompt (as utils.py:10-12).",
     "Per KV head only (not the authors' behaviour): the scores pooled at methods/dynamic_v11.py:58-59 are first "
@@ -97,7 +97,7 @@ def load(code, folder):
     return model, full
 
 
-def run(runner, ids, n: int, kv_head: bool):
+def run(runner, ids, n: int, kv_head: bool, budget: float):
     """ids (1, N + K) -> (logits (K, V) as kvmini's protocol, [layer][query head] kept prompt positions)."""
     import torch
     from transformers.cache_utils import DynamicCache
@@ -110,7 +110,7 @@ def run(runner, ids, n: int, kv_head: bool):
     for layer in model.model.layers:
         cfg = layer.self_attn.config
         cfg.window_size, cfg.kernel_size, cfg.pooling, cfg.radio_max = 8, 7, "avgpool", 10
-        cfg.max_capacity_prompt = round(BUDGET * n)
+        cfg.max_capacity_prompt = round(budget * n)
         layer.self_attn.kv_seq_len = 0
     _GROUPS["g"] = groups if kv_head else 1
     cache, logits = DynamicCache(), []

@@ -35,7 +35,7 @@ REGION = re.compile(r"<!-- generated: (\S+)[^\n]*-->\n(.*?)<!-- end generated --
 
 TESTS = test_run.OUT  # the last recorded run of the test suite
 HF = "results/hf/bench.json"  # kvmini against HF transformers (kvmini.eval.bench_hf --out)
-AUTHORS = {m: f"results/authors/{m}.json" for m in authors.ADAPTERS}  # python -m kvmini.eval.authors METHOD
+AUTHORS = {stem: f"results/authors/{stem}.json" for stem in authors.RESULTS}  # python -m kvmini.eval.authors METHOD
 PROFILES_SOURCE = "kvmini/eval/suite.py"  # not a results file: the profiles' sizes, read from the module
 READING_SOURCE = "kvmini/"  # not a results file: the reading path's files and lines, read from the code
 # name -> (the results files it reads, the function of their contents)
@@ -73,7 +73,7 @@ MEASURE = {QUICK: "python -m kvmini.eval.suite --only {experiment} --out results
            FULL_SPEED: "python -m kvmini.eval.suite --profile full --only {experiment} --out results/full-speed"}
 
 # the command that records each file read by a region but not made by the suite
-RECORD = {**{path: f"python -m kvmini.eval.authors {m} --code CHECKOUT --deps DEPS" for m, path in AUTHORS.items()},
+RECORD = {**{path: authors.command(stem) for stem, path in AUTHORS.items()},
           TESTS: "python -m kvmini.eval.test_run",
           HF: "python -m kvmini.eval.bench_hf --out results/hf/bench.json`, then with `--dtype bfloat16"}
 
