@@ -130,5 +130,5 @@ def run(model, ids, n: int, kv_head: bool, budget: float):
     H = model.config.num_attention_heads
     kept = [[list(range(n))] * H if layer.self_attn.kv_cache.slots is None else  # a protected layer
             [sorted(p[p < n].tolist()) for p in layer.self_attn.kv_cache.slots] for layer in model.model.layers]
-    reset(model, False)
+    reset(model, False, budget)
     return torch.cat(logits), kept
