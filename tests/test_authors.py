@@ -48,6 +48,9 @@ def test_kvmini_side_is_the_fidelity_protocol(spec):
 @pytest.mark.parametrize("argv, said", [(["d2o", "--code", "/nonexistent/checkout", "--deps", "."],
                                          "--code /nonexistent/checkout is not a folder"),
                                         (["cam", "--code", ".", "--deps", "."], "invalid choice: 'cam'"),
+                                        (["scissorhands", "--code", ".", "--deps", "."],
+                                         "scissorhands: lzcemma/Scissorhands @ d0bf444 cannot run beside kvmini: "
+                                         "It holds no bounded cache"),
                                         (["d2o", "--code", ".", "--deps", ".", "--budget", "1.5"],
                                          "--budget 1.5 is not a ratio in (0, 1)"),
                                         (["dbudgetkv", "--code", ".", "--deps", ".", "--budget", "0.3"],

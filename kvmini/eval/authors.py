@@ -30,6 +30,19 @@ from kvmini.errors import KvminiError  # noqa: E402
 N, K, BUDGET, WINDOWS = 1024, 32, 0.2, 12  # the `why` experiment's windows (kvmini.eval.why.windows)
 ADAPTERS = {"d2o": "kvmini.eval.authors_d2o", "dynamickv": "kvmini.eval.authors_dynamickv",
             "dbudgetkv": "kvmini.eval.authors_dbudgetkv"}
+# methods whose authors' code cannot run beside kvmini: (repository, commit, why, citing their file:line)
+CANNOT_RUN = {
+    "scissorhands": ("lzcemma/Scissorhands", "d0bf444b7f78127b2052fe8edfd4d386efd33455", [
+        "Only OPT carries the method: Decentralized_FM_alpha/modules/hf_opt_dropkv.py (its OPTAttention, :176); "
+        "no Llama module of the repository does.",
+        "It holds no bounded cache: inside one teacher-forced pass over a text it masks each query row's attention "
+        "to the earlier tokens it drops (:319-350), and only in a call of more than one token (:303, "
+        "`tgt_len != 1`): a decode step runs with every entry.",
+        "What it drops has no budget: a token stays if it passed each row's 90% quantile, taken over the row of "
+        "the whole text (:314-316), which a generation does not know in advance, so each head keeps a count of "
+        "its own (:321-336). kvmini's scissorhands is its paper's Alg. 1 and 2 (docs/methods.md).",
+    ]),
+}
 OUT = Path(__file__).resolve().parents[2] / "results" / "authors"
 # the committed cross-checks: each method at its adapter's budget; D2O also at 25%, where kvmini's budget in
 # tokens over n is the ratio itself (at 20%, 205 / 1,024: docs/methods.md, "D2O")
@@ -220,10 +233,18 @@ def table(result: dict) -> str:
     return "\n".join(out)
 
 
+def cannot_run() -> str:
+    """Markdown: the methods whose authors' code cannot run beside kvmini, and why."""
+    out = ["| method | authors' code | why it cannot run beside kvmini |", "|---|---|---|"]
+    for method, (repo, commit, why) in CANNOT_RUN.items():
+        out.append(f"| {method} | {repo} @ {commit[:7]} | " + " ".join(why).replace("|", "\\|") + " |")
+    return "\n".join(out)
+
+
 def main(argv=None) -> int:
     p = cli.OneLineParser(prog="python -m kvmini.eval.authors",
                           description="Run a method's authors' code beside kvmini's official variant on the same windows.")
-    p.add_argument("method", choices=list(ADAPTERS))
+    p.add_argument("method", choices=[*ADAPTERS, *CANNOT_RUN])
     p.add_argument("--code", type=cli.path, required=True, help="your checkout of the authors' repository")
     p.add_argument("--deps", type=cli.path, required=True,
                    help="a folder holding the transformers their code needs (pip install --target DEPS --no-deps ...)")
@@ -234,6 +255,9 @@ def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     args = p.parse_args(argv)
     args.argv = argv
+    if args.method in CANNOT_RUN:
+        repo, commit, why = CANNOT_RUN[args.method]
+        p.error(f"{args.method}: {repo} @ {commit[:7]} cannot run beside kvmini: {why[1]}")
     for flag in ("code", "deps"):
         if not Path(getattr(args, flag)).is_dir():
             p.error(f"--{flag} {getattr(args, flag)} is not a folder")

@@ -37,11 +37,13 @@ TESTS = test_run.OUT  # the last recorded run of the test suite
 HF = "results/hf/bench.json"  # kvmini against HF transformers (kvmini.eval.bench_hf --out)
 AUTHORS = {stem: f"results/authors/{stem}.json" for stem in authors.RESULTS}  # python -m kvmini.eval.authors METHOD
 PROFILES_SOURCE = "kvmini/eval/suite.py"  # not a results file: the profiles' sizes, read from the module
+AUTHORS_SOURCE = "kvmini/eval/authors.py"  # not a results file: the authors' code that cannot run, and why
 READING_SOURCE = "kvmini/"  # not a results file: the reading path's files and lines, read from the code
 # name -> (the results files it reads, the function of their contents)
 TABLES = {
     "profiles": ((PROFILES_SOURCE,), lambda _: profiles()),
     "reading-order": ((READING_SOURCE,), lambda _: reading()),
+    "authors-cannot-run": ((AUTHORS_SOURCE,), lambda _: authors.cannot_run()),
     "not-run-full": ((FULL, FULL_SPEED), tables.not_run),
     "claims": ((QUICK, FULL, FULL_SPEED), claims.claims),
     "not-measured": ((QUICK, FULL, FULL_SPEED), lambda q, f, s: not_measured((QUICK, q), (FULL, f), (FULL_SPEED, s))),
@@ -122,7 +124,7 @@ def region(name: str, root: Path = ROOT) -> str:
     if absent := [s for s in sources if s in RECORD and not (root / s).exists()]:
         body = f"*Not measured yet: `{RECORD[absent[0]]}` writes {absent[0]}.*"
         return f"<!-- generated: {name} (from {', '.join(sources)}) -->\n{body}\n<!-- end generated -->"
-    loaded = [None if s in (PROFILES_SOURCE, READING_SOURCE) else read(root, s) for s in sources]
+    loaded = [None if s in (PROFILES_SOURCE, READING_SOURCE, AUTHORS_SOURCE) else read(root, s) for s in sources]
     try:
         body = make(*loaded)
     except tables.Missing as e:
