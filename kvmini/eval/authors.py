@@ -7,12 +7,12 @@ CHECKOUT is your clone of the authors' repository (nothing of it enters kvmini),
 code needs (the adapter's PACKAGES), put first on sys.path before transformers is imported; kvmini itself
 never imports transformers. An adapter (kvmini/eval/authors_<method>.py) names every change it makes to
 their code at run time (ADAPTATIONS) and runs it in two modes, each beside the kvmini run that selects
-the same way: as released (per query head: their cache holds every query head after `repeat_kv`) beside
-kvmini loaded `per_query_head`; and with their selection made per KV head (`kv_head`: their scores
-averaged over a KV head's query heads) beside kvmini's default. The first shows kvmini equal to their
-code, the second the one difference kvmini documents; between the two rows, its measured effect.
+the same way: per query head (as most authors' codes do, their cache holding every query head after
+`repeat_kv`) beside kvmini loaded `per_query_head`, and per KV head (`kv_head`: their scores averaged
+over a KV head's query heads, or their code as released where it does that, RELEASED) beside kvmini's
+default. Each pair should agree; between the two pairs is the measured effect of kvmini's default.
 
-Per window and mode: each layer's kept length (kvmini's, the authors' mean over query heads), the overlap
+Per window and mode: each layer's kept length (mean over heads), the overlap
 of the kept sets (Jaccard of kvmini's set for a query head's KV head with that query head's set), the
 number of identical (layer, query head) sets, KL(full ‖ kvmini), KL(full ‖ authors), KL(authors ‖ kvmini).
 """
@@ -29,7 +29,7 @@ from kvmini.errors import KvminiError  # noqa: E402
 
 N, K, BUDGET, WINDOWS = 1024, 32, 0.2, 12  # the `why` experiment's windows (kvmini.eval.why.windows)
 ADAPTERS = {"d2o": "kvmini.eval.authors_d2o", "dynamickv": "kvmini.eval.authors_dynamickv",
-            "dbudgetkv": "kvmini.eval.authors_dbudgetkv"}
+            "dbudgetkv": "kvmini.eval.authors_dbudgetkv", "roco": "kvmini.eval.authors_roco"}
 # methods whose authors' code cannot run beside kvmini: (repository, commit, why, citing their file:line)
 CANNOT_RUN = {
     "scissorhands": ("lzcemma/Scissorhands", "d0bf444b7f78127b2052fe8edfd4d386efd33455", [
@@ -173,9 +173,9 @@ def cross_check(args) -> int:
         x = torch.tensor([ids[start : start + N + K]])
         full, _ = fidelity.continuation_logits(model, x, N)
         row = {"window": w, "start": start}
-        for mode, kvmini, g in (("as_released", wide, 1), ("per_kv_head", model, groups)):
+        for mode, kvmini, g in (("per_query_head", wide, 1), ("per_kv_head", model, groups)):
             mine, held = kvmini_run(kvmini, x, N, make_policy(name, budget, **options))
-            row[f"kvmini_{mode}"] = {"kl_full": kl(full, mine), "lengths": [len(h[0]) for h in held]}
+            row[f"kvmini_{mode}"] = {"kl_full": kl(full, mine), "lengths": [sum(map(len, h)) / len(h) for h in held]}
             theirs, kept = adapter.run(runner, x, N, g > 1, budget)
             row[mode] = {"kl_full": kl(full, theirs), "kl_to_kvmini": kl(theirs, mine),
                          "max_logit_diff": (theirs - mine).abs().max().item(), **compare(held, kept, g)}
@@ -185,6 +185,7 @@ def cross_check(args) -> int:
         rows.append(row)
     found = checkout_commit(args.code)
     result = {"method": args.method, "spec": adapter.SPEC, "budget": budget, "n": N, "k": K, "groups": groups,
+              "released": getattr(adapter, "RELEASED", "per_query_head"),
               "authors": {"repo": adapter.REPO, "commit": found or adapter.COMMIT, "git_checkout": found is not None},
               "packages": {**versions(args.deps, adapter.PACKAGES), "torch": torch.__version__},
               "adaptations": adapter.ADAPTATIONS, "windows": rows,
@@ -206,7 +207,7 @@ def table(result: dict) -> str:
     spread = lambda xs: f"{mean(xs):.4f} ({min(xs):.4f}–{max(xs):.4f})"  # noqa: E731
     where = "" if result["authors"]["git_checkout"] else " (not a git checkout: the commit the adapter names)"
     out = [f"{name(result['spec'])} beside {result['authors']['repo']} @ {result['authors']['commit'][:7]}{where}, "
-           f"{W} window{'s' * (W > 1)} of N={result['n']:,}, K={result['k']}" + (f", budget {result['budget']:.0%}" if result["budget"]
+           f"{W} window{'s' * (W > 1)} of N={result['n']:,}, K={result['k']}" + (f", budget {result['budget'] * 100:g}%" if result["budget"]
                                                                    else "") + " (mean, and range over windows):", "",
            "| authors' code | kvmini | KL(full‖kvmini) | KL(full‖authors) | KL(authors‖kvmini) | largest logit difference | "
            "identical kept sets | kept-set Jaccard per layer (lowest) | kept per layer, authors − kvmini (mean of \\|·\\|) |",
@@ -215,15 +216,16 @@ def table(result: dict) -> str:
         found = [(r["window"], r[mode].get("held_twice", 0)) for r in rows if r[mode].get("held_twice", 0)]
         return "".join(f"; {n} entries held twice in window {w}" for w, n in found)
 
-    for mode, label, ours in (("as_released", "as released (per query head)", "`per_query_head`"),
-                              ("per_kv_head", "selecting per KV head", "default (per KV head)")):
+    for mode, label, ours in (("per_query_head", "per query head", "`per_query_head`"),
+                              ("per_kv_head", "per KV head", "default (per KV head)")):
+        label += " (as released)" if mode == result["released"] else " (adapted)"
         diff = [abs(a - b) for r in rows for a, b in zip(r[mode]["lengths"], r[f"kvmini_{mode}"]["lengths"])]
         out.append(f"| {label} | {ours} | {spread([r[f'kvmini_{mode}']['kl_full'] for r in rows])} | "
                    f"{spread([r[mode]['kl_full'] for r in rows])} | "
                    f"{spread([r[mode]['kl_to_kvmini'] for r in rows])} | {max(r[mode]['max_logit_diff'] for r in rows):.2g} | "
                    f"{sum(r[mode]['identical'] for r in rows):,} of {sum(r[mode]['sets'] for r in rows):,}{twice(mode)} | "
                    f"{min(min(r[mode]['jaccard']) for r in rows):.3f} | {mean(diff):.1f} |")
-    default, per_query = ([r[f"kvmini_{m}"]["kl_full"] for r in rows] for m in ("per_kv_head", "as_released"))
+    default, per_query = ([r[f"kvmini_{m}"]["kl_full"] for r in rows] for m in ("per_kv_head", "per_query_head"))
     out += ["", f"The measured effect of kvmini's default: selecting per KV head, KL(full‖kvmini) is {mean(default):.4f}, "
             f"against {mean(per_query):.4f} selecting per query head (`per_query_head`, {result['groups']}× the entries); "
             f"lower in {sum(a < b for a, b in zip(default, per_query))} of {W} windows."]
@@ -248,7 +250,7 @@ def main(argv=None) -> int:
     p.add_argument("--code", type=cli.path, required=True, help="your checkout of the authors' repository")
     p.add_argument("--deps", type=cli.path, required=True,
                    help="a folder holding the transformers their code needs (pip install --target DEPS --no-deps ...)")
-    p.add_argument("--budget", type=cli.real_number, help="a ratio of the prompt in (0, 1) (default: the adapter's, 0.2)")
+    p.add_argument("--budget", type=cli.real_number, help="a ratio of the prompt in (0, 1) (default: the adapter's)")
     p.add_argument("--windows", type=cli.at_least(1), default=4, help=f"how many of the {WINDOWS} windows (default 4)")
     p.add_argument("--out", type=cli.path, default=str(OUT), help="output folder (default results/authors)")
     p.add_argument("--model", type=cli.path, help="HF-layout folder (default: SmolLM2-135M-Instruct)")
