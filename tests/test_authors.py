@@ -47,7 +47,7 @@ def test_kvmini_side_is_the_fidelity_protocol(spec):
 
 @pytest.mark.parametrize("argv, said", [(["d2o", "--code", "/nonexistent/checkout", "--deps", "."],
                                          "--code /nonexistent/checkout is not a folder"),
-                                        (["cam", "--code", ".", "--deps", "."], "invalid choice: 'cam'"),
+                                        (["h2o", "--code", ".", "--deps", "."], "invalid choice: 'h2o'"),
                                         (["scissorhands", "--code", ".", "--deps", "."],
                                          "scissorhands: lzcemma/Scissorhands @ d0bf444 cannot run beside kvmini: "
                                          "It holds no bounded cache"),

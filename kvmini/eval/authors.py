@@ -29,7 +29,8 @@ from kvmini.errors import KvminiError  # noqa: E402
 
 N, K, BUDGET, WINDOWS = 1024, 32, 0.2, 12  # the `why` experiment's windows (kvmini.eval.why.windows)
 ADAPTERS = {"d2o": "kvmini.eval.authors_d2o", "dynamickv": "kvmini.eval.authors_dynamickv",
-            "dbudgetkv": "kvmini.eval.authors_dbudgetkv", "roco": "kvmini.eval.authors_roco"}
+            "dbudgetkv": "kvmini.eval.authors_dbudgetkv", "roco": "kvmini.eval.authors_roco",
+            "cam": "kvmini.eval.authors_cam"}
 # methods whose authors' code cannot run beside kvmini: (repository, commit, why, citing their file:line)
 CANNOT_RUN = {
     "scissorhands": ("lzcemma/Scissorhands", "d0bf444b7f78127b2052fe8edfd4d386efd33455", [
@@ -85,9 +86,10 @@ def match(cached, keys, groups: int) -> list[list[int]]:
     return out
 
 
-def kvmini_run(model, ids, n: int, policy):
-    """kvmini.eval.fidelity.continuation_logits (the same steps), also returning each layer's held positions
-    per KV head after the continuation: (logits (K, V), [layer][KV head] sorted positions)."""
+def kvmini_run(model, ids, n: int, policy, chunk_size: int | None = None):
+    """kvmini.eval.fidelity.continuation_logits (the same steps; the prompt in chunks of `chunk_size` if given),
+    also returning each layer's held positions per KV head after the continuation: (logits (K, V), [layer][KV
+    head] sorted positions)."""
     import torch
 
     from kvmini.generate import prefill
@@ -96,7 +98,7 @@ def kvmini_run(model, ids, n: int, policy):
     total = ids.shape[1]
     cache = model.new_cache(1, capacity=total)
     with torch.inference_mode():
-        first = prefill(model, ids[:, :n], cache, policy, total_len=total - 1)
+        first = prefill(model, ids[:, :n], cache, policy, chunk_size, total_len=total - 1)
         rest = ids[:, n : total - 1]
         if policy.schedule != PREFILL:
             later = [model(rest[:, t : t + 1], cache, policy)[:, -1] for t in range(rest.shape[1])]
@@ -174,7 +176,7 @@ def cross_check(args) -> int:
         full, _ = fidelity.continuation_logits(model, x, N)
         row = {"window": w, "start": start}
         for mode, kvmini, g in (("per_query_head", wide, 1), ("per_kv_head", model, groups)):
-            mine, held = kvmini_run(kvmini, x, N, make_policy(name, budget, **options))
+            mine, held = kvmini_run(kvmini, x, N, make_policy(name, budget, **options), getattr(adapter, "PROMPT_CHUNK", None))
             row[f"kvmini_{mode}"] = {"kl_full": kl(full, mine), "lengths": [sum(map(len, h)) / len(h) for h in held]}
             theirs, kept = adapter.run(runner, x, N, g > 1, budget)
             row[mode] = {"kl_full": kl(full, theirs), "kl_to_kvmini": kl(theirs, mine),
