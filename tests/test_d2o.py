@@ -4,12 +4,13 @@ import math
 
 import pytest
 import torch
+import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvmini.cache import LayerCache
 from kvmini.errors import KvminiError
-from kvmini.methods.ema_merging import EMAMerge, nearest, nearest_by_chunks
+from kvmini.methods.ema_merging import EMAMerge, nearest
 from kvmini.methods.registry import make_policy
 from kvmini.generate import prefill
 from kvmini.methods.scorers import CumulativeAttention
@@ -551,21 +552,24 @@ def test_one_eviction_merge_equals_literal_loops_official(seed):
 
 
 @pytest.mark.exercise("ema_merging")
-def test_nearest_by_chunks_is_nearest_in_one_call():
-    """The first compression's similarities a chunk of evicted keys at a time (memory bounded): every
-    evicted key finds the same nearest kept key as in one call, with the same similarity up to the
-    matrix product's rounding (its order of addition may change with the number of rows), whatever the
-    chunk (one row, rows that do not divide E, all of them: then exactly `nearest`)."""
+def test_nearest_reads_given_norms_and_never_chooses_an_excluded_pair():
+    """Eq. 9 against torch's own cosine: `nearest` finds each evicted key's most similar key, the same with
+    the keys' norms given; with each one's nearest excluded, it finds the second most similar."""
     gen = torch.Generator().manual_seed(3)
     for dtype in (torch.float32, torch.float64):
-        k_evict = torch.randn(2, 3, 37, 8, generator=gen, dtype=dtype)  # (B, H_kv, E, D)
-        k_keep = torch.randn(2, 3, 11, 8, generator=gen, dtype=dtype)  # (B, H_kv, b, D)
-        want = nearest(k_evict, k_keep)
-        for at_once in (1, 2 * 3 * 11 * 5, 10**6):  # 1 row, 5 rows, everything in one chunk
-            got = nearest_by_chunks(k_evict, k_keep, at_once)
-            assert torch.equal(got[1], want[1])
-            assert torch.allclose(got[0], want[0], rtol=0, atol=4 * torch.finfo(dtype).eps)
-        assert torch.equal(nearest_by_chunks(k_evict, k_keep)[0], want[0])  # small: one call
+        k_evict = torch.randn(2, 3, 7, 8, generator=gen, dtype=dtype)  # (B, H_kv, E, D)
+        keys = torch.randn(2, 3, 11, 8, generator=gen, dtype=dtype)  # (B, H_kv, S, D)
+        u = F.cosine_similarity(k_evict[:, :, :, None], keys[:, :, None], dim=-1)  # (B, H_kv, E, S)
+        order = u.sort(-1, descending=True)
+        tol = dict(rtol=0, atol=8 * torch.finfo(dtype).eps)
+        for norms in (None, keys.norm(dim=-1)):
+            best, j = nearest(k_evict, keys, norms)
+            assert torch.equal(j, order.indices[..., 0])
+            torch.testing.assert_close(best, order.values[..., 0], **tol)
+        first = torch.zeros_like(u, dtype=torch.bool).scatter_(3, order.indices[..., :1], True)
+        best, j = nearest(k_evict, keys, exclude=first)
+        assert torch.equal(j, order.indices[..., 1])
+        torch.testing.assert_close(best, order.values[..., 1], **tol)
 
 
 @pytest.mark.parametrize("together", [True, False])

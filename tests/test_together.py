@@ -268,13 +268,13 @@ def test_evict_every_n_evicts_what_keep_top_of_the_scores_keeps(model):
 @pytest.mark.parametrize("options", [{}, {"variant": "paper"}, {"protected_layers": ""}], ids=str)
 def test_d2o_first_compression_by_chunks_equals_one_call(model, options, monkeypatch):
     """D2O's first compression (the whole prompt's evicted keys against the kept ones, Eq. 9) takes its
-    similarities a chunk of evicted keys at a time when they are many (`nearest_by_chunks`): forced to
+    similarities a chunk of evicted keys at a time when they are many (`EMAMerge.at_once`): forced to
     one evicted key per chunk here, every run (kept entries, keys, values, merges, thresholds, traces,
     logits) equals the one-call specification, with all layers at once and layer by layer."""
     from kvmini.methods import ema_merging
     for together in (True, False):
         whole = run(model, "d2o", 12, options, together)
-        monkeypatch.setattr(ema_merging.nearest_by_chunks, "__defaults__", (1,))  # at_once = 1: a row per chunk
+        monkeypatch.setattr(ema_merging.EMAMerge, "at_once", 1)  # a row per chunk
         chunked = run(model, "d2o", 12, options, together)
         monkeypatch.undo()
         same(chunked, whole)

@@ -395,8 +395,10 @@ if solved("ema_merging"):
 # 1. *(assignment: `ema_merging`)* Implement Eq. 9–12 in the three module-level functions of
 #    `kvmini/methods/ema_merging.py`: `nearest` (Eq. 9), `ema_threshold` (Eq. 10) and
 #    `convex_merge` (Eq. 11–12); `EMAMerge.__call__` is given. What the tests check: `nearest` returns,
-#    per evicted key, the largest cosine similarity to the kept keys *of its own KV head* and its index
-#    among the kept keys, each $(B, H_{kv}, E)$ (on a tie, the earlier kept key); `ema_threshold` returns
+#    per evicted key, the largest cosine similarity to the given keys *of its own KV head* and its index
+#    among them, each $(B, H_{kv}, E)$ (on a tie, the earlier key), the same when the keys' `norms` are
+#    given (use them, do not compute them), and never a pair that `exclude` marks (a decode step
+#    excludes the evicted entry itself); `ema_threshold` returns
 #    `new` itself when `tau_prev` is `None` (the prompt: $\tau_0$, the mean of the evicted keys' best
 #    similarities, which the caller computes), else $\beta$ `new` $+ (1 - \beta)$ `tau_prev` ($\beta$ = 0
 #    and 1 included); `convex_merge` gives each kept $x_j$ the weights $e^{u_{ij}}$ of the evicted
@@ -404,7 +406,7 @@ if solved("ema_merging"):
 #    normalized to sum to 1, shape $(B, H_{kv}, b, D)$; a kept token nobody chose stays as it is. Check
 #    them with `python -m kvmini.course check ema_merging`: the by-hand example of this tutorial, then
 #    loop-based versions over several decode steps, several KV heads, the authors' merge (which uses
-#    your `nearest` and `ema_threshold`) and `nearest_by_chunks` against your `nearest`.
+#    your `nearest` and `ema_threshold`) and torch's own cosine against your `nearest`.
 # 2. What happens with $\beta = 0$ and $\beta = 1$? Predict, then check `test_beta_extremes`.
 # 3. Run `python -m kvmini.eval.fidelity --methods h2o "d2o[allocation=uniform,nm=1:1]" --budgets 0.2`:
 #    is merging worth it on SmolLM2?

@@ -34,6 +34,8 @@ class EMAMerge:
     gathered. Returns how many evicted tokens were merged (mean over KV heads), a 0-d tensor.
     `trace`: None (default, no cost), or a list that each call extends with a `Merged` record."""
 
+    at_once = 2**18  # similarities held at once when many keys are evicted (docs/speed.md, "Where D2O's decode step goes")
+
     def __init__(self, beta: float = 0.7, weights: str = "paper", tau: str = "per_head", writes: str = "both"):
         self.beta, self.weights = beta, one_of("EMAMerge weights", weights, WEIGHTS)
         self.per_layer = one_of("EMAMerge tau", tau, TAUS) == "per_layer"
@@ -61,19 +63,13 @@ class EMAMerge:
         evicted = torch.ones(B, H_kv, S, dtype=torch.int8, device=keep.device).scatter_(2, keep, 0)  # 1: evicted
         evict = evicted.argsort(dim=-1, descending=True, stable=True)[..., : S - keep.shape[2]]  # (B, H_kv, E) asc.
         D = lc.keys.shape[-1]
-        gather = lambda x, idx: wide(x.gather(2, idx[..., None].expand(-1, -1, -1, D)))  # noqa: E731
-        k_keep, k_evict = gather(lc.keys, keep), gather(lc.keys, evict)  # (B, H_kv, b, D), (B, H_kv, E, D)
-        best, j_star = nearest_by_chunks(k_evict, k_keep)  # (B, H_kv, E) each, Eq. 9
-        merge = self.decide(layers, best)  # (B, H_kv, E)
-        if self.trace is not None:
-            self.record(layers, lc.positions, evict, keep.gather(2, j_star), best, merge, S)
-        combine = convex_merge if self.weights == "paper" else scatter_mean_merge
-        if self.keys:
-            lc.set_keys(keep, combine(k_keep, k_evict, j_star, best, merge))  # (B, H_kv, b, D), Eq. 11-12
-        if self.values:
-            v_merged = combine(gather(lc.values, keep), gather(lc.values, evict), j_star, best, merge)  # likewise
-            lc.values.scatter_(2, keep[..., None].expand(-1, -1, -1, D), v_merged.to(lc.values.dtype))
-        return merge.float().mean(1).sum(-1)  # (B,): tokens merged, mean over heads
+        k_keep = wide(lc.keys.gather(2, keep[..., None].expand(-1, -1, -1, D)))  # (B, H_kv, b, D)
+        k_evict = wide(lc.keys.gather(2, evict[..., None].expand(-1, -1, -1, D)))  # (B, H_kv, E, D)
+        unit = F.normalize(k_keep, dim=-1)  # the kept keys normalized once for every chunk: their norms are 1
+        rows = max(1, self.at_once // max(1, k_keep.shape[:-1].numel()))  # evicted keys per chunk
+        found = [nearest(chunk, unit, unit.new_ones(unit.shape[:-1])) for chunk in k_evict.split(rows, dim=2)]  # Eq. 9
+        best, j_star = (torch.cat(t, -1) for t in zip(*found))  # (B, H_kv, E) each
+        return self.merge(layers, lc, evict, keep, j_star, best)
 
     def one(self, layers: tuple, lc: LayerCache, victim: torch.Tensor, newest: int) -> torch.Tensor:
         """A decode step: the one entry each head evicts, `victim` (B, H_kv), is compared with every other
@@ -82,31 +78,36 @@ class EMAMerge:
         Returns the merges per row (B,), mean over heads. The candidates are the entries at positions up
         to `newest` (in kvmini.policy's loop: all; the pads in front of kvmini.at_once's rows: none)."""
         D = lc.keys.shape[-1]
-        at = victim[:, :, None, None].expand(-1, -1, 1, D)  # (B, H_kv, 1, D)
-        k_evict = wide(lc.keys.gather(2, at))  # (B, H_kv, 1, D)
+        k_evict = wide(lc.keys.gather(2, victim[:, :, None, None].expand(-1, -1, 1, D)))  # (B, H_kv, 1, D)
         norms = lc.aux(KEY_NORM) if KEY_NORM in lc.aux_names() else None  # (B, H_kv, S), kept by the cache
-        u = cosine(k_evict, wide(lc.keys), norms)  # (B, H_kv, 1, S)
-        u.masked_fill_((lc.positions > newest)[:, :, None], float("-inf"))
-        best, j_star = u.scatter_(3, victim[:, :, None, None], float("-inf")).max(-1)  # (B, H_kv, 1): not itself
-        merge = self.decide(layers, best)  # (B, H_kv, 1)
-        if self.trace is not None:
-            self.record(layers, lc.positions, victim[..., None], j_star, best, merge, lc.length)
-        combine = convex_merge if self.weights == "paper" else scatter_mean_merge
-        near = j_star[..., None].expand(-1, -1, -1, D)  # (B, H_kv, 1, D)
-        # keys and values merge with the same weights: one call on [k | v], (B, H_kv, 1, 2D)
-        x_near = wide(torch.cat([lc.keys.gather(2, near), lc.values.gather(2, near)], -1))
-        x_evict = torch.cat([k_evict, wide(lc.values.gather(2, at))], -1)
-        merged = combine(x_near, x_evict, torch.zeros_like(j_star), best, merge)  # Eq. 11-12
-        if self.keys:
-            lc.set_keys(j_star, merged[..., :D])
-        if self.values:
-            lc.values.scatter_(2, near, merged[..., D:].to(lc.values.dtype))
-        return merge.float().mean(1)[:, 0]  # (B,)
+        exclude = (lc.positions > newest)[:, :, None].scatter(3, victim[:, :, None, None], True)  # (B, H_kv, 1, S)
+        best, j_star = nearest(k_evict, wide(lc.keys), norms, exclude)  # (B, H_kv, 1) each, Eq. 9: not itself
+        return self.merge(layers, lc, victim[..., None], j_star, torch.zeros_like(j_star), best)
 
-    def record(self, layers: tuple, pos, evict, into, best, merge, S: int) -> None:
+    def merge(self, layers: tuple, lc: LayerCache, evict, targets, j_star, best) -> torch.Tensor:
+        """Eq. 10-12 for the evicted entries `evict` (B, H_kv, E), each nearest to `targets[j_star]` with
+        similarity `best` (targets (B, H_kv, T) and evict: indices into the cache; j_star, best (B, H_kv, E)):
+        the threshold decides which merge, and each target's key and value become their convex mix (only
+        the targets are written). Returns the merges per row (B,), mean over heads."""
+        merge = self.decide(layers, best)  # (B, H_kv, E)
+        if self.trace is not None:
+            self.record(layers, lc.positions, evict, targets.gather(2, j_star), best, merge)
+        D = lc.keys.shape[-1]
+        at = lambda idx: idx[..., None].expand(-1, -1, -1, D)  # noqa: E731
+        kv = lambda idx: wide(torch.cat([lc.keys.gather(2, at(idx)), lc.values.gather(2, at(idx))], -1))  # noqa: E731
+        combine = convex_merge if self.weights == "paper" else scatter_mean_merge
+        merged = combine(kv(targets), kv(evict), j_star, best, merge)  # (B, H_kv, T, 2D): [k | v], the same weights
+        if self.keys:
+            lc.set_keys(targets, merged[..., :D])
+        if self.values:
+            lc.values.scatter_(2, at(targets), merged[..., D:].to(lc.values.dtype))
+        return merge.float().mean(1).sum(-1)  # (B,): tokens merged, mean over heads
+
+    def record(self, layers: tuple, pos, evict, into, best, merge) -> None:
         """Append to the trace: evicted entries `evict` (B, H_kv, E) and the entries `into` they are
         nearest to (indices into `pos`, (B, H_kv, S)), with each one's weight in Eq. 11-12 (or the
         official scatter-mean). One record per layer, of its rows."""
+        S = pos.shape[2]
         if self.weights == "paper":  # w_i = e^u / (e + sum over the tokens merged into the same j of e^u)
             mass = torch.where(merge, best.exp(), 0.0)
             den = torch.full(pos.shape[:2] + (S,), math.e, dtype=mass.dtype, device=pos.device).scatter_add_(2, into, mass)
@@ -134,34 +135,19 @@ class EMAMerge:
         return (sim >= tau[..., None]).expand_as(best)
 
 
-def cosine(a: torch.Tensor, b: torch.Tensor, b_norm: torch.Tensor | None = None, eps: float = 1e-12) -> torch.Tensor:
-    """u_ij = a_i . b_j / (|a_i| |b_j|), as F.normalize computes it: a (..., E, D), b (..., S, D) -> (..., E, S).
-    Divides by the norms instead of normalizing b, so the S keys are only read: once, given their
-    norms `b_norm` (..., S) (the cache's KEY_NORM), else twice."""
-    norm = torch.linalg.vector_norm
-    b_norm = norm(b, dim=-1) if b_norm is None else b_norm
-    norms = norm(a, dim=-1).clamp_min(eps)[..., :, None] * b_norm.clamp_min(eps)[..., None, :]
-    return (a @ b.transpose(-1, -2)) / norms
-
-
-def nearest(k_evict: torch.Tensor, k_keep: torch.Tensor):
-    """Eq. 9: for every evicted key its most similar kept key by cosine: (u_{i j*}, j*), each (B, H_kv, E)."""
+def nearest(k_evict: torch.Tensor, keys: torch.Tensor, norms: torch.Tensor | None = None,
+            exclude: torch.Tensor | None = None, eps: float = 1e-12):
+    """Eq. 9: for every evicted key (B, H_kv, E, D) its most similar key of `keys` (B, H_kv, S, D) by cosine,
+    u_ij = k_i . k_j / (|k_i| |k_j|) (each norm at least `eps`): (u_{i j*}, j*), each (B, H_kv, E). `norms`
+    (B, H_kv, S): the keys' norms if the cache keeps them, so the keys are only read once, not normalized
+    into a copy (unit keys: ones); `exclude` (B, H_kv, E, S) bool: pairs that may not be chosen."""
     # BEGIN EXERCISE ema_merging: tutorials/04_d2o_token_level.py, "Nearest neighbour, threshold and merge (Eq. 9-12)"
-    u = F.normalize(k_evict, dim=-1) @ F.normalize(k_keep, dim=-1).transpose(-1, -2)  # (B, H_kv, E, b)
+    norms = torch.linalg.vector_norm(keys, dim=-1) if norms is None else norms  # (B, H_kv, S)
+    u = F.normalize(k_evict, dim=-1, eps=eps) @ keys.transpose(-1, -2) / norms.clamp_min(eps)[..., None, :]
+    if exclude is not None:
+        u = u.masked_fill(exclude, float("-inf"))
     return u.max(-1)
     # END EXERCISE
-
-
-def nearest_by_chunks(k_evict: torch.Tensor, k_keep: torch.Tensor, at_once: int = 2**18):
-    """`nearest` (Eq. 9) for many evicted keys (B, H_kv, E, D), a chunk of them at a time, so that at most
-    about `at_once` similarities are held (why: docs/speed.md, "Where D2O's decode step goes"). Equal to
-    `nearest` up to float rounding (tests/test_d2o.py); below `at_once` it is one call."""
-    rows = max(1, at_once // max(1, k_keep.shape[:-1].numel()))  # evicted keys per chunk
-    if rows >= k_evict.shape[2]:
-        return nearest(k_evict, k_keep)
-    a, k_t = F.normalize(k_evict, dim=-1), F.normalize(k_keep, dim=-1).transpose(-1, -2)  # (B, H_kv, E, D), (B, H_kv, D, b)
-    parts = [(chunk @ k_t).max(-1) for chunk in a.split(rows, dim=2)]  # (B, H_kv, rows) each
-    return torch.cat([best for best, _ in parts], -1), torch.cat([j for _, j in parts], -1)  # (B, H_kv, E) each
 
 
 def ema_threshold(tau_prev: torch.Tensor | None, new: torch.Tensor, beta: float) -> torch.Tensor:
