@@ -1,7 +1,7 @@
 """CaM's released code (zyxxmu/cam, generate_task/: streaming_llm/pos_shift/modify_llama_cam.py's attention with
 streaming_llm/kv_cache_cam.py's StartRecentKVCache_cam, as examples/eval_long_ppl.py runs it with --method cam
 --enable_pos_shift: their one path with a bounded cache) under kvmini's fidelity protocol on CPU, for
-kvmini.eval.authors. Needs transformers 4.33 (PACKAGES; README.md and INSTALL.md name 4.33.0) in --deps. Below,
+kvmini.eval.authors. Needs transformers 4.33 (PACKAGES; their repository's README.md and INSTALL.md name 4.33.0) in --deps. Below,
 llama_cam.py is streaming_llm/pos_shift/modify_llama_cam.py, cache.py streaming_llm/kv_cache_cam.py, ppl.py
 examples/eval_long_ppl.py. Their files are read, not edited: two text replacements (PATCHES) are made when
 llama_cam.py is loaded, its lines keeping their numbers. Their cache takes one token per call, so kvmini's side
