@@ -101,7 +101,7 @@ def abar_cache(abar: list[float]) -> LayerCache:
 
 
 @pytest.mark.parametrize("chunk_merge,budget,expected", [
-    ("runs", 5, [(1, 2, 1 / 3)]),  # one excess entry: merge_one, v_1 into v_2 with abar_1 / (abar_1 + abar_2)
+    ("runs", 5, [(1, 2, 1 / 3)]),  # one excess entry: a decode step's merge, v_1 into v_2 with abar_1 / (abar_1 + abar_2)
     ("runs", 4, [(1, 3, 1 / 11), (2, 3, 2 / 11)]),  # the run 1, 2 into 3: weights abar_i / (1 + 2 + 8)
     ("sequential", 4, [(1, 2, 1 / 3), (2, 3, 2 / 10)]),  # Alg. 1: 1 into 2, then 2 (its own abar) into 3
 ])

@@ -55,15 +55,16 @@ def test_fig3_toy_run_with_cache_size_4():
 
 @pytest.mark.exercise("convex_value_merge")
 def test_sinks_and_recent_window_are_never_merged_away():
-    """Seven tokens into a capacity of 5 with 2 sinks and 2 recent (the weakest ones): only positions 3-5
+    """Seven tokens into a capacity of 5 with 2 sinks and 2 recent (the weakest ones): only tokens 3-5
     may merge; 5 merges into 6, then 4 into 6, each value a convex combination (worked below)."""
     lc = LayerCache(1, 1, 8, torch.float32, "cpu", capacity=8)
     for t in range(1, 8):
         append_token(lc, t)
+    lc.positions.sub_(1)  # positions 0-6, as in a cache: the sinks are the positions below `sinks`
     set_average_attention(lc, [0.01, 0.02, 0.9, 0.8, 0.7, 0.03, 0.04])  # sinks and recent are the weakest
     convex_value_merge(lc, capacity=5, sinks=2, recent=2)
-    # mergeable: positions 3, 4, 5. First 5 (0.7) merges into 6; then 4 (0.8) merges into 6.
-    assert lc.positions.flatten().tolist() == [1, 2, 3, 6, 7]
+    # mergeable: tokens 3, 4, 5. First 5 (0.7) merges into 6; then 4 (0.8) merges into 6.
+    assert (lc.positions + 1).flatten().tolist() == [1, 2, 3, 6, 7]
     v6 = (0.7 * E[4] + 0.03 * E[5]) / 0.73
     torch.testing.assert_close(lc.values[0, 0, 3], (0.8 * E[3] + 0.03 * v6) / 0.83)
     torch.testing.assert_close(lc.values[0, 0, [0, 1, 2, 4]], E[[0, 1, 2, 6]])
@@ -195,12 +196,11 @@ def scrambled_copy(lc: LayerCache, perm: list) -> LayerCache:
 
 @pytest.mark.exercise("convex_value_merge")
 @pytest.mark.parametrize("seed", range(4))
-def test_merge_one_equals_algorithm_1_in_any_buffer_order(seed):
-    """A decode step's merge (`merge_one`: found by position, O(D) writes) equals `convex_value_merge`
-    (Alg. 1 on a position-ordered buffer), step after step, with the buffer order mixed (but for the
-    sink, which eviction never moves from the first slot)."""
-    from kvmini.methods.convex_value_merge import merge_one
-
+def test_a_decode_steps_merge_is_the_same_in_any_buffer_order(seed):
+    """A decode step's merge (`keep_order=False`: j deleted in O(D), the last entry moved into its slot)
+    on a buffer whose order is mixed (but for the sink, which eviction never moves from the first slot)
+    equals the merge on the position-ordered buffer, step after step: entries are found by position.
+    (Against Alg. 1 written out: test_chunk_size_1_is_algorithm_1_literally, whose steps are these.)"""
     gen = torch.Generator().manual_seed(seed)
     ordered = LayerCache(1, 1, 8, torch.float32, "cpu", capacity=16)
     for t in range(5):  # positions from 0: the sink is position 0 (a cache always starts there)
@@ -216,8 +216,9 @@ def test_merge_one_equals_algorithm_1_in_any_buffer_order(seed):
         mixed.declare("a", "n")
         mixed.aux("a")[:] = torch.tensor([by_pos[p] for p in mixed.positions.flatten().tolist()]).view(1, 1, -1)
         mixed.aux("n")[:] = 1.0
-        convex_value_merge(ordered, capacity=ordered.length - 1, sinks=1, recent=2)
-        merge_one(mixed, sinks=1, recent=2, newest=int(mixed.positions.max()))
+        convex_value_merge(ordered, ordered.length - 1, sinks=1, recent=2)
+        convex_value_merge(mixed, mixed.length - 1, sinks=1, recent=2, newest=t, keep_order=False)
+        assert ordered.positions.flatten().tolist() == sorted(ordered.positions.flatten().tolist())  # kept in order
         p, _, v = in_position_order(mixed)
         assert p.tolist() == ordered.positions.tolist()
         torch.testing.assert_close(v, ordered.values)

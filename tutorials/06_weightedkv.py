@@ -194,18 +194,19 @@ class Letters:
         return chr(ord("a") + i % 26).encode() + (b" " if i % 3 == 0 else b"")
 
 
-torch.manual_seed(0)
-model = Transformer(ModelConfig("llama", 50, 32, 64, 3, 4, 2, 8, rope_theta=1000.0)).eval()
-policy = make_policy("weightedkv", 16)
-trace = record_merges(policy)
-prompt = torch.randint(0, 50, (1, 48))
-result = generate(model, prompt, 6, policy=policy)
-evicted = {(m.layer, h, p) for m in trace for h in range(2) for p in m.evicted[0, h].tolist()}
-assert len(evicted) == 3 * 2 * (result.cache.seen_tokens - 16)  # each layer and head evicted all but 16
-assert all((m.into >= 0).all() for m in trace)  # and merged every one
-page = write_html(Path(tempfile.gettempdir()) / "06_kept.html", result.cache, Letters(), prompt[0].tolist(),
-                  result.tokens[0], policy, trace)
-show_page(page, height=420)
+if solved("convex_value_merge"):  # a student copy: every WeightedKV step runs the exercise
+    torch.manual_seed(0)
+    model = Transformer(ModelConfig("llama", 50, 32, 64, 3, 4, 2, 8, rope_theta=1000.0)).eval()
+    policy = make_policy("weightedkv", 16)
+    trace = record_merges(policy)
+    prompt = torch.randint(0, 50, (1, 48))
+    result = generate(model, prompt, 6, policy=policy)
+    evicted = {(m.layer, h, p) for m in trace for h in range(2) for p in m.evicted[0, h].tolist()}
+    assert len(evicted) == 3 * 2 * (result.cache.seen_tokens - 16)  # each layer and head evicted all but 16
+    assert all((m.into >= 0).all() for m in trace)  # and merged every one
+    page = write_html(Path(tempfile.gettempdir()) / "06_kept.html", result.cache, Letters(), prompt[0].tolist(),
+                      result.tokens[0], policy, trace)
+    show_page(page, height=420)
 
 # %% [markdown]
 # ## CaM's merge against WeightedKV's, on the same evictions
@@ -289,14 +290,17 @@ if solved("convex_value_merge"):  # a student copy: WeightedKV's merge is an exe
 # 1. *(assignment: `convex_value_merge`)* Implement Alg. 1 lines 6–10, the body of the function
 #    `convex_value_merge` in `kvmini/methods/convex_value_merge.py`: merge one entry at a time until
 #    the layer holds `capacity`, each row of the batch and each KV head choosing its own $j$. What the
-#    tests check: $j$ is the lowest $\bar a = a / n$ among the entries after the first `sinks` and before
-#    the last $\max(\text{recent}, 1)$ (so the newest token is never $j$, even with `recent=0`; on a
-#    tie, the earliest); $v_{j+1} \leftarrow (\bar a_j v_j + \bar a_{j+1} v_{j+1}) / (\bar a_j + \bar a_{j+1})$
-#    ($j + 1$ may be a recent token); entry $j$ is then deleted with its key, $a$ and $n$, and $j + 1$
-#    keeps its own $a$ and $n$; keys are never merged; the cache stays in position order. Check it
-#    with `python -m kvmini.course check convex_value_merge`: this toy run (Fig. 3), sinks and
-#    window, the newest token, and the fast paths `merge_one` (any buffer order) and `merge_runs`
-#    against your function.
+#    tests check: entries are found by their position, not their slot (a decode step leaves the buffer
+#    out of position order); $j$ is the lowest $\bar a = a / n$ among the entries that are neither a
+#    sink (position below `sinks`) nor among the $\max(\text{recent}, 1)$ newest positions up to `newest`
+#    (so the newest token is never $j$, even with `recent=0`; on a tie, the earliest position); its
+#    neighbour $j + 1$ is the held entry with the next position (it may be a recent token);
+#    $v_{j+1} \leftarrow (\bar a_j v_j + \bar a_{j+1} v_{j+1}) / (\bar a_j + \bar a_{j+1})$; entry $j$ is
+#    then deleted with its key, $a$ and $n$ (`lc.keep` of the others with `keep_order`, else
+#    `lc.evict_one`), and $j + 1$ keeps its own $a$ and $n$; keys are never merged. Check it with
+#    `python -m kvmini.course check convex_value_merge`: this toy run (Fig. 3), sinks and window, the
+#    newest token, a decode step's merge in a mixed-up buffer against the same merge in order, and
+#    `merge_runs` against your function.
 # 2. Replace the convex merge by plain eviction (drop $v_j$). Predict the change in the fidelity
 #    table at a budget of 128, then measure it.
 # 3. Why is the newest token never chosen as $j$? What would merging it "into its right neighbour" mean?

@@ -11,12 +11,10 @@ Whenever the cache holds more than its capacity m:
 Keys are only ever dropped; values are merged convexly into the right neighbour, so no
 value vanishes outright. The paper protects no token in Alg. 1 except the newest one (j < m);
 its experiments (Sec. V-A) keep 4 initial tokens and (m - 8) // 2 recent ones, our defaults.
-Three implementations of lines 6-10, one result where they overlap:
-    convex_value_merge  Alg. 1 as written: one merge at a time, the cache kept in position order
-    merge_one           one excess entry (a decode step): the same merge, O(D) cache work
-                        (`LayerCache.evict_one`; the buffer is then no longer in position order);
-                        found by position, so also per row of kvmini.at_once's stacked layers
-    merge_runs          many excess entries (a prefill chunk): all merges at once
+Lines 6-10 run as written in `convex_value_merge`: one merge at a time, entries found by position, so
+in any buffer order (a decode step deletes j in O(D) with `LayerCache.evict_one`, which moves the last
+entry into its slot) and per row of kvmini.at_once's stacked layers. `merge_runs` does the many
+merges after a prefill chunk at once (the deviation below).
 Deviation: for a prompt, Alg. 1 runs after each chunk of the prefill (chunk size 1 is Alg. 1
 literally); n counts the queries of the chunk that could see the token (causal mask).
 Deviation (`chunk_merge="runs"`, the default): within a chunk, `merge_runs` deletes the same
@@ -40,63 +38,44 @@ from kvmini.methods.merged import Merged
 from kvmini.parts import Compressor, Rule, most
 
 
-def convex_value_merge(lc: LayerCache, capacity: int, sinks: int, recent: int) -> None:
+def convex_value_merge(lc: LayerCache, capacity: int, sinks: int, recent, newest: int | None = None, note=None,
+                       keep_order: bool = True) -> None:
     """Alg. 1 lines 6-10, one merge per excess entry, until the layer holds `capacity` entries.
 
-    Mergeable entries j are those after the sinks and before the recent window (at least the
-    newest token is never j, as in the paper's j < m); j+1 may be the first recent token.
+    Entries are found by position, so the buffer may be in any order: j is the lowest abar among the
+    entries neither a sink (position < `sinks`) nor in the recent window (the max(recent, 1) newest
+    positions, up to `newest`, default the newest held; `recent` an int or one per row), ties to the
+    earliest; its right neighbour is the held entry with the next position (it may be a recent one).
+    Deleting j: `keep_order` keeps the others in their order (O(S D)), else `LayerCache.evict_one`
+    moves the last entry into j's slot (O(D), a decode step). `note(evicted, into, weight)`, if given,
+    hears the positions of j and its neighbour and the weight of v_j, each (B, H_kv, 1), per merge.
     """
     # BEGIN EXERCISE convex_value_merge: tutorials/06_weightedkv.py, "Algorithm 1 step by step"
     while lc.length > capacity:
-        S = lc.length
-        abar = lc.aux("a") / lc.aux("n")  # (B, H_kv, S)  line 7
-        last = S - max(recent, 1)  # j < last
-        j = abar[:, :, sinks:last].argmin(-1, keepdim=True) + sinks  # (B, H_kv, 1)  line 8
-        w_j, w_next = abar.gather(2, j), abar.gather(2, j + 1)  # (B, H_kv, 1) each
-        den = w_j + w_next
-        share = torch.where(den > 0, w_j / den, 0.5)[..., None]  # (B, H_kv, 1, 1): weight of v_j
+        pos = lc.positions  # (B, H_kv, S)
+        abar = lc.aux("a") / lc.aux("n")  # line 7
+        top = pos.amax(-1, keepdim=True) if newest is None else newest
+        window = recent.clamp(min=1) if isinstance(recent, torch.Tensor) else max(recent, 1)
+        free = (pos >= sinks) & (pos <= top - window)  # j may be these: line 8's range
+        masked = abar.masked_fill(~free, float("inf"))
+        low = free & (masked == masked.amin(-1, keepdim=True))  # line 8, ties
+        j = torch.where(low, pos, PAD).argmin(-1, keepdim=True)  # (B, H_kv, 1): the earliest
+        nxt = torch.where(pos > pos.gather(2, j), pos, PAD).argmin(-1, keepdim=True)  # its right neighbour
+        w_j, w_next = abar.gather(2, j), abar.gather(2, nxt)  # (B, H_kv, 1) each
+        share = torch.where(w_j + w_next > 0, w_j / (w_j + w_next), 0.5)  # (B, H_kv, 1): the weight of v_j
+        if note is not None:
+            note(pos.gather(2, j), pos.gather(2, nxt), share)
         D = lc.values.shape[-1]
-        v_j = lc.values.gather(2, j[..., None].expand(-1, -1, -1, D))  # (B, H_kv, 1, D)
-        v_next = lc.values.gather(2, (j + 1)[..., None].expand(-1, -1, -1, D))
-        merged = share * wide(v_j) + (1 - share) * wide(v_next)  # line 9
-        lc.values.scatter_(2, (j + 1)[..., None].expand(-1, -1, -1, D), merged.to(lc.values.dtype))
-        rest = torch.arange(S - 1, device=j.device).expand(*j.shape[:2], S - 1)  # (B, H_kv, S-1)
-        lc.keep(rest + (rest >= j).long())  # line 10: every entry but j
+        at_j, at_next = j[..., None].expand(-1, -1, -1, D), nxt[..., None].expand(-1, -1, -1, D)
+        w = share[..., None]  # (B, H_kv, 1, 1)
+        merged = w * wide(lc.values.gather(2, at_j)) + (1 - w) * wide(lc.values.gather(2, at_next))  # line 9
+        lc.values.scatter_(2, at_next, merged.to(lc.values.dtype))
+        if keep_order:  # line 10: every entry but j
+            rest = torch.arange(lc.length - 1, device=j.device).expand(*j.shape[:2], -1)  # (B, H_kv, S - 1)
+            lc.keep(rest + (rest >= j).long())
+        else:
+            lc.evict_one(j[..., 0])
     # END EXERCISE
-
-
-def merge_one(lc: LayerCache, sinks: int, recent, newest: int, note=None) -> None:
-    """Alg. 1 lines 7-10 once, in a buffer out of position order (entries found by position, not by
-    index): j is the lowest abar after the sinks and before the recent window (ties: the earliest),
-    its right neighbour the held entry with the next position. O(S) to find them, O(D) to merge and
-    delete. Sinks and window are found as in `selectors.lowest` (`recent` an int or one per row).
-    `note(evicted, into, weight)`, if given, hears the positions
-    of j and its neighbour and the weight of v_j, each (B, H_kv, 1)."""
-    j, nxt, share = next_merge(lc, sinks, recent, newest)
-    if note is not None:
-        note(lc.positions.gather(2, j), lc.positions.gather(2, nxt), share)
-    D = lc.values.shape[-1]
-    at_j, at_next = j[..., None].expand(-1, -1, -1, D), nxt[..., None].expand(-1, -1, -1, D)
-    w = share[..., None]  # (B, H_kv, 1, 1)
-    merged = w * wide(lc.values.gather(2, at_j)) + (1 - w) * wide(lc.values.gather(2, at_next))  # line 9
-    lc.values.scatter_(2, at_next, merged.to(lc.values.dtype))
-    lc.evict_one(j[..., 0])  # line 10
-
-
-def next_merge(lc: LayerCache, sinks: int, recent, newest=None):
-    """Alg. 1 lines 7-8 in any buffer order: (j, its right neighbour, the weight of v_j), each (B, H_kv, 1)."""
-    pos = lc.positions  # (B, H_kv, S)
-    abar = lc.aux("a") / lc.aux("n")  # line 7
-    newest = pos.amax(-1, keepdim=True) if newest is None else newest
-    window = recent.clamp(min=1) if isinstance(recent, torch.Tensor) else max(recent, 1)
-    free = (pos >= sinks) & (pos <= newest - window)  # neither a sink nor in the window: j may be these
-    masked = abar.masked_fill(~free, float("inf"))
-    low = free & (masked == masked.amin(-1, keepdim=True))  # line 8 (ties)
-    j = torch.where(low, pos, PAD).argmin(-1, keepdim=True)  # (B, H_kv, 1): the earliest
-    nxt = torch.where(pos > pos.gather(2, j), pos, PAD).argmin(-1, keepdim=True)  # its right neighbour
-    w_j, w_next = abar.gather(2, j), abar.gather(2, nxt)  # (B, H_kv, 1) each
-    den = w_j + w_next
-    return j, nxt, torch.where(den > 0, w_j / den, 0.5)
 
 
 def merge_runs(lc: LayerCache, capacity: int, sinks: int, recent: int, note=None) -> None:
@@ -133,8 +112,8 @@ def merge_runs(lc: LayerCache, capacity: int, sinks: int, recent: int, note=None
 
 
 class ConvexValueMerge(Compressor):
-    """The compressor: down to the budget, every evicted token's value merged (`merge_one` for one excess
-    entry, else `merge_runs`, or `convex_value_merge` for every call when chunk_merge="sequential").
+    """The compressor: down to the budget, every evicted token's value merged (`convex_value_merge` for one
+    excess entry and for every call when chunk_merge="sequential", else `merge_runs`).
     `trace`: None (default, no cost), or a list that each merge extends with a `Merged` record."""
 
     def __init__(self, sinks: int = 0, recent: int | Rule = 0, chunk_merge: str = "runs"):
@@ -154,14 +133,9 @@ class ConvexValueMerge(Compressor):
             def note(*record):  # one record per layer, of its rows
                 for i, layer in enumerate(layers):
                     self.trace.append(Merged(layer, *(t.chunk(len(layers))[i] for t in record)))
-        if self.sequential and note is not None:  # Alg. 1 one merge at a time, each one recorded
-            while lc.length > b:
-                j, nxt, share = next_merge(lc, self.sinks, self.recent(b))
-                note(lc.positions.gather(2, j), lc.positions.gather(2, nxt), share)
-                convex_value_merge(lc, lc.length - 1, self.sinks, self.recent(b))
-        elif self.sequential:
-            convex_value_merge(lc, b, self.sinks, self.recent(b))
-        elif lc.length == most(b) + 1:
-            merge_one(lc, self.sinks, self.recent(b), newest, note)
+        if self.sequential:
+            convex_value_merge(lc, b, self.sinks, self.recent(b), newest, note)
+        elif lc.length == most(b) + 1:  # a decode step: one merge, O(D)
+            convex_value_merge(lc, lc.length - 1, self.sinks, self.recent(b), newest, note, keep_order=False)
         else:
             merge_runs(lc, b, self.sinks, self.recent(b), note)
