@@ -6,9 +6,12 @@ Per layer we store, for every KV head (never expanded to query heads):
     positions (B, H_kv, S)     absolute token position of each entry
     aux[name] (B, H_kv, S, ...) per-token statistics a policy keeps (e.g. accumulated attention)
     aux[KEY_NORM] (B, H_kv, S) if declared: each key's l2 norm, kept by the cache (D2O's Eq. 9)
-S may differ between layers (per-layer budgets); all heads of a layer hold S entries.
+S may differ between layers (per-layer budgets). A row, one (sequence, KV head), may hold fewer
+entries than S (`counts`: per-sequence budgets in a batch, heads that keep their own counts): its
+entries come first, then pads up to S. A pad's position is PAD, later than any query, so attention,
+which masks by position, never sees it: that is the one rule (`padded` says when it is needed).
 Buffers are allocated on a layer's first append, grow geometrically, and shrink when at most a
-quarter full. Rows holding different counts are kvmini.per_sequence's `PaddedLayer`.
+quarter full.
 """
 import torch
 
@@ -51,7 +54,8 @@ class LayerCache:
         self._v = torch.empty_like(self._k)  # (B, H_kv, cap, D)
         self._pos = torch.empty(batch, kv_heads, 0, dtype=torch.long, device=device)  # (B, H_kv, cap)
         self._aux: dict[str, torch.Tensor] = {}  # name -> (B, H_kv, cap, *shape)
-        self.length = 0  # S: entries held
+        self.length = 0  # S: entries held (by the longest row)
+        self.counts: torch.Tensor | None = None  # (B, H_kv) entries each row holds when rows differ, else None
         self._rows = torch.arange(batch, device=device)[:, None], torch.arange(kv_heads, device=device)  # (B, 1), (H_kv,)
 
     @property
@@ -70,7 +74,14 @@ class LayerCache:
     def capacity(self) -> int:
         return self._k.shape[2]
 
-    padded = False  # do some rows hold fewer entries than `length`? (kvmini.per_sequence.PaddedLayer)
+    @property
+    def padded(self) -> bool:
+        """Do some rows hold fewer entries than `length`, the rest of their places being pads?"""
+        return self.counts is not None
+
+    def held(self) -> torch.Tensor:
+        """Entries each row holds, (B, H_kv)."""
+        return self._pos.new_full(self._pos.shape[:2], self.length) if self.counts is None else self.counts
 
     def declare(self, *buffers: "str | tuple") -> None:
         """Per-entry buffers, zeros until written, that follow every append and eviction: a name (one float
@@ -94,11 +105,14 @@ class LayerCache:
         return list(self._aux)
 
     def append(self, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor) -> None:
-        """Add T new entries: k, v (B, H_kv, T, D); pos (B, T) absolute positions. Amortized O(T)."""
+        """Add T new entries: k, v (B, H_kv, T, D); pos (B, T) absolute positions, each row's right after
+        its own entries. Amortized O(T)."""
         T = k.shape[2]
         end = self.length + T
         if end > self.capacity:
             self._resize(max(end, 2 * self.capacity, self.reserve))
+        if self.counts is not None:
+            return self._append_ragged(k, v, pos, end)
         self._k[:, :, self.length : end] = k
         self._v[:, :, self.length : end] = v
         self._pos[:, :, self.length : end] = pos[:, None, :]
@@ -106,6 +120,18 @@ class LayerCache:
             buf[:, :, self.length : end] = 0
         if KEY_NORM in self._aux:
             self._aux[KEY_NORM][:, :, self.length : end] = key_norm(k)
+        self.length = end
+
+    def _append_ragged(self, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor, end: int) -> None:
+        """`append` when rows differ: row r's T entries go to its places counts[r]..counts[r] + T - 1."""
+        self._set_pads(slice(None), self.length, end)
+        at = self.counts[..., None] + torch.arange(k.shape[2], device=self.counts.device)  # (B, H_kv, T)
+        self._k.scatter_(2, at[..., None].expand_as(k), k)
+        self._v.scatter_(2, at[..., None].expand_as(v), v)
+        self._pos.scatter_(2, at, pos[:, None, :].expand_as(at))
+        if KEY_NORM in self._aux:
+            self._aux[KEY_NORM].scatter_(2, at, key_norm(k))
+        self.counts = self.counts + k.shape[2]
         self.length = end
 
     def set_keys(self, idx: torch.Tensor, k: torch.Tensor) -> None:
@@ -116,19 +142,55 @@ class LayerCache:
         if KEY_NORM in self.aux_names():
             self.aux(KEY_NORM).scatter_(2, idx, key_norm(k))
 
-    def keep(self, idx: torch.Tensor) -> None:
-        """Keep only entries `idx` (B, H_kv, S') of every head, in that order: the bulk eviction, O(S·D)."""
+    def keep(self, idx: torch.Tensor, counts: torch.Tensor | None = None) -> None:
+        """Keep only entries `idx` (B, H_kv, S') of every row, in that order: the bulk eviction, O(S·D).
+        counts (B, H_kv): row r keeps only the first counts[r] of its idx; its other places become pads."""
         self._gather(slice(None), idx, self.length)
         self.length = idx.shape[2]
+        self.counts = None
+        if counts is not None:
+            pads = torch.arange(self.length, device=counts.device) >= counts[..., None]  # (B, H_kv, S')
+            for buf in (self._k, self._v, self._pos, *self._aux.values()):
+                buf[:, :, : self.length].masked_fill_(along(pads, buf), PAD if buf is self._pos else 0)
+            self._count(counts)
         self._shrink()
+
+    def keep_row(self, b: int, idx: torch.Tensor) -> None:
+        """Sequence b keeps only its entries `idx` (1, H_kv, s), in that order; its other places become
+        pads (a batch whose sequences get their own budgets, kvmini.per_sequence). O(S·D) for that row."""
+        counts = self.held().clone()
+        old = int(counts[b].max())
+        self._gather(slice(b, b + 1), idx, old)
+        self._set_pads(slice(b, b + 1), idx.shape[2], old)
+        counts[b] = idx.shape[2]
+        self._count(counts)
+        self._shrink()
+
+    def _count(self, counts: torch.Tensor) -> None:
+        """Rows hold `counts` (B, H_kv): the longest sets `length`; `counts` is kept only when rows differ."""
+        self.length = int(counts.max())
+        self.counts = None if bool((counts == self.length).all()) else counts
 
     def evict_one(self, slot: torch.Tensor) -> None:
         """Evict entry `slot` (B, H_kv) of every head in O(D): the last entry moves into that slot (a decode
-        step's `keep`, moving one entry instead of S). Attention masks by position, so order does not matter."""
+        step's `keep`, moving one entry instead of S). Attention masks by position, so order does not matter.
+        When rows differ, each row's own last entry moves, and the place it leaves becomes a pad."""
+        if self.counts is not None:
+            return self._evict_one_ragged(self._slot(slot))
         slot, (b, h), last = self._slot(slot), self._rows, self.length - 1
         for buf in (self._k, self._v, self._pos, *self._aux.values()):  # (B, H_kv, cap, ...)
             buf[b, h, slot] = buf[:, :, last].clone()  # (B, H_kv, ...): the last entry into the slot
         self.length = last
+
+    def _evict_one_ragged(self, slot: torch.Tensor) -> None:
+        """`evict_one` when rows differ: row r's last entry is its place counts[r] - 1."""
+        at = slot[:, :, None]  # (B, H_kv, 1)
+        last = (self.counts - 1)[..., None]  # (B, H_kv, 1): each row's last entry
+        for buf in (self._k, self._v, self._pos, *self._aux.values()):  # (B, H_kv, cap, ...)
+            buf.scatter_(2, along(at, buf), buf.gather(2, along(last, buf)))
+            buf.scatter_(2, along(last, buf), PAD if buf is self._pos else 0)  # the place it left: a pad
+        self.counts = self.counts - 1  # every row held one more: the longest is one shorter (no device sync)
+        self.length -= 1
 
     def _slot(self, slot) -> torch.Tensor:
         """`evict_one`'s argument as a (B, H_kv) tensor of held slots (an int: that slot in every head);
@@ -142,7 +204,7 @@ class LayerCache:
             shown = f"{slot.dtype} {tuple(slot.shape)}" if isinstance(slot, torch.Tensor) else repr(slot)
             raise KvminiError(f"evict_one: slot must be a whole number or a long tensor ({B}, {H}) of slots, got {shown}")
         if slot.device.type == "cpu":
-            if bool(((slot < 0) | (slot >= self.length)).any()):
+            if bool(((slot < 0) | (slot >= (self.length if self.counts is None else self.counts))).any()):
                 raise KvminiError(f"evict_one: slots must be in [0, {self.length - 1}] (entries held), got {slot.tolist()}")
         return slot
 
@@ -156,6 +218,12 @@ class LayerCache:
         for buf in self._aux.values():
             buf[rows, :, :s] = buf[rows, :, :held].gather(2, along(idx, buf))
 
+    def _set_pads(self, rows: slice, start: int, end: int) -> None:
+        """Places start..end-1 of `rows` become pads: zero K/V and statistics, position PAD."""
+        for buf in (self._k, self._v, *self._aux.values()):
+            buf[rows, :, start:end] = 0
+        self._pos[rows, :, start:end] = PAD
+
     def _shrink(self) -> None:
         """Give memory back after a big eviction: buffers at most a quarter full are halved or more."""
         if 4 * self.length <= self.capacity and self.capacity > 64:
@@ -168,13 +236,17 @@ class LayerCache:
         return 2 * B * H_kv * D * self._k.element_size()
 
     def nbytes(self) -> int:
-        """Exact bytes of the keys and values held (positions and aux buffers excluded)."""
-        return self.entry_nbytes * self.length
+        """Exact bytes of the keys and values held (pads, positions and aux buffers excluded)."""
+        return 2 * self._k.shape[3] * self._k.element_size() * self._entries()
 
     def aux_nbytes(self) -> int:
         """Bytes of the aux buffers' held entries: what a method keeps per token beside K and V."""
-        per_entry = sum(buf[0, 0, 0].numel() * buf.element_size() for buf in self._aux.values()) * self._k.shape[1]
-        return per_entry * self._k.shape[0] * self.length
+        return sum(buf[0, 0, 0].numel() * buf.element_size() for buf in self._aux.values()) * self._entries()
+
+    def _entries(self) -> int:
+        """Entries held over all rows (pads excluded)."""
+        B, H_kv = self._k.shape[:2]
+        return B * H_kv * self.length if self.counts is None else int(self.counts.sum())
 
     def _resize(self, cap: int) -> None:
         """Move the held entries into buffers of `cap` >= length entries (aux buffers as `entry_buffer`)."""
@@ -206,9 +278,9 @@ class KVCache:
     def __len__(self) -> int:
         return len(self.layers)
 
-    def lengths(self) -> list[int]:
-        """Entries held per layer (by the longest row, when the rows of a batch differ)."""
-        return [layer.length for layer in self.layers]
+    def lengths(self) -> list[float]:
+        """Entries held per layer: the mean over its rows (sequences and KV heads), an int when they agree."""
+        return [layer.length if layer.counts is None else layer.counts.float().mean().item() for layer in self.layers]
 
     def nbytes(self) -> int:
         """Exact bytes of all keys and values held."""

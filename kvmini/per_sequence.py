@@ -3,127 +3,21 @@ statistics: D2O, DynamicKV, DBudgetKV): one policy per sequence, each acting on 
 (`sequence(cache, b)`) with its row of the statistics: kvmini.generate's form of such a policy for a
 batch of B > 1 (`PerSequence.of`); a single sequence is run by the method's policy itself.
 
-Rows that keep different counts are padded (`PaddedLayer`): each row holds its entries first and
-pads after them, up to the longest row; a pad's position is PAD, later than any query, so attention
-never sees it; `counts` says how many real entries each row holds.
+Sequences that keep different counts are the cache's ragged rows (kvmini.cache: `keep_row`).
 """
 import copy
 
 import torch
 
-from kvmini.cache import KEY_NORM, PAD, KVCache, LayerCache, along, key_norm
+from kvmini.cache import KVCache, LayerCache
 from kvmini.errors import KvminiError
 from kvmini.policy import Policy
 from kvmini.statistics import Request, Stats
 
 
-class PaddedLayer(LayerCache):
-    """A LayerCache whose rows may hold different counts (`counts`, None while they agree); a layer
-    becomes one in place (`padded_rows`), keeping its buffers."""
-
-    counts: torch.Tensor | None = None  # (B,) entries held per row when rows differ; None: all hold `length`
-
-    @property
-    def padded(self) -> bool:
-        """Do some rows hold fewer entries than `length` (the rest of the row being pads)?"""
-        return self.counts is not None
-
-    def held(self) -> list[int]:
-        """Entries held by each sequence of the batch."""
-        return [self.length] * self._k.shape[0] if self.counts is None else self.counts.tolist()
-
-    def append(self, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor) -> None:
-        """As LayerCache.append; when rows differ, each row's new entries go right after its own."""
-        if self.counts is None:
-            return super().append(k, v, pos)
-        T = k.shape[2]
-        end = self.length + T
-        if end > self.capacity:
-            self._resize(max(end, 2 * self.capacity, self.reserve))
-        self._set_pads(slice(None), self.length, end)
-        at = self.counts[:, None] + torch.arange(T, device=self.counts.device)  # (B, T) destination
-        at = at[:, None].expand(-1, k.shape[1], -1)  # (B, H_kv, T)
-        self._k.scatter_(2, at[..., None].expand_as(k), k)
-        self._v.scatter_(2, at[..., None].expand_as(v), v)
-        self._pos.scatter_(2, at, pos[:, None, :].expand_as(at))
-        if KEY_NORM in self._aux:
-            self._aux[KEY_NORM].scatter_(2, at, key_norm(k))
-        self.counts = self.counts + T
-        self.length = end
-
-    def keep(self, idx: torch.Tensor) -> None:
-        if self.counts is not None:
-            raise ValueError("keep() of a layer whose rows differ in length: use keep_row()")
-        super().keep(idx)
-
-    def evict_one(self, slot: torch.Tensor) -> None:
-        """As LayerCache.evict_one; when rows differ, each row's own last entry moves, and the place it
-        leaves becomes a pad."""
-        if self.counts is None:
-            return super().evict_one(slot)
-        at = self._slot(slot)[:, :, None]  # (B, H_kv, 1)
-        last = (self.counts - 1)[:, None, None].expand_as(at)  # (B, H_kv, 1): each row's last entry
-        for buf in (self._k, self._v, self._pos, *self._aux.values()):  # (B, H_kv, cap, ...)
-            buf.scatter_(2, along(at, buf), buf.gather(2, along(last, buf)))
-        for buf in (self._k, self._v):  # the place the last entry left becomes a pad
-            buf.scatter_(2, last[..., None].expand(-1, -1, -1, buf.shape[3]), 0)
-        for buf in self._aux.values():
-            buf.scatter_(2, along(last, buf), 0)
-        self._pos.scatter_(2, last, PAD)
-        self.counts = self.counts - 1  # every row held one more: the longest is one shorter (no device sync)
-        self.length -= 1
-
-    def _slot(self, slot) -> torch.Tensor:
-        slot = super()._slot(slot)
-        if self.counts is not None and slot.device.type == "cpu" and bool((slot >= self.counts[:, None]).any()):
-            raise KvminiError(f"evict_one: slots must be in [0, {self.length - 1}] (entries held), got {slot.tolist()}")
-        return slot
-
-    def sequence(self, b: int) -> "SequenceView":
-        """Row b as a batch-1 layer cache (views of its entries; `keep` evicts from that row only)."""
-        return SequenceView(self, check_row(b, self._k.shape[0]))
-
-    def keep_row(self, b: int, idx: torch.Tensor) -> None:
-        """Row b keeps only its entries `idx` (1, H_kv, s), in that order; its other places become pads."""
-        check_row(b, self._k.shape[0])
-        counts = torch.tensor(self.held(), device=self._pos.device)  # (B,)
-        s, old = idx.shape[2], int(counts[b])
-        row = slice(b, b + 1)
-        self._gather(row, idx, old)
-        self._set_pads(row, s, old)
-        counts[b] = s
-        self.length = int(counts.max())
-        self.counts = None if bool((counts == self.length).all()) else counts
-        self._shrink()
-
-    def _set_pads(self, rows: slice, start: int, end: int) -> None:
-        """Places start..end-1 of `rows` become pads: zero K/V and statistics, position PAD."""
-        self._k[rows, :, start:end] = 0
-        self._v[rows, :, start:end] = 0
-        self._pos[rows, :, start:end] = PAD
-        for buf in self._aux.values():
-            buf[rows, :, start:end] = 0
-
-    def nbytes(self) -> int:
-        """Exact bytes of the keys and values held (pads, positions and aux buffers excluded)."""
-        return self.entry_nbytes * sum(self.held()) // self._k.shape[0]
-
-    def aux_nbytes(self) -> int:
-        per_entry = sum(buf[0, 0, 0].numel() * buf.element_size() for buf in self._aux.values()) * self._k.shape[1]
-        return per_entry * sum(self.held())
-
-
-def padded_rows(cache: KVCache) -> KVCache:
-    """`cache` with every layer a PaddedLayer (the same buffers), so its rows may keep different counts."""
-    for lc in cache.layers:
-        if not isinstance(lc, PaddedLayer):
-            lc.__class__ = PaddedLayer
-    return cache
-
-
 def sequence(cache: KVCache, b: int) -> "SequenceCache":
     """Sequence b of the batch as a batch-1 cache whose reads, writes and evictions act on this one."""
-    return SequenceCache(padded_rows(cache), check_row(b, cache.layers[0]._k.shape[0]))
+    return SequenceCache(cache, check_row(b, cache.layers[0]._k.shape[0]))
 
 
 class PerSequence:
@@ -233,17 +127,17 @@ def check_row(b, batch: int) -> int:
 
 
 class SequenceView:
-    """Row b of a PaddedLayer, seen as a batch-1 LayerCache: views of its held entries (in-place
-    writes reach the parent) and `keep`, which evicts from that row only."""
+    """Sequence b of a LayerCache, seen as a batch-1 LayerCache: views of its held entries (in-place
+    writes reach the parent) and `keep`, which evicts from that sequence only."""
 
-    def __init__(self, lc: PaddedLayer, b: int):
+    def __init__(self, lc: LayerCache, b: int):
         self.lc, self.b = lc, b
 
-    padded = False  # one row holds its own entries only
+    padded = False  # one sequence's heads hold the same count (per-sequence budgets are per layer)
 
     @property
     def length(self) -> int:
-        return self.lc.length if self.lc.counts is None else int(self.lc.counts[self.b])
+        return self.lc.length if self.lc.counts is None else int(self.lc.counts[self.b, 0])
 
     @property
     def keys(self) -> torch.Tensor:
@@ -282,7 +176,7 @@ class SequenceCache:
     """One sequence of a KVCache, with the KVCache interface a policy uses."""
 
     def __init__(self, cache: KVCache, b: int):
-        self.layers = [lc.sequence(b) for lc in cache.layers]
+        self.layers = [SequenceView(lc, b) for lc in cache.layers]
         self.seen_tokens = cache.seen_tokens
 
     def __getitem__(self, layer: int) -> SequenceView:

@@ -6,7 +6,7 @@ from kvmini.at_once import Stack
 from kvmini.cache import PAD, KVCache, LayerCache
 from kvmini.generate import prefill
 from kvmini.loading import load_model
-from kvmini.per_sequence import PaddedLayer
+from kvmini.per_sequence import SequenceView
 from kvmini.report import allocated_nbytes, aux_nbytes, full_nbytes
 
 
@@ -99,28 +99,47 @@ def test_prefill_compression_releases_memory():
 
 
 def test_rows_of_different_lengths_are_padded_at_their_end():
-    c = PaddedLayer(batch=2, kv_heads=1, head_dim=1, dtype=torch.float32, device="cpu", capacity=2)
+    c = LayerCache(batch=2, kv_heads=1, head_dim=1, dtype=torch.float32, device="cpu", capacity=2)
     k = torch.arange(8.0).view(2, 1, 4, 1)  # row 0: 0 1 2 3, row 1: 4 5 6 7
     c.append(k, k, torch.arange(4).expand(2, 4))
     c.declare("score")
     c.aux("score")[:] = k[..., 0]
-    c.sequence(1).keep(torch.tensor([[[0, 3]]]))  # row 1 keeps positions 0 and 3
-    assert c.padded and c.held() == [4, 2] and c.length == 4
+    SequenceView(c, 1).keep(torch.tensor([[[0, 3]]]))  # row 1 keeps positions 0 and 3
+    assert c.padded and c.held().tolist() == [[4], [2]] and c.length == 4
     assert c.positions[1, 0].tolist() == [0, 3, PAD, PAD]
     assert c.keys[1, 0, :, 0].tolist() == [4.0, 7.0, 0.0, 0.0] and c.aux("score")[1, 0].tolist() == [4.0, 7.0, 0, 0]
     c.append(torch.tensor([[[[8.0]]], [[[9.0]]]]), torch.zeros(2, 1, 1, 1), torch.tensor([[4], [4]]))
-    assert c.held() == [5, 3] and c.length == 5  # each row's new entry follows its own entries
+    assert c.held().tolist() == [[5], [3]] and c.length == 5  # each row's new entry follows its own entries
     assert c.positions[:, 0].tolist() == [[0, 1, 2, 3, 4], [0, 3, 4, PAD, PAD]]
     assert c.keys[:, 0, :, 0].tolist() == [[0, 1, 2, 3, 8], [4, 7, 9, 0, 0]]
-    view = c.sequence(1)  # batch-1 views of row 1's entries: in-place writes reach the cache
+    view = SequenceView(c, 1)  # batch-1 views of row 1's entries: in-place writes reach the cache
     assert view.length == 3 and view.positions.tolist() == [[[0, 3, 4]]]
     view.aux("score").add_(1)
     assert c.aux("score")[1, 0].tolist() == [5.0, 8.0, 1.0, 0, 0]
     assert c.nbytes() == 2 * (5 + 3) * 4  # pads are not counted
-    with pytest.raises(ValueError, match="keep_row"):
-        c.keep(torch.zeros(2, 1, 2, dtype=torch.long))
-    c.sequence(0).keep(torch.tensor([[[1, 3, 4]]]))  # rows equal again: no pads
-    assert not c.padded and c.length == 3 and c.positions[:, 0].tolist() == [[1, 3, 4], [0, 3, 4]]
+    c.evict_one(torch.tensor([[0], [1]]))  # each row's own last entry moves into its slot
+    assert c.positions[:, 0].tolist() == [[4, 1, 2, 3], [0, 4, PAD, PAD]] and c.held().tolist() == [[4], [2]]
+    SequenceView(c, 0).keep(torch.tensor([[[1, 3]]]))  # rows equal again: no pads
+    assert not c.padded and c.length == 2 and c.positions[:, 0].tolist() == [[1, 3], [0, 4]]
+
+
+def test_heads_that_keep_their_own_counts():
+    """`keep(idx, counts)`: each (sequence, KV head) row keeps the first counts of its idx; attention,
+    bytes and a decode step's append and eviction follow each row's own count."""
+    c = LayerCache(batch=1, kv_heads=3, head_dim=2, dtype=torch.float32, device="cpu")
+    k = torch.arange(30.0).view(1, 3, 5, 2)
+    c.append(k, -k, torch.arange(5)[None])
+    c.declare("score")
+    c.keep(torch.tensor([[[4, 0, 2], [1, 2, 3], [0, 3, 4]]]), counts=torch.tensor([[3, 1, 2]]))
+    assert c.padded and c.length == 3 and c.held().tolist() == [[3, 1, 2]]
+    assert c.positions[0].tolist() == [[4, 0, 2], [1, PAD, PAD], [0, 3, PAD]]
+    assert c.values[0, 1, 1:].abs().sum() == 0 and c.nbytes() == 2 * 2 * 4 * 6
+    c.append(torch.ones(1, 3, 1, 2), torch.ones(1, 3, 1, 2), torch.tensor([[5]]))
+    assert c.positions[0].tolist() == [[4, 0, 2, 5], [1, 5, PAD, PAD], [0, 3, 5, PAD]]
+    c.keep(torch.tensor([[[0, 1], [0, 1], [1, 2]]]), counts=torch.tensor([[2, 2, 1]]))
+    assert c.positions[0].tolist() == [[4, 0], [1, 5], [3, PAD]] and c.held().tolist() == [[2, 2, 1]]
+    c.keep(torch.tensor([[[1], [1], [0]]]))  # every row keeps one: no pads
+    assert not c.padded and c.positions[0].tolist() == [[0], [5], [3]]
 
 
 def test_attention_never_sees_pads():
@@ -173,7 +192,7 @@ def test_aux_buffers_keep_their_dtype_through_every_eviction_and_count_in_bytes(
     from kvmini.config import ModelConfig
     from kvmini.cache import KVCache
 
-    lc = PaddedLayer(2, 1, 1, torch.float32, "cpu")
+    lc = LayerCache(2, 1, 1, torch.float32, "cpu")
     lc.declare(("seen", torch.bool), ("count", torch.int32), "sum")
     for t in range(5):
         lc.append(torch.full((2, 1, 1, 1), float(t)), torch.zeros(2, 1, 1, 1), torch.tensor([[t], [t]]))
@@ -184,7 +203,7 @@ def test_aux_buffers_keep_their_dtype_through_every_eviction_and_count_in_bytes(
     assert lc.aux("seen").tolist() == [[[True, True, True, False]], [[True, False, True, False]]]
     assert lc.aux("count").tolist() == [[[0, 40, 20, 30]], [[0, 10, 20, 30]]]
     lc.keep_row(0, torch.tensor([[[0, 2]]]))  # row 0 keeps its entries 0 and 2: positions 0, 2
-    assert lc.held() == [2, 4] and lc.aux("seen").dtype == torch.bool and lc.aux("count").dtype == torch.int32
+    assert lc.held().tolist() == [[2], [4]] and lc.aux("seen").dtype == torch.bool and lc.aux("count").dtype == torch.int32
     assert lc.aux("count")[0, 0, :2].tolist() == [0, 20] and lc.aux("seen")[0, 0, 2:].tolist() == [False, False]
     assert lc.aux_nbytes() == 9 * (2 + 4)
 
@@ -270,7 +289,7 @@ def test_key_norms_are_kept_by_the_cache_through_appends_evictions_joins_and_set
 
     gen = torch.Generator().manual_seed(0)
     kv = lambda T: (torch.randn(2, 3, T, 4, generator=gen), torch.randn(2, 3, T, 4, generator=gen))  # noqa: E731
-    lc = PaddedLayer(batch=2, kv_heads=3, head_dim=4, dtype=torch.float32, device="cpu", capacity=2)
+    lc = LayerCache(batch=2, kv_heads=3, head_dim=4, dtype=torch.float32, device="cpu", capacity=2)
     lc.append(*kv(5), torch.arange(5).expand(2, 5))
     lc.declare(KEY_NORM)
     check(lc)

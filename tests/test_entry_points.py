@@ -445,8 +445,6 @@ def test_sequence_refuses_a_row_outside_the_batch(tiny):
     for b in [2, -1, 1.0]:
         with pytest.raises(KvminiError, match=r"b must be a whole number in \[0, 1\] \(the batch has 2\)"):
             sequence(cache, b)
-    with pytest.raises(KvminiError, match=r"b must be a whole number in \[0, 1\]"):
-        cache[0].sequence(2)  # a layer of a batch whose rows may differ (kvmini.per_sequence.PaddedLayer)
 
 
 def test_make_policy_and_fidelity_run_name_the_bad_argument(tiny):
