@@ -28,7 +28,9 @@ class Call:
     measures: bool  # the budgeter measures this call (a prompt call, an accumulating budgeter)
     compress_now: bool  # the schedule compresses in this call
     slack: int  # entries a layer may hold beyond its budget: evict_every - 1 while decoding, else 0
-    requests: tuple  # what a layer's pass computes when its budget is (not exceeded, exceeded, not known)
+    keeping: Request | None  # what a layer's pass computes to keep its running sums (no eviction in it)
+    evicting: Request | None  # ... and to score its entries: its known budget is exceeded
+    deciding: Request | None  # ... and to decide its budget now (not known before this call)
     scores: dict  # layer -> its score (B, H_kv, S), scored once in this call
 
 
@@ -111,14 +113,15 @@ class Policy:
             wanted = Request.merge([self.scorer.request, self.budgeter.request])
             self.gathered = Gathering(wanted, n) if wanted else None
         if gathering:  # the parts see the prompt's statistics when it is complete
-            requests = (self.gathered.request(start, T) if self.gathered else None,) * 3
+            keeping = evicting = deciding = self.gathered.request(start, T) if self.gathered else None
         else:
             wanted = ([self.scorer.request] if updates else []) + ([self.budgeter.request] if measures else [])
-            scoring = [self.scorer.request, self.budgeter.request] if compress_now else []
-            requests = tuple(Request.merge(wanted + scoring[:k]) for k in (0, 1, 2))
+            keeping = Request.merge(wanted)
+            evicting = Request.merge(wanted + [self.scorer.request]) if compress_now else keeping
+            deciding = Request.merge(wanted + [self.scorer.request, self.budgeter.request]) if compress_now else keeping
         slack = 0 if end <= n else self.evict_every - 1  # held beyond the budget between evictions
         self.call = Call(cache, start, T, end <= n, end == n, gathering, updates, measures, compress_now, slack,
-                         requests, {})
+                         keeping, evicting, deciding, {})
 
     def _check_call(self, cache: KVCache, start: int, end: int) -> None:
         """Refuse a call the policy would have to guess about: it never guesses where a prompt ends, nor
@@ -157,11 +160,11 @@ class Policy:
         if self.budgeter.skips(layer):
             return None
         if not call.compress_now:
-            return call.requests[0]
+            return call.keeping
         known = self.budgeter.known(layer)
         if known is None:
-            return call.requests[2]
-        return call.requests[1] if call.cache[layer].length + call.T > known else call.requests[0]
+            return call.deciding
+        return call.evicting if call.cache[layer].length + call.T > known else call.keeping
 
     def after_attention(self, layer: int, cache: KVCache, stats: Stats) -> None:
         """docs/design.md's loop ("One forward call"), step for step."""
