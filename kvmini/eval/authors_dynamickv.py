@@ -91,8 +91,10 @@ def load(code, folder):
     meth.DynamicKVClusterV11.update_and_reset_budget = per_kv_head
     model = AutoModelForCausalLM.from_pretrained(folder, torch_dtype=torch.float32, attn_implementation="eager").eval()
     model.config._attn_implementation = "flash_attention_2"
-    for layer in model.model.layers:
-        layer.self_attn.__class__ = ml.LlamaFlashAttention2
+    for i, layer in enumerate(model.model.layers):  # their attention class, with this layer's weights
+        attention = ml.LlamaFlashAttention2(model.config, layer_idx=i)
+        attention.load_state_dict(layer.self_attn.state_dict())
+        layer.self_attn = attention.eval()
     full = AutoModelForCausalLM.from_pretrained(folder, torch_dtype=torch.float32, attn_implementation="sdpa").eval()
     return model, full
 
