@@ -133,11 +133,16 @@ class SequenceView:
     def __init__(self, lc: LayerCache, b: int):
         self.lc, self.b = lc, b
 
-    padded = False  # one sequence's heads hold the same count (per-sequence budgets are per layer)
-
     @property
     def length(self) -> int:
-        return self.lc.length if self.lc.counts is None else int(self.lc.counts[self.b, 0])
+        return self.lc.length if self.lc.counts is None else int(self.lc.counts[self.b].max())
+
+    def held(self) -> torch.Tensor:
+        return self.lc.held()[self.b : self.b + 1]  # (1, H_kv)
+
+    @property
+    def padded(self) -> bool:
+        return self.lc.counts is not None and bool((self.lc.counts[self.b] < self.length).any())
 
     @property
     def keys(self) -> torch.Tensor:

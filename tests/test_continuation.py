@@ -231,7 +231,10 @@ def test_every_method_continues_a_conversation(name, B):
     if gives_budgets(name):
         for b, row in enumerate(rows if len(rows) == B else rows * B):
             slack = row.evict_every - 1 + (2 if row.schedule == PREFILL else 0)
-            assert all(len(h) <= budget + slack for layer, budget in zip(held, row.budgets) for h in layer[b])
+            for layer, budget in zip(held, row.budgets):
+                counts = [len(h) for h in layer[b]]
+                assert sum(counts) / len(counts) <= budget + slack  # per KV head, on average
+                assert getattr(row.compressor, "own_counts", False) or max(counts) <= budget + slack
 
 
 
