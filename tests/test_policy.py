@@ -165,21 +165,22 @@ def test_invariants(name, kv_heads, group, B, n, steps, budget, chunk, seed):
                 counts = [len(h) for h in heads]
                 held = sum(counts) / len(counts)  # per KV head, on average
                 assert own_counts(base) or len(set(counts)) == 1, "a layer's heads hold the same count"
+                tol = 0.5 if own_counts(base) else 0  # each head's count rounded: the mean within half an entry
                 b_l = row.budgets[l] if base.active else seen  # inactive: budget >= the sequence
                 if l in base.budgeter.protected:  # never compressed
-                    assert held == seen
+                    assert abs(held - seen) <= tol
                     continue
                 if base.schedule == DECODE:  # D2O's official variant: from the first decode step on
-                    assert held == (seen if seen <= n else min(seen, b_l)), "never above budget"
+                    assert abs(held - (seen if seen <= n else min(seen, b_l))) <= tol, "never above budget"
                 elif base.schedule == EVERY_CALL or (base.schedule == AFTER_PROMPT and seen >= n):
                     slack = base.evict_every - 1 if seen > n else 0  # held beyond the budget between evictions
-                    assert min(seen, b_l) <= held <= min(seen, b_l + slack), "never above budget"
+                    assert min(seen, b_l) - tol <= held <= min(seen, b_l + slack) + tol, "never above budget"
                 elif base.schedule == AFTER_PROMPT:
-                    assert held == seen
+                    assert abs(held - seen) <= tol
                 elif seen <= n:  # prefill-only methods compress when the prompt is complete, then append
-                    assert held == (min(n, b_l) if seen == n else seen)
+                    assert abs(held - (min(n, b_l) if seen == n else seen)) <= tol
                 else:
-                    assert held == min(n, row.budgets[l] if base.active else n) + seen - n
+                    assert abs(held - (min(n, row.budgets[l] if base.active else n) + seen - n)) <= tol
                 sinks = base.compressor.sinks if seen > 0 else 0
                 recent = min(base.compressor.recent(b_l), seen)
                 want = set(range(min(sinks, seen))) | set(range(seen - recent, seen))

@@ -13,8 +13,8 @@ import re
 from typing import Literal
 
 from kvmini.errors import KvminiError
-from kvmini.methods import (cam, d2o, dbudgetkv, dynamickv, h2o, knorm, options, pyramidkv, roco, scissorhands,
-                            snapkv, snapkv_d2o, streaming_llm, tova, vatp, weightedkv)
+from kvmini.methods import (adakv, cam, d2o, dbudgetkv, dynamickv, h2o, knorm, options, pyramidkv, roco,
+                            scissorhands, snapkv, snapkv_d2o, streaming_llm, tova, vatp, weightedkv)
 from kvmini.methods.options import Declared
 from kvmini.parts import EVERY_CALL, PREFILL
 from kvmini.at_once import AtOnce
@@ -38,6 +38,7 @@ METHODS = {
     "scissorhands": scissorhands,
     "cam": cam,
     "roco": roco,
+    "adakv": adakv,
 }
 DEFAULT_BUDGET = 0.2  # used by run.py when --budget is not given
 

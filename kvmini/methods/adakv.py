@@ -1,0 +1,97 @@
+r"""Ada-KV (Feng et al. 2024): a layer's budget is spent across its heads, so each head keeps its own count.
+
+Paper: "Ada-KV: Optimizing KV Cache Eviction by Adaptive Budget Allocation for Efficient LLM Inference",
+Yuan Feng, Junlin Lv, Yukun Cao, Xike Xie, S. Kevin Zhou (arXiv 2407.11550). Authors' code: FFY0/AdaKV
+@ efe4e2e, Ada-SnapKV, `adaptive_snapkv/monkeypatch/snapkv_utils.py` (cited below as :line).
+
+Scores are SnapKV's (kvmini.methods.snapkv): the last w prompt queries' attention, pooled along the keys
+(:335-370). With b entries per KV head on average and the window of w always kept, a layer of H_kv heads
+chooses H_kv c entries, c = b - w, among the heads' earlier entries:
+
+    n_h = how many of the layer's H_kv c highest scores, all heads together, are head h's   (:449-458)
+    c_h = round((1 - \alpha) n_h + \lfloor \alpha c \rfloor)   the safeguard: every head gets a floor (:305, :460)
+
+and head h keeps its c_h best entries and its window (:478-489). \alpha = 0 is the allocation alone.
+Defaults are the code's runs (experiments/LongBench/pred.py:27-29, monkeypatch.py:34): window 32,
+kernel 7, max pooling, \alpha = 0.2, the query heads of a KV head averaged (`--gqa_support`, `gqa_func`
+mean). Prefill only, once per prompt; decode steps append to every head.
+Deviation: the authors' code keeps each head's entries in score order; kvmini keeps position order
+(attention masks by position, so the outputs are the same).
+"""
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+import torch.nn.functional as F
+
+from kvmini.cache import LayerCache
+from kvmini.methods.allocators import Uniform
+from kvmini.parts import PREFILL, Compressor, Scorer
+from kvmini.policy import Policy
+from kvmini.statistics import Request, Stats, window_sums
+
+
+class WindowScores(Scorer):
+    """SnapKV's window scores on rows of their own counts: each row's entries are in position order (a
+    compression keeps that order, decode steps append), so its last w held entries are its window
+    (score +inf); its earlier ones are pooled as SnapKV pools them; pads score -inf."""
+
+    def __init__(self, window: int, kernel: int, pooling: str):
+        self.window, self.kernel = window, kernel
+        self.pool = F.max_pool1d if pooling == "max" else F.avg_pool1d
+        self.request = Request(window_sums(window, "mean"))  # :349 and :355, the query heads averaged
+
+    def __call__(self, lc: LayerCache, stats: Stats) -> torch.Tensor:
+        C = stats.window_sums  # (B, H_kv, S), 0 at pads
+        B, H_kv, S = C.shape
+        held = lc.held()[..., None]  # (B, H_kv, 1)
+        slot = torch.arange(S, device=C.device)
+        earlier = slot < held - self.window  # (B, H_kv, S): before the row's window
+        # zeros after a row's earlier entries act as the pooling's zero padding (scores are >= 0)
+        pooled = self.pool(C.masked_fill(~earlier, 0).view(B * H_kv, 1, S), self.kernel, stride=1,
+                           padding=self.kernel // 2).view(B, H_kv, S)
+        edge = torch.where(slot < held, float("inf"), float("-inf"))  # the window, the pads
+        return torch.where(earlier, pooled, edge)
+
+
+class AcrossHeads(Compressor):
+    """Keep H_kv b entries in a layer: the window of every head and the layer's best H_kv (b - w) earlier
+    entries shared out over the heads with a floor (the module docstring); `keep(idx, counts)`."""
+
+    own_counts = True  # the heads of a layer keep their own counts
+
+    def __init__(self, window: int, alpha: float):
+        super().__init__(0, window)
+        self.window, self.alpha = window, alpha
+
+    def __call__(self, layers: tuple, lc: LayerCache, score: torch.Tensor, b: int, newest: int) -> torch.Tensor:
+        B, H_kv, S = score.shape
+        c = b - self.window  # earlier entries each head keeps on average
+        earlier = score.isfinite()  # (B, H_kv, S)
+        best = score.masked_fill(~earlier, float("-inf")).flatten(1).topk(H_kv * c, dim=-1).indices  # (B, H_kv c)
+        counted = earlier.flatten(1).gather(1, best).long()  # a pick among pads or windows counts for nobody
+        n = torch.zeros(B, H_kv, dtype=torch.long, device=score.device).scatter_add_(1, best // S, counted)
+        c_h = torch.round(n * (1 - self.alpha) + int(c * self.alpha)).long()  # (B, H_kv), :305 and :460
+        counts = (score == float("inf")).sum(-1) + torch.minimum(c_h, earlier.sum(-1))  # window + c_h
+        ranked = score.sort(dim=-1, descending=True, stable=True).indices[..., : int(counts.max())]  # window first
+        chosen = torch.arange(ranked.shape[-1], device=score.device) < counts[..., None]
+        idx = torch.where(chosen, ranked, ranked + S).sort(-1).values  # the chosen first, in position order
+        idx = torch.where(idx >= S, idx - S, idx)  # the rest: places that become pads
+        lc.keep(idx, counts)
+        return idx
+
+
+@dataclass(frozen=True)
+class Options:
+    window: int = 32  # observation window: the last prompt tokens whose attention scores the others; always kept
+    kernel: int = 7  # pooling kernel along the keys
+    pooling: Literal["avg", "max"] = "max"  # pooling of the window's scores along the keys
+    alpha: float = 0.2  # the safeguard: the share of each head's budget given as a floor (0: the allocation alone)
+
+
+CHECKS = {"alpha": (lambda x: 0 <= x <= 1, "be in [0, 1]")}
+
+
+def build(budget: float, o: Options = Options()) -> Policy:
+    return Policy("adakv", budget, WindowScores(o.window, o.kernel, o.pooling), Uniform(), AcrossHeads(o.window, o.alpha),
+                  schedule=PREFILL)
