@@ -94,3 +94,16 @@ def test_a_floor_of_the_whole_budget_is_snapkv():
     assert ada[1] == snap[1] and any(len(h) < 26 for layer in ada[1][1] for row in layer for h in row)
     for got, want in zip(ada[0], snap[0]):
         torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("alpha,want", [(0.2, [[0, 1, 5], [1, 5]]), (0.5, [[0, 1, 5], [1, 4, 5]])])
+def test_rounding_may_leave_a_layer_below_its_budget(alpha, want):
+    """b = 3, window 1: c = 2 per head, 4 in the layer; the best 4 are three of head 0's and one of
+    head 1's, n = (3, 1). alpha 0.2: floor int(0.4) = 0, round(2.4) = 2 and round(0.8) = 1: the layer
+    keeps 3 earlier entries, not 4, as the authors' code does. alpha 0.5: round(2.5) = 2 (half to
+    even) and round(1.5) = 2."""
+    lc = LayerCache(1, 2, 2, torch.float32, "cpu")
+    lc.append(torch.zeros(1, 2, 6, 2), torch.zeros(1, 2, 6, 2), torch.arange(6)[None])
+    score = torch.tensor([[[0.30, 0.25, 0.20, 0.15, 0.10, INF], [0.02, 0.60, 0.03, 0.01, 0.04, INF]]])
+    AcrossHeads(window=1, alpha=alpha)((0,), lc, score, 3, 5)
+    assert [lc.positions[0, h, :n].tolist() for h, n in enumerate(lc.held()[0].tolist())] == want

@@ -564,6 +564,16 @@ for layer in range(3):
 print("budgets", policy.budgets, "from V_l", [round(policy.budgeter.variance[l], 5) for l in range(3)])
 
 # %% [markdown]
+# ## Heads that keep their own counts
+#
+# A budget is per layer, but a compressor may share a layer's budget out over its KV heads: it calls
+# `lc.keep(idx, counts)`, where `counts` (B, H_kv) says how many of each row's `idx` that row keeps,
+# and sets `own_counts = True`. The cache then holds each row's entries first and pads after them
+# (docs/design.md, "Rows of their own"); attention never sees a pad, and bytes count held entries.
+# `kvmini/methods/adakv.py` (Ada-KV) is such a method: its `AcrossHeads` counts the layer's best
+# scores per head. The generic tests then hold the mean count per head to the budget.
+
+# %% [markdown]
 # ## A checklist for your own method
 #
 # 1. A module `kvmini/methods/<name>.py`: a docstring with the paper (title, authors, arXiv ID), the
