@@ -1,6 +1,7 @@
 """The compression engine's contracts: budgets, no-op equivalence, invariants, batching, no state leaks."""
 import inspect
 import itertools
+from fractions import Fraction
 from pathlib import Path
 
 import pytest
@@ -163,24 +164,28 @@ def test_invariants(name, kv_heads, group, B, n, steps, budget, chunk, seed):
                 assert all(p < q for h in heads for p, q in zip(h, h[1:])), "positions unique"
                 assert all(p < seen for h in heads for p in h)
                 counts = [len(h) for h in heads]
-                held = sum(counts) / len(counts)  # per KV head, on average
+                held = Fraction(sum(counts), len(counts))  # per KV head, on average (exact)
                 assert own_counts(base) or len(set(counts)) == 1, "a layer's heads hold the same count"
-                tol = 0.5 if own_counts(base) else 0  # each head's count rounded: the mean within half an entry
                 b_l = row.budgets[l] if base.active else seen  # inactive: budget >= the sequence
+                if own_counts(base) and l in row.compressor.kept:  # each head's budget, as the method gave it
+                    gave = row.compressor.kept[l][b].tolist()
+                    assert sum(gave) / len(gave) <= b_l + 0.5, "never above budget (each head's count rounded)"
+                    assert seen < n or counts == [g + seen - n for g in gave], "each head holds what it was given"
+                    b_l = Fraction(sum(gave), len(gave))
                 if l in base.budgeter.protected:  # never compressed
-                    assert abs(held - seen) <= tol
+                    assert held == seen
                     continue
                 if base.schedule == DECODE:  # D2O's official variant: from the first decode step on
-                    assert abs(held - (seen if seen <= n else min(seen, b_l))) <= tol, "never above budget"
+                    assert held == (seen if seen <= n else min(seen, b_l)), "never above budget"
                 elif base.schedule == EVERY_CALL or (base.schedule == AFTER_PROMPT and seen >= n):
                     slack = base.evict_every - 1 if seen > n else 0  # held beyond the budget between evictions
-                    assert min(seen, b_l) - tol <= held <= min(seen, b_l + slack) + tol, "never above budget"
+                    assert min(seen, b_l) <= held <= min(seen, b_l + slack), "never above budget"
                 elif base.schedule == AFTER_PROMPT:
-                    assert abs(held - seen) <= tol
+                    assert held == seen
                 elif seen <= n:  # prefill-only methods compress when the prompt is complete, then append
-                    assert abs(held - (min(n, b_l) if seen == n else seen)) <= tol
+                    assert held == (min(n, b_l) if seen == n else seen)
                 else:
-                    assert abs(held - (min(n, row.budgets[l] if base.active else n) + seen - n)) <= tol
+                    assert held == min(n, b_l if base.active else n) + seen - n
                 sinks = base.compressor.sinks if seen > 0 else 0
                 recent = min(base.compressor.recent(b_l), seen)
                 want = set(range(min(sinks, seen))) | set(range(seen - recent, seen))

@@ -64,6 +64,10 @@ class AcrossHeads(Compressor):
         super().__init__(0, window)
         self.window, self.alpha = window, alpha
 
+    def start(self, L: int) -> None:
+        super().start(L)
+        self.kept: dict[int, torch.Tensor] = {}  # layer -> (B, H_kv) entries each head kept: its own budget
+
     def __call__(self, layers: tuple, lc: LayerCache, score: torch.Tensor, b: int, newest: int) -> torch.Tensor:
         B, H_kv, S = score.shape
         c = b - self.window  # earlier entries each head keeps on average
@@ -78,6 +82,7 @@ class AcrossHeads(Compressor):
         idx = torch.where(chosen, ranked, ranked + S).sort(-1).values  # the chosen first, in position order
         idx = torch.where(idx >= S, idx - S, idx)  # the rest: places that become pads
         lc.keep(idx, counts)
+        self.kept[layers[0]] = counts
         return idx
 
 
