@@ -56,7 +56,6 @@ class LayerCache:
         self._aux: dict[str, torch.Tensor] = {}  # name -> (B, H_kv, cap, *shape)
         self.length = 0  # S: entries held (by the longest row)
         self.counts: torch.Tensor | None = None  # (B, H_kv) entries each row holds when rows differ, else None
-        self._rows = torch.arange(batch, device=device)[:, None], torch.arange(kv_heads, device=device)  # (B, 1), (H_kv,)
 
     @property
     def keys(self) -> torch.Tensor:
@@ -124,7 +123,9 @@ class LayerCache:
 
     def _append_ragged(self, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor, end: int) -> None:
         """`append` when rows differ: row r's T entries go to its places counts[r]..counts[r] + T - 1."""
-        self._set_pads(slice(None), self.length, end)
+        for buf in (self._k, self._v, *self._aux.values()):  # places no row reaches stay pads
+            buf[:, :, self.length : end] = 0
+        self._pos[:, :, self.length : end] = PAD
         at = self.counts[..., None] + torch.arange(k.shape[2], device=self.counts.device)  # (B, H_kv, T)
         self._k.scatter_(2, at[..., None].expand_as(k), k)
         self._v.scatter_(2, at[..., None].expand_as(v), v)
@@ -145,52 +146,27 @@ class LayerCache:
     def keep(self, idx: torch.Tensor, counts: torch.Tensor | None = None) -> None:
         """Keep only entries `idx` (B, H_kv, S') of every row, in that order: the bulk eviction, O(S·D).
         counts (B, H_kv): row r keeps only the first counts[r] of its idx; its other places become pads."""
-        self._gather(slice(None), idx, self.length)
-        self.length = idx.shape[2]
-        self.counts = None
-        if counts is not None:
-            pads = torch.arange(self.length, device=counts.device) >= counts[..., None]  # (B, H_kv, S')
-            for buf in (self._k, self._v, self._pos, *self._aux.values()):
-                buf[:, :, : self.length].masked_fill_(along(pads, buf), PAD if buf is self._pos else 0)
-            self._count(counts)
+        S = idx.shape[2]
+        pads = None if counts is None else torch.arange(S, device=idx.device) >= counts[..., None]  # (B, H_kv, S')
+        for buf in (self._k, self._v, self._pos, *self._aux.values()):  # (B, H_kv, cap, ...)
+            buf[:, :, :S] = buf[:, :, : self.length].gather(2, along(idx, buf))
+            if pads is not None:
+                buf[:, :, :S].masked_fill_(along(pads, buf), PAD if buf is self._pos else 0)
+        self.length = S if counts is None else int(counts.max())  # the longest row
+        self.counts = None if counts is None or bool((counts == self.length).all()) else counts
         self._shrink()
-
-    def keep_row(self, b: int, idx: torch.Tensor) -> None:
-        """Sequence b keeps only its entries `idx` (1, H_kv, s), in that order; its other places become
-        pads (a batch whose sequences get their own budgets, kvmini.per_sequence). O(S·D) for that row."""
-        counts = self.held().clone()
-        old = int(counts[b].max())
-        self._gather(slice(b, b + 1), idx, old)
-        self._set_pads(slice(b, b + 1), idx.shape[2], old)
-        counts[b] = idx.shape[2]
-        self._count(counts)
-        self._shrink()
-
-    def _count(self, counts: torch.Tensor) -> None:
-        """Rows hold `counts` (B, H_kv): the longest sets `length`; `counts` is kept only when rows differ."""
-        self.length = int(counts.max())
-        self.counts = None if bool((counts == self.length).all()) else counts
 
     def evict_one(self, slot: torch.Tensor) -> None:
-        """Evict entry `slot` (B, H_kv) of every head in O(D): the last entry moves into that slot (a decode
-        step's `keep`, moving one entry instead of S). Attention masks by position, so order does not matter.
-        When rows differ, each row's own last entry moves, and the place it leaves becomes a pad."""
-        if self.counts is not None:
-            return self._evict_one_ragged(self._slot(slot))
-        slot, (b, h), last = self._slot(slot), self._rows, self.length - 1
-        for buf in (self._k, self._v, self._pos, *self._aux.values()):  # (B, H_kv, cap, ...)
-            buf[b, h, slot] = buf[:, :, last].clone()  # (B, H_kv, ...): the last entry into the slot
-        self.length = last
-
-    def _evict_one_ragged(self, slot: torch.Tensor) -> None:
-        """`evict_one` when rows differ: row r's last entry is its place counts[r] - 1."""
-        at = slot[:, :, None]  # (B, H_kv, 1)
-        last = (self.counts - 1)[..., None]  # (B, H_kv, 1): each row's last entry
+        """Evict entry `slot` (B, H_kv) of every row in O(D): the row's last entry moves into that slot and
+        the place it leaves becomes a pad (a decode step's `keep`, moving one entry instead of S).
+        Attention masks by position, so order does not matter."""
+        at, last = self._slot(slot)[..., None], self.held()[..., None] - 1  # (B, H_kv, 1)
         for buf in (self._k, self._v, self._pos, *self._aux.values()):  # (B, H_kv, cap, ...)
             buf.scatter_(2, along(at, buf), buf.gather(2, along(last, buf)))
-            buf.scatter_(2, along(last, buf), PAD if buf is self._pos else 0)  # the place it left: a pad
-        self.counts = self.counts - 1  # every row held one more: the longest is one shorter (no device sync)
-        self.length -= 1
+            buf.scatter_(2, along(last, buf), PAD if buf is self._pos else 0)
+        self.length -= 1  # every row held one more: the longest is one shorter (no device sync)
+        if self.counts is not None:
+            self.counts = self.counts - 1
 
     def _slot(self, slot) -> torch.Tensor:
         """`evict_one`'s argument as a (B, H_kv) tensor of held slots (an int: that slot in every head);
@@ -204,25 +180,9 @@ class LayerCache:
             shown = f"{slot.dtype} {tuple(slot.shape)}" if isinstance(slot, torch.Tensor) else repr(slot)
             raise KvminiError(f"evict_one: slot must be a whole number or a long tensor ({B}, {H}) of slots, got {shown}")
         if slot.device.type == "cpu":
-            if bool(((slot < 0) | (slot >= (self.length if self.counts is None else self.counts))).any()):
+            if bool(((slot < 0) | (slot >= self.held())).any()):
                 raise KvminiError(f"evict_one: slots must be in [0, {self.length - 1}] (entries held), got {slot.tolist()}")
         return slot
-
-    def _gather(self, rows: slice, idx: torch.Tensor, held: int) -> None:
-        """`rows` keep their entries idx (rows, H_kv, s) of their first `held` places, moved to places 0..s-1."""
-        s = idx.shape[2]
-        k_idx = idx[..., None].expand(-1, -1, -1, self._k.shape[3])  # (rows, H_kv, s, D)
-        self._k[rows, :, :s] = self._k[rows, :, :held].gather(2, k_idx)
-        self._v[rows, :, :s] = self._v[rows, :, :held].gather(2, k_idx)
-        self._pos[rows, :, :s] = self._pos[rows, :, :held].gather(2, idx)
-        for buf in self._aux.values():
-            buf[rows, :, :s] = buf[rows, :, :held].gather(2, along(idx, buf))
-
-    def _set_pads(self, rows: slice, start: int, end: int) -> None:
-        """Places start..end-1 of `rows` become pads: zero K/V and statistics, position PAD."""
-        for buf in (self._k, self._v, *self._aux.values()):
-            buf[rows, :, start:end] = 0
-        self._pos[rows, :, start:end] = PAD
 
     def _shrink(self) -> None:
         """Give memory back after a big eviction: buffers at most a quarter full are halved or more."""

@@ -3,7 +3,7 @@ statistics: D2O, DynamicKV, DBudgetKV): one policy per sequence, each acting on 
 (`sequence(cache, b)`) with its row of the statistics: kvmini.generate's form of such a policy for a
 batch of B > 1 (`PerSequence.of`); a single sequence is run by the method's policy itself.
 
-Sequences that keep different counts are the cache's ragged rows (kvmini.cache: `keep_row`).
+Sequences that keep different counts are the cache's ragged rows (kvmini.cache: `keep` with counts).
 """
 import copy
 
@@ -168,13 +168,19 @@ class SequenceView:
     set_keys = LayerCache.set_keys  # on this row's entries
 
     def keep(self, idx: torch.Tensor) -> None:
-        self.lc.keep_row(self.b, idx)
+        """This sequence keeps only its entries `idx` (1, H_kv, s), in that order, the others all of theirs:
+        `LayerCache.keep` with each row's count (places past a row's count become pads). O(B·S·D)."""
+        counts = self.lc.held().clone()  # (B, H_kv)
+        counts[self.b] = idx.shape[2]
+        every = torch.arange(int(counts.max()), device=idx.device).repeat(*counts.shape, 1)  # (B, H_kv, S'): rows keep their places
+        every[self.b, :, : idx.shape[2]] = idx[0]
+        self.lc.keep(every, counts)
 
     def evict_one(self, slot: torch.Tensor) -> None:
-        """Evict entry `slot` (1, H_kv): a row of a padded batch keeps the others in order (O(S·D))."""
+        """Evict entry `slot` (1, H_kv): this row keeps the others in order (`keep`)."""
         S = self.length
         rest = torch.arange(S - 1, device=slot.device).expand(*slot.shape, S - 1)  # (1, H_kv, S-1)
-        self.lc.keep_row(self.b, rest + (rest >= slot[..., None]).long())
+        self.keep(rest + (rest >= slot[..., None]).long())
 
 
 class SequenceCache:

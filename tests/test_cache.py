@@ -228,7 +228,7 @@ def test_aux_buffers_keep_their_dtype_through_every_eviction_and_count_in_bytes(
     lc.evict_one(torch.tensor([[1], [4]]))  # row 0 drops entry 1 (entry 4 moves in), row 1 the newest
     assert lc.aux("seen").tolist() == [[[True, True, True, False]], [[True, False, True, False]]]
     assert lc.aux("count").tolist() == [[[0, 40, 20, 30]], [[0, 10, 20, 30]]]
-    lc.keep_row(0, torch.tensor([[[0, 2]]]))  # row 0 keeps its entries 0 and 2: positions 0, 2
+    SequenceView(lc, 0).keep(torch.tensor([[[0, 2]]]))  # row 0 keeps its entries 0 and 2: positions 0, 2
     assert lc.held().tolist() == [[2], [4]] and lc.aux("seen").dtype == torch.bool and lc.aux("count").dtype == torch.int32
     assert lc.aux("count")[0, 0, :2].tolist() == [0, 20] and lc.aux("seen")[0, 0, 2:].tolist() == [False, False]
     assert lc.aux_nbytes() == 9 * (2 + 4)
@@ -323,7 +323,7 @@ def test_key_norms_are_kept_by_the_cache_through_appends_evictions_joins_and_set
     lc.evict_one(torch.tensor([[1, 2, 3], [0, 6, 7]]))
     lc.set_keys(torch.tensor([[[0], [1], [2]], [[3], [4], [5]]]), 3 * torch.randn(2, 3, 1, 4, generator=gen))
     check(lc)
-    lc.keep_row(1, torch.arange(4).expand(1, 3, 4))  # row 1 shorter: padded rows
+    SequenceView(lc, 1).keep(torch.arange(4).expand(1, 3, 4))  # row 1 shorter: padded rows
     lc.append(*kv(1), torch.tensor([[8], [8]]))
     check(lc)
     assert lc.aux(KEY_NORM)[1, :, 5:].eq(0).all()  # pads
