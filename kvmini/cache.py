@@ -197,16 +197,11 @@ class LayerCache:
 
     def nbytes(self) -> int:
         """Exact bytes of the keys and values held (pads, positions and aux buffers excluded)."""
-        return 2 * self._k.shape[3] * self._k.element_size() * self._entries()
+        return 2 * self._k.shape[3] * self._k.element_size() * int(self.held().sum())
 
     def aux_nbytes(self) -> int:
         """Bytes of the aux buffers' held entries: what a method keeps per token beside K and V."""
-        return sum(buf[0, 0, 0].numel() * buf.element_size() for buf in self._aux.values()) * self._entries()
-
-    def _entries(self) -> int:
-        """Entries held over all rows (pads excluded)."""
-        B, H_kv = self._k.shape[:2]
-        return B * H_kv * self.length if self.counts is None else int(self.counts.sum())
+        return sum(buf[0, 0, 0].numel() * buf.element_size() for buf in self._aux.values()) * int(self.held().sum())
 
     def _resize(self, cap: int) -> None:
         """Move the held entries into buffers of `cap` >= length entries (aux buffers as `entry_buffer`)."""
