@@ -3,7 +3,7 @@
 A wrapper outside the specification: layer l's eviction changes only layer l's cache, which no later
 layer of the same call reads, so `after_attention` records the layers over their budget and `end`
 runs the same scorer and compressor calls as kvmini.policy's loop, once, on those layers held as the
-rows of one LayerCache (`Stack`, right-aligned: pads in front), instead of once per layer:
+rows of one LayerCache (`Stack`, a shorter layer's rows padded), instead of once per layer:
 
     scorer.update(joint, stacked stats);  score = scorer(joint, stacked stats)
     compressor(layers, joint, score, budgets per row, newest)
@@ -12,6 +12,7 @@ Every other call, and `together = False`, runs the loop itself; tests/test_toget
 leave the same caches.
 """
 import torch
+import torch.nn.functional as F
 
 from kvmini.cache import PAD, KVCache, LayerCache, entry_buffer
 from kvmini.parts import PREFILL
@@ -99,9 +100,9 @@ class AtOnce(Policy):
                 cache[layer].length -= 1
         else:  # N entries from each: layer after layer, from its rows of the score
             B = cache[layers[0]].keys.shape[0]
-            for i, (layer, offset) in enumerate(zip(layers, stack.offsets)):
-                b = self.budgeter.known(layer)
-                self.compressor((layer,), cache[layer], score[i * B : (i + 1) * B, :, offset:], b, newest)
+            for i, layer in enumerate(layers):
+                lc = cache[layer]
+                self.compressor((layer,), lc, score[i * B : (i + 1) * B, :, : lc.length], self.budgeter.known(layer), newest)
         for layer in layers:
             self.evicted[layer] += N
 
@@ -116,58 +117,55 @@ class AtOnce(Policy):
 
 
 class Stack:
-    """The given layers of a cache as the rows of one LayerCache `joint` (len(layers) * B rows), each row
-    right-aligned: layer i's entries end at joint.length, its `offsets[i]` places in front are pads
-    (position PAD, zero keys, values and statistics), so every row's last entry and next append share
-    one place and `LayerCache.evict_one` acts on all of them at once. Each layer's buffers become views
-    of its rows from its offset on, so its own appends and evictions act on the joint too.
+    """The given layers of a cache as the rows of one LayerCache `joint` (len(layers) * B rows): layer i's
+    rows are rows i*B..(i+1)*B-1, its entries first, then pads up to the longest layer's (the cache's
+    ragged layout, kvmini.cache), so one `LayerCache.evict_one` evicts in all of them. Each layer's
+    buffers become views of its rows, so its own appends and evictions act on the joint too.
 
     Built by copying the layers in (O(S·D) per layer), with `room` places for new entries beyond the
-    longest; afterwards `holds` only checks that the layers are still those views, aligned."""
+    longest; afterwards `holds` only checks that the layers are still those views and reads their counts."""
 
     def __init__(self, cache: KVCache, layers: tuple, room: int):
         members = [cache[layer] for layer in layers]
         first = members[0]
         B, H_kv, _, D = first._k.shape
-        S = max(lc.length for lc in members)
-        joint = LayerCache(B * len(members), H_kv, D, first._k.dtype, first._k.device, S + room)
-        joint._k = first._k.new_zeros(B * len(members), H_kv, S + room, D)  # (R, H_kv, cap, D)
+        R, cap = B * len(members), max(lc.length for lc in members) + room
+        joint = LayerCache(R, H_kv, D, first._k.dtype, first._k.device, cap)
+        joint._k = first._k.new_zeros(R, H_kv, cap, D)  # (R, H_kv, cap, D)
         joint._v = torch.zeros_like(joint._k)
-        joint._pos = first._pos.new_full((B * len(members), H_kv, S + room), PAD)  # (R, H_kv, cap)
+        joint._pos = first._pos.new_full((R, H_kv, cap), PAD)  # (R, H_kv, cap)
         like = {name: buf for lc in members for name, buf in lc._aux.items()}  # every statistic any layer keeps
-        joint._aux = {name: entry_buffer((B * len(members), H_kv), S + room, buf.shape[3:], buf.dtype, buf.device)
-                      for name, buf in like.items()}
-        joint.length = S
-        self.cache, self.layers, self.joint, self.offsets = cache, layers, joint, [S - lc.length for lc in members]
-        for i, (lc, offset) in enumerate(zip(members, self.offsets)):
+        joint._aux = {name: entry_buffer((R, H_kv), cap, buf.shape[3:], buf.dtype, buf.device) for name, buf in like.items()}
+        for i, lc in enumerate(members):
             rows, n = slice(i * B, (i + 1) * B), lc.length
             for name in ("_k", "_v", "_pos"):
-                getattr(joint, name)[rows, :, offset:S] = getattr(lc, name)[:, :, :n]
-                setattr(lc, name, getattr(joint, name)[rows, :, offset:])
+                getattr(joint, name)[rows, :, :n] = getattr(lc, name)[:, :, :n]
+                setattr(lc, name, getattr(joint, name)[rows])
             for name, buf in joint._aux.items():
                 if name in lc._aux:
-                    buf[rows, :, offset:S] = lc._aux[name][:, :, :n]
-                lc._aux[name] = buf[rows, :, offset:]
+                    buf[rows, :, :n] = lc._aux[name][:, :, :n]
+                lc._aux[name] = buf[rows]
+        self.cache, self.layers, self.joint = cache, layers, joint
         self.views = [(lc._k, dict(lc._aux)) for lc in members]
+        self.holds(cache)
 
     def holds(self, cache: KVCache) -> bool:
-        """Are the layers of `cache` still views of `joint`, aligned (then joint.length follows them)?"""
+        """Are the layers of `cache` still views of `joint` (then the joint's rows take their counts)?"""
         if cache is not self.cache:
             return False
-        ends = set()
-        for layer, offset, (k, aux) in zip(self.layers, self.offsets, self.views):
+        for layer, (k, aux) in zip(self.layers, self.views):
             lc = cache[layer]
             if lc._k is not k or lc._aux.keys() != aux.keys() or any(lc._aux[n] is not a for n, a in aux.items()):
                 return False
-            ends.add(offset + lc.length)
-        if len(ends) != 1:
-            return False
-        self.joint.length = ends.pop()
+        lengths = [cache[layer].length for layer in self.layers]
+        R, H_kv = self.joint._pos.shape[:2]
+        self.joint.length = max(lengths)
+        self.joint.counts = None if min(lengths) == max(lengths) else torch.tensor(
+            lengths, device=self.joint._pos.device).repeat_interleave(R // len(lengths))[:, None].expand(R, H_kv)
         return True
 
 
-
 def stacked(per_layer: list[Stats], S: int) -> Stats:
-    """The layers' statistics as a Stack's rows (len(layers) * B, H_kv, S), shorter layers right-aligned after zeros."""
-    pad = lambda t: t if t.shape[-1] == S else torch.cat([t.new_zeros(*t.shape[:-1], S - t.shape[-1]), t], -1)  # noqa: E731
-    return Stats(**{name: torch.cat([pad(getattr(s, name)) for s in per_layer]) for name in per_layer[0]})
+    """The layers' statistics as a Stack's rows (len(layers) * B, H_kv, S), shorter layers followed by zeros."""
+    return Stats(**{name: torch.cat([F.pad(getattr(s, name), (0, S - getattr(s, name).shape[-1])) for s in per_layer])
+                    for name in per_layer[0]})

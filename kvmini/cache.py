@@ -144,12 +144,13 @@ class LayerCache:
             self.aux(KEY_NORM).scatter_(2, idx, key_norm(k))
 
     def keep(self, idx: torch.Tensor, counts: torch.Tensor | None = None) -> None:
-        """Keep only entries `idx` (B, H_kv, S') of every row, in that order: the bulk eviction, O(S·D).
-        counts (B, H_kv): row r keeps only the first counts[r] of its idx; its other places become pads."""
+        """Keep only entries `idx` (B, H_kv, S') of every row, in that order: the bulk eviction, O(S·D); the
+        places it leaves become pads. counts (B, H_kv): row r keeps only the first counts[r] of its idx."""
         S = idx.shape[2]
         pads = None if counts is None else torch.arange(S, device=idx.device) >= counts[..., None]  # (B, H_kv, S')
         for buf in (self._k, self._v, self._pos, *self._aux.values()):  # (B, H_kv, cap, ...)
             buf[:, :, :S] = buf[:, :, : self.length].gather(2, along(idx, buf))
+            buf[:, :, S : self.length] = PAD if buf is self._pos else 0  # the places left: pads
             if pads is not None:
                 buf[:, :, :S].masked_fill_(along(pads, buf), PAD if buf is self._pos else 0)
         self.length = S if counts is None else int(counts.max())  # the longest row

@@ -122,8 +122,8 @@ class Compressor:
     into kept ones (mean over KV heads).
 
     `layers` are the layers whose rows `lc` holds: `(layer,)` in kvmini.policy's loop. A decode step of
-    kvmini.at_once holds several layers as the rows of one LayerCache, right-aligned (pads in front, at
-    position PAD), each row one entry over its own budget, b then one per row (rows, 1, 1); a part finds
+    kvmini.at_once holds several layers as the rows of one LayerCache (a shorter layer's rows end in pads,
+    at position PAD), each row one entry over its own budget, b then one per row (rows, 1, 1); a part finds
     sinks and windows by position, so it does per row what it does per layer (docs/design.md).
     """
 
@@ -151,5 +151,5 @@ class Compressor:
 
 def most(b) -> int:
     """The largest budget of `b` (an int, or one per row (rows, 1, 1)): the rows of a LayerCache hold
-    that budget + the same excess each (right-aligned), so lc.length - most(b) entries go from each."""
+    their budget + the same excess each, so lc.length - most(b) entries go from each."""
     return b if isinstance(b, int) else int(b.max())

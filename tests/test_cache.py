@@ -242,7 +242,7 @@ def test_aux_buffers_keep_their_dtype_through_every_eviction_and_count_in_bytes(
         layer.aux("seen")[..., -1] = True
     joint = Stack(cache, (0, 1), room=1).joint
     assert joint.aux("seen").dtype == torch.bool
-    assert joint.aux("seen").tolist() == [[[False, False, False, True]], [[False, False, False, True]]]  # a pad in front
+    assert joint.aux("seen").tolist() == [[[False, False, True, False]], [[False, False, False, True]]]  # then a pad
     assert aux_nbytes(cache) == 3 + 4
 
 
@@ -271,7 +271,7 @@ def test_an_aux_buffer_of_several_values_per_entry_moves_whole():
         layer.aux("history")[0, 0, -1, i] = True
     joint = Stack(cache, (0, 1), room=1).joint
     assert joint.aux("history").shape == (2, 1, 3, 2)
-    joint.evict_one(torch.tensor([[1], [0]]))  # each row's last entry moves into its first entry's slot
+    joint.evict_one(torch.tensor([[0], [0]]))  # each row's last entry moves into its first entry's slot
     for layer in cache.layers:  # as AtOnce.end does after a joint eviction
         layer.length -= 1
     assert cache[0].aux("history")[0, 0].int().tolist() == [[1, 0]]
@@ -334,7 +334,7 @@ def test_key_norms_are_kept_by_the_cache_through_appends_evictions_joins_and_set
         lc.append(torch.randn(1, 1, 6 + i, 4, generator=gen), torch.randn(1, 1, 6 + i, 4, generator=gen),
                   torch.arange(6 + i)[None])
     joint = Stack(cache, (0, 1), room=1).joint
-    joint.set_keys(torch.tensor([[[1]], [[6]]]), torch.randn(2, 1, 1, 4, generator=gen))
-    joint.evict_one(torch.tensor([[2], [0]]))
+    joint.set_keys(torch.tensor([[[5]], [[6]]]), torch.randn(2, 1, 1, 4, generator=gen))  # each row's last entry
+    joint.evict_one(torch.tensor([[1], [0]]))
     for lc in (joint, *cache.layers):
         check(lc)

@@ -153,7 +153,7 @@ def test_a_layer_far_longer_than_the_others_is_evicted_on_its_own(model, monkeyp
     assert calls.count((1, 2, 3)) == 8 and set(calls) <= {(0,), (1, 2, 3)}
 
 
-def test_stacked_layers_are_views_right_aligned_and_rebuilt_when_one_outgrows_it():
+def test_stacked_layers_are_views_of_ragged_rows_and_rebuilt_when_one_outgrows_it():
     config = ModelConfig("llama", 11, 8, 16, 3, 2, 1, 4, rms_norm_eps=1e-5, rope_theta=1e4, max_position_embeddings=64)
     cache = KVCache(config, batch=1)
     for i, lc in enumerate(cache.layers):  # layer i holds 5 + i entries at positions 0..4+i
@@ -163,24 +163,24 @@ def test_stacked_layers_are_views_right_aligned_and_rebuilt_when_one_outgrows_it
         lc.aux("score").copy_(torch.arange(n, dtype=torch.float32)[None, None])
     stack = at_once.Stack(cache, (0, 2), room=1)
     joint = stack.joint
-    assert type(joint) is LayerCache and joint.keys.shape == (2, 1, 7, 4) and stack.offsets == [2, 0]
-    assert joint.positions[0, 0].tolist() == [PAD, PAD, 0, 1, 2, 3, 4]  # layer 0's row: its pads in front
-    assert joint.keys[0, 0, :2].abs().sum() == 0 and joint.aux("score")[0, 0, :2].tolist() == [0, 0]
-    joint.evict_one(torch.tensor([[3], [3]]))  # layer 0 drops position 1, layer 2 position 3: each row's last moves there
+    assert type(joint) is LayerCache and joint.keys.shape == (2, 1, 7, 4) and joint.held().tolist() == [[5], [7]]
+    assert joint.positions[0, 0].tolist() == [0, 1, 2, 3, 4, PAD, PAD]  # layer 0's row: its entries, then pads
+    assert joint.keys[0, 0, 5:].abs().sum() == 0 and joint.aux("score")[0, 0, 5:].tolist() == [0, 0]
+    joint.evict_one(torch.tensor([[1], [3]]))  # layer 0 drops position 1, layer 2 position 3: each row's last moves there
     for layer in (0, 2):
         cache[layer].length -= 1
     assert cache[0].positions.tolist() == [[[0, 4, 2, 3]]] and cache[2].positions.tolist() == [[[0, 1, 2, 6, 4, 5]]]
     assert cache[0].aux("score").tolist() == [[[0, 4, 2, 3]]]
     assert cache[2].keys[0, 0, :, 0].tolist() == [2.0] * 6 and cache[1].length == 6  # layer 1 untouched
-    assert stack.holds(cache) and joint.length == 6  # no copy while the layers stay in it
-    for layer in (0, 2):  # a decode step appends to each layer: the joint's next place, for both rows
+    assert stack.holds(cache) and joint.length == 6 and joint.held().tolist() == [[4], [6]]  # no copy while they stay in it
+    for layer in (0, 2):  # a decode step appends to each layer: each row's next place
         cache[layer].append(torch.ones(1, 1, 1, 4), torch.ones(1, 1, 1, 4), torch.tensor([[7]]))
-    assert stack.holds(cache) and joint.positions[:, 0, -1].tolist() == [7, 7]
+    assert stack.holds(cache) and joint.positions[:, 0].tolist() == [[0, 4, 2, 3, 7, PAD, PAD], [0, 1, 2, 6, 4, 5, 7]]
     cache[0].append(torch.zeros(1, 1, 5, 4), torch.zeros(1, 1, 5, 4), torch.arange(8, 13)[None])  # outgrows it
     assert not stack.holds(cache)
     again = at_once.Stack(cache, (0, 2), room=1)
-    assert again.offsets == [0, 3] and again.joint.positions[0, 0, :10].tolist() == [0, 4, 2, 3, 7, 8, 9, 10, 11, 12]
-    assert again.joint.positions[1, 0, :10].tolist() == [PAD, PAD, PAD, 0, 1, 2, 6, 4, 5, 7]
+    assert again.joint.held().tolist() == [[10], [7]] and again.joint.positions[0, 0, :10].tolist() == [0, 4, 2, 3, 7, 8, 9, 10, 11, 12]
+    assert again.joint.positions[1, 0, :10].tolist() == [0, 1, 2, 6, 4, 5, 7, PAD, PAD, PAD]
 
 
 def test_lowest_skips_pads_and_takes_a_window_per_row():

@@ -29,17 +29,18 @@ def test_value_weighting_by_hand():
 
 
 def test_a_norm_is_kept_from_the_call_that_cached_the_value():
-    """Each row's newly appended values (its last T places, also in kvmini.at_once's right-aligned rows,
-    a pad in front) get their norms; the earlier entries keep theirs."""
+    """Each row's newly appended values (its last T entries, also in a row that holds fewer, as a shorter
+    layer's rows in kvmini.at_once) get their norms; the earlier entries keep theirs."""
     lc = LayerCache(2, 1, 2, torch.float32, "cpu", capacity=8)
-    lc.append(torch.zeros(2, 1, 2, 2), torch.tensor([[[[0.0, 0.0], [3.0, 0.0]]], [[[0.0, -1.0], [2.0, 2.0]]]]),
-              torch.tensor([[PAD, 0], [0, 1]]))  # row 0: a pad, then its first entry
+    lc.append(torch.zeros(2, 1, 2, 2), torch.tensor([[[[9.0, 9.0], [3.0, 0.0]]], [[[0.0, -1.0], [2.0, 2.0]]]]),
+              torch.tensor([[0, 1], [0, 1]]))
     scorer = ValueWeightedAttention(p=1.0)
     lc.declare(*scorer.aux)
     scorer.update(lc, Stats(column_sums=torch.ones(2, 1, 2)), 0, 2)
-    lc.append(torch.zeros(2, 1, 1, 2), torch.tensor([[[[-4.0, 1.0]]], [[[0.5, 0.5]]]]), torch.tensor([[1], [2]]))
+    lc.keep(torch.tensor([[[1, 0]], [[0, 1]]]), counts=torch.tensor([[1], [2]]))  # row 0 keeps position 1, then a pad
+    lc.append(torch.zeros(2, 1, 1, 2), torch.tensor([[[[-4.0, 1.0]]], [[[0.5, 0.5]]]]), torch.tensor([[2], [2]]))
     scorer.update(lc, Stats(column_sums=torch.zeros(2, 1, 3)), 2, 1)
-    assert lc.aux("value_norm").tolist() == [[[0.0, 3.0, 5.0]], [[1.0, 4.0, 1.0]]]
+    assert lc.aux("value_norm").tolist() == [[[3.0, 5.0, 0.0]], [[1.0, 4.0, 1.0]]]
 
 
 def vatp_literal(budget, g, sinks=4, recent=None, p=1):

@@ -194,17 +194,17 @@ torch.testing.assert_close(a, b)  # attention cannot tell the two buffers apart
 # $l$'s eviction changes only layer $l$'s cache, and no later layer of the same step reads it, so
 # the engine waits until the last layer has attended (`AtOnce.end`) and evicts all of them
 # together: `Stack(cache, layers)` holds the layers as the rows of one `LayerCache` (each layer's
-# buffers become views of its buffers), right-aligned: a layer that holds fewer entries (D2O's
-# per-layer budgets) has pads in front of them, so every row's last entry sits in the same place
-# and one `evict_one` moves an entry in every layer.
+# buffers become views of its buffers). A layer that holds fewer entries (D2O's per-layer budgets)
+# has pads after its entries: the rows hold their own counts, the cache's ragged layout, and one
+# `evict_one` moves each row's own last entry, in every layer at once.
 
 # %%
 two = KVCache(ModelConfig("llama", 50, 32, 64, 2, 4, 1, 2, rope_theta=1000.0), batch=1)
 for i, lc in enumerate(two.layers):  # layer 0 holds positions 0..3, layer 1 positions 0..4
     n = 4 + i
     lc.append(torch.full((1, 1, n, 2), float(i)), torch.zeros(1, 1, n, 2), torch.arange(n)[None])
-joint = Stack(two, (0, 1), room=1).joint  # (2 rows, 1 KV head, 6 places, 2); row 0 starts with a pad
-joint.evict_one(torch.tensor([[2], [2]]))  # layer 0 drops position 1, layer 1 position 2: each row's last entry moves there
+joint = Stack(two, (0, 1), room=1).joint  # (2 rows, 1 KV head, 6 places, 2); row 0 ends with a pad
+joint.evict_one(torch.tensor([[1], [2]]))  # layer 0 drops position 1, layer 1 position 2: each row's last entry moves there
 two[0].length, two[1].length = two[0].length - 1, two[1].length - 1  # what AtOnce.end does after an eviction
 assert two[0].positions.tolist() == [[[0, 3, 2]]] and two[1].positions.tolist() == [[[0, 1, 4, 3]]]
 

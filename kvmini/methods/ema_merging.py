@@ -76,7 +76,7 @@ class EMAMerge:
         entry (Eq. 9) and, if similar enough, merged into its nearest (Eq. 11-12). The same result as
         `__call__` with every other entry kept, but only the nearest entry's key and value are written.
         Returns the merges per row (B,), mean over heads. The candidates are the entries at positions up
-        to `newest` (in kvmini.policy's loop: all; the pads in front of kvmini.at_once's rows: none)."""
+        to `newest` (in kvmini.policy's loop: all; the pads of kvmini.at_once's shorter rows: none)."""
         D = lc.keys.shape[-1]
         k_evict = wide(lc.keys.gather(2, victim[:, :, None, None].expand(-1, -1, 1, D)))  # (B, H_kv, 1, D)
         norms = lc.aux(KEY_NORM) if KEY_NORM in lc.aux_names() else None  # (B, H_kv, S), kept by the cache

@@ -62,7 +62,9 @@ class ValueWeightedAttention(CumulativeAttention):
         super().update(lc, stats, start, T)
         if self.p is None:
             return
-        lc.aux("value_norm")[:, :, lc.length - T :] = self.norm(wide(lc.values[:, :, lc.length - T :]))  # the last T
+        at = lc.held()[..., None] - T + torch.arange(T, device=lc.values.device)  # (B, H_kv, T): each row's last T
+        new = lc.values.gather(2, at[..., None].expand(-1, -1, -1, lc.values.shape[-1]))  # (B, H_kv, T, D)
+        lc.aux("value_norm").scatter_(2, at, self.norm(wide(new)))
 
     def __call__(self, lc: LayerCache, stats: Stats) -> torch.Tensor:
         received = super().__call__(lc, stats)  # (B, H_kv, S)
