@@ -38,7 +38,6 @@ class AtOnce(Policy):
         super()._new_prompt()
         self.groups: tuple[set, set] | None = None  # (layers budgeted over twice the median, the others)
         self.stacks: dict[tuple, Stack] = {}  # layers -> their rows as one LayerCache (kept across steps)
-        self.row_budgets: dict[tuple, int | torch.Tensor] = {}  # layers -> their budgets, one per row (or one int)
         self.deferred: list[tuple[int, Stats]] | None = None  # this step's (layer, stats) waiting for `end`
         self.update_only = False  # evict_every > 1 and no layer evicts in this step: `end` only updates the sums
 
@@ -95,7 +94,8 @@ class AtOnce(Policy):
         score = self.scorer(joint, stats)  # (R, H_kv, S), R = len(layers) * B
         newest = call.start + call.T - 1
         if N == 1:  # every row one entry over its budget: one call for all of them
-            self.compressor(layers, joint, score, self.budgets_of(layers, joint), newest)
+            b = joint.length - 1 if joint.counts is None else joint.counts[:, :1, None] - 1  # (R, 1, 1) where they differ
+            self.compressor(layers, joint, score, b, newest)
             for layer in layers:
                 cache[layer].length -= 1
         else:  # N entries from each: layer after layer, from its rows of the score
@@ -105,15 +105,6 @@ class AtOnce(Policy):
                 self.compressor((layer,), lc, score[i * B : (i + 1) * B, :, : lc.length], self.budgeter.known(layer), newest)
         for layer in layers:
             self.evicted[layer] += N
-
-    def budgets_of(self, layers: tuple, joint: LayerCache) -> int | torch.Tensor:
-        """The budget of each row of `joint`: one int when the layers' budgets agree, else (R, 1, 1) (made once)."""
-        if layers not in self.row_budgets:
-            budgets = [self.budgeter.known(layer) for layer in layers]
-            B = joint.keys.shape[0] // len(layers)
-            self.row_budgets[layers] = budgets[0] if min(budgets) == max(budgets) else torch.tensor(
-                budgets, device=joint.keys.device).repeat_interleave(B)[:, None, None]
-        return self.row_budgets[layers]
 
 
 class Stack:
