@@ -174,15 +174,12 @@ class LayerCache:
         values checked on the CPU only (on a GPU the check would wait for the device every step)."""
         B, H = self._k.shape[:2]
         if isinstance(slot, int) and not isinstance(slot, bool):
-            if not 0 <= slot < self.length:
-                raise KvminiError(f"evict_one: slot must be in [0, {self.length - 1}] (entries held), got {slot}")
-            return torch.full((B, H), slot, dtype=torch.long, device=self._pos.device)
+            slot = torch.full((B, H), slot, dtype=torch.long, device=self._pos.device)
         if not isinstance(slot, torch.Tensor) or slot.shape != (B, H) or slot.dtype != torch.long:
             shown = f"{slot.dtype} {tuple(slot.shape)}" if isinstance(slot, torch.Tensor) else repr(slot)
             raise KvminiError(f"evict_one: slot must be a whole number or a long tensor ({B}, {H}) of slots, got {shown}")
-        if slot.device.type == "cpu":
-            if bool(((slot < 0) | (slot >= self.held())).any()):
-                raise KvminiError(f"evict_one: slots must be in [0, {self.length - 1}] (entries held), got {slot.tolist()}")
+        if slot.device.type == "cpu" and bool(((slot < 0) | (slot >= self.held())).any()):
+            raise KvminiError(f"evict_one: every slot must be in [0, {self.length - 1}] (entries held), got {slot.tolist()}")
         return slot
 
     def _shrink(self) -> None:

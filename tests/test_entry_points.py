@@ -419,7 +419,7 @@ def layer_of_five(batch=1):
 @pytest.mark.parametrize("slot,fragment", [
     (10, "slot must be in [0, 4]"),
     (-1, "slot must be in [0, 4]"),
-    (torch.tensor([[10, 0]]), "slots must be in [0, 4]"),
+    (torch.tensor([[10, 0]]), "slot must be in [0, 4]"),
     (torch.tensor([[1, 2, 3]]), "slot must be a whole number or a long tensor (1, 2)"),
     (torch.tensor([[1.0, 2.0]]), "slot must be a whole number or a long tensor (1, 2)"),
 ])
