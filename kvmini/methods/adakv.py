@@ -22,36 +22,12 @@ from dataclasses import dataclass
 from typing import Literal
 
 import torch
-import torch.nn.functional as F
 
 from kvmini.cache import LayerCache
 from kvmini.methods.allocators import Uniform
-from kvmini.parts import PREFILL, Compressor, Scorer
+from kvmini.methods.snapkv import WindowAttention
+from kvmini.parts import PREFILL, Compressor
 from kvmini.policy import Policy
-from kvmini.statistics import Request, Stats, window_sums
-
-
-class WindowScores(Scorer):
-    """SnapKV's window scores on rows of their own counts: each row's entries are in position order (a
-    compression keeps that order, decode steps append), so its last w held entries are its window
-    (score +inf); its earlier ones are pooled as SnapKV pools them; pads score -inf."""
-
-    def __init__(self, window: int, kernel: int, pooling: str):
-        self.window, self.kernel = window, kernel
-        self.pool = F.max_pool1d if pooling == "max" else F.avg_pool1d
-        self.request = Request(window_sums(window, "mean"))  # :349 and :355, the query heads averaged
-
-    def __call__(self, lc: LayerCache, stats: Stats) -> torch.Tensor:
-        C = stats.window_sums  # (B, H_kv, S), 0 at pads
-        B, H_kv, S = C.shape
-        held = lc.held()[..., None]  # (B, H_kv, 1)
-        slot = torch.arange(S, device=C.device)
-        earlier = slot < held - self.window  # (B, H_kv, S): before the row's window
-        # zeros after a row's earlier entries act as the pooling's zero padding (scores are >= 0)
-        pooled = self.pool(C.masked_fill(~earlier, 0).view(B * H_kv, 1, S), self.kernel, stride=1,
-                           padding=self.kernel // 2).view(B, H_kv, S)
-        edge = torch.where(slot < held, float("inf"), float("-inf"))  # the window, the pads
-        return torch.where(earlier, pooled, edge)
 
 
 class AcrossHeads(Compressor):
@@ -98,5 +74,5 @@ CHECKS = {"alpha": (lambda x: 0 <= x <= 1, "be in [0, 1]")}
 
 
 def build(budget: float, o: Options = Options()) -> Policy:
-    return Policy("adakv", budget, WindowScores(o.window, o.kernel, o.pooling), Uniform(), AcrossHeads(o.window, o.alpha),
+    return Policy("adakv", budget, WindowAttention(o.window, o.kernel, o.pooling), Uniform(), AcrossHeads(o.window, o.alpha),
                   schedule=PREFILL)

@@ -26,20 +26,23 @@ from kvmini.statistics import Request, Stats, window_sums
 class WindowAttention(Scorer):
     r"""SnapKV (Li et al. 2024, Sec. 4.2): C_j = \sum_{i \in window} A_{ij} over the last w queries,
     then pooled along the keys (kernel k, stride 1, zero padding k // 2) to keep neighbourhoods.
-    The window itself is always kept (the recent tokens): its scores are +inf."""
+    The window itself is always kept (the recent tokens): its scores are +inf. A row holding fewer
+    entries than the layer (kvmini.cache) has its window in its own last w; its pads score -inf."""
 
     def __init__(self, window: int = 32, kernel: int = 7, pooling: str = "avg", reduce: str = "mean"):
         self.window, self.kernel, self.pooling = window, kernel, one_of("WindowAttention pooling", pooling, ("avg", "max"))
         self.request = Request(window_sums(window, reduce))
 
     def __call__(self, lc: LayerCache, stats: Stats) -> torch.Tensor:
-        C = stats.window_sums  # (B, H_kv, S)
+        C = stats.window_sums  # (B, H_kv, S), 0 at pads
         B, H_kv, S = C.shape
-        prefix = C[:, :, : S - self.window].reshape(B * H_kv, 1, -1)  # (B*H_kv, 1, S - w)
+        held, slot = lc.held()[..., None], torch.arange(S, device=C.device)  # (B, H_kv, 1), (S,)
+        earlier = slot < held - self.window  # (B, H_kv, S): before the row's window
         pool = F.avg_pool1d if self.pooling == "avg" else F.max_pool1d
-        pooled = pool(prefix, self.kernel, stride=1, padding=self.kernel // 2).view(B, H_kv, -1)
-        inf = C.new_full((B, H_kv, S - pooled.shape[2]), float("inf"))
-        return torch.cat([pooled, inf], dim=-1)  # (B, H_kv, S)
+        # zeros from the window on act as the pooling's zero padding (C >= 0, so also for max)
+        pooled = pool(C.masked_fill(~earlier, 0).view(B * H_kv, 1, S), self.kernel, stride=1,
+                      padding=self.kernel // 2).view(B, H_kv, S)
+        return torch.where(earlier, pooled, torch.where(slot < held, float("inf"), float("-inf")))
 
 
 @dataclass(frozen=True)
