@@ -66,18 +66,21 @@ PARTS = {
     "d2o[variant=paper]": [H2O_RUNG, ("+ D2O's layer budgets (Eq. 5), merging off", "d2o[variant=paper,merge=off]"),
                            ("+ merging (Eq. 9-12): D2O", "d2o[variant=paper]")],
 }
+# The smoke profile's methods: one for each path the experiments' code takes (evicting while decoding,
+# compressing at the first decode step, at the prompt only, heads of their own counts, a budget of its own)
+SMOKE = ["h2o", "d2o", "snapkv", "adakv", "dbudgetkv"]
 SWEEP = [0.1, 0.2, 0.3, 0.5]  # the budgets of the quick profile's frontier (fidelity and passkey)
 PROFILES = {
-    "smoke": {  # every code path, about a minute on a quiet machine; the numbers mean nothing
+    "smoke": {  # every code path, a method for each, about a minute on a quiet machine; the numbers mean nothing
         "streaming": dict(n=160, capacities=[32], chunk=16),
-        "passkey": dict(lengths=[256], depths=[0.5], budgets=[64]),
+        "passkey": dict(lengths=[256], depths=[0.5], budgets=[64], methods=SMOKE),
         "fidelity": dict(n=128, k=16, prompts=2, budgets=[0.5], methods=["h2o", "dbudgetkv"]),
         "layers": dict(n=128, budget=0.5, bins=16),
         "speed": dict(prefill_n=256, reps=1, decode_n=256, steps=2, rounds=1, peak_n=256, budget=0.5, batch_n=256,
-                      cap_gib=2, peak_methods=["h2o"]),  # peak: one child per code path (the full cache, and a policy)
+                      cap_gib=2, peak_methods=["h2o"], methods=SMOKE),  # peak: one child per code path (full, a policy)
         "parts_speed": dict(decode_n=256, steps=2, rounds=1, budget=0.5),
         "ablations": dict(n=128, k=16, budgets=[0.5], methods=["h2o", "d2o[merge=off]", "h2o[evict_every=8]"]),
-        "queryaware": dict(length=256, depths=[0.5], budgets=[0.5], k=2),
+        "queryaware": dict(length=256, depths=[0.5], budgets=[0.5], k=2, methods=SMOKE),
         "why": dict(n=128, k=8, windows=2, budget=0.5, seeds=["dbudgetkv"]),  # a share-matched rival and ablation
     },
     "quick": {
@@ -152,11 +155,12 @@ def run_ablations(model, text_ids, p, specs, log):
 
 def measured(name: str, p: dict) -> list[str]:
     """The method specs experiment `name` runs with sizes `p` (the full cache first)."""
-    return {"streaming": list(streaming.METHODS), "passkey": ["full", *BUDGETED, *SELF_BUDGETED],
+    every = lambda specs: [s for s in specs if s in p.get("methods", specs)]  # noqa: E731  (smoke: SMOKE's)
+    return {"streaming": list(streaming.METHODS), "passkey": ["full", *every(BUDGETED + SELF_BUDGETED)],
             "fidelity": ["full", *p.get("methods", [])], "layers": ["full", *layers.ADAPTIVE],
-            "speed": ["full", *EVERY], "parts_speed": ["full", "snapkv", *dict.fromkeys(
+            "speed": ["full", *every(EVERY)], "parts_speed": ["full", "snapkv", *dict.fromkeys(
                 spec for rungs in PARTS.values() for _, spec in rungs)], "ablations": ["full", *p.get("methods", [])],
-            "queryaware": ["full", *BUDGETED, *SELF_BUDGETED], "why": ["full", *why.specs(p.get("seeds", []))]}[name]
+            "queryaware": ["full", *every(BUDGETED + SELF_BUDGETED)], "why": ["full", *why.specs(p.get("seeds", []))]}[name]
 
 
 def today(profile: str) -> dict[str, dict]:
