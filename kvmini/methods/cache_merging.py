@@ -24,14 +24,12 @@ M_i, per (sequence, KV head), by `mask`:
     expectation  M_i = p_i (the mean of the Bernoulli merge; deterministic)
     threshold    M_i = [\bar A_i / avg > 1] (the authors' OPT/GPT-NeoX code, utils_hh/modify_opt_cam.py:30)
     always       M_i = 1 (Table 2's ablation "w.o. Merge Mask")
-Two implementations, one result: `merge_one` (a decode step: one eviction per head in a buffer out
-of position order, found by position, O(S) to find it and its targets, O(m D) to merge) and
-`merge_sequential` (many evictions after a prompt call, in position order).
+One implementation for one eviction (a decode step) and many (after a prompt call): `merge_oldest`.
 """
 import torch
 import torch.nn.functional as F
 
-from kvmini.cache import PAD, LayerCache, wide
+from kvmini.cache import PAD, LayerCache, along, wide
 from kvmini.errors import one_of
 from kvmini.methods.merged import Merged
 from kvmini.parts import Compressor, Rule, most
@@ -91,61 +89,35 @@ class CacheMerge(Compressor):
             def note(*record):  # one record per layer, of its rows
                 for i, layer in enumerate(layers):
                     self.trace.append(Merged(layer, *(t.chunk(len(layers))[i] for t in record)))
-        if lc.length == most(b) + 1:
-            M = merge_one(lc, score, self, layers, note)
-        else:
-            M = merge_sequential(lc, score, b, self, layers, note)
+        M = merge_oldest(lc, score, lc.length - most(b), self, layers, note)
         self.count(layers, M.mean(1).sum(-1))  # mean over KV heads
 
 
-def merge_one(lc: LayerCache, score: torch.Tensor, cm: CacheMerge, layers: tuple, note=None) -> torch.Tensor:
-    """Algorithm 1 once per row and head, in a buffer out of position order: the victim i is the oldest
-    entry after the sinks (positions below `sinks`), its targets the m held entries with the next
-    positions (pads, at position PAD, never). Merges, evicts (`LayerCache.evict_one`) and returns M (R, H_kv, 1)."""
-    pos = lc.positions  # (R, H_kv, S)
-    S, D = pos.shape[-1], lc.values.shape[-1]
-    i = pos.masked_fill(pos < cm.sinks, PAD).argmin(-1, keepdim=True)  # (R, H_kv, 1): the oldest non-sink
-    later = pos.masked_fill(pos <= pos.gather(2, i), PAD)  # the entries after i
-    t_pos, t = later.topk(min(cm.m, S), largest=False)  # (R, H_kv, m'): the next m' positions, their slots
-    valid = t_pos != PAD  # (R, H_kv, m')
-    abar = wide(score)
-    abar_t = abar.gather(2, t).masked_fill(~valid, float("nan"))  # (R, H_kv, m'): NaN where no target
-    p, ratio = merge_probability(abar.gather(2, i)[..., 0], abar_t)  # Eq. 14, (R, H_kv)
-    M = cm.merge_mask(layers, p[..., None], ratio[..., None])  # (R, H_kv, 1)
-    w = M / cm.divisor(valid.sum(-1, keepdim=True))  # (R, H_kv, 1): the coefficient of v_i in each target
+def merge_oldest(lc: LayerCache, score: torch.Tensor, E: int, cm: CacheMerge, layers: tuple, note=None) -> torch.Tensor:
+    """Algorithm 1 for the E oldest entries after the sinks (positions below `sinks`), oldest first (the
+    cascade: a later one may carry earlier merges), each into the m held entries with the next positions
+    (pads, at position PAD, never). Found by position, so the buffer may be out of order: a decode step
+    (E = 1) costs O(S) to find them and O(m D) to merge, then `evict_one`; more go by `keep`.
+    Returns M (R, H_kv, E)."""
+    pos, m = lc.positions, cm.m  # (R, H_kv, S)
+    t_pos, slots = pos.masked_fill(pos < cm.sinks, PAD).topk(min(E + m, pos.shape[-1]), largest=False)  # (R, H_kv, E + m')
+    real = t_pos != PAD  # the oldest non-sinks, ascending; then sinks and pads, never merged into
+    abar = wide(score).gather(2, slots).masked_fill(~real, float("nan"))  # (R, H_kv, E + m')
+    targets = F.pad(abar, (0, m), value=float("nan")).unfold(-1, m, 1)[:, :, 1 : 1 + E]  # (R, H_kv, E, m): the m after each
+    p, ratio = merge_probability(abar[..., :E], targets)  # Eq. 14, (R, H_kv, E)
+    M = cm.merge_mask(layers, p, ratio)  # (R, H_kv, E)
+    w = M / cm.divisor(targets.isfinite().sum(-1))  # (R, H_kv, E): the coefficient of v_i in each target
     if note is not None:
-        note(pos.gather(2, i), torch.where(w > 0, t_pos[..., :1], -1), w)
-    v_i = wide(lc.values.gather(2, i[..., None].expand(-1, -1, -1, D)))  # (R, H_kv, 1, D)
-    at = t[..., None].expand(-1, -1, -1, D)  # (R, H_kv, m', D)
-    share = (w * valid)[..., None] * v_i  # (R, H_kv, m', D): Alg. 1 line 3, zero for a missing target
-    lc.values.scatter_(2, at, (wide(lc.values.gather(2, at)) + share).to(lc.values.dtype))
-    lc.evict_one(i[..., 0])
-    return M
-
-
-def merge_sequential(lc: LayerCache, score: torch.Tensor, b: int, cm: CacheMerge, layers: tuple,
-                     note=None) -> torch.Tensor:
-    """Algorithm 1 for the E = S - b oldest non-sink entries, one after the other (the cascade), in position
-    order; then the layer keeps its sinks and its b - sinks newest entries. Returns M (B, H_kv, E)."""
-    S, D, s, E, m = lc.length, lc.values.shape[-1], cm.sinks, lc.length - b, cm.m
-    order = lc.positions.argsort(-1)  # (B, H_kv, S): position order
-    abar = wide(score).gather(2, order)  # (B, H_kv, S)
-    windows = F.pad(abar, (0, m), value=float("nan")).unfold(-1, m, 1)  # (B, H_kv, S + 1, m): [k, k + m)
-    targets = windows[:, :, s + 1 : s + 1 + E]  # (B, H_kv, E, m): the m entries after each evicted one
-    p, ratio = merge_probability(abar[..., s : s + E], targets)  # Eq. 14, (B, H_kv, E)
-    M = cm.merge_mask(layers, p, ratio)  # (B, H_kv, E)
-    count = (S - 1 - torch.arange(s, s + E, device=abar.device)).clamp(max=m)  # (E,): targets that exist
-    w = M / cm.divisor(count)  # (B, H_kv, E)
-    at = order[..., None].expand(-1, -1, -1, D)
-    v = wide(lc.values.gather(2, at))  # (B, H_kv, S, D) in position order
-    for e in range(E):  # Alg. 1 line 3, oldest first: v_{s+e} already holds the merges of earlier ones
-        i = s + e
-        v[:, :, i + 1 : i + 1 + m] += w[:, :, e, None, None] * v[:, :, i : i + 1]
-    if note is not None:
-        pos = lc.positions.gather(2, order)
-        first = pos[..., s + 1 : s + 1 + E]  # (B, H_kv, E): each one's first target
-        note(pos[..., s : s + E], torch.where(w > 0, first, -1), w)
-    lc.values.scatter_(2, at, v.to(lc.values.dtype))
-    keep = torch.cat([order[..., :s], order[..., s + E :]], -1)  # (B, H_kv, b): sinks + the newest, by position
-    lc.keep(keep)
+        note(t_pos[..., :E], torch.where(w > 0, t_pos[..., 1 : 1 + E], -1), w)
+    at = along(slots, lc.values)  # (R, H_kv, E + m', D)
+    v = wide(lc.values.gather(2, at))  # in position order
+    merged = v.clone()
+    for e in range(E):  # Alg. 1 line 3, oldest first: entry e already holds the merges of earlier ones
+        merged[:, :, e + 1 : e + 1 + m] += w[:, :, e, None, None] * merged[:, :, e : e + 1]
+    lc.values.scatter_(2, at, torch.where(real[..., None], merged, v).to(lc.values.dtype))
+    if E == 1:
+        lc.evict_one(slots[..., 0])
+    else:
+        gone = torch.zeros_like(pos, dtype=torch.int8).scatter_(2, slots[..., :E], 1)
+        lc.keep(gone.argsort(-1, stable=True)[..., : pos.shape[-1] - E])  # the others, in buffer order
     return M
