@@ -119,5 +119,5 @@ def merge_oldest(lc: LayerCache, score: torch.Tensor, E: int, cm: CacheMerge, la
         lc.evict_one(slots[..., 0])
     else:
         gone = torch.zeros_like(pos, dtype=torch.int8).scatter_(2, slots[..., :E], 1)
-        lc.keep(gone.argsort(-1, stable=True)[..., : pos.shape[-1] - E])  # the others, in buffer order
+        lc.keep(gone.argsort(dim=-1, stable=True)[..., : pos.shape[-1] - E])  # the others, in buffer order
     return M
