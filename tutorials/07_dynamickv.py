@@ -17,6 +17,7 @@ import torch.nn.functional as F  # noqa: E402
 
 from kvmini.course.cells import solved  # noqa: E402  (a student copy: skip what needs an exercise not done yet)
 from kvmini.attention import Stats  # noqa: E402
+from kvmini.cache import LayerCache  # noqa: E402
 from kvmini.methods.registry import make_policy  # noqa: E402
 from kvmini.methods.snapkv import WindowAttention  # noqa: E402
 
@@ -33,7 +34,9 @@ from kvmini.methods.snapkv import WindowAttention  # noqa: E402
 # %%
 window_sums = torch.tensor([[[0.0, 3.0, 0.0, 0.0, 6.0, 0.0, 9.0, 9.0]]])  # 6 prefix keys + a window of 2
 scorer = WindowAttention(window=2, kernel=3)
-pooled = scorer(None, Stats(window_sums=window_sums))
+lc = LayerCache(1, 1, 1, torch.float32, "cpu")  # the layer scored: one head holding the 8 keys
+lc.append(torch.zeros(1, 1, 8, 1), torch.zeros(1, 1, 8, 1), torch.arange(8)[None])
+pooled = scorer(lc, Stats(window_sums=window_sums))
 literal = [sum(window_sums[0, 0, i].item() for i in (j - 1, j, j + 1) if 0 <= i < 6) / 3 for j in range(6)]
 assert torch.allclose(pooled[0, 0, :6], torch.tensor(literal)) and torch.isinf(pooled[0, 0, 6:]).all()
 assert torch.allclose(pooled[0, 0, :6], F.avg_pool1d(window_sums[:, :, :6], 3, 1, 1)[0])
