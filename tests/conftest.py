@@ -1,17 +1,36 @@
+import os
+
 import pytest
 import torch
 
 from hf_tiny import FAMILIES, make_tiny
+
+if os.environ.get("PYTEST_XDIST_WORKER"):  # workers side by side (`-n auto`): one thread each, their children too
+    os.environ["OMP_NUM_THREADS"] = "1"
+    torch.set_num_threads(1)
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_auto_num_workers(config):
+    """`-n auto` (the README's command): one worker per core, at most 4 (each loads the model, ~1.3 GB)."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return min(cores, 4)
 
 DEFAULT_TEXT_KEY = "assignment"  # a pydoc_data.topics entry with plenty of natural text
 
 
 @pytest.fixture(scope="session")
 def default_model_dir():
-    """The real SmolLM2-135M-Instruct folder, prepared (downloaded + converted) on first use."""
-    from kvmini.weights import ensure_default_model
+    """The real SmolLM2-135M-Instruct folder, prepared (downloaded + converted) on first use, by one
+    worker while the others wait on a lock."""
+    import fcntl
 
-    return ensure_default_model()
+    from kvmini.weights import DEFAULT_MODEL_DIR, ensure_default_model
+
+    DEFAULT_MODEL_DIR.parent.mkdir(parents=True, exist_ok=True)
+    with open(DEFAULT_MODEL_DIR.parent / ".prepare.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        return ensure_default_model()
 
 
 @pytest.fixture(scope="session")

@@ -4,7 +4,7 @@ numbers in docs/design.md ("Running them") and tutorials/README.md (kvmini.eval.
     python -m kvmini.eval.test_run                       # the whole suite, as the README's test command
     python -m kvmini.eval.test_run --out /tmp/run.json -- tests/test_sampling.py   # pytest's own arguments
 
-The suite runs in a child process (`python -m pytest -q`, its output shown as it comes) with a JUnit
+The suite runs in a child process (`python -m pytest -q -n auto`, its output shown as it comes) with a JUnit
 report, read back here into counts, skip reasons and per-file and per-test seconds. A run in which a
 test fails writes nothing and exits 1: the numbers describe a suite that passes.
 """
@@ -122,8 +122,8 @@ def record(pytest_args: list[str], out: Path) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         xml = Path(tmp) / "junit.xml"
         t0 = time.perf_counter()
-        code = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", f"--junitxml={xml}",
-                               *pytest_args], cwd=ROOT).returncode
+        code = subprocess.run([sys.executable, "-m", "pytest", "-q", "-n", "auto", "-p", "no:cacheprovider",
+                               f"--junitxml={xml}", *pytest_args], cwd=ROOT).returncode
         seconds = time.perf_counter() - t0
         if not xml.exists():
             raise KvminiError(f"pytest wrote no report (exit code {code}): nothing recorded")
