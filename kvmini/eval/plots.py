@@ -182,7 +182,8 @@ def _frontier_passkey(plt, quick: dict):
     ax.set_xticks(range(len(budgets)), [f"{b:.0%}" for b in budgets], fontsize=8)
     ax.xaxis.tick_top()
     ax.set_xlabel(f"budget (in brackets: the share of K/V measured kept); passkey prompts of "
-                  f"{', '.join(f'{n:,}' for n in lengths)} tokens, {cells} needle depths" , fontsize=8)
+                  f"{', '.join(f'{n:,}' for n in lengths)} tokens, {cells // len(lengths)} needle depths each",
+                  fontsize=8)
     ax.set_title("Passkey answers right (green: all; bold: seed papers)", fontsize=10, pad=18)
     return fig
 

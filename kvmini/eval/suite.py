@@ -85,7 +85,7 @@ PROFILES = {
     },
     "quick": {
         "streaming": dict(n=2048, capacities=[256], chunk=16),
-        "passkey": dict(lengths=[1024], depths=[0.1, 0.5, 0.9], budgets=SWEEP),  # one length: the sweep's time
+        "passkey": dict(lengths=[512, 1024], depths=[0.1, 0.3, 0.5, 0.7, 0.9], budgets=SWEEP),
         "fidelity": dict(n=1024, k=32, prompts=2, budgets=SWEEP, methods=EVERY),  # 2 prompts, K=32: the sweep's time
         "layers": dict(n=1024, budget=0.2, bins=32),
         "speed": dict(prefill_n=2048, reps=1, decode_n=2048, steps=16, rounds=8, peak_n=2048, budget=0.2, batch_n=2048,
