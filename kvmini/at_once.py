@@ -108,13 +108,10 @@ class AtOnce(Policy):
 
 
 class Stack:
-    """The given layers of a cache as the rows of one LayerCache `joint` (len(layers) * B rows): layer i's
-    rows are rows i*B..(i+1)*B-1, its entries first, then pads up to the longest layer's (the cache's
-    ragged layout, kvmini.cache), so one `LayerCache.evict_one` evicts in all of them. Each layer's
-    buffers become views of its rows, so its own appends and evictions act on the joint too.
-
-    Built by copying the layers in (O(S·D) per layer), with `room` places for new entries beyond the
-    longest; afterwards `holds` only checks that the layers are still those views and reads their counts."""
+    """The given layers of a cache as the rows of one LayerCache `joint` (layer i: rows i*B..(i+1)*B-1),
+    in the cache's ragged layout, so one `LayerCache.evict_one` evicts in all of them. Each layer's buffers
+    become views of its rows, so its own appends and evictions act on the joint too. Built by copying the
+    layers in (O(S·D) each), with `room` places beyond the longest; then `holds` only checks the views."""
 
     def __init__(self, cache: KVCache, layers: tuple, room: int):
         members = [cache[layer] for layer in layers]

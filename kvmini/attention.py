@@ -58,11 +58,9 @@ def _one_query_attention(q, k, v, with_row=False):
 
 
 def attend(q, k, v, q_pos, k_pos, request: Request | None, window=None, padded=False):
-    """The attention of one layer and the statistics `request` names (see the module docstring).
-
-    k, v (B, H_kv, S, D) end with the T entries of this call's queries q (B, H, T, D).
-    Returns (out (B, H, T, D), stats: Stats, each (B, H_kv, S) or (B, H, S), float32, float64 for a float64 model).
-    """
+    """The attention of one layer and the statistics `request` names (the module docstring): k, v (B, H_kv, S, D)
+    end with the T entries of this call's queries q (B, H, T, D). Returns (out (B, H, T, D), stats: Stats,
+    each (B, H_kv, S) or (B, H, S), float32, float64 for a float64 model)."""
     if request is None:
         return sdpa_attention(q, k, v, q_pos, k_pos, window, padded), Stats()
     if q.shape[2] == 1 and window is None and not padded:  # decode: the row is every statistic

@@ -4,8 +4,7 @@ References: Touvron et al. 2023 (Llama), Jiang et al. 2023 (Mistral, sliding win
 2024/2025 (Qwen2 q/k/v bias, Qwen3 q/k RMSNorm), Su et al. 2021 (RoPE), Ainslie et al. 2023 (GQA).
 Names mirror the Hugging Face checkpoints (model.layers.{i}.self_attn.q_proj.weight, ...): no rename table.
 
-Shapes: B batch, T new tokens, S cached tokens, C hidden size, H query heads,
-H_kv KV heads, D head dim, V vocabulary.
+Shapes: B batch, T new tokens, S cached tokens, C hidden size, H query heads, H_kv KV heads, D head dim, V vocabulary.
 """
 import math
 
@@ -50,10 +49,8 @@ def rope_frequencies(config: ModelConfig, device=None) -> torch.Tensor:
 
 
 def apply_rope(x, cos, sin):
-    r"""Rotate each (x_i, x_{i+D/2}) pair by angle pos \cdot \theta_i (half-split layout, as in HF).
-
-    x (B, h, T, D); cos, sin (B, 1, T, D).
-    """
+    r"""Rotate each (x_i, x_{i+D/2}) pair by angle pos \cdot \theta_i (half-split layout, as in HF):
+    x (B, h, T, D); cos, sin (B, 1, T, D)."""
     x1, x2 = x.chunk(2, dim=-1)
     return x * cos + torch.cat((-x2, x1), dim=-1) * sin
 

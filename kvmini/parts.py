@@ -1,12 +1,9 @@
 """The four parts a compression method is made of, one signature each (docs/design.md, "The four parts").
 
-    scorer      score = scorer(lc, stats)                  how important is each cached token?
-    budgeter    {layer: budget} = budgeter.decide(layer, lc, stats, score)
-                                                           how many tokens may each layer keep, and when?
-    compressor  compressor(layers, lc, score, budget, newest)
-                                                           shrink one layer to its budget (select, merge)
-    schedule    PREFILL | AFTER_PROMPT | DECODE | EVERY_CALL
-                                                           when the three above run
+    scorer      score = scorer(lc, stats)                             how important is each cached token?
+    budgeter    {layer: budget} = budgeter.decide(layer, lc, stats, score)    how many may each layer keep, when?
+    compressor  compressor(layers, lc, score, budget, newest)             shrink one layer to its budget
+    schedule    PREFILL | AFTER_PROMPT | DECODE | EVERY_CALL              when the three above run
 
 A method is one of each, e.g. H2O = CumulativeAttention() + Budgeter() + TopK(recent=HALF) on
 EVERY_CALL; kvmini.policy.Policy runs them. The base classes hold the shared defaults. lc is a
@@ -118,14 +115,10 @@ class Compressor:
     """Shrinks one layer to its budget: `__call__(layers, lc, score, b, newest)`. The first `sinks` tokens
     and the last `recent(b)` (by position: after newest - recent(b), newest the position of the call's
     newest token) are always kept. Returns the kept indices (B, H_kv, b) in their new buffer order, or
-    None when entries were merged rather than selected. `merged[layer]` counts evicted tokens merged
-    into kept ones (mean over KV heads).
+    None when entries were merged rather than selected (`merged[layer]` counts the tokens merged).
 
-    `layers` are the layers whose rows `lc` holds: `(layer,)` in kvmini.policy's loop. A decode step of
-    kvmini.at_once holds several layers as the rows of one LayerCache (a shorter layer's rows end in pads,
-    at position PAD), each row one entry over its own budget, b then one per row (rows, 1, 1); a part finds
-    sinks and windows by position, so it does per row what it does per layer (docs/design.md).
-    """
+    `layers` are the layers whose rows `lc` holds: `(layer,)` in kvmini.policy's loop, several in
+    kvmini.at_once's decode step (b then one per row, (rows, 1, 1); sinks and windows are found by position)."""
 
     def __init__(self, sinks: int = 0, recent: int | Rule = 0):
         self.sinks, self.recent = sinks, Rule.of_(recent, "recent")

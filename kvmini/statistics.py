@@ -11,10 +11,6 @@ one number per cached key j, declared once (`Statistic`) beside the part that re
     reduce  how the g query heads sharing a KV head are combined: mean | max | sum -> (B, H_kv, S);
             or "heads": each query head its own row -> (B, H, S), query head h = kv_head * g + i
 
-    column_sums(reduce)      H2O's accumulated attention: Q = every query, f = A
-    window_sums(w, reduce)   SnapKV's observation window: Q = the last w queries
-    last_row(reduce)         TOVA: Q = the last query
-
 A sum over queries is computed chunk by chunk (kvmini.attention) and added up over a prompt's calls
 (`Gathering`). A part asks in its `request` and reads stats.column_sums; a new statistic is a
 declaration, no engine change (tutorial 9, part 2).

@@ -34,12 +34,8 @@ def lowest(score: torch.Tensor, positions: torch.Tensor, sinks: int, recent, new
 class TopK(Compressor):
     """Keep the sinks, the recent window and the best-scoring tokens between them (`keep_top`);
     with a `merge` (e.g. D2O's EMAMerge), evicted tokens may first be merged into kept ones.
-
-    Two ways to shrink a layer, with the same result: dropping one entry (a decode step) finds the
-    lowest one (`lowest`) and moves the newest entry into its slot (`LayerCache.evict_one`, O(D));
-    dropping more (after the prompt, the batches of `evict_every`) sorts (`keep_top`) and gathers the
-    kept ones (`keep`, O(S·D)), in position order again.
-    """
+    Dropping one entry (a decode step) evicts the `lowest` by `LayerCache.evict_one` in O(D); dropping
+    more sorts (`keep_top`) and gathers the kept ones (`keep`, O(S·D)): the same result either way."""
 
     def __init__(self, sinks: int = 0, recent: int | Rule = 0, merge=None):
         super().__init__(sinks, recent)
