@@ -209,7 +209,7 @@ def run_parts_speed(model, text_ids, p, log):
 def main(argv=None) -> int:
     p = cli.OneLineParser(prog="python -m kvmini.eval.suite",
                           description="Run the evaluation suite; write JSON, markdown and plots.")
-    p.add_argument("--profile", choices=list(PROFILES), default="quick", help="sizes (default: quick: about two hours on 2 CPU cores for every experiment; smoke: a minute)")
+    p.add_argument("--profile", choices=list(PROFILES), default="quick", help="sizes (default: quick: about an hour on 2 quiet CPU cores for every experiment; smoke: a minute)")
     p.add_argument("--only", nargs="+", choices=EXPERIMENTS, help="experiments to run (default: all; with --methods, "
                    "those --out's results.json holds)")
     p.add_argument("--out", type=cli.path, default="results", help="output folder (default: results/; checked before the work)")
