@@ -5,6 +5,8 @@ import torch
 
 from hf_tiny import FAMILIES, make_tiny
 
+DEFAULT_TEXT_KEY = "assignment"  # a pydoc_data.topics entry with plenty of natural text
+
 if os.environ.get("PYTEST_XDIST_WORKER"):  # workers side by side (`-n auto`): one thread each, their children too
     os.environ["OMP_NUM_THREADS"] = "1"
     torch.set_num_threads(1)
@@ -15,8 +17,6 @@ def pytest_xdist_auto_num_workers(config):
     """`-n auto` (the README's command): one worker per core, at most 4 (each loads the model, ~1.3 GB)."""
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
     return min(cores, 4)
-
-DEFAULT_TEXT_KEY = "assignment"  # a pydoc_data.topics entry with plenty of natural text
 
 
 @pytest.fixture(scope="session")
