@@ -6,6 +6,7 @@ a is lower in, an exact two-sided sign test over the windows where they differ, 
 interval of the mean d_w. A claim is settled at level ALPHA only by that test ("not settled at this size"
 otherwise). No torch: kvmini.eval.docs reads these tables without loading it.
 """
+import functools
 import math
 import random
 
@@ -24,7 +25,8 @@ def sign_test(lower: int, higher: int) -> float:
     return min(1.0, 2 * tail)
 
 
-def bootstrap(d: list[float], rounds: int = 2000, seed: int = 0) -> tuple[float, float]:
+@functools.cache  # the documents ask for the same comparisons many times over
+def bootstrap(d: tuple[float, ...], rounds: int = 2000, seed: int = 0) -> tuple[float, float]:
     """A 95% percentile interval of the mean of d, resampling windows with replacement (a fixed seed)."""
     rng = random.Random(seed)
     means = sorted(sum(rng.choices(d, k=len(d))) / len(d) for _ in range(rounds))
@@ -37,7 +39,7 @@ def paired(a: list[float], b: list[float]) -> dict:
         raise ValueError(f"paired needs one value of each per window, got {len(a)} and {len(b)}")
     d = [x - y for x, y in zip(a, b)]
     lower, higher = sum(x < 0 for x in d), sum(x > 0 for x in d)
-    lo, hi = bootstrap(d)
+    lo, hi = bootstrap(tuple(d))
     return {"windows": len(d), "lower": lower, "higher": higher, "p": sign_test(lower, higher),
             "a": sum(a) / len(a), "b": sum(b) / len(b), "mean_diff": sum(d) / len(d), "interval": (lo, hi)}
 
