@@ -2,7 +2,7 @@
 # # 8. All methods side by side on the default model
 #
 # One fidelity table for every method in kvmini, and a picture of how each layer-adaptive method
-# spreads its budget over SmolLM2's 30 layers. The prompt here is short (512 tokens, 64
+# spreads its budget over SmolLM2's 30 layers. The prompt here is short (512 tokens, 32
 # continuation tokens) so that the tutorial runs in a minute or two (tutorials/README.md has the
 # recorded times); results/full/summary.md has the full profile's longer prompts (docs/evaluation.md
 # lists its sizes; `python -m kvmini.eval.suite --profile full --only fidelity`).
@@ -26,14 +26,14 @@ from kvmini.weights import ensure_default_model  # noqa: E402
 
 folder = ensure_default_model()
 model = load_model(folder, "cpu", "float32")
-N, K = 512, 64
+N, K = 512, 32
 ids = torch.tensor([load_tokenizer(folder).encode(pydoc_text())[: N + K]])
 
 # %% [markdown]
 # ## One fidelity table
 #
 # Each method compresses the same 512-token prompt to 20% (about 102 tokens per layer; DBudgetKV
-# chooses its own budget), then the next 64 tokens are teacher-forced. Lower KL and higher top-1
+# chooses its own budget), then the next 32 tokens are teacher-forced. Lower KL and higher top-1
 # agreement mean the compressed cache behaves more like the full one. (In a student copy, a method
 # that needs an exercise not done yet is left out, with a line saying which.)
 

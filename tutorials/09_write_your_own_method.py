@@ -217,7 +217,7 @@ from kvmini.weights import ensure_default_model  # noqa: E402
 
 folder = ensure_default_model()
 smol = load_model(folder, "cpu", "float32")
-N, K = 512, 64
+N, K = 512, 32
 text_ids = torch.tensor([load_tokenizer(folder).encode(pydoc_text())[: N + K]])
 
 
@@ -271,7 +271,7 @@ show(fig, "09_value_norm_vs_attention")
 # ## A fidelity run and its figure
 #
 # Does it help here? The fidelity tool (`python -m kvmini.eval.fidelity`) teacher-forces the next
-# K = 64 tokens after each compressed prompt and compares the logits with the full cache's (KL, and
+# K = 32 tokens after each compressed prompt and compares the logits with the full cache's (KL, and
 # how often the top-1 token agrees). VATP against H2O, with the $\ell_2$ norm and without the norm:
 
 # %%
@@ -293,7 +293,7 @@ fig.tight_layout()
 show(fig, "09_fidelity")
 
 # %% [markdown]
-# At 135M parameters and K = 64 the differences are small and a single prompt is noisy; the
+# At 135M parameters and K = 32 the differences are small and a single prompt is noisy; the
 # paper measured LongBench tasks on 7B models. Measure before you believe either way: the same
 # command with `--n 2048 --k 256` and the methods above runs in a few minutes.
 #
