@@ -72,13 +72,13 @@ SMOKE = ["h2o", "d2o", "snapkv", "adakv", "dbudgetkv"]
 SWEEP = [0.1, 0.2, 0.3, 0.5]  # the budgets of the quick profile's frontier (fidelity and passkey)
 PROFILES = {
     "smoke": {  # every code path, a method for each, about a minute on a quiet machine; the numbers mean nothing
-        "streaming": dict(n=160, capacities=[32], chunk=16),
+        "streaming": dict(n=160, capacities=[32], chunk=16, methods=SMOKE),
         "passkey": dict(lengths=[256], depths=[0.5], budgets=[64], methods=SMOKE),
         "fidelity": dict(n=128, k=16, prompts=2, budgets=[0.5], methods=["h2o", "dbudgetkv"]),
         "layers": dict(n=128, budget=0.5, bins=16),
         "speed": dict(prefill_n=256, reps=1, decode_n=256, steps=2, rounds=1, peak_n=256, budget=0.5, batch_n=256,
                       cap_gib=2, peak_methods=["h2o"], methods=SMOKE),  # peak: one child per code path (full, a policy)
-        "parts_speed": dict(decode_n=256, steps=2, rounds=1, budget=0.5),
+        "parts_speed": dict(decode_n=256, steps=2, rounds=1, budget=0.5, ladders=["d2o"]),
         "ablations": dict(n=128, k=16, budgets=[0.5], methods=["h2o", "d2o[merge=off]", "h2o[evict_every=8]"]),
         "queryaware": dict(length=256, depths=[0.5], budgets=[0.5], k=2, methods=SMOKE),
         "why": dict(n=128, k=8, windows=2, budget=0.5, seeds=["dbudgetkv"]),  # a share-matched rival and ablation
@@ -112,9 +112,9 @@ EXPERIMENTS = list(PROFILES["quick"])
 BY_METHOD = ("passkey", "fidelity", "speed", "ablations", "queryaware")  # rows per method: `--methods` merges them
 
 
-def run_streaming(model, text_ids, p, log):
+def run_streaming(model, text_ids, p, specs, log):
     ids = torch.tensor([text_ids[: p["n"]]], device=model.device)
-    return streaming.run(model, ids, p["capacities"], chunk=p["chunk"], log=log)
+    return streaming.run(model, ids, p["capacities"], ["full", *specs], chunk=p["chunk"], log=log)
 
 
 def budgeted_runs(specs: list[str], budgets: list) -> list[tuple]:
@@ -156,10 +156,10 @@ def run_ablations(model, text_ids, p, specs, log):
 def measured(name: str, p: dict) -> list[str]:
     """The method specs experiment `name` runs with sizes `p` (the full cache first)."""
     every = lambda specs: [s for s in specs if s in p.get("methods", specs)]  # noqa: E731  (smoke: SMOKE's)
-    return {"streaming": list(streaming.METHODS), "passkey": ["full", *every(BUDGETED + SELF_BUDGETED)],
+    return {"streaming": ["full", *every(streaming.METHODS[1:])], "passkey": ["full", *every(BUDGETED + SELF_BUDGETED)],
             "fidelity": ["full", *p.get("methods", [])], "layers": ["full", *layers.ADAPTIVE],
             "speed": ["full", *every(EVERY)], "parts_speed": ["full", "snapkv", *dict.fromkeys(
-                spec for rungs in PARTS.values() for _, spec in rungs)], "ablations": ["full", *p.get("methods", [])],
+                spec for rungs in ladders(p).values() for _, spec in rungs)], "ablations": ["full", *p.get("methods", [])],
             "queryaware": ["full", *every(BUDGETED + SELF_BUDGETED)], "why": ["full", *why.specs(p.get("seeds", []))]}[name]
 
 
@@ -195,6 +195,11 @@ def run_speed(model, text_ids, p, model_folder, methods, log):
     return out
 
 
+def ladders(p: dict) -> dict:
+    """The ladders of PARTS that sizes `p` climb (smoke: one)."""
+    return {name: PARTS[name] for name in p.get("ladders", PARTS)}
+
+
 def run_parts_speed(model, text_ids, p, log):
     """`speed.decode_speed` of SnapKV and every rung of PARTS, in the same interleaved rounds, and each
     one's kept bytes (`speed.prefill_times`: after the prompt, or after the first decode step)."""
@@ -202,7 +207,7 @@ def run_parts_speed(model, text_ids, p, log):
     ids = torch.tensor([text_ids[: p["decode_n"]]], device=model.device)
     kept = speed.prefill_times(model, ids, methods, p["budget"], log=log)
     return {"budget": p["budget"], "decode_n": p["decode_n"], "steps": p["steps"], "rounds": p["rounds"],
-            "ladders": PARTS, "kept_bytes_ratio": {m: r["kept_bytes_ratio"] for m, r in kept.items()},
+            "ladders": ladders(p), "kept_bytes_ratio": {m: r["kept_bytes_ratio"] for m, r in kept.items()},
             "decode": speed.decode_speed(model, ids, methods, p["budget"], p["steps"], p["rounds"], log)}
 
 
@@ -368,7 +373,7 @@ def run_suite(profile: str, only: list[str], model_folder: str | None, device: s
     check_context(P, only, model.config.max_position_embeddings)
     results = {"profile": profile, "device": str(model.device), "sizes": {k: P[k] for k in only}}
     runners = {
-        "streaming": lambda specs: run_streaming(model, text_ids, P["streaming"], log),
+        "streaming": lambda specs: run_streaming(model, text_ids, P["streaming"], specs, log),
         "passkey": lambda specs: run_passkey(model, tok, chat, stop_ids, P["passkey"], specs, log),
         "fidelity": lambda specs: run_fidelity(model, text_ids, P["fidelity"], specs, log),
         "layers": lambda specs: run_layers(model, text_ids, P["layers"], log),
