@@ -1,4 +1,6 @@
-"""run.py through its real entry point: the happy path, and one-line errors with exit code 2."""
+"""run.py: the happy path, and one-line errors with exit code 2. Most run through the real entry point in a
+child process; the refusals of options, many and alike, call `run.main(argv)` in this process (the same
+error boundary, `kvmini.cli.run`)."""
 import json
 import re
 import shutil
@@ -146,8 +148,11 @@ def test_prompt_longer_than_context(default_model_dir, tmp_path, real_text):
     (["--method", "d2o", "--softmax-temperature", "2"], "does nothing with --allocation official"),
     (["--method", "d2o", "--nm", "0:1"], "no budget can work with these options"),
 ])
-def test_bad_options(prompt, tiny_llama, args, fragment):
-    assert_one_line_error(*run("--prompt", prompt, "--model", tiny_llama, *args)[::2], fragment)
+def test_bad_options(prompt, tiny_llama, args, fragment, capsys):
+    import run
+
+    code = run.main([str(a) for a in ("--prompt", prompt, "--model", tiny_llama, *args)])
+    assert_one_line_error(code, capsys.readouterr().err, fragment)
 
 
 def test_unsupported_architecture(prompt, tiny_llama):
