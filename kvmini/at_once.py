@@ -155,5 +155,6 @@ class Stack:
 
 def stacked(per_layer: list[Stats], S: int) -> Stats:
     """The layers' statistics as a Stack's rows (len(layers) * B, H_kv, S), shorter layers followed by zeros."""
-    return Stats(**{name: torch.cat([F.pad(getattr(s, name), (0, S - getattr(s, name).shape[-1])) for s in per_layer])
-                    for name in per_layer[0]})
+    def widened(t: torch.Tensor) -> torch.Tensor:  # (B, H_kv, S_layer) -> (B, H_kv, S)
+        return t if t.shape[-1] == S else F.pad(t, (0, S - t.shape[-1]))
+    return Stats(**{name: torch.cat([widened(getattr(s, name)) for s in per_layer]) for name in per_layer[0]})
