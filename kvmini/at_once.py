@@ -8,8 +8,7 @@ rows of one LayerCache (`Stack`, a shorter layer's rows padded), instead of once
     scorer.update(joint, stacked stats);  score = scorer(joint, stacked stats)
     compressor(layers, joint, score, budgets per row, newest)
 
-Every other call, and `together = False`, runs the loop itself; tests/test_together.py proves both
-leave the same caches.
+Every other call, and `together = False`, runs the loop itself (tests/test_together.py: the same caches).
 """
 import torch
 import torch.nn.functional as F
