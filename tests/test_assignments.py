@@ -484,17 +484,22 @@ def test_every_command_of_the_guide_is_accepted():
 
 
 def test_the_guides_weights_link_works_from_the_repository(tmp_path):
-    """The guide's `ln -s "$PWD/weights" ../kvmini-student/weights`, run in a repository beside a copy:
-    the copy then sees the repository's weights (an absolute link; a relative one would not)."""
+    """The guide's `ln -s` line, run as written in a repository beside a copy that `new` wrote (which holds
+    the tracked weights/README.md, so a link to the whole weights/ folder would land in weights/weights):
+    the copy then finds the default model where kvmini looks for it (an absolute link)."""
+    from kvmini.weights import DEFAULT_MODEL_DIR
+
     line = next(l for l in DOC.splitlines() if l.startswith("ln -s "))
     command = line.split("#")[0].strip()
     repo, copy = tmp_path / "repo", tmp_path / "kvmini-student"
-    (repo / "weights" / "SmolLM2-135M-Instruct").mkdir(parents=True)
-    (repo / "weights" / "SmolLM2-135M-Instruct" / "config.json").write_text("{}")
-    copy.mkdir()
+    (repo / "weights" / DEFAULT_MODEL_DIR.name).mkdir(parents=True)
+    (repo / "weights" / DEFAULT_MODEL_DIR.name / "config.json").write_text("{}")
+    write_student_copy(copy, ROOT)
+    assert (copy / "weights" / "README.md").is_file()  # the copy's own weights/ folder
     subprocess.run(["bash", "-c", command], cwd=repo, check=True)
-    assert (copy / "weights" / "SmolLM2-135M-Instruct" / "config.json").read_text() == "{}"
-    assert Path(os.readlink(copy / "weights")).is_absolute()
+    found = copy / DEFAULT_MODEL_DIR.relative_to(ROOT)
+    assert (found / "config.json").read_text() == "{}"
+    assert Path(os.readlink(found)).is_absolute()
 
 
 def test_a_test_file_that_does_not_parse_is_named_by_check(tmp_path, capsys):

@@ -144,6 +144,23 @@ def test_d2o_merge_by_hand():
     assert merged.item() == 1.0  # tokens merged (k2), mean over heads
 
 
+@pytest.mark.exercise("ema_merging")
+def test_two_evicted_tokens_merge_into_one_kept_token_convexly():
+    """Eq. 11-12 when two tokens merge into the same kept one: keep k0 = (1, 0) and k1 = (0, 1); evict
+    k2 = (1, 0.1) and k3 = (1, -0.1), both nearest k0 with u = 1/sqrt(1.01), so tau_0 = u and both merge.
+    Softmax weights over {k0 (similarity 1), k2, k3}: w_c = e / (e + 2 e^u), w_2 = w_3 = e^u / (e + 2 e^u),
+    summing to 1, so the merged key is (1, 0). Eq. 12 read with the sum over E_j in the numerator
+    (each w_i = sum e^u / ...) would give (e + 4 e^u) / (e + 2 e^u) = 1.50 as the key's first coordinate."""
+    lc = toy_cache([(1, 0), (0, 1), (1, 0.1), (1, -0.1)], [(1, 2), (5, 6), (3, 4), (5, 8)])
+    merged = EMAMerge(beta=0.7)((0,), lc, torch.tensor([[[0, 1]]]))
+    u = 1 / math.sqrt(1.01)
+    den = math.e + 2 * math.exp(u)
+    w_c, w_i = math.e / den, math.exp(u) / den
+    assert w_c + 2 * w_i == pytest.approx(1.0) and merged.item() == 2.0
+    torch.testing.assert_close(lc.keys[0, 0, 0], torch.tensor([1.0, 0.0]))  # 0.1 w_2 - 0.1 w_3 = 0
+    torch.testing.assert_close(lc.values[0, 0, 0], torch.tensor([w_c * 1 + w_i * (3 + 5), w_c * 2 + w_i * (4 + 8)]))
+
+
 @stored
 def literal_merge(keys, values, keep, tau):
     """Eq. 9-12 with loops: nearest kept key by cosine, merge iff similarity >= tau, softmax weights with j's own e^1."""

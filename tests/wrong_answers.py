@@ -1,0 +1,122 @@
+"""The wrong answers a student plausibly writes for each exercise: the misreadings of its equations.
+Each is one line of the reference solution changed (`old` -> `new`, inside the exercise's region);
+tests/test_wrong_answers.py puts each in place of the reference and runs that exercise's checks, which
+must fail. A check that passes a wrong answer is a check that cannot see that misreading.
+
+    python tests/wrong_answers.py NAME    (from the repository's root) runs NAME's exercise's checks
+                                          with that wrong answer in place, as the test does
+"""
+import importlib
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from kvmini.course.exercises import BEGIN, END, exercises, function_at, parsed  # noqa: E402
+
+
+@dataclass(frozen=True)
+class Wrong:
+    name: str  # how a test run names it
+    exercise: str
+    misreading: str  # what the student got wrong
+    module: str  # the module holding the exercise's region
+    old: str  # a line (or part of one) of the reference solution ...
+    new: str  # ... and what the student wrote instead
+
+
+WRONG = [
+    Wrong("eq12_as_printed", "ema_merging", "Eq. 12 as printed: each merged token's weight is the sum of e^u over every "
+          "token merged into the same kept one, so two merges into one token are not convex",
+          "kvmini.methods.ema_merging",
+          "num.scatter_add_(2, j_star[..., None].expand_as(x_evict), weight[..., None] * x_evict)",
+          "num.scatter_add_(2, j_star[..., None].expand_as(x_evict), (den - math.e).gather(2, j_star)[..., None] * x_evict)"),
+    Wrong("threshold_ignored", "ema_merging", "Eq. 10's threshold ignored: every evicted token merges into its nearest",
+          "kvmini.methods.ema_merging", "weight = torch.where(merge, best.exp(), torch.zeros_like(best))",
+          "weight = best.exp()"),
+    Wrong("own_weight_one", "ema_merging", "Eq. 12's weight of the kept token itself taken as 1, not e^1 (its "
+          "similarity to itself is 1)", "kvmini.methods.ema_merging", "num = math.e * x_keep", "num = 1.0 * x_keep"),
+    Wrong("ema_reversed", "ema_merging", "Eq. 10's EMA the other way round: beta weighs the old threshold",
+          "kvmini.methods.ema_merging", "beta * new + (1 - beta) * tau_prev", "(1 - beta) * new + beta * tau_prev"),
+    Wrong("dot_not_cosine", "ema_merging", "Eq. 9's similarity as a dot product, not a cosine",
+          "kvmini.methods.ema_merging",
+          "u = F.normalize(k_evict, dim=-1, eps=eps) @ keys.transpose(-1, -2) / norms.clamp_min(eps)[..., None, :]",
+          "u = k_evict @ keys.transpose(-1, -2)"),
+    Wrong("softmax_sign", "variance_softmax", "Eq. 5's exponent without its minus: the flattest layers get the least",
+          "kvmini.methods.variance_softmax", "return torch.softmax(-F, dim=0).tolist()",
+          "return torch.softmax(F, dim=0).tolist()"),
+    Wrong("reciprocal_not_normalized", "reciprocal_allocation", "Table 4's reciprocal weights not normalized to sum to 1",
+          "kvmini.methods.variance_softmax", "return (inv / inv.sum()).tolist()", "return inv.tolist()"),
+    Wrong("no_squares", "frobenius_stop", "Eq. 2's Frobenius norm without the squares: a sum of the attention itself",
+          "kvmini.methods.frobenius_stop", "sq = s.gather(-1, order).double() ** 2", "sq = s.gather(-1, order).double()"),
+    Wrong("removed_not_kept", "frobenius_stop", "Eq. 2's R_i as the norm of the tokens removed, not of those that remain",
+          "kvmini.methods.frobenius_stop", "R = sq.flip(-1).cumsum(-1).flip(-1).sqrt()", "R = sq.cumsum(-1).sqrt()"),
+    Wrong("one_too_many", "frobenius_stop", "the count of tokens pruned off by one (the first drop, 0, counted)",
+          "kvmini.methods.frobenius_stop", "return int((drop <= t).sum().item()) - 1",
+          "return int((drop <= t).sum().item())"),
+    Wrong("top_per_layer", "progressive_budgets", "Eq. 5's top-k taken over the finished layers without the KV heads' "
+          "share of it", "kvmini.methods.progressive_budgets", "k = min((w_t - w) * A.shape[1] * l, A.shape[-1] * A.shape[1])",
+          "k = min((w_t - w) * l, A.shape[-1] * A.shape[1])"),
+    Wrong("l2_always", "value_norm", "VATP's value norm always l2, whatever p", "kvmini.methods.vatp",
+          "values.abs().sum(-1) if self.p == 1", "torch.linalg.vector_norm(values, dim=-1) if self.p == 1"),
+    Wrong("l1_without_abs", "value_norm", "the l1 norm without the absolute values", "kvmini.methods.vatp",
+          "values.abs().sum(-1) if self.p == 1", "values.sum(-1) if self.p == 1"),
+    Wrong("shares_swapped", "convex_value_merge", "Alg. 1 line 9's weights swapped: v_j gets its neighbour's share",
+          "kvmini.methods.convex_value_merge", "share = torch.where(w_j + w_next > 0, w_j / (w_j + w_next), 0.5)",
+          "share = torch.where(w_j + w_next > 0, w_next / (w_j + w_next), 0.5)"),
+    Wrong("window_outside", "convex_value_merge", "Alg. 1 line 8's range: the recent window not protected",
+          "kvmini.methods.convex_value_merge", "free = (pos >= sinks) & (pos <= top - window)", "free = pos >= sinks"),
+]
+BY_NAME = {w.name: w for w in WRONG}
+
+
+def regions(text: str, exercise: str) -> list[tuple[int, int]]:
+    """(first, last) line indices of the bodies of `exercise`'s regions in a module's text."""
+    lines, out = text.splitlines(), []
+    for i, line in enumerate(lines):
+        begin = BEGIN.match(line)
+        if begin and begin.group(2) == exercise:
+            end = next(j for j in range(i, len(lines)) if END.match(lines[j]))
+            out.append((i + 1, end - 1))
+    return out
+
+
+def put_in_place(w: Wrong) -> None:
+    """Write the wrong answer into the exercise's region of the loaded module: the module's source, the one
+    line changed, is run in a namespace of its own, and the functions holding the regions replace the
+    module's (or, for a method, its class's) own."""
+    module = importlib.import_module(w.module)
+    text = Path(module.__file__).read_text()
+    lines, tree, found = text.splitlines(), parsed(text), 0
+    holders = set()
+    for first, last in regions(text, w.exercise):
+        for i in range(first, last + 1):
+            if w.old in lines[i]:
+                lines[i], found = lines[i].replace(w.old, w.new), found + 1
+                holders.add(function_at(tree, i + 1))
+    if found != 1:
+        raise ValueError(f"{w.name}: {w.old!r} is in {found} lines of exercise {w.exercise}'s regions, not one")
+    scratch = {"__name__": module.__name__, "__file__": module.__file__}
+    exec(compile("\n".join(lines) + "\n", module.__file__, "exec"), scratch)
+    for holder in holders:
+        owner, new_owner, *path = [module, scratch, *holder.split(".")]
+        for part in path[:-1]:
+            owner, new_owner = getattr(owner, part), (new_owner[part] if isinstance(new_owner, dict) else getattr(new_owner, part))
+        new = new_owner[path[-1]] if isinstance(new_owner, dict) else vars(new_owner)[path[-1]]
+        setattr(owner, path[-1], new)
+
+
+def main(name: str) -> int:
+    import pytest
+
+    w = BY_NAME[name]
+    put_in_place(w)
+    print(f"in place: {w.name} ({w.misreading})", flush=True)
+    tests = list(exercises(ROOT)[w.exercise].tests)
+    return pytest.main(["-q", "-p", "no:cacheprovider", *tests])
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1]))
