@@ -75,6 +75,11 @@ def can_print(text: str, encoding: str | None) -> bool:
         return False
 
 
+def count(x) -> str:
+    """An entry count as printed: 148, or 169.7 for a mean over heads that keep their own counts."""
+    return str(int(x)) if float(x).is_integer() else f"{x:.1f}"
+
+
 def layer_bars(kept: list[int], full: int, per_line: int = 10, blocks: str = BLOCKS) -> list[str]:
     """One line per `per_line` layers: a bar per layer (█ = `full` tokens, ▁ = fewer than full/8) and the counts.
     `blocks`: the eight bar characters, lowest first (ASCII ones where a terminal lacks these).
@@ -86,7 +91,7 @@ def layer_bars(kept: list[int], full: int, per_line: int = 10, blocks: str = BLO
         part = kept[start : start + per_line]
         bars = "".join(blocks[max(0, min(7, -(-k * 8 // full) - 1))] for k in part)
         label = f"layers {start}-{start + len(part) - 1}"
-        lines.append(f"{label:<14} {bars:<{per_line}}  {' '.join(map(str, part))}")
+        lines.append(f"{label:<14} {bars:<{per_line}}  {' '.join(map(count, part))}")
     return lines
 
 
@@ -94,7 +99,7 @@ def cache_summary(cache: KVCache) -> str:
     """One line: layers, entries held (min/mean/max over layers), bytes."""
     n = cache.lengths()
     return (
-        f"{len(n)} layers, {min(n)}/{sum(n) / len(n):.1f}/{max(n)} entries (min/mean/max), "
+        f"{len(n)} layers, {count(min(n))}/{sum(n) / len(n):.1f}/{count(max(n))} entries (min/mean/max), "
         f"{cache.nbytes() / 2**20:.2f} MiB of K/V"
     )
 
@@ -120,7 +125,7 @@ def cache_report(cache: KVCache, policy=None, blocks: str = BLOCKS) -> list[str]
     top = max(max(kept), 1)
     lines = [f"KV cache  {cache_summary(cache)}"]
     lines += [f"kept      {line}" for line in layer_bars(kept, top, blocks=blocks)]
-    lines[-1] += f"   ({blocks[-1]} = {top} token{'s' * (top != 1)}; the full cache holds {cache.seen_tokens})"
+    lines[-1] += f"   ({blocks[-1]} = {count(top)} token{'s' * (top != 1)}; the full cache holds {cache.seen_tokens})"
     ratio = cache.nbytes() / max(full_nbytes(cache), 1)
     lines.append(f"bytes     {cache.nbytes() / 2**20:.2f} MiB kept vs {full_nbytes(cache) / 2**20:.2f} MiB full "
                  f"(ratio {ratio:.3f}); {allocated_nbytes(cache) / 2**20:.2f} MiB allocated")

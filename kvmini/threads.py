@@ -35,9 +35,12 @@ def idle_cores(before: str, after: str, allowed: set[int]) -> float:
 
 
 def fit_threads(default: int, sample_s: float = 0.1) -> tuple[int, str]:
-    """-> (threads to use, the reason in a few words), never more than `default` (torch's own count)."""
-    if os.environ.get("OMP_NUM_THREADS"):
+    """-> (threads to use, the reason in a few words), never more than `default` (torch's own count).
+    An OMP_NUM_THREADS that OpenMP ignores (not a whole number >= 1) is said so, and the cores are counted."""
+    omp = os.environ.get("OMP_NUM_THREADS")
+    if omp and omp.split(",")[0].strip().isdigit() and int(omp.split(",")[0]) >= 1:
         return default, "OMP_NUM_THREADS"
+    ignored = f"; OMP_NUM_THREADS={omp!r} is not a whole number >= 1, which OpenMP ignores" if omp else ""
     try:
         allowed = os.sched_getaffinity(0)
         stat = Path("/proc/stat")
@@ -45,9 +48,13 @@ def fit_threads(default: int, sample_s: float = 0.1) -> tuple[int, str]:
         time.sleep(sample_s)
         after = stat.read_text()
     except (OSError, AttributeError):  # not Linux: torch's default
-        return default, "torch's default"
+        return default, "torch's default" + ignored
+    listed = {int(line.split()[0][3:]) for line in before.splitlines() if line.split() and
+              line.split()[0].startswith("cpu") and line.split()[0][3:].isdigit()}
+    if not allowed <= listed:  # a container whose /proc/stat numbers other cores than this process's
+        return default, "torch's default (/proc/stat does not list the cores this process may use)" + ignored
     free = round(idle_cores(before, after, allowed))
     if free >= default:
-        return default, "torch's default"
+        return default, "torch's default" + ignored
     n = max(1, free)
-    return n, f"{len(allowed) - free} of its {len(allowed)} usable cores busy at the start"
+    return n, f"{len(allowed) - free} of its {len(allowed)} usable cores busy at the start" + ignored

@@ -240,7 +240,7 @@ def main(argv=None) -> int:
 def compare(args) -> int:
     from kvmini.chat import load_chat_format
     from kvmini.loading import load_model
-    from kvmini.methods.registry import DEFAULT_BUDGET, make_policy, parse_spec
+    from kvmini.methods.registry import DEFAULT_BUDGET, engine_option, make_policy, parse_spec, resolved_options
     from kvmini.report import cache_summary
     from kvmini.tokenizer import load_tokenizer
     from kvmini.weights import DEFAULT_MODEL_DIR, ensure_default_model
@@ -248,7 +248,8 @@ def compare(args) -> int:
     seen = {}
     for spec in args.methods:  # unknown names, options and budgets fail before the model loads
         name, given = ("full", {}) if spec == "full" else parse_spec(spec)
-        key = (name, repr(sorted(given.items())))
+        key = ("full",) if name == "full" else (  # by value: every option as it will run, the defaults too
+            name, repr(sorted(resolved_options(name, given).items())), given.get("evict_every", engine_option(name).default))
         if key in seen:
             raise KvminiError(f"--methods names one method twice ({seen[key]}, {spec}): each gets one text on the page")
         seen[key] = spec

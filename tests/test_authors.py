@@ -47,6 +47,10 @@ def test_kvmini_side_is_the_fidelity_protocol(spec):
 
 @pytest.mark.parametrize("argv, said", [(["d2o", "--code", "/nonexistent/checkout", "--deps", "."],
                                          "--code /nonexistent/checkout is not a folder"),
+                                        *[([m, "--code", "docs", "--deps", "."], f"--code docs is not a checkout of {r}")
+                                          for m, r in (("d2o", "AIoT-MLSys-Lab/D2O"), ("dynamickv", "DreamMr/DynamicKV"),
+                                                       ("dbudgetkv", "Patrick-Ni/ReFreeKV"), ("roco", "DRSY/EasyKV"),
+                                                       ("cam", "zyxxmu/cam"))],
                                         (["h2o", "--code", ".", "--deps", "."], "invalid choice: 'h2o'"),
                                         (["scissorhands", "--code", ".", "--deps", "."],
                                          "scissorhands: lzcemma/Scissorhands @ d0bf444 cannot run beside kvmini: "
@@ -81,3 +85,16 @@ def test_committed_cross_checks_describe_todays_method(path):
     assert result["provenance"]["behaviour"] == now, (
         f"{path.relative_to(ROOT)} was made with another behaviour of {name}: re-run {authors.command(path.stem)}")
     assert result["windows"] and all(r["per_kv_head"]["sets"] > 0 for r in result["windows"])
+
+
+@pytest.mark.parametrize("method", list(authors.ADAPTERS))
+def test_a_folder_laid_out_as_the_checkout_goes_on_to_the_cross_check(method, tmp_path, monkeypatch):
+    """The checkout check reads only what the adapter names (FILES): a folder holding those goes on."""
+    import importlib
+
+    adapter = importlib.import_module(authors.ADAPTERS[method])
+    for f in adapter.FILES:
+        (tmp_path / f).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / f).write_text("") if f.endswith(".py") else (tmp_path / f).mkdir(exist_ok=True)
+    monkeypatch.setattr(authors, "cross_check", lambda args: 0)
+    assert authors.main([method, "--code", str(tmp_path), "--deps", str(tmp_path)]) == 0

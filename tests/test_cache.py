@@ -7,7 +7,7 @@ from kvmini.cache import PAD, KVCache, LayerCache
 from kvmini.generate import prefill
 from kvmini.loading import load_model
 from kvmini.per_sequence import SequenceView
-from kvmini.report import allocated_nbytes, aux_nbytes, full_nbytes
+from kvmini.report import allocated_nbytes, aux_nbytes, cache_summary, full_nbytes, layer_bars
 
 
 def test_prefill_then_stepwise_decode_equals_full_forward(tiny):
@@ -338,3 +338,13 @@ def test_key_norms_are_kept_by_the_cache_through_appends_evictions_joins_and_set
     joint.evict_one(torch.tensor([[1], [0]]))
     for lc in (joint, *cache.layers):
         check(lc)
+
+
+def test_the_report_rounds_the_counts_of_heads_that_keep_their_own():
+    """A layer whose heads keep their own counts holds a mean over them (`lengths()`, a float): the report
+    prints it to one decimal, and a whole count as an integer."""
+    means = [169.6666717529297, 169.8, 170.0]  # float32 means, as lengths() gives them
+    assert layer_bars(means, 170, per_line=3)[0].endswith("169.7 169.8 170")
+    held = type("Held", (), {"lengths": lambda self: means, "nbytes": lambda self: 0})()
+    assert cache_summary(held).startswith("3 layers, 169.7/169.8/170 entries (min/mean/max)")
+    assert layer_bars([8, 4, 1], 8, per_line=3) == ["layers 0-2     █▄▁  8 4 1"]

@@ -53,6 +53,9 @@ def test_kvmini_debug_0_is_off(model, prompt):
 
 @pytest.mark.parametrize("argv,fragment", [
     (["--methods", "h2o[recent=2]", "h2o[recent=+2]"], "--methods names one method twice (h2o[recent=2], h2o[recent=+2])"),
+    (["--methods", "adakv", "adakv[alpha=0.2]"], "--methods names one method twice (adakv, adakv[alpha=0.2])"),  # a default
+    (["--methods", "d2o", "d2o[variant=official]"], "--methods names one method twice (d2o, d2o[variant=official])"),
+    (["--methods", "h2o", "h2o[evict_every=1]"], "--methods names one method twice (h2o, h2o[evict_every=1])"),
     (["--methods", "full", "--budget", "0.5"], "--budget does not apply to method full"),
     (["--methods", "dbudgetkv", "--budget", "0.5"], "--budget does not apply to method dbudgetkv"),
     (["--methods", "h2o", "--methods", "snapkv"], "--methods is given twice"),

@@ -23,18 +23,38 @@ def test_idle_cores_by_hand():
     assert idle_cores(BEFORE, BEFORE, {0, 1}) == 2.0  # no tick passed: idle
 
 
+def machine(monkeypatch, cores: set, *readings: str) -> None:
+    """A process that may use `cores`, reading /proc/stat as `readings`, one after the other."""
+    monkeypatch.setattr(kvmini.threads.os, "sched_getaffinity", lambda pid: cores, raising=False)
+    texts = iter(readings)
+    monkeypatch.setattr(kvmini.threads.Path, "read_text", lambda self: next(texts))
+
+
 def test_threads_follow_the_free_cores(monkeypatch):
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
-    monkeypatch.setattr(kvmini.threads.os, "sched_getaffinity", lambda pid: {0, 1}, raising=False)
-    readings = iter([BEFORE, AFTER])
-    monkeypatch.setattr(kvmini.threads.Path, "read_text", lambda self: next(readings))
+    machine(monkeypatch, {0, 1}, BEFORE, AFTER, BEFORE, BEFORE, BEFORE, BEFORE)
     assert fit_threads(2, sample_s=0) == (1, "1 of its 2 usable cores busy at the start")
-    readings = iter([BEFORE, BEFORE])
     assert fit_threads(2, sample_s=0) == (2, "torch's default")
-    readings = iter([BEFORE, BEFORE])
     assert fit_threads(1, sample_s=0) == (1, "torch's default")  # never more than torch's own count
 
 
 def test_omp_num_threads_wins(monkeypatch):
     monkeypatch.setenv("OMP_NUM_THREADS", "3")
     assert fit_threads(3, sample_s=0) == (3, "OMP_NUM_THREADS")
+
+
+def test_an_omp_num_threads_openmp_ignores_is_said_and_the_cores_are_counted(monkeypatch):
+    for value in ("abc", "0", "-1"):
+        monkeypatch.setenv("OMP_NUM_THREADS", value)
+        machine(monkeypatch, {0, 1}, BEFORE, AFTER)
+        assert fit_threads(2, sample_s=0) == (1, "1 of its 2 usable cores busy at the start; "
+                                              f"OMP_NUM_THREADS={value!r} is not a whole number >= 1, which OpenMP ignores")
+    monkeypatch.setenv("OMP_NUM_THREADS", "4,2")  # OpenMP's nested form: 4 at the outer level
+    assert fit_threads(2, sample_s=0) == (2, "OMP_NUM_THREADS")
+
+
+def test_cores_that_proc_stat_does_not_list_are_not_counted_as_busy(monkeypatch):
+    """A container whose /proc/stat numbers cpu0, cpu1 while the process may use cores 4 and 5."""
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    machine(monkeypatch, {4, 5}, BEFORE, AFTER)
+    assert fit_threads(2, sample_s=0) == (2, "torch's default (/proc/stat does not list the cores this process may use)")

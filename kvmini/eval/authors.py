@@ -265,10 +265,13 @@ def main(argv=None) -> int:
     for flag in ("code", "deps"):
         if not Path(getattr(args, flag)).is_dir():
             p.error(f"--{flag} {getattr(args, flag)} is not a folder")
+    adapter = importlib.import_module(ADAPTERS[args.method])
     if args.budget is not None and not 0 < args.budget < 1:
         p.error(f"--budget {args.budget:g} is not a ratio in (0, 1)")
-    if args.budget is not None and importlib.import_module(ADAPTERS[args.method]).BUDGET is None:
+    if args.budget is not None and adapter.BUDGET is None:
         p.error(f"--budget: {args.method} chooses its own budget")
+    if missing := [f for f in adapter.FILES if not (Path(args.code) / f).exists()]:  # before the models load
+        p.error(f"--code {args.code} is not a checkout of {adapter.REPO} @ {adapter.COMMIT[:7]}: it has no {missing[0]}")
     args.code, args.deps = Path(args.code), Path(args.deps)
     return cli.run(lambda: cross_check(args))
 

@@ -14,6 +14,7 @@ import types
 from pathlib import Path
 
 REPO, COMMIT = "zyxxmu/cam", "fc80e64f460b343be96c87596f2494fc9d319c45"
+FILES = ("generate_task/streaming_llm/kv_cache_cam.py", "generate_task/streaming_llm/pos_shift/modify_llama_cam.py")  # what the cross-check reads of the checkout (checked before any work)
 PACKAGES = {"transformers": "4.33.0", "tokenizers": "0.13.3", "huggingface-hub": "0.16.4"}
 SPEC, BUDGET = "cam[variant=official]", 0.2
 PROMPT_CHUNK = 1  # kvmini's prompt fed one token per call, as their cache takes it (ADAPTATIONS 3)

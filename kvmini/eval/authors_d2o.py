@@ -10,6 +10,7 @@ import types
 from pathlib import Path
 
 REPO, COMMIT = "AIoT-MLSys-Lab/D2O", "12c99d8a99617574301be8a853bc7cb59e5c44e3"
+FILES = ("LLM_merge_new/LMEval_kv_token_merge/modeling_llama3_new.py", "LLM_merge_new/LMEval_kv_token_merge/modeling_llama3_7b_13b_d2o.py")  # what the cross-check reads of the checkout (checked before any work)
 PACKAGES = {"transformers": "4.37.2", "accelerate": "0.25.0", "tokenizers": "0.15.0", "huggingface-hub": "0.20.2"}
 SPEC, BUDGET = "d2o[variant=official]", 0.2
 FOLDER = "LLM_merge_new/LMEval_kv_token_merge"

@@ -7,6 +7,7 @@ import sys
 import types
 
 REPO, COMMIT = "Patrick-Ni/ReFreeKV", "cc6848663c271a81d925b4a9d7119b7920383091"
+FILES = ("modified_models/evict_utils.py", "modified_models/llama_model.py")  # what the cross-check reads of the checkout (checked before any work)
 PACKAGES = {"transformers": "4.44.2", "tokenizers": "0.19.1", "huggingface-hub": "0.24.6"}
 SPEC, BUDGET = "dbudgetkv[variant=official]", None
 ADAPTATIONS = [

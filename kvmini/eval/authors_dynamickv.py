@@ -8,6 +8,7 @@ import sys
 import types
 
 REPO, COMMIT = "DreamMr/DynamicKV", "8ab3c08d4f0a93ef3322e267e1faa03c4e12fd24"
+FILES = ("kv_compression/token_drop/llama_model_impl", "kv_compression/token_drop/methods")  # what the cross-check reads of the checkout (checked before any work)
 PACKAGES = {"transformers": "4.44.2", "tokenizers": "0.19.1", "huggingface-hub": "0.24.6"}
 SPEC, BUDGET = "dynamickv[variant=official]", 0.2
 ADAPTATIONS = [

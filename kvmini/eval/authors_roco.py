@@ -14,6 +14,7 @@ import sys
 import types
 
 REPO, COMMIT = "DRSY/EasyKV", "a1d71cae3b562d9a709dda3741bd63e46a09ad31"
+FILES = ("easykv/easykv.py",)  # what the cross-check reads of the checkout (checked before any work)
 PACKAGES = {"transformers": "4.37.2", "tokenizers": "0.15.0", "huggingface-hub": "0.20.2", "accelerate": "0.25.0"}
 SPEC, RELEASED = "roco[variant=official]", "per_kv_head"
 STRIDE = 64  # kvmini.methods.roco.CHUNK; EasyKV's stride (README "Auto Mode": stride = 64)
