@@ -29,7 +29,7 @@ def test_a_wrong_answer_fails_a_check_of_its_exercise(name):
     assert failed <= set(exercises(ROOT)[w.exercise].tests)  # the exercise's own checks, nothing else
 
 
-def test_every_exercise_has_wrong_answers_and_each_is_one_line_of_its_region():
+def test_every_exercise_has_wrong_answers_each_named_once():
     assert {w.exercise for w in WRONG} == set(exercises(ROOT))
     assert len(BY_NAME) == len(WRONG)
 

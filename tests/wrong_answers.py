@@ -8,6 +8,7 @@ must fail. A check that passes a wrong answer is a check that cannot see that mi
 """
 import importlib
 import sys
+import types
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -85,7 +86,7 @@ def regions(text: str, exercise: str) -> list[tuple[int, int]]:
 
 def put_in_place(w: Wrong) -> None:
     """Write the wrong answer into the exercise's region of the loaded module: the module's source, the one
-    line changed, is run in a namespace of its own, and the functions holding the regions replace the
+    line changed, is run as a module of its own, and the functions holding the regions replace the
     module's (or, for a method, its class's) own."""
     module = importlib.import_module(w.module)
     text = Path(module.__file__).read_text()
@@ -98,14 +99,15 @@ def put_in_place(w: Wrong) -> None:
                 holders.add(function_at(tree, i + 1))
     if found != 1:
         raise ValueError(f"{w.name}: {w.old!r} is in {found} lines of exercise {w.exercise}'s regions, not one")
-    scratch = {"__name__": module.__name__, "__file__": module.__file__}
-    exec(compile("\n".join(lines) + "\n", module.__file__, "exec"), scratch)
-    for holder in holders:
-        owner, new_owner, *path = [module, scratch, *holder.split(".")]
-        for part in path[:-1]:
-            owner, new_owner = getattr(owner, part), (new_owner[part] if isinstance(new_owner, dict) else getattr(new_owner, part))
-        new = new_owner[path[-1]] if isinstance(new_owner, dict) else vars(new_owner)[path[-1]]
-        setattr(owner, path[-1], new)
+    fresh = types.ModuleType(module.__name__)  # the module run again with the line changed
+    fresh.__file__ = module.__file__
+    exec(compile("\n".join(lines) + "\n", module.__file__, "exec"), fresh.__dict__)
+    for holder in holders:  # "function" or "Class.method"
+        *outer, last = holder.split(".")
+        owner, new = module, fresh
+        for part in outer:
+            owner, new = getattr(owner, part), getattr(new, part)
+        setattr(owner, last, vars(new)[last])
 
 
 def main(name: str) -> int:
