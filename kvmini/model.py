@@ -80,13 +80,13 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         return apply_rope(q.transpose(1, 2), cos, sin), apply_rope(k.transpose(1, 2), cos, sin), v
 
-    def forward(self, x, pos, cos, sin, cache: LayerCache, request: Request | None):
-        """x (B, T, C); pos (B, T) absolute positions -> (B, T, C), the Stats asked for (none without a request)."""
+    def forward(self, x, pos, cos, sin, cache: LayerCache, wants: Request | None):
+        """x (B, T, C); pos (B, T) absolute positions -> (B, T, C), the Stats `wants` names (none without it)."""
         B, T, _ = x.shape
         q, k, v = self.project(x, cos, sin)
         cache.append(k, v, pos)
         K, V, k_pos = cache.keys, cache.values, cache.positions  # (B, H_kv, S, D) x2, (B, H_kv, S)
-        out, stats = attend(q, K, V, pos, k_pos, request, self.window, cache.padded)
+        out, stats = attend(q, K, V, pos, k_pos, wants, self.window, cache.padded)
         out = out.transpose(1, 2).reshape(B, T, self.H * self.D)  # (B, T, H*D)
         return self.o_proj(out), stats
 
@@ -115,8 +115,8 @@ class Block(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = MLP(config)
 
-    def forward(self, x, pos, cos, sin, cache, request):
-        a, stats = self.self_attn(self.input_layernorm(x), pos, cos, sin, cache, request)
+    def forward(self, x, pos, cos, sin, cache, wants):
+        a, stats = self.self_attn(self.input_layernorm(x), pos, cos, sin, cache, wants)
         x = x + a
         return x + self.mlp(self.post_attention_layernorm(x)), stats
 
@@ -152,29 +152,30 @@ class Transformer(nn.Module):
     def new_cache(self, batch: int = 1, capacity: int = 256) -> KVCache:
         return KVCache(self.config, batch, self.dtype, self.device, capacity)
 
-    def forward(self, ids: torch.Tensor, cache: KVCache | None = None, policy=None, all_logits: bool = False,
+    def forward(self, ids: torch.Tensor, cache: KVCache | None = None, method=None, all_logits: bool = False,
                 on_layer=None):
         """Run T new tokens, ids (B, T), through the model, appending them to `cache`. Returns logits
-        (B, T, V) if all_logits else (B, 1, V). `policy`'s four calls: docs/design.md, "One forward call".
-        on_layer(i), if given, hears that layer i is done (progress reports)."""
+        (B, T, V) if all_logits else (B, 1, V). A compression `method` (kvmini.methods.method) is called
+        before layer 0, after each layer's attention and after the last layer; before each layer's
+        attention, `method.wants` names what that pass computes for it. on_layer(i), if given, hears that
+        layer i is done (progress reports)."""
         B, T = ids.shape
         cache = cache if cache is not None else self.new_cache(B, T)
         pos = torch.arange(cache.seen_tokens, cache.seen_tokens + T, device=ids.device).expand(B, T)  # (B, T)
         angles = pos[..., None].float() * self.inv_freq  # (B, T, D/2)
         angles = torch.cat((angles, angles), dim=-1)[:, None]  # (B, 1, T, D)
-        if policy is not None:
-            policy.begin(cache, T)
+        if method is not None:
+            method.before(cache, T)
         x = self.model.embed_tokens(ids)  # (B, T, C)
         cos, sin = angles.cos().to(x.dtype), angles.sin().to(x.dtype)
         for i, block in enumerate(self.model.layers):
-            request = policy.request(i) if policy is not None else None
-            x, stats = block(x, pos, cos, sin, cache[i], request)
-            if policy is not None:
-                policy.after_attention(i, cache, stats)
+            x, seen = block(x, pos, cos, sin, cache[i], method.wants if method is not None else None)
+            if method is not None:
+                method.after_attention(i, cache, seen)
             if on_layer is not None:
                 on_layer(i)
-        if policy is not None:
-            policy.end(cache)
+        if method is not None:
+            method.after_layers(cache)
         cache.seen_tokens += T
         x = x if all_logits else x[:, -1:]
         return self.lm_head(self.model.norm(x))  # (B, T or 1, V)

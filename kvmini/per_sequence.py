@@ -35,7 +35,7 @@ class PerSequence:
     def of(cls, policy):
         """The batch form of `policy` when its budgets follow each sequence (`Budgeter.per_sequence`), kept on
         it (`policy.batch`) so that a run continued later finds its rows; else `policy` itself."""
-        if isinstance(policy, PerSequence) or not policy.budgeter.per_sequence:
+        if isinstance(policy, PerSequence) or not policy.per_sequence:
             return policy
         found = getattr(policy, "batch", None)
         if found is None or found.one is not policy:
@@ -61,6 +61,18 @@ class PerSequence:
         for row, view in zip(self.rows, self.views):
             row.begin(view, T)
 
+    def before(self, cache: KVCache, T: int) -> None:
+        self.layer = 0
+        self.begin(cache, T)
+
+    @property
+    def wants(self) -> Request | None:
+        self.layer += 1
+        return self.request(self.layer - 1)
+
+    def after_layers(self, cache: KVCache) -> None:
+        self.end(cache)
+
     def request(self, layer: int) -> Request | None:
         """What any sequence asks for (one attention pass serves the batch)."""
         if len(self.rows) == 1:
@@ -83,6 +95,25 @@ class PerSequence:
     def parts(self) -> tuple:
         """(scorer, budgeter, compressor) of the method, as built for one sequence."""
         return self.one.parts
+
+    # what the tools read of the method (kvmini.methods.method): the first sequence's
+    protected = property(lambda self: self.one.protected)
+    aux = property(lambda self: self.one.aux)
+    mean_budget = property(lambda self: self.one.mean_budget)
+    merger = property(lambda self: self.one.merger)
+    per_sequence = True
+    own_counts = property(lambda self: self.one.own_counts)
+
+    sinks = property(lambda self: self.one.sinks)
+
+    def recent(self, b: int) -> int:
+        return self.one.recent(b)
+
+    def describe(self, lc):
+        return self.one.describe(lc)
+
+    def holds_more_because(self) -> str:
+        return self.one.holds_more_because()
 
     @property
     def evict_every(self) -> int:

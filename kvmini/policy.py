@@ -154,6 +154,20 @@ class Policy:
                   advice, mean=b)
         self.active = b is None or not is_noop(b, n, self.total_len, self.schedule)
 
+    def before(self, cache: KVCache, T: int) -> None:
+        """The model's first hook (kvmini.methods.method): `begin`, and the next layer is 0."""
+        self.layer = 0
+        self.begin(cache, T)
+
+    @property
+    def wants(self) -> Request | None:
+        """What the next layer's attention pass computes (`request`); counting the layers as they come."""
+        self.layer += 1
+        return self.request(self.layer - 1)
+
+    def after_layers(self, cache: KVCache) -> None:
+        self.end(cache)
+
     def request(self, layer: int) -> Request | None:
         """What layer's attention pass computes: one of the call's requests (`begin`)."""
         call = self.call
@@ -200,6 +214,45 @@ class Policy:
     @property
     def parts(self) -> tuple:
         return self.scorer, self.budgeter, self.compressor
+
+    # what the tools read of a method (kvmini.methods.method): here, from the parts
+    per_sequence = property(lambda self: self.budgeter.per_sequence)
+    protected = property(lambda self: self.budgeter.protected)
+    aux = property(lambda self: self.scorer.aux)
+    mean_budget = property(lambda self: getattr(self.budgeter, "b", None))
+
+    protected_spec = property(lambda self: self.budgeter.protected_spec)
+    own_counts = property(lambda self: getattr(self.compressor, "own_counts", False))  # heads keep their own counts
+
+    def problem(self, b: int) -> str | None:
+        return self.compressor.problem(b)
+
+    def plan(self, b: int, L: int, n: int) -> list[int]:
+        return self.budgeter.plan(b, L, n)
+
+    def protected_in(self, L: int) -> tuple[int, ...]:
+        return self.budgeter.protected_in(L)
+
+    sinks = property(lambda self: self.compressor.sinks)
+
+    def recent(self, b: int) -> int:
+        return self.compressor.recent(b)
+
+    def describe(self, lc) -> tuple[str, "torch.Tensor | None"]:
+        """What the method's score is and its values for lc's entries (B, H_kv, S), or (why none, None)."""
+        if not hasattr(self.scorer, "describe"):
+            return (f"not kept in the cache ({type(self.scorer).__name__} scores the tokens from one call's attention "
+                    "when the method compresses, then discards them)"), None
+        return self.scorer.describe(lc)
+
+    def holds_more_because(self) -> str:
+        return getattr(self.budgeter, "holds_more_because", lambda: "")()
+
+    @property
+    def merger(self):
+        """The part that merges evicted tokens (its `trace` records them), or None."""
+        merger = getattr(self.compressor, "merge", self.compressor)  # TopK holds D2O's EMAMerge
+        return merger if merger is not None and hasattr(merger, "trace") else None
 
     @property
     def budgets(self) -> list[int] | None:

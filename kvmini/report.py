@@ -57,10 +57,10 @@ def budget_note(policy) -> str:
     last L % m layers: a budgeter's own `holds_more_because()`), when it does."""
     if policy.unchanged is not None:  # a prompt too short to compress: the note says so
         return ""
-    budgeter, protected = policy.parts[1], sorted(policy.parts[1].protected)
-    why = getattr(budgeter, "holds_more_because", lambda: "")() or (
+    protected = sorted(policy.protected)
+    why = policy.holds_more_because() or (
         f"layers {', '.join(map(str, protected))} are protected (never compressed)" if protected else "")
-    asked, budgets = getattr(budgeter, "b", None), policy.budgets
+    asked, budgets = policy.mean_budget, policy.budgets
     mean = sum(budgets) / len(budgets)
     if not why or asked is None or mean <= asked:
         return ""

@@ -43,11 +43,8 @@ TEMPLATE = Path(__file__).with_name("view.html")
 def record_merges(policy) -> list[Merged] | None:
     """Ask the policy's merging compressor (D2O's EMAMerge, WeightedKV's ConvexValueMerge) to record its
     merges in a list, returned (None: the method does not merge). Call before the run."""
-    if policy is None:
-        return None
-    compressor = policy.parts[2]
-    merger = getattr(compressor, "merge", compressor)  # TopK holds D2O's EMAMerge; WeightedKV merges itself
-    if merger is None or not hasattr(merger, "trace"):
+    merger = None if policy is None else policy.merger
+    if merger is None:
         return None
     merger.trace = []
     return merger.trace
@@ -63,17 +60,14 @@ def bitset(positions: np.ndarray, n: int) -> str:
     return b64(np.packbits(bits, bitorder="little"))
 
 
-def scores_of(lc, scorer) -> tuple[str, torch.Tensor | None]:
+def scores_of(lc, policy) -> tuple[str, torch.Tensor | None]:
     """(what it is, (H_kv, S) per held entry) of the score the cache keeps for row 0, or (why not, None):
-    a scorer may describe itself, `describe(lc)` -> (what its score is, (B, H_kv, S)) or (why none, None)."""
-    if scorer is None:
+    the method's `describe(lc)` -> (what its score is, (B, H_kv, S)) or (why none, None)."""
+    if policy is None:
         return "no scores: the full cache keeps every token", None
-    if any((a if isinstance(a, str) else a[0]) not in lc.aux_names() for a in scorer.aux):  # never scored here
+    if any((a if isinstance(a, str) else a[0]) not in lc.aux_names() for a in policy.aux):  # never scored here
         return "not scored: this layer is never compressed", None
-    if not hasattr(scorer, "describe"):
-        return (f"not kept in the cache ({type(scorer).__name__} scores the tokens from one call's attention when "
-                "the method compresses, then discards them)"), None
-    label, score = scorer.describe(lc)
+    label, score = policy.describe(lc)
     return label, None if score is None else score[0].float()
 
 
@@ -84,8 +78,7 @@ def panel(cache: KVCache, policy=None, trace: list[Merged] | None = None, name: 
     from kvmini.report import aux_nbytes
 
     n, L = cache.seen_tokens, len(cache)
-    scorer, budgeter, compressor = policy.parts if policy is not None else (None, None, None)
-    protected = set(budgeter.protected) if budgeter is not None else set()
+    protected = set(policy.protected) if policy is not None else set()
     merges = {}  # (layer, head) -> [(evicted, into, weight) arrays of each record]
     for m in trace or []:
         for h in range(m.evicted.shape[1]):
@@ -93,7 +86,7 @@ def panel(cache: KVCache, policy=None, trace: list[Merged] | None = None, name: 
     held, merged, into, scores, notes = [], [], [], [], {}
     width = "<u2" if n <= 2**16 else "<u4"  # merge targets: positions < n
     for layer, lc in enumerate(cache.layers):
-        label, score = scores_of(lc, scorer)
+        label, score = scores_of(lc, policy)
         notes.setdefault(score is not None, label)
         rows = {"held": [], "merged": [], "into": [], "score": []}
         for h, pos in enumerate(lc.positions[0]):  # pos (S,)
@@ -121,7 +114,7 @@ def panel(cache: KVCache, policy=None, trace: list[Merged] | None = None, name: 
             windows.append(None)
             continue
         end = policy.prompt_end if policy.schedule == PREFILL else n
-        windows.append([compressor.sinks, end - compressor.recent(policy.budgets[layer]), end])
+        windows.append([policy.sinks, end - policy.recent(policy.budgets[layer]), end])
     return {
         "name": name or (policy.name if policy is not None else "full"),
         "heads": cache[0].positions.shape[1],
@@ -205,10 +198,8 @@ def write_turns(path, turns: list, tokenizer, trace, name: str, context=None, pa
 def trace_of(policy) -> list[Merged] | None:
     """The merges a policy's compressor has recorded so far (`record_merges`), or None (also for the full
     cache, which runs no policy)."""
-    if policy is None:
-        return None
-    compressor = policy.parts[2]
-    return getattr(getattr(compressor, "merge", compressor), "trace", None)
+    merger = None if policy is None else policy.merger
+    return None if merger is None else merger.trace
 
 
 def run_method(model, ids: torch.Tensor, spec: str, budget: float | None, max_new_tokens: int = 1) -> tuple:

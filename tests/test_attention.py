@@ -101,19 +101,18 @@ def test_unknown_group_reduction_is_rejected():
 class AskEverything:
     """A do-nothing policy that makes every layer take the explicit (statistics) path."""
 
+    wants = Request(column_sums(), window_sums(4), last_row())
+
     def __init__(self):
         self.seen = []
 
-    def begin(self, cache, T):
+    def before(self, cache, T):
         pass
-
-    def request(self, layer):
-        return Request(column_sums(), window_sums(4), last_row())
 
     def after_attention(self, layer, cache, stats):
         self.seen.append((layer, stats.column_sums.shape))
 
-    def end(self, cache):
+    def after_layers(self, cache):
         pass
 
 

@@ -362,19 +362,19 @@ def test_only_keys_of_one_norm_may_trade_places():
 
 
 def test_a_one_token_score_change_fails(recorded, monkeypatch):
-    from kvmini.methods.scorers import CumulativeAttention
+    from kvmini.methods import h2o
 
     tensors, _ = recorded
     calls, n = tiny_scenarios()["b1"]
     variant = ("h2o", 12, {})
     expected = expected_of(tensors, f"b1/{label(*variant)}/")
     gone = sorted(set(range(n)) - set(expected["positions.0.1"][0, 0].tolist()))[0]  # evicted by the prompt's call
-    original = CumulativeAttention.__call__
+    original = h2o.shrink
 
-    def bumped(self, lc, stats):  # token `gone` scores one more (one query's worth of attention)
-        return original(self, lc, stats) + (lc.positions == gone)
+    def bumped(lc, score, *args):  # token `gone` scores one more (one query's worth of attention)
+        return original(lc, score + (lc.positions == gone), *args)
 
-    monkeypatch.setattr(CumulativeAttention, "__call__", bumped)
+    monkeypatch.setattr(h2o, "shrink", bumped)
     out, _ = run(tiny_model(), calls, *variant, n)
     assert any(d.startswith("positions.0.1:") for d in differences(out, expected))
 

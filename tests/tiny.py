@@ -40,14 +40,13 @@ def least_budget(name: str, options: dict, L: int, n: int) -> int | None:
     if chooses_budget(name):
         return None
     policy = parts(name, options)
-    budgeter, compressor = policy.budgeter, policy.compressor
-    protected = budgeter.protected_in(L)
+    protected = policy.protected_in(L)
     for b in range(1, n + 1):
         try:
-            budgets = budgeter.plan(b, L, n)
+            budgets = policy.plan(b, L, n)
         except KvminiError:  # a plan that cannot work (DynamicKV: a mean budget within its window)
             continue
-        if all(compressor.problem(x) is None for layer, x in enumerate(budgets) if layer not in protected):
+        if all(policy.problem(x) is None for layer, x in enumerate(budgets) if layer not in protected):
             return b
     return None
 
@@ -73,7 +72,7 @@ def gives_budgets(name: str) -> bool:
     and protects no layer (D2O's official variant: its protected layers keep every token and grow)?"""
     if METHODS[name] is None or chooses_budget(name):
         return False
-    return not parts(name, fitted(name)).budgeter.protected_spec
+    return not parts(name, fitted(name)).protected_spec
 
 
 def statistic_cases(names) -> list[tuple[str, dict]]:

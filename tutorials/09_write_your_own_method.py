@@ -383,8 +383,7 @@ print("kept sets equal at every call:", [len(kept[0][0][0]) for kept in got_kept
 class LowCounts(ColumnSums):
     """Records every layer's low counts over the last 400 queries of the prompt, compressing nothing."""
 
-    def request(self, layer):
-        return Request(scissorhands.LowHistory(w=400).low)
+    wants = Request(scissorhands.LowHistory(w=400).low)
 
     def after_attention(self, layer, cache, stats):
         self.sums.append(stats.low_counts)

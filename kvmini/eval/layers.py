@@ -24,19 +24,18 @@ ADAPTIVE = ("pyramidkv", "d2o", "d2o[variant=paper]", "dynamickv", "dbudgetkv")
 class ColumnSums:
     """A policy that compresses nothing and records every layer's column sums, (1, H_kv, n) each."""
 
+    wants = Request(column_sums())  # what every layer's attention pass computes
+
     def __init__(self):
         self.sums: list[torch.Tensor] = []
 
-    def begin(self, cache, T):
+    def before(self, cache, T):
         pass
-
-    def request(self, layer):
-        return Request(column_sums())
 
     def after_attention(self, layer, cache, stats):
         self.sums.append(stats.column_sums)
 
-    def end(self, cache):
+    def after_layers(self, cache):
         pass
 
 

@@ -49,8 +49,8 @@ POLICY = "kvmini.policy"  # the profiler label of the policy's hooks (ops_per_st
 
 
 class Timed:
-    """A method's policy whose hooks are timed: `seconds` adds up the time spent in `request`,
-    `after_attention` and `end` (scoring, budgeting, compressing). Attention statistics are computed
+    """A method's policy whose hooks are timed: `seconds` adds up the time spent in `wants`,
+    `after_attention` and `after_layers` (scoring, budgeting, compressing). Attention statistics are computed
     inside the attention pass, so they count as model time. CPU wall time (no CUDA synchronization).
     `marked`: the hooks also run under a profiler label (see ops_per_step)."""
 
@@ -72,19 +72,20 @@ class Timed:
         self.seconds += time.perf_counter() - t0
         return out
 
-    def request(self, layer: int):
-        return self._timed(self.policy.request, layer)
+    @property
+    def wants(self):
+        return self._timed(lambda: self.policy.wants)
 
     def after_attention(self, layer: int, cache, stats: Stats) -> None:
         self._timed(self.policy.after_attention, layer, cache, stats)
 
-    def end(self, cache) -> None:
-        self._timed(self.policy.end, cache)
+    def after_layers(self, cache) -> None:
+        self._timed(self.policy.after_layers, cache)
 
 
-def evicts_while_decoding(policy) -> bool:
-    """Does the policy's method evict while decoding (kvmini.methods.registry says; None: full)?"""
-    return policy is not None and registry.evicts_while_decoding(policy.name)
+def has_joint_step(policy) -> bool:
+    """Does the policy's method have a decode step with every layer at once (kvmini.at_once; None: full)?"""
+    return policy is not None and policy.name in registry.TOGETHER
 
 
 def set_together(policy, together: bool) -> None:
@@ -164,7 +165,7 @@ def decode_speed(model, ids: torch.Tensor, methods: list[str], budget: float, st
         nxt = model(nxt, cache, policy)[:, -1].argmax(-1, keepdim=True)  # the first decode step
         synchronize(model.device)
         runs[name] = {"policy": policy, "cache": cache, "next": nxt, "first_step_s": time.perf_counter() - t0}
-        if evicts_while_decoding(policy):
+        if has_joint_step(policy):
             lbl_cache, lbl_policy = fork(cache, policy)
             set_together(lbl_policy, False)
             runs["layer_by_layer_" + name] = {"policy": lbl_policy, "cache": lbl_cache, "next": nxt}

@@ -4,15 +4,17 @@ r"""H2O (Zhang et al. 2023): heavy hitters by accumulated attention + a recent w
 Zhenyu Zhang et al., NeurIPS 2023, arXiv 2306.14048.
 
     s_j = \sum_{i \le t} A_{ij}  (per KV head);  kept: the `recent` newest + the budget - recent highest s_j
-Compressed after every call (each prefill chunk, each decode step: docs/design.md, "One forward call").
+Compressed after every call (each prefill chunk, each decode step).
 """
 from dataclasses import dataclass
 from typing import Literal
 
-from kvmini.methods.scorers import CumulativeAttention
-from kvmini.methods.selectors import TopK
-from kvmini.parts import EVERY_CALL, Budgeter, Rule
-from kvmini.policy import Policy
+import torch
+
+from kvmini.methods.method import Method
+from kvmini.methods.selectors import shrink
+from kvmini.parts import Rule
+from kvmini.statistics import Request, column_sums
 
 HALF = Rule("budget // 2", lambda b: b // 2)
 
@@ -23,5 +25,28 @@ class Options:
     reduce: Literal["mean", "max", "sum"] = "mean"  # how the query heads of a KV head are combined
 
 
-def build(budget: float, o: Options = Options()) -> Policy:
-    return Policy("h2o", budget, CumulativeAttention(o.reduce), Budgeter(), TopK(recent=o.recent), schedule=EVERY_CALL)
+class H2O(Method):
+    aux = ("attention_sum",)  # s_j of every cached token, per KV head
+
+    def __init__(self, budget: float, o: Options = Options()):
+        super().__init__("h2o", budget)
+        self.recent, self.reduce = Rule.of_(o.recent, "recent"), o.reduce  # recent(b): the window of budget b
+
+    def before(self, cache, T: int) -> None:
+        super().before(cache, T)
+        self.wants = Request(column_sums(self.reduce)) if self.updates else None  # this call's A_ij, summed over i
+
+    def after_attention(self, layer: int, cache, seen) -> None:
+        lc, b = cache[layer], self.budgets[layer]
+        if self.updates:
+            lc.aux("attention_sum").add_(seen.column_sums)  # s_j += \sum_i A_ij over this call's queries (B, H_kv, S)
+        if self.active and lc.length > b + self.slack:  # every call: a prompt chunk, or one decode step
+            self.evicted[layer] += lc.length - b
+            shrink(lc, lc.aux("attention_sum"), b, 0, self.recent(b), self.newest)  # the top s_j + the recent window
+
+    def describe(self, lc) -> tuple[str, torch.Tensor | None]:
+        return "accumulated attention (H2O's score: summed over every query so far)", lc.aux("attention_sum")
+
+
+def build(budget: float, o: Options = Options()) -> H2O:
+    return H2O(budget, o)

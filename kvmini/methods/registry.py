@@ -220,12 +220,12 @@ NO_LIMIT = 2**30  # tokens per layer: a budget no prompt reaches (asks a compres
 
 def some_budget_works(policy: Policy) -> None:
     """Refuse options with which no budget can work (e.g. d2o nm=0:1 with sinks)."""
-    if (never := policy.compressor.problem(NO_LIMIT)) is not None:
+    if (never := policy.problem(NO_LIMIT)) is not None:
         raise KvminiError(f"{policy.name}: no budget can work with these options: even a budget of {NO_LIMIT:,} "
                           f"tokens is {never}; use fewer sinks or a smaller window")
 
 
-TOGETHER = {"streaming_llm", "h2o", "tova", "vatp", "scissorhands", "d2o", "weightedkv", "cam", "roco"}  # decode steps with every layer at once
+TOGETHER = {"streaming_llm", "tova", "vatp", "scissorhands", "d2o", "weightedkv", "cam", "roco"}  # decode steps with every layer at once
 
 
 def make_policy(name: str, budget: float | None = None, **given) -> Policy | None:
