@@ -161,13 +161,19 @@ class LayerCache:
         """Evict entry `slot` (B, H_kv) of every row in O(D): the row's last entry moves into that slot and
         the place it leaves becomes a pad (a decode step's `keep`, moving one entry instead of S).
         Attention masks by position, so order does not matter."""
-        at, last = self._slot(slot)[..., None], self.held()[..., None] - 1  # (B, H_kv, 1)
-        for buf in (self._k, self._v, self._pos, *self._aux.values()):  # (B, H_kv, cap, ...)
+        at = self._slot(slot)[..., None]  # (B, H_kv, 1)
+        if self.counts is None:  # every row's last entry is at length - 1; places past length are never read
+            last = self.length - 1
+            for buf in (self._k, self._v, self._pos, *self._aux.values()):  # (B, H_kv, cap, ...)
+                buf.scatter_(2, along(at, buf), buf[:, :, last : last + 1].clone())  # a copy: the two may overlap
+            self.length = last
+            return
+        last = self.counts[..., None] - 1  # (B, H_kv, 1)
+        for buf in (self._k, self._v, self._pos, *self._aux.values()):
             buf.scatter_(2, along(at, buf), buf.gather(2, along(last, buf)))
             buf.scatter_(2, along(last, buf), PAD if buf is self._pos else 0)
         self.length -= 1  # every row held one more: the longest is one shorter (no device sync)
-        if self.counts is not None:
-            self.counts = self.counts - 1
+        self.counts = self.counts - 1
 
     def _slot(self, slot) -> torch.Tensor:
         """`evict_one`'s argument as a (B, H_kv) tensor of held slots (an int: that slot in every head);

@@ -136,15 +136,16 @@ def test_speed_ratios_are_relative_to_the_full_cache():
     pre = speed.prefill_times(model, ids, ["h2o", "dbudgetkv"], 0.25, reps=2, log=lambda m: None)
     assert pre["full"]["ratio"] == 1.0 and pre["full"]["kept_bytes_ratio"] == 1.0
     assert pre["h2o"]["kept_bytes_ratio"] == 0.25 and pre["h2o"]["ratio"] > 0
-    dec = speed.decode_speed(model, ids, ["h2o", "tova", "snapkv"], 0.25, steps=3, rounds=2, log=lambda m: None)
+    dec = speed.decode_speed(model, ids, ["h2o", "weightedkv", "snapkv"], 0.25, steps=3, rounds=2, log=lambda m: None)
     assert dec["full"]["ratio"] == 1.0 and dec["h2o"]["tokens_per_s"] > 0
-    # TOVA has a decode step with every layer at once: both paths measured, the joint one running fewer
-    # ops (3 layers here); H2O evicts in its own module, layer by layer, and SnapKV not while decoding
-    assert dec["tova"]["layer_by_layer_tokens_per_s"] > 0 and "joint_speedup" not in dec["snapkv"]
+    # WeightedKV has a decode step with every layer at once: both paths measured, the joint one running
+    # fewer ops (3 layers here); H2O evicts in its own module, layer by layer, and SnapKV not while decoding
+    assert dec["weightedkv"]["layer_by_layer_tokens_per_s"] > 0 and "joint_speedup" not in dec["snapkv"]
     assert "joint_speedup" not in dec["h2o"] and dec["h2o"]["ops_per_step"] > 0
-    assert 0 < dec["tova"]["ops_per_step"] < dec["tova"]["layer_by_layer_ops_per_step"]
+    assert 0 < dec["weightedkv"]["ops_per_step"] < dec["weightedkv"]["layer_by_layer_ops_per_step"]
     # every round of every run is recorded, the layer-by-layer copy's too; the median round gives tokens/s
-    assert all(len(dec[m]["rounds_s"]) == 2 for m in ("full", "h2o", "snapkv")) and len(dec["tova"]["layer_by_layer_rounds_s"]) == 2
+    assert all(len(dec[m]["rounds_s"]) == 2 for m in ("full", "h2o", "snapkv"))
+    assert len(dec["weightedkv"]["layer_by_layer_rounds_s"]) == 2
     assert dec["h2o"]["tokens_per_s"] == pytest.approx(3 / (sum(dec["h2o"]["rounds_s"]) / 2))
 
 

@@ -2,7 +2,6 @@
 import pytest
 import torch
 
-from kvmini.statistics import Stats
 from kvmini.methods.registry import make_policy
 from reference import random_model, simulate, top_positions
 
@@ -52,19 +51,19 @@ def test_knorm_asks_attention_for_nothing():
     policy.start(10, 10)
     model = random_model(L=2)
     cache = model.new_cache(1)
-    policy.begin(cache, 10)
-    assert policy.scorer.request is None and policy.request(0) is None  # the fast SDPA path
+    policy.before(cache, 10)
+    assert policy.wants is None  # the fast SDPA path
 
 
 def test_knorm_keeps_the_smallest_keys_by_hand():
     from kvmini.cache import LayerCache
-    from kvmini.methods.knorm import KNorm
-    from kvmini.methods.selectors import TopK
 
     lc = LayerCache(1, 1, 2, torch.float32, "cpu")
     keys = torch.tensor([[3.0, 4.0], [0.6, 0.8], [1.0, 0.0], [0.0, 2.0]])  # norms 5, 1, 1, 2
     lc.append(keys.view(1, 1, 4, 2), keys.view(1, 1, 4, 2), torch.arange(4)[None])
-    compressor = TopK()
-    compressor.start(1)
-    compressor((0,), lc, KNorm()(lc, Stats()), 2, int(lc.positions.max()))
+    cache = type("OneLayer", (list,), {"seen_tokens": 0})([lc])  # what KNorm's hooks read of a KVCache
+    policy = make_policy("knorm", 2)
+    policy.start(4)
+    policy.before(cache, 4)
+    policy.after_attention(0, cache, None)
     assert lc.positions.tolist() == [[[1, 2]]]  # the two keys of norm 1 (the tie goes to the earlier)

@@ -62,7 +62,8 @@ def budget_for(name: str, budget: int, L: int = 3, n: int = 40) -> int | None:
 def statistics(name: str, options: dict) -> frozenset:
     """The attention statistics (name, queries, head reduction, function) the method's scorer and budgeter read."""
     policy = parts(name, options)
-    wanted = Request.merge([policy.scorer.request, policy.budgeter.request])
+    asks = [policy.scorer.request, policy.budgeter.request] if hasattr(policy, "scorer") else [policy.wants]
+    wanted = Request.merge(asks)  # a method in its own module that sets `wants` per call: add it here
     return frozenset((s.name, s.last, s.reduce, getattr(s.f, "__qualname__", None)) for s in wanted.statistics) \
         if wanted else frozenset()
 

@@ -56,7 +56,7 @@ from kvmini.cache import LayerCache
 from kvmini.methods.allocators import Uniform
 from kvmini.methods.cache_merging import CacheMerge
 from kvmini.methods.scorers import CumulativeAttention
-from kvmini.methods.tova import LastRowAttention
+from kvmini.methods.scorers import LastRowAttention
 from kvmini.policy import Policy
 from kvmini.parts import EVERY_CALL
 

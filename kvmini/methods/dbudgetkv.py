@@ -28,7 +28,7 @@ from kvmini.methods.frobenius_stop import FrobeniusStop
 from kvmini.methods.scorers import CumulativeAttention
 from kvmini.methods.selectors import TopK
 from kvmini.methods.snapkv import WindowAttention
-from kvmini.methods.streaming_llm import Position
+from kvmini.methods.scorers import Position
 from kvmini.parts import PREFILL
 from kvmini.policy import Policy
 

@@ -16,20 +16,9 @@ from dataclasses import dataclass
 
 import torch
 
-from kvmini.statistics import Stats
 from kvmini.cache import wide
-from kvmini.methods.allocators import Uniform
-from kvmini.methods.selectors import TopK
-from kvmini.parts import PREFILL, Scorer
-from kvmini.policy import Policy
-
-
-class KNorm(Scorer):
-    def __call__(self, lc, stats: Stats) -> torch.Tensor:
-        return -wide(lc.keys).norm(dim=-1)  # (B, H_kv, S): the lowest norm scores highest
-
-    def describe(self, lc) -> tuple[str, torch.Tensor | None]:
-        return "key norm (KNorm keeps the lowest)", -self(lc, None)
+from kvmini.methods.method import Method
+from kvmini.methods.selectors import shrink
 
 
 @dataclass(frozen=True)
@@ -37,5 +26,21 @@ class Options:
     """KNorm has no options."""
 
 
-def build(budget: float, o: Options = Options()) -> Policy:
-    return Policy("knorm", budget, KNorm(), Uniform(), TopK(), schedule=PREFILL)
+class KNorm(Method):
+    schedule = "prefill"
+
+    def __init__(self, budget: float, o: Options = Options()):
+        super().__init__("knorm", budget)
+
+    def after_attention(self, layer: int, cache, seen) -> None:
+        lc, b = cache[layer], self.budgets[layer]
+        if self.active and self.completes and lc.length > b:  # once, in the call that completes the prompt
+            self.evicted[layer] += lc.length - b
+            shrink(lc, -wide(lc.keys).norm(dim=-1), b, 0, 0, self.newest)  # s_j = -||k_j||: the lowest norms stay
+
+    def describe(self, lc) -> tuple[str, torch.Tensor | None]:
+        return "key norm (KNorm keeps the lowest)", wide(lc.keys).norm(dim=-1)
+
+
+def build(budget: float, o: Options = Options()) -> KNorm:
+    return KNorm(budget, o)

@@ -71,7 +71,7 @@ class Method:
     def before(self, cache, T: int) -> None:
         """A call of T tokens: refuse one the method would have to guess about; at a run's first call declare
         `aux`; at a prompt's first call plan its budgets. Then `in_prompt` (the call ends within the prompt),
-        `slack` (entries a layer may hold beyond its budget) and `updates` (keep running sums in this call)."""
+        `completes` (it ends the prompt), `newest` (its last token's position), `slack` (entries a layer may hold beyond its budget) and `updates` (keep running sums in this call)."""
         start, end, n = cache.seen_tokens, cache.seen_tokens + T, self.prompt_end
         self._check_call(start, end)
         if not self.started:
@@ -81,7 +81,7 @@ class Method:
                     cache[layer].declare(*self.aux)
         if not self.planned:
             self._plan(len(cache))
-        self.seen, self.newest, self.in_prompt = end, end - 1, end <= n
+        self.seen, self.newest, self.in_prompt, self.completes = end, end - 1, end <= n, end == n
         self.slack = 0 if end <= n else self.evict_every - 1
         self.updates = self.active or self.total_len is None  # an idle run that may go on keeps its sums too
         self.skipped |= bool(self.aux) and not self.updates  # then a next prompt would lack them

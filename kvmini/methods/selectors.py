@@ -31,21 +31,16 @@ def lowest(score: torch.Tensor, positions: torch.Tensor, sinks: int, recent, new
     return torch.where(low, positions, -1).argmax(-1)  # (B, H_kv): the latest of them
 
 
-def shrink(lc, score: torch.Tensor, b: int, sinks: int, recent: int, newest: int) -> torch.Tensor:
+def shrink(lc, score: torch.Tensor, b: int, sinks: int, recent: int, newest: int) -> None:
     """Shrink every row of one layer's cache to b entries: the first `sinks`, the last `recent` and the
     best `score`s between them (`keep_top`). One entry over (a decode step) evicts the `lowest` in O(D)
-    (`evict_one`); more sorts and gathers (`keep`, O(S·D)): the same result either way. Returns the kept
-    indices (B, H_kv, b) in their new buffer order. score (B, H_kv, S) in buffer order."""
-    S = lc.length
-    if S == b + 1:  # one entry to drop
-        victim = lowest(score, lc.positions, sinks, recent, newest)  # (B, H_kv)
-        lc.evict_one(victim)
-        slots = torch.arange(S - 1, device=score.device)
-        return torch.where(slots == victim[..., None], S - 1, slots)  # (B, H_kv, S - 1): the victim's slot holds entry S - 1
+    (`evict_one`); more sorts and gathers (`keep`, O(S·D)): the same result either way.
+    score (B, H_kv, S) in buffer order; newest: the position of the call's newest token."""
+    if lc.length == b + 1:  # one entry to drop
+        lc.evict_one(lowest(score, lc.positions, sinks, recent, newest))
+        return
     order = lc.positions.argsort(dim=-1)  # (B, H_kv, S): position order (earlier steps may have mixed the buffer)
-    idx = order.gather(2, keep_top(score.gather(2, order), b, sinks, recent))  # (B, H_kv, b)
-    lc.keep(idx)
-    return idx
+    lc.keep(order.gather(2, keep_top(score.gather(2, order), b, sinks, recent)))  # (B, H_kv, b) kept
 
 
 class TopK(Compressor):
@@ -64,8 +59,6 @@ class TopK(Compressor):
             self.merge.reset(L)
 
     def __call__(self, layers: tuple, lc, score: torch.Tensor, b, newest: int) -> torch.Tensor | None:
-        if self.merge is None and isinstance(b, int):
-            return shrink(lc, score, b, self.sinks, self.recent(b), newest)
         S = lc.length
         if S == most(b) + 1:  # one entry to drop
             victim = lowest(score, lc.positions, self.sinks, self.recent(b), newest)  # (B, H_kv)

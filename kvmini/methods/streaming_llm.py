@@ -14,22 +14,8 @@ from dataclasses import dataclass
 
 import torch
 
-from kvmini.cache import LayerCache
-from kvmini.methods.allocators import Uniform
-from kvmini.methods.selectors import TopK
-from kvmini.parts import EVERY_CALL, Rule, Scorer
-from kvmini.policy import Policy
-from kvmini.statistics import Stats
-
-
-class Position(Scorer):
-    """StreamingLLM, DBudgetKV: the later a token, the more important (no attention statistics)."""
-
-    def __call__(self, lc: LayerCache, stats: Stats) -> torch.Tensor:
-        return lc.positions.float()  # (B, H_kv, S)
-
-    def describe(self, lc: LayerCache) -> tuple[str, torch.Tensor | None]:
-        return "the position itself (the later, the more important)", None
+from kvmini.methods.method import Method
+from kvmini.methods.selectors import shrink
 
 
 @dataclass(frozen=True)
@@ -37,6 +23,23 @@ class Options:
     sinks: int = 4  # first tokens always kept
 
 
-def build(budget: float, o: Options = Options()) -> Policy:
-    recent = Rule(f"budget - {o.sinks}", lambda b: b - o.sinks)
-    return Policy("streaming_llm", budget, Position(), Uniform(), TopK(o.sinks, recent), schedule=EVERY_CALL)
+class StreamingLLM(Method):
+    def __init__(self, budget: float, o: Options = Options()):
+        super().__init__("streaming_llm", budget)
+        self.sinks = o.sinks
+
+    def recent(self, b: int) -> int:
+        return b - self.sinks  # the budget beyond the sinks: the most recent tokens
+
+    def after_attention(self, layer: int, cache, seen) -> None:
+        lc, b = cache[layer], self.budgets[layer]
+        if self.active and lc.length > b + self.slack:  # every call: a prompt chunk, or one decode step
+            self.evicted[layer] += lc.length - b
+            shrink(lc, lc.positions.float(), b, self.sinks, self.recent(b), self.newest)  # the later, the better
+
+    def describe(self, lc) -> tuple[str, torch.Tensor | None]:
+        return "the position itself (the later, the more important)", None
+
+
+def build(budget: float, o: Options = Options()) -> StreamingLLM:
+    return StreamingLLM(budget, o)

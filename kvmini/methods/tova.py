@@ -14,24 +14,10 @@ over all heads of a layer, so one layer evicts the same token in every head.
 from dataclasses import dataclass
 from typing import Literal
 
-import torch
-
-from kvmini.cache import LayerCache
-from kvmini.methods.allocators import Uniform
-from kvmini.methods.selectors import TopK
-from kvmini.parts import EVERY_CALL, Rule, Scorer
-from kvmini.policy import Policy
-from kvmini.statistics import Request, Stats, last_row
-
-
-class LastRowAttention(Scorer):
-    r"""TOVA (Oren et al. 2024): s_j = A_{tj}, the attention of the latest query only."""
-
-    def __init__(self, reduce: str = "mean"):
-        self.request = Request(last_row(reduce))
-
-    def __call__(self, lc: LayerCache, stats: Stats) -> torch.Tensor:
-        return stats.last_row
+from kvmini.methods.method import Method
+from kvmini.methods.selectors import shrink
+from kvmini.parts import Rule
+from kvmini.statistics import Request, last_row
 
 
 @dataclass(frozen=True)
@@ -41,5 +27,21 @@ class Options:
     reduce: Literal["mean", "max", "sum"] = "mean"  # how the query heads of a KV head are combined
 
 
-def build(budget: float, o: Options = Options()) -> Policy:
-    return Policy("tova", budget, LastRowAttention(o.reduce), Uniform(), TopK(o.sinks, o.recent), schedule=EVERY_CALL)
+class TOVA(Method):
+    def __init__(self, budget: float, o: Options = Options()):
+        super().__init__("tova", budget)
+        self.sinks, self.recent, self.reduce = o.sinks, Rule.of_(o.recent, "recent"), o.reduce
+
+    def before(self, cache, T: int) -> None:
+        super().before(cache, T)
+        self.wants = Request(last_row(self.reduce)) if self.active else None  # A_tj: the latest query's row
+
+    def after_attention(self, layer: int, cache, seen) -> None:
+        lc, b = cache[layer], self.budgets[layer]
+        if self.active and lc.length > b + self.slack:  # every call: a prompt chunk, or one decode step
+            self.evicted[layer] += lc.length - b
+            shrink(lc, seen.last_row, b, self.sinks, self.recent(b), self.newest)  # the lowest A_tj goes
+
+
+def build(budget: float, o: Options = Options()) -> TOVA:
+    return TOVA(budget, o)
