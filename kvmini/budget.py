@@ -2,9 +2,14 @@
 (docs/design.md, "Budgets"). Pure functions, asked by kvmini.policy.
 """
 import math
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
 
 from kvmini.errors import KvminiError, tokens
-from kvmini.parts import PREFILL
+
+PREFILL = "prefill"  # a schedule (kvmini.parts): once, layer by layer, in the forward call that completes the prompt
 
 ADVICE = "; raise --budget, or use fewer sinks or a smaller window"
 
@@ -80,3 +85,33 @@ def _fits(budgeter, compressor, b: int, L: int, n: int) -> bool:
     except KvminiError:
         return False
     return not problems(compressor, dict(enumerate(budgets)), budgeter.protected_in(L))
+
+
+@dataclass(frozen=True, repr=False)
+class Rule:
+    """A count that follows a layer's budget b, named so that it prints itself:
+    Rule("budget // 2", lambda b: b // 2)(10) == 5; str(...) == "budget // 2"."""
+
+    text: str
+    of: Callable[[int], int]
+
+    def __call__(self, b):
+        """The count for budget b; b one per row (rows, 1, 1) gives one per row."""
+        if not isinstance(b, torch.Tensor):
+            return self.of(b)
+        return torch.tensor([self.of(int(x)) for x in b.flatten().tolist()], device=b.device).view_as(b)
+
+    def __str__(self) -> str:
+        return self.text
+
+    def __repr__(self) -> str:
+        return f"Rule({self.text!r})"
+
+    @staticmethod
+    def of_(value: "int | Rule", what: str) -> "Rule":
+        """An int or a Rule as a Rule; anything else (an unnamed function) is refused."""
+        if isinstance(value, Rule):
+            return value
+        if isinstance(value, int) and not isinstance(value, bool):
+            return Rule(str(value), lambda b: value)  # the same count for every budget
+        raise KvminiError(f"{what} must be a whole number or a Rule (a named function of the budget), got {value!r}")

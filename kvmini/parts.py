@@ -9,48 +9,15 @@ A method is one of each, e.g. H2O = CumulativeAttention() + Budgeter() + TopK(re
 EVERY_CALL; kvmini.policy.Policy runs them. The base classes hold the shared defaults. lc is a
 LayerCache, stats a kvmini.statistics.Stats (e.g. stats.column_sums (B, H_kv, S)), scores (B, H_kv, S).
 """
-from collections.abc import Callable
-from dataclasses import dataclass
-
 import torch
 
 from kvmini.statistics import Request, Stats
-from kvmini.errors import KvminiError, tokens
+from kvmini.budget import PREFILL, Rule  # noqa: F401  (PREFILL: the first of the schedules)
+from kvmini.errors import tokens
 
-PREFILL = "prefill"  # once, layer by layer, in the forward call that completes the prompt
 AFTER_PROMPT = "after_prompt"  # in the call that completes the prompt, then after every later call
 EVERY_CALL = "every_call"  # after every forward call (each prefill chunk, each decode step)
 DECODE = "decode"  # after every call past the prompt: the first compression at the first decode step
-
-
-@dataclass(frozen=True, repr=False)
-class Rule:
-    """A count that follows a layer's budget b, named so that it prints itself:
-    Rule("budget // 2", lambda b: b // 2)(10) == 5; str(...) == "budget // 2"."""
-
-    text: str
-    of: Callable[[int], int]
-
-    def __call__(self, b):
-        """The count for budget b; b one per row (rows, 1, 1) gives one per row."""
-        if not isinstance(b, torch.Tensor):
-            return self.of(b)
-        return torch.tensor([self.of(int(x)) for x in b.flatten().tolist()], device=b.device).view_as(b)
-
-    def __str__(self) -> str:
-        return self.text
-
-    def __repr__(self) -> str:
-        return f"Rule({self.text!r})"
-
-    @staticmethod
-    def of_(value: "int | Rule", what: str) -> "Rule":
-        """An int or a Rule as a Rule; anything else (an unnamed function) is refused."""
-        if isinstance(value, Rule):
-            return value
-        if isinstance(value, int) and not isinstance(value, bool):
-            return Rule(str(value), lambda b: value)  # the same count for every budget
-        raise KvminiError(f"{what} must be a whole number or a Rule (a named function of the budget), got {value!r}")
 
 
 class Scorer:

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from kvmini.budget import check, chunk_size, is_noop, plan
 from kvmini.cache import KVCache
 from kvmini.errors import KvminiError
+from kvmini.methods.method import prompt_length
 from kvmini.parts import AFTER_PROMPT, DECODE, EVERY_CALL, PREFILL
 from kvmini.statistics import Gathering, Request, Stats
 
@@ -32,13 +33,6 @@ class Call:
     evicting: Request | None  # ... and to score its entries: its known budget is exceeded
     deciding: Request | None  # ... and to decide its budget now (not known before this call)
     scores: dict  # layer -> its score (B, H_kv, S), scored once in this call
-
-
-def prompt_length(name: str, call: str, n) -> int:
-    """n, a prompt's length in tokens, or a KvminiError naming the call it was given to."""
-    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
-        raise KvminiError(f"{name}: {call} takes the prompt's length in tokens, a whole number >= 1, got {n!r}")
-    return n
 
 
 class Policy:
@@ -238,7 +232,7 @@ class Policy:
     def recent(self, b: int) -> int:
         return self.compressor.recent(b)
 
-    def describe(self, lc) -> tuple[str, "torch.Tensor | None"]:
+    def describe(self, lc) -> tuple:
         """What the method's score is and its values for lc's entries (B, H_kv, S), or (why none, None)."""
         if not hasattr(self.scorer, "describe"):
             return (f"not kept in the cache ({type(self.scorer).__name__} scores the tokens from one call's attention "

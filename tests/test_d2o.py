@@ -14,11 +14,12 @@ from kvmini.methods.ema_merging import EMAMerge, nearest
 from kvmini.methods.registry import make_policy
 from kvmini.generate import prefill
 from kvmini.methods.scorers import CumulativeAttention
-from kvmini.methods.selectors import TopK
+from kvmini.methods.topk import TopK
 from kvmini.methods.snapkv import WindowAttention
 from kvmini.methods.allocators import proportional
 from kvmini.methods.variance_softmax import VarianceSoftmax, layer_weights
-from kvmini.parts import PREFILL, Rule
+from kvmini.budget import Rule
+from kvmini.parts import PREFILL
 from kvmini.policy import Policy
 from cases import stored
 from reference import group_mean, random_model, simulate

@@ -15,7 +15,7 @@ from kvmini.errors import KvminiError
 from kvmini.methods import options, registry
 from kvmini.methods.options import Layers, Ratio, read, show
 from kvmini.methods.registry import METHODS, declarations, every_option, make_policy, parse_spec
-from kvmini.parts import Rule
+from kvmini.budget import Rule
 
 NAMED = [name for name, module in METHODS.items() if module is not None]
 
@@ -117,7 +117,7 @@ def test_text_and_typed_values_build_the_same_policy():
 
 
 def test_a_rule_prints_itself_and_an_unnamed_function_is_refused():
-    from kvmini.methods.selectors import TopK
+    from kvmini.methods.topk import TopK
 
     assert str(registry.method_options("h2o")["recent"]) == "budget // 2"
     assert TopK(recent=Rule("budget - 4", lambda b: b - 4)).recent(10) == 6 and TopK(recent=3).recent(99) == 3
@@ -144,7 +144,7 @@ def test_a_new_method_with_a_new_option_needs_its_module_and_one_registry_line(m
     """What tutorial 9 does: a module with its Options and build(), one entry in METHODS; the flag,
     its help, its check (the module's own CHECKS), the spec syntax and the report follow: no shared file."""
     from kvmini.methods.allocators import Uniform
-    from kvmini.methods.selectors import TopK
+    from kvmini.methods.topk import TopK
     from kvmini.parts import PREFILL, Scorer
     from kvmini.policy import Policy
 

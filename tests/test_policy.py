@@ -16,7 +16,8 @@ from kvmini.generate import for_batch, generate
 from kvmini.methods.allocators import round_to_total
 from kvmini.methods.pyramidkv import pyramid
 from kvmini.methods.registry import METHODS, chooses_budget, make_policy, method_options
-from kvmini.methods.selectors import TopK, keep_top
+from kvmini.methods.selectors import keep_top
+from kvmini.methods.topk import TopK
 from kvmini.parts import AFTER_PROMPT, DECODE, EVERY_CALL
 from kvmini.per_sequence import PerSequence, sequence
 from kvmini.policy import Policy

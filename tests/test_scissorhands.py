@@ -8,7 +8,7 @@ import torch
 from kvmini.cache import LayerCache
 from kvmini.methods.registry import declarations, make_policy
 from kvmini.methods.scissorhands import DropLowest, LowHistory, below_average, drop
-from kvmini.methods.selectors import TopK
+from kvmini.methods.topk import TopK
 from kvmini.statistics import Stats
 from reference import engine_run, random_model, simulate
 

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from kvmini.methods.registry import make_policy
-from kvmini.methods.selectors import TopK
+from kvmini.methods.topk import TopK
 from kvmini.methods.snapkv import WindowAttention
 from kvmini.methods.variance_softmax import VarianceSoftmax
 from kvmini.parts import PREFILL

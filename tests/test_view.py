@@ -262,7 +262,7 @@ class Decisions:
         self.similar: dict[tuple, tuple] = {}  # (layer, head, merged position) -> (candidate position -> column, u)
 
     def watch(self, monkeypatch) -> "Decisions":
-        from kvmini.methods.selectors import TopK
+        from kvmini.methods.topk import TopK
 
         me, call, merge, one = self, TopK.__call__, EMAMerge.__call__, EMAMerge.one
 

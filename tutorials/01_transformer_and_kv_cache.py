@@ -182,9 +182,9 @@ b = sdpa_attention(q, layer.keys.gather(2, ordered), layer.values.gather(2, orde
 torch.testing.assert_close(a, b)  # attention cannot tell the two buffers apart
 
 # %% [markdown]
-# A method's compressor picks between the two: `TopK` uses `evict_one` when exactly one entry
-# must go (finding it with `selectors.lowest`, a masked minimum instead of a sort) and `keep`
-# otherwise (sorting by position first). Both keep the same tokens; tests/test_policy.py checks it.
+# A method picks between the two with `selectors.shrink`: `evict_one` when exactly one entry must
+# go (finding it with `selectors.lowest`, a masked minimum instead of a sort) and `keep` otherwise
+# (sorting by position first). Both keep the same tokens; tests/test_policy.py checks it.
 #
 # ## Every layer at once: `kvmini.at_once`
 #

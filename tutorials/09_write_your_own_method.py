@@ -446,7 +446,8 @@ show(fig, "09_scissorhands_low_counts")
 # %%
 from kvmini.methods.allocators import proportional  # noqa: E402
 from kvmini.methods.scorers import CumulativeAttention  # noqa: E402
-from kvmini.methods.selectors import TopK, keep_top  # noqa: E402
+from kvmini.methods.selectors import keep_top
+from kvmini.methods.topk import TopK  # noqa: E402
 from kvmini.parts import PREFILL, Budgeter  # noqa: E402
 from kvmini.policy import Policy  # noqa: E402
 from kvmini.statistics import Statistic  # noqa: E402

@@ -32,7 +32,8 @@ import torch.nn.functional as F
 from kvmini.cache import PAD, LayerCache, along, wide
 from kvmini.errors import one_of
 from kvmini.methods.merged import Merged
-from kvmini.parts import Compressor, Rule, most
+from kvmini.budget import Rule
+from kvmini.parts import Compressor, most
 
 MASKS = ("bernoulli", "expectation", "threshold", "always")
 DIVIDES = ("count", "fixed")

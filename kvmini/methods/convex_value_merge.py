@@ -35,7 +35,8 @@ import torch
 from kvmini.cache import PAD, LayerCache, wide
 from kvmini.errors import one_of
 from kvmini.methods.merged import Merged
-from kvmini.parts import Compressor, Rule, most
+from kvmini.budget import Rule
+from kvmini.parts import Compressor, most
 
 
 def convex_value_merge(lc: LayerCache, capacity: int, sinks: int, recent, newest: int | None = None, note=None,

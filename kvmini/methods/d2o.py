@@ -21,9 +21,10 @@ from typing import Literal
 from kvmini.cache import KEY_NORM
 from kvmini.methods.ema_merging import EMAMerge
 from kvmini.methods.scorers import CumulativeAttention
-from kvmini.methods.selectors import TopK
+from kvmini.methods.topk import TopK
 from kvmini.methods.variance_softmax import VarianceSoftmax, idle_temperature
-from kvmini.parts import AFTER_PROMPT, DECODE, Rule
+from kvmini.budget import Rule
+from kvmini.parts import AFTER_PROMPT, DECODE
 from kvmini.policy import Policy
 
 

@@ -26,7 +26,7 @@ from kvmini.errors import KvminiError
 from kvmini.methods.allocators import Uniform
 from kvmini.methods.frobenius_stop import FrobeniusStop
 from kvmini.methods.scorers import CumulativeAttention
-from kvmini.methods.selectors import TopK
+from kvmini.methods.topk import TopK
 from kvmini.methods.snapkv import WindowAttention
 from kvmini.methods.scorers import Position
 from kvmini.parts import PREFILL

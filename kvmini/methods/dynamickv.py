@@ -32,7 +32,7 @@ from typing import Literal
 
 from kvmini.methods.allocators import Uniform
 from kvmini.methods.progressive_budgets import ProgressiveBudgets
-from kvmini.methods.selectors import TopK
+from kvmini.methods.topk import TopK
 from kvmini.methods.snapkv import WindowAttention
 from kvmini.parts import PREFILL
 from kvmini.policy import Policy

@@ -13,7 +13,7 @@ import torch
 
 from kvmini.methods.method import Method
 from kvmini.methods.selectors import shrink
-from kvmini.parts import Rule
+from kvmini.budget import Rule
 from kvmini.statistics import Request, column_sums
 
 HALF = Rule("budget // 2", lambda b: b // 2)

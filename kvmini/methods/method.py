@@ -11,7 +11,13 @@ what the budget is in tokens per layer (`budgets`), whether compressing does any
 """
 from kvmini.budget import check, chunk_size, is_noop, plan
 from kvmini.errors import KvminiError, tokens
-from kvmini.policy import prompt_length
+
+
+def prompt_length(name: str, call: str, n) -> int:
+    """n, a prompt's length in tokens, or a KvminiError naming the call it was given to."""
+    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+        raise KvminiError(f"{name}: {call} takes the prompt's length in tokens, a whole number >= 1, got {n!r}")
+    return n
 
 
 class Method:
@@ -137,7 +143,7 @@ class Method:
 
     merger = None  # what records the method's merges in its `trace` list (kvmini.view), if it merges
 
-    def describe(self, lc) -> tuple[str, "torch.Tensor | None"]:
+    def describe(self, lc) -> tuple:
         """What the method's score is and its values for lc's entries (B, H_kv, S), or (why none, None)."""
         return f"not kept in the cache ({self.name} scores the tokens from one call's attention, then discards them)", None
 

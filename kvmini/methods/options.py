@@ -33,7 +33,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, fields
 from typing import Literal
 
-from kvmini.parts import Rule
+from kvmini.budget import Rule
 
 Layers = tuple[int, ...]  # layer numbers, -1 the last
 Ratio = tuple[int, int]  # N:M

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 from kvmini.methods import snapkv
 from kvmini.methods.allocators import round_to_total
-from kvmini.methods.selectors import TopK
+from kvmini.methods.topk import TopK
 from kvmini.methods.snapkv import WindowAttention
 from kvmini.parts import PREFILL, Budgeter
 from kvmini.policy import Policy

@@ -29,8 +29,9 @@ import torch
 from kvmini.cache import PAD, LayerCache
 from kvmini.errors import one_of
 from kvmini.methods.average_attention import AverageAttention
-from kvmini.methods.selectors import TopK
-from kvmini.parts import Budgeter, Compressor, Rule, most
+from kvmini.methods.topk import TopK
+from kvmini.budget import Rule
+from kvmini.parts import Budgeter, Compressor, most
 from kvmini.statistics import Request, Statistic, Stats, column_sums
 
 

@@ -55,7 +55,8 @@ from typing import Literal
 
 from kvmini.methods.allocators import Uniform
 from kvmini.methods.robust_scope import MeanAttention, RobustScope
-from kvmini.parts import EVERY_CALL, Rule
+from kvmini.budget import Rule
+from kvmini.parts import EVERY_CALL
 from kvmini.policy import Policy
 
 TENTH = Rule("budget // 10", lambda b: b // 10)  # int(0.1 * b), EasyKV's recent_window

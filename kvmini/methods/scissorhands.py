@@ -41,8 +41,9 @@ import torch
 
 from kvmini.cache import LayerCache, along
 from kvmini.methods.allocators import Uniform
-from kvmini.methods.selectors import TopK
-from kvmini.parts import EVERY_CALL, Rule, Scorer
+from kvmini.methods.topk import TopK
+from kvmini.budget import Rule
+from kvmini.parts import EVERY_CALL, Scorer
 from kvmini.policy import Policy
 from kvmini.statistics import Request, Stats, Statistic
 

@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from kvmini.cache import LayerCache
 from kvmini.errors import one_of
 from kvmini.methods.allocators import Uniform
-from kvmini.methods.selectors import TopK
+from kvmini.methods.topk import TopK
 from kvmini.parts import PREFILL, Scorer
 from kvmini.policy import Policy
 from kvmini.statistics import Request, Stats, window_sums

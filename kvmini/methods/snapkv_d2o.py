@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from kvmini.methods.ema_merging import EMAMerge
-from kvmini.methods.selectors import TopK
+from kvmini.methods.topk import TopK
 from kvmini.methods.snapkv import WindowAttention
 from kvmini.methods.variance_softmax import VarianceSoftmax, idle_temperature
 from kvmini.parts import PREFILL

@@ -16,7 +16,7 @@ from typing import Literal
 
 from kvmini.methods.method import Method
 from kvmini.methods.selectors import shrink
-from kvmini.parts import Rule
+from kvmini.budget import Rule
 from kvmini.statistics import Request, last_row
 
 

@@ -33,8 +33,9 @@ from kvmini.cache import LayerCache, wide
 from kvmini.methods.allocators import Uniform
 from kvmini.methods.h2o import HALF
 from kvmini.methods.scorers import CumulativeAttention
-from kvmini.methods.selectors import TopK
-from kvmini.parts import EVERY_CALL, Rule
+from kvmini.methods.topk import TopK
+from kvmini.budget import Rule
+from kvmini.parts import EVERY_CALL
 from kvmini.policy import Policy
 
 

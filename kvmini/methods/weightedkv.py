@@ -21,8 +21,9 @@ from typing import Literal
 from kvmini.methods.allocators import Uniform
 from kvmini.methods.average_attention import AverageAttention
 from kvmini.methods.convex_value_merge import ConvexValueMerge
-from kvmini.methods.selectors import TopK
-from kvmini.parts import EVERY_CALL, Rule
+from kvmini.methods.topk import TopK
+from kvmini.budget import Rule
+from kvmini.parts import EVERY_CALL
 from kvmini.policy import Policy
 
 HALF_BEYOND_8 = Rule("(budget - 8) // 2", lambda m: max((m - 8) // 2, 0))  # Sec. V-A: 1024 -> 508, 256 -> 124
