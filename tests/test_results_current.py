@@ -33,6 +33,7 @@ def copy_of_the_code(tmp_path, monkeypatch) -> Path:
     shutil.copytree(ROOT / "tests" / "data", root / "tests" / "data")
     monkeypatch.setattr(provenance, "ROOT", root)
     monkeypatch.setattr(provenance, "RECORDING", root / "tests" / "data" / "engine_regression")
+    monkeypatch.setattr(provenance, "REDESIGN", None)  # the rule itself (a redesign's deferral: tested below)
     return root
 
 
@@ -89,6 +90,19 @@ def test_a_refactor_leaves_accuracy_current_and_makes_speed_stale(tmp_path, monk
                                                                                 "--only speed")
     [line] = provenance.stale(parts, {"parts_speed": {"methods": ["full", "snapkv"], "sizes": {}}})
     assert "parts_speed is stale (kvmini/cache.py changed)" in line
+
+
+def test_during_a_redesign_code_stales_no_speed_row_but_a_method_not_measured_is_named(tmp_path, monkeypatch):
+    root = copy_of_the_code(tmp_path, monkeypatch)
+    monkeypatch.setattr(provenance, "REDESIGN", "a redesign in steps")
+    speed, today = speed_results(tmp_path, ["full", "h2o"])
+    for name in ("cache.py", "methods/h2o.py"):
+        with open(root / "kvmini" / name, "a") as f:
+            f.write("\nA_REFACTOR = 1\n")
+    assert provenance.stale(speed, today) == []
+    today["speed"]["methods"].append("tova")
+    [line] = provenance.stale(speed, today)
+    assert "speed is stale (tova is not measured)" in line
 
 
 def test_the_command_line_option_reading_and_report_stale_no_speed(tmp_path, monkeypatch):

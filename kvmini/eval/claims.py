@@ -16,7 +16,7 @@ verdict is the sign test's ("not settled at this size" where it cannot tell), an
 import math
 
 from kvmini.eval import paired
-from kvmini.eval.tables import Missing, budget_text, fidelity_by_spec, name, need
+from kvmini.eval.tables import Missing, budget_text, fidelity_by_spec, name, need, redesign_note
 
 SAME = 0.005  # two measured shares within half a percentage point are equal memory
 
@@ -330,7 +330,8 @@ def claim_speed(fs):
     detail = ["| method | decode / full | prefill / full | peak memory / full |", "|---|---|---|---|"] + [
         f"| {name(m)} | ×{dec[m]:.2f} | ×{pre[m]:.2f} | {f'×{peak[m]:.2f}' if m in peak else '—'} |"
         for m in sorted(dec, key=dec.get, reverse=True)]
-    return cell, checks, "\n".join(detail)
+    note = redesign_note(fs, "speed")
+    return cell, checks, "\n".join(detail + (["", note] if note else []))
 
 
 # --- the table ---------------------------------------------------------------------------------

@@ -8,6 +8,8 @@ numbers by the rule written beside them, so a re-run that changes a number chang
 """
 import statistics
 
+from kvmini.eval import provenance
+
 NAMES = {"full": "full cache", "streaming_llm": "StreamingLLM", "h2o": "H2O", "vatp": "VATP", "tova": "TOVA",
          "snapkv": "SnapKV", "pyramidkv": "PyramidKV", "weightedkv": "WeightedKV", "d2o": "D2O (official)",
          "d2o[variant=paper]": "D2O (paper)", "dynamickv": "DynamicKV (paper)",
@@ -78,8 +80,27 @@ def ablations(quick: dict, prefix: str) -> str:
 
 # Speed (docs/speed.md)
 
+def redesign_note(res: dict, experiment: str) -> str:
+    """While a redesign defers re-measuring timed rows (provenance.REDESIGN), the commit they describe; else ""."""
+    if not provenance.REDESIGN:
+        return ""
+    made = res.get("provenance", {}).get(experiment, {})
+    return (f"*Measured at {made.get('commit') or 'an unknown commit'} ({made.get('date', 'date unknown')}): "
+            f"{provenance.REDESIGN}, and these rows are measured again when it completes "
+            "(docs/evaluation.md, \"When a result is stale\").*")
+
+
+def with_note(res: dict, experiment: str, table: str) -> str:
+    note = redesign_note(res, experiment)
+    return f"{note}\n\n{table}" if note else table
+
+
 def speed_table(fs: dict) -> str:
     """Compression against the full cache: prefill, decode, policy time, ops and peak memory."""
+    return with_note(fs, "speed", _speed_table(fs))
+
+
+def _speed_table(fs: dict) -> str:
     sp = need(fs, "speed")
     pre_full, dec_full = sp["prefill"]["full"], sp["decode"]["full"]
     out = [f"Prefill {sp['prefill_n']:,} tokens; decode after {sp['decode_n']:,} tokens, {sp['rounds']} rounds of "
@@ -127,6 +148,10 @@ def of_snapkv_cell(dec: dict, snapkv: dict) -> str:
 
 def together_table(fs: dict) -> str:
     """All layers at once against layer by layer, in the same interleaved rounds."""
+    return with_note(fs, "speed", _together_table(fs))
+
+
+def _together_table(fs: dict) -> str:
     sp = need(fs, "speed")
     out = [f"| after {sp['decode_n']:,} tokens | decode tokens/s: at once | layer by layer | at once / layer by layer "
            "| policy per step: at once | layer by layer | ops per step: at once | layer by layer |",
@@ -144,6 +169,10 @@ def parts_table(res: dict) -> str:
     """D2O's decode step built up one part at a time (kvmini.eval.suite.PARTS): each rung's decode speed over
     SnapKV's and its extra time per step, in the same interleaved rounds; a part costs the difference
     between its rung and the one above."""
+    return with_note(res, "parts_speed", _parts_table(res))
+
+
+def _parts_table(res: dict) -> str:
     ps = need(res, "parts_speed")
     dec, snap = ps["decode"], ps["decode"]["snapkv"]
     over = lambda d: statistics.median(m - s for m, s in zip(d["rounds_s"], snap["rounds_s"])) / ps["steps"] * 1e3  # noqa: E731
