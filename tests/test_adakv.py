@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from kvmini.cache import PAD, LayerCache
-from kvmini.methods.adakv import AcrossHeads
+from kvmini.methods.adakv import across_heads
 from kvmini.methods.registry import make_policy
 from reference import engine_run, group_mean, random_model, simulate, top_positions
 
@@ -27,10 +27,9 @@ def test_a_layer_s_budget_spent_across_heads_by_hand(alpha, want):
     alpha 0: c_h = n; alpha 0.5: round(0.5 n + 1) = (round(3.5), round(1.5)) = (4, 2), half to even;
     alpha 1: 3 each, SnapKV's uniform budgets."""
     lc, score = two_heads([[9, 8, 7, 3, 2, 1, INF, INF], [6, 0.5, 0.4, 0.3, 0.2, 0.1, INF, INF]])
-    compress = AcrossHeads(window=2, alpha=alpha)
-    compress.start(1)  # one layer
-    compress((0,), lc, score, 5, 7)
-    assert compress.kept[0].tolist() == [[len(w) for w in want]]  # each head's own budget, as it gave it
+    idx, counts = across_heads(score, 5, window=2, alpha=alpha)
+    assert counts.tolist() == [[len(w) for w in want]]  # each head's own budget
+    lc.keep(idx, counts)
     held = lc.held()[0].tolist()
     assert held == [len(w) for w in want]
     assert [lc.positions[0, h, :n].tolist() for h, n in enumerate(held)] == want  # in position order
@@ -108,7 +107,5 @@ def test_rounding_may_leave_a_layer_below_its_budget(alpha, want):
     lc = LayerCache(1, 2, 2, torch.float32, "cpu")
     lc.append(torch.zeros(1, 2, 6, 2), torch.zeros(1, 2, 6, 2), torch.arange(6)[None])
     score = torch.tensor([[[0.30, 0.25, 0.20, 0.15, 0.10, INF], [0.02, 0.60, 0.03, 0.01, 0.04, INF]]])
-    compress = AcrossHeads(window=1, alpha=alpha)
-    compress.start(1)
-    compress((0,), lc, score, 3, 5)
+    lc.keep(*across_heads(score, 3, window=1, alpha=alpha))
     assert [lc.positions[0, h, :n].tolist() for h, n in enumerate(lc.held()[0].tolist())] == want

@@ -23,43 +23,27 @@ from typing import Literal
 
 import torch
 
-from kvmini.cache import LayerCache
-from kvmini.methods.allocators import Uniform
-from kvmini.methods.snapkv import WindowAttention
-from kvmini.parts import PREFILL, Compressor
-from kvmini.policy import Policy
+from kvmini.methods import snapkv
+from kvmini.methods.snapkv import SnapKV
 
 
-class AcrossHeads(Compressor):
-    """Keep H_kv b entries in a layer: the window of every head and the layer's best H_kv (b - w) earlier
-    entries shared out over the heads with a floor (the module docstring); `keep(idx, counts)`."""
-
-    own_counts = True  # the heads of a layer keep their own counts
-
-    def __init__(self, window: int, alpha: float):
-        super().__init__(0, window)
-        self.window, self.alpha = window, alpha
-
-    def start(self, L: int) -> None:
-        super().start(L)
-        self.kept: dict[int, torch.Tensor] = {}  # layer -> (B, H_kv) entries each head kept: its own budget
-
-    def __call__(self, layers: tuple, lc: LayerCache, score: torch.Tensor, b: int, newest: int) -> torch.Tensor:
-        B, H_kv, S = score.shape
-        c = b - self.window  # earlier entries each head keeps on average
-        earlier = score.isfinite()  # (B, H_kv, S)
-        best = score.masked_fill(~earlier, float("-inf")).flatten(1).topk(H_kv * c, dim=-1).indices  # (B, H_kv c)
-        counted = earlier.flatten(1).gather(1, best).long()  # a pick among pads or windows counts for nobody
-        n = torch.zeros(B, H_kv, dtype=torch.long, device=score.device).scatter_add_(1, best // S, counted)
-        c_h = torch.round(n * (1 - self.alpha) + int(c * self.alpha)).long()  # (B, H_kv), :305 and :460
-        counts = (score == float("inf")).sum(-1) + torch.minimum(c_h, earlier.sum(-1))  # window + c_h
-        ranked = score.sort(dim=-1, descending=True, stable=True).indices[..., : int(counts.max())]  # window first
-        chosen = torch.arange(ranked.shape[-1], device=score.device) < counts[..., None]
-        idx = torch.where(chosen, ranked, ranked + S).sort(-1).values  # the chosen first, in position order
-        idx = torch.where(idx >= S, idx - S, idx)  # the rest: places that become pads
-        lc.keep(idx, counts)
-        self.kept[layers[0]] = counts
-        return idx
+def across_heads(score: torch.Tensor, b: int, window: int, alpha: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Which entries each head of a layer keeps, (idx (B, H_kv, S'), counts (B, H_kv)): the window of every head
+    and the layer's best H_kv (b - w) earlier entries shared out over the heads with a floor (the module
+    docstring). score (B, H_kv, S): SnapKV's, +inf in the window, -inf at pads. Row r keeps its first
+    counts[r] of idx, in position order; the rest become pads (`LayerCache.keep(idx, counts)`)."""
+    B, H_kv, S = score.shape
+    c = b - window  # earlier entries each head keeps on average
+    earlier = score.isfinite()  # (B, H_kv, S)
+    best = score.masked_fill(~earlier, float("-inf")).flatten(1).topk(H_kv * c, dim=-1).indices  # (B, H_kv c)
+    counted = earlier.flatten(1).gather(1, best).long()  # a pick among pads or windows counts for nobody
+    n = torch.zeros(B, H_kv, dtype=torch.long, device=score.device).scatter_add_(1, best // S, counted)  # n_h, :449-458
+    c_h = torch.round(n * (1 - alpha) + int(c * alpha)).long()  # (B, H_kv), the floor: :305 and :460
+    counts = (score == float("inf")).sum(-1) + torch.minimum(c_h, earlier.sum(-1))  # window + c_h
+    ranked = score.sort(dim=-1, descending=True, stable=True).indices[..., : int(counts.max())]  # window first
+    chosen = torch.arange(ranked.shape[-1], device=score.device) < counts[..., None]
+    idx = torch.where(chosen, ranked, ranked + S).sort(-1).values  # the chosen first, in position order
+    return torch.where(idx >= S, idx - S, idx), counts  # the rest: places that become pads
 
 
 @dataclass(frozen=True)
@@ -73,6 +57,21 @@ class Options:
 CHECKS = {"alpha": (lambda x: 0 <= x <= 1, "be in [0, 1]")}
 
 
-def build(budget: float, o: Options = Options()) -> Policy:
-    return Policy("adakv", budget, WindowAttention(o.window, o.kernel, o.pooling), Uniform(), AcrossHeads(o.window, o.alpha),
-                  schedule=PREFILL)
+class AdaKV(SnapKV):
+    own_counts = True  # the heads of a layer keep their own counts
+
+    def __init__(self, budget: float, o: Options = Options()):
+        super().__init__(budget, snapkv.Options(o.window, o.kernel, o.pooling), "adakv")  # query heads averaged
+        self.alpha = o.alpha
+
+    def _new_run(self, prompt_len, total_len) -> None:
+        super()._new_run(prompt_len, total_len)
+        self.kept = {}  # layer -> (B, H_kv) entries each head kept: its own budget
+
+    def select(self, layer: int, lc, score: torch.Tensor, b: int) -> None:
+        idx, self.kept[layer] = across_heads(score, b, self.window, self.alpha)
+        lc.keep(idx, self.kept[layer])
+
+
+def build(budget: float, o: Options = Options()) -> AdaKV:
+    return AdaKV(budget, o)

@@ -11,10 +11,7 @@ from dataclasses import dataclass
 
 from kvmini.methods import snapkv
 from kvmini.methods.allocators import round_to_total
-from kvmini.methods.topk import TopK
-from kvmini.methods.snapkv import WindowAttention
-from kvmini.parts import PREFILL, Budgeter
-from kvmini.policy import Policy
+from kvmini.methods.snapkv import SnapKV
 
 
 def pyramid(tokens_per_layer: int, L: int, window: int, beta: float = 20) -> list[int]:
@@ -30,22 +27,21 @@ def pyramid(tokens_per_layer: int, L: int, window: int, beta: float = 20) -> lis
     return [window + k for k in round_to_total(exact, extra * L)]
 
 
-class Pyramid(Budgeter):
-    """PyramidKV's linearly falling budgets (`pyramid`), known from the start."""
-
-    def __init__(self, window: int, beta: float = 20):
-        super().__init__()
-        self.window, self.beta = window, beta
-
-    def plan(self, b: int, L: int, n: int) -> list[int]:
-        return pyramid(b, L, self.window, self.beta)
-
-
 @dataclass(frozen=True)
 class Options(snapkv.Options):  # SnapKV's, and:
     pyramid_beta: float = 20.0  # the top layer keeps 1/beta of the bottom layer's budget above the window
 
 
-def build(budget: float, o: Options = Options()) -> Policy:
-    return Policy("pyramidkv", budget, WindowAttention(o.window, o.kernel, o.pooling, o.reduce),
-                  Pyramid(o.window, o.pyramid_beta), TopK(recent=o.window), schedule=PREFILL)
+class PyramidKV(SnapKV):
+    """SnapKV with layer budgets that fall from the bottom layer to the top (`pyramid`), known from the start."""
+
+    def __init__(self, budget: float, o: Options = Options()):
+        super().__init__(budget, o, "pyramidkv")
+        self.beta = o.pyramid_beta
+
+    def plan(self, b: int, L: int, n: int) -> list[int]:
+        return pyramid(b, L, self.window, self.beta)
+
+
+def build(budget: float, o: Options = Options()) -> PyramidKV:
+    return PyramidKV(budget, o)

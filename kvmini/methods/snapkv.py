@@ -1,12 +1,13 @@
-"""SnapKV (Li et al. 2024): keys the last prompt window attends to (pooled), once after prefill.
+r"""SnapKV (Li et al. 2024): keys the last prompt window attends to (pooled), once after prefill.
 
-Paper: "SnapKV: LLM Knows What You are Looking for Before Generation".
+Paper: "SnapKV: LLM Knows What You are Looking for Before Generation", Yuhong Li et al., arXiv 2404.14469.
 
-Prefill only. The last `window` prompt tokens are the observation window: their attention
-over the earlier keys is summed, pooled along the keys (kernel 7) and the top budget - window
-keys are kept together with the window itself. Decode steps append without compressing.
+Prefill only. The last `window` prompt tokens are the observation window: their attention over the
+earlier keys is summed, pooled along the keys (kernel 7) and the top budget - window keys are kept
+together with the window itself. Decode steps append without compressing. A prompt fed in chunks
+adds up its window queries' rows chunk by chunk; the call that completes it compresses.
 Defaults: window 32, kernel 7, pooling avg (the official code's default; max is an option),
-group reduction mean. Compression happens layer by layer inside the prefill forward.
+group reduction mean.
 """
 from dataclasses import dataclass
 from typing import Literal
@@ -14,35 +15,32 @@ from typing import Literal
 import torch
 import torch.nn.functional as F
 
-from kvmini.cache import LayerCache
 from kvmini.errors import one_of
-from kvmini.methods.allocators import Uniform
-from kvmini.methods.topk import TopK
-from kvmini.parts import PREFILL, Scorer
-from kvmini.policy import Policy
-from kvmini.statistics import Request, Stats, window_sums
+from kvmini.methods.method import Method
+from kvmini.methods.selectors import shrink
+from kvmini.budget import PREFILL
+from kvmini.parts import Scorer
+from kvmini.statistics import Request, Statistic, window_sums
 
 
-class WindowAttention(Scorer):
-    r"""SnapKV (Li et al. 2024, Sec. 4.2): C_j = \sum_{i \in window} A_{ij} over the last w queries,
-    then pooled along the keys (kernel k, stride 1, zero padding k // 2) to keep neighbourhoods.
-    The window itself is always kept (the recent tokens): its scores are +inf. A row holding fewer
-    entries than the layer (kvmini.cache) has its window in its own last w; its pads score -inf."""
+def window_scores(C: torch.Tensor, held: torch.Tensor, window: int, kernel: int, pooling: str) -> torch.Tensor:
+    r"""SnapKV (Sec. 4.2): C_j = \sum_{i \in window} A_{ij}, (B, H_kv, S), pooled along the keys (kernel k,
+    stride 1, zero padding k // 2) to keep neighbourhoods. The window itself is always kept: its scores
+    are +inf. A row holding fewer entries (held (B, H_kv)) has its window in its own last w; pads -inf."""
+    B, H_kv, S = C.shape
+    slot = torch.arange(S, device=C.device)
+    earlier = slot < held[..., None] - window  # (B, H_kv, S): before the row's window
+    pool = F.avg_pool1d if pooling == "avg" else F.max_pool1d
+    # zeros from the window on act as the pooling's zero padding (C >= 0, so also for max)
+    pooled = pool(C.masked_fill(~earlier, 0).view(B * H_kv, 1, S), kernel, stride=1, padding=kernel // 2).view(B, H_kv, S)
+    return torch.where(earlier, pooled, torch.where(slot < held[..., None], float("inf"), float("-inf")))
 
-    def __init__(self, window: int = 32, kernel: int = 7, pooling: str = "avg", reduce: str = "mean"):
-        self.window, self.kernel, self.pooling = window, kernel, one_of("WindowAttention pooling", pooling, ("avg", "max"))
-        self.request = Request(window_sums(window, reduce))
 
-    def __call__(self, lc: LayerCache, stats: Stats) -> torch.Tensor:
-        C = stats.window_sums  # (B, H_kv, S), 0 at pads
-        B, H_kv, S = C.shape
-        held, slot = lc.held()[..., None], torch.arange(S, device=C.device)  # (B, H_kv, 1), (S,)
-        earlier = slot < held - self.window  # (B, H_kv, S): before the row's window
-        pool = F.avg_pool1d if self.pooling == "avg" else F.max_pool1d
-        # zeros from the window on act as the pooling's zero padding (C >= 0, so also for max)
-        pooled = pool(C.masked_fill(~earlier, 0).view(B * H_kv, 1, S), self.kernel, stride=1,
-                      padding=self.kernel // 2).view(B, H_kv, S)
-        return torch.where(earlier, pooled, torch.where(slot < held, float("inf"), float("-inf")))
+def reduce_heads(C: torch.Tensor, H_kv: int, reduce: str) -> torch.Tensor:
+    """(B, H, S) per query head -> (B, H_kv, S): the g query heads of each KV head combined."""
+    B, H, S = C.shape
+    C = C.view(B, H_kv, H // H_kv, S)
+    return C.mean(2) if reduce == "mean" else C.amax(2) if reduce == "max" else C.sum(2)
 
 
 @dataclass(frozen=True)
@@ -53,6 +51,55 @@ class Options:
     reduce: Literal["mean", "max", "sum"] = "mean"  # how the query heads of a KV head are combined
 
 
-def build(budget: float, o: Options = Options()) -> Policy:
-    return Policy("snapkv", budget, WindowAttention(o.window, o.kernel, o.pooling, o.reduce), Uniform(),
-                  TopK(recent=o.window), schedule=PREFILL)
+class SnapKV(Method):
+    schedule = PREFILL
+
+    def __init__(self, budget: float, o: Options = Options(), name: str = "snapkv"):
+        super().__init__(name, budget)
+        self.window, self.kernel, self.reduce = o.window, o.kernel, o.reduce
+        self.pooling = one_of(f"{name} pooling", o.pooling, ("avg", "max"))
+
+    def recent(self, b: int) -> int:
+        return self.window
+
+    def before(self, cache, T: int) -> None:
+        super().before(cache, T)
+        start = self.seen - T
+        if start == self.prompt_start:
+            self.C = {}  # layer -> this prompt's window rows so far, summed per query head (B, H, S)
+        mine = self.seen - max(start, self.prompt_end - self.window)  # this call's queries in the window
+        self.wants = (Request(Statistic("window_sums", mine, None, "heads"))
+                      if self.active and self.in_prompt and mine > 0 else None)
+
+    def after_attention(self, layer: int, cache, seen) -> None:
+        if self.wants is None or layer in self.protected:
+            return
+        lc, b, C = cache[layer], self.budgets[layer], seen.window_sums  # C: (B, H, S), 0 at pads
+        if layer in self.C:  # an earlier chunk's rows, over the keys it saw
+            C = C + F.pad(self.C[layer], (0, C.shape[-1] - self.C[layer].shape[-1]))
+        self.C[layer] = C
+        if self.completes and lc.length > b:  # once: the call that completes the prompt
+            self.evicted[layer] += lc.length - b
+            score = window_scores(reduce_heads(self.C.pop(layer), lc.keys.shape[1], self.reduce), lc.held(),
+                                  self.window, self.kernel, self.pooling)
+            self.select(layer, lc, score, b)
+
+    def select(self, layer: int, lc, score: torch.Tensor, b: int) -> None:
+        """Keep the window and the b - window best pooled scores before it."""
+        shrink(lc, score, b, 0, self.window, self.newest)
+
+
+class WindowAttention(Scorer):
+    """SnapKV's `window_scores` as a scorer, for the methods still made of four parts (kvmini.parts)."""
+
+    def __init__(self, window: int = 32, kernel: int = 7, pooling: str = "avg", reduce: str = "mean"):
+        self.window, self.kernel, self.pooling = window, kernel, one_of("WindowAttention pooling", pooling, ("avg", "max"))
+        self.request = Request(window_sums(window, reduce))
+
+    def __call__(self, lc, stats) -> torch.Tensor:
+        return window_scores(stats.window_sums, lc.held(), self.window, self.kernel, self.pooling)
+
+
+def build(budget: float, o: Options = Options()) -> SnapKV:
+    return SnapKV(budget, o)
+
