@@ -35,7 +35,6 @@ class AtOnce(Policy):
 
     def _new_prompt(self) -> None:
         super()._new_prompt()
-        self.groups: tuple[set, set] | None = None  # (layers budgeted over twice the median, the others)
         self.stacks: dict[tuple, Stack] = {}  # layers -> their rows as one LayerCache (kept across steps)
         self.deferred: list[tuple[int, Stats]] | None = None  # this step's (layer, stats) waiting for `end`
         self.update_only = False  # evict_every > 1 and no layer evicts in this step: `end` only updates the sums
@@ -63,19 +62,9 @@ class AtOnce(Policy):
         super().after_attention(layer, cache, stats)
 
     def end(self, cache: KVCache) -> None:
-        """The deferred layers of this decode step, at once: the layers budgeted over twice the median
-        budget as one group, the others as another (the rows of a group are as long as its longest)."""
-        if not self.deferred:
-            return
-        if self.groups is None:
-            budgets = {layer: self.budgeter.known(layer) for layer in range(len(cache)) if not self.budgeter.skips(layer)}
-            limit = 2 * sorted(budgets.values())[len(budgets) // 2]
-            long = {layer for layer, b in budgets.items() if b > limit}
-            self.groups = (long, set(budgets) - long)
-        for group in self.groups:
-            deferred = [(layer, stats) for layer, stats in self.deferred if layer in group]
-            if deferred:
-                self.compress_together(cache, deferred)
+        """The deferred layers of this decode step, at once."""
+        if self.deferred:
+            self.compress_together(cache, self.deferred)
         self.deferred = []
 
     def compress_together(self, cache: KVCache, deferred: list[tuple[int, Stats]]) -> None:

@@ -21,7 +21,7 @@ def sequence(cache: KVCache, b: int) -> "SequenceCache":
 
 
 class PerSequence:
-    """The policy interface (kvmini.policy: the four calls, `start`, `chunk_for`, and what a run
+    """A method's interface (kvmini.methods.method: the three hooks, `start`, `chunk_for`, and what a run
     reports) over a batch: `rows`, one policy per sequence, the first the policy given (`one`, which
     also reads the run's schedule), the others copies of it made at a run's first call."""
 
@@ -53,43 +53,32 @@ class PerSequence:
     def chunk_for(self, prompt_len: int, total_len: int | None) -> int | None:
         return self.one.chunk_for(prompt_len, total_len)
 
-    def begin(self, cache: KVCache, T: int) -> None:
+    def before(self, cache: KVCache, T: int) -> None:
         B = cache[0].positions.shape[0]
         if cache.seen_tokens == 0:  # a new run: copies of the started, not yet called policy
             self.rows = [self.one] + [copy.deepcopy(self.one) for _ in range(B - 1)]
         self.views = [cache] if B == 1 else [sequence(cache, b) for b in range(B)]
         for row, view in zip(self.rows, self.views):
-            row.begin(view, T)
-
-    def before(self, cache: KVCache, T: int) -> None:
-        self.layer = 0
-        self.begin(cache, T)
+            row.before(view, T)
 
     @property
     def wants(self) -> Request | None:
-        self.layer += 1
-        return self.request(self.layer - 1)
-
-    def after_layers(self, cache: KVCache) -> None:
-        self.end(cache)
-
-    def request(self, layer: int) -> Request | None:
-        """What any sequence asks for (one attention pass serves the batch)."""
+        """What any sequence asks for (one attention pass serves the batch), read once per layer."""
         if len(self.rows) == 1:
-            return self.one.request(layer)
-        return Request.merge([row.request(layer) for row in self.rows])
+            return self.one.wants
+        return Request.merge([row.wants for row in self.rows])
 
     def after_attention(self, layer: int, cache: KVCache, stats: Stats) -> None:
         if len(self.rows) == 1:
             self.one.after_attention(layer, cache, stats)
             return
-        for b, (row, view) in enumerate(zip(self.rows, self.views)):  # views of this cache, made by begin
+        for b, (row, view) in enumerate(zip(self.rows, self.views)):  # views of this cache, made by before
             S_b = view[layer].length
             row.after_attention(layer, view, Stats(**{n: getattr(stats, n)[b : b + 1, :, :S_b] for n in stats}))
 
-    def end(self, cache: KVCache) -> None:
+    def after_layers(self, cache: KVCache) -> None:
         for row, view in zip(self.rows, self.views):
-            row.end(view)
+            row.after_layers(view)
 
     @property
     def parts(self) -> tuple:

@@ -17,7 +17,7 @@ from kvmini.methods.scorers import CumulativeAttention
 from kvmini.methods.topk import TopK
 from kvmini.methods.snapkv import WindowAttention
 from kvmini.methods.allocators import proportional
-from kvmini.methods.variance_softmax import VarianceSoftmax, layer_weights
+from kvmini.methods.variance_softmax import VarianceSoftmax, layer_weights, split
 from kvmini.budget import Rule
 from kvmini.parts import PREFILL
 from kvmini.policy import Policy
@@ -70,9 +70,8 @@ def test_unclamped_allocation_is_eq5_as_written():
     """clamp_budgets=false: S_l = softmax(-F_v)_l * L * b, rounded to the total, no bounds.
     F_v = [0, 1, 2], b = 10, L = 3: 30 * [1, e^-1, e^-2] / 1.5032 = [19.96, 7.34, 2.70] -> [20, 7, 3];
     clamped to [8, 12] the first layer stops at 12, the third at 8, the second takes the rest."""
-    unclamped, clamped = (VarianceSoftmax("paper", low=8, clamp=c) for c in (False, True))
-    assert unclamped.allocate(10, 3, [0.0, 1.0, 2.0], 12) == [20, 7, 3]
-    assert clamped.allocate(10, 3, [0.0, 1.0, 2.0], 12) == [12, 10, 8]
+    assert split([0.0, 1.0, 2.0], "paper", 10, 12, low=8, clamp=False) == [20, 7, 3]
+    assert split([0.0, 1.0, 2.0], "paper", 10, 12, low=8, clamp=True) == [12, 10, 8]
 
 
 def test_unclamped_eq5_that_starves_a_layer_is_a_clear_error():
@@ -590,13 +589,12 @@ def test_nearest_reads_given_norms_and_never_chooses_an_excluded_pair():
         torch.testing.assert_close(best, order.values[..., 1], **tol)
 
 
-@pytest.mark.parametrize("together", [True, False])
 @pytest.mark.parametrize("options", [{}, {"variant": "paper"}, {"protected_layers": ""}], ids=str)
-def test_key_norms_kept_by_the_cache_change_nothing(options, together):
+def test_key_norms_kept_by_the_cache_change_nothing(options):
     """Eq. 9 reads the kept keys' norms from the cache (KEY_NORM, set when a key is appended or merged
     into) instead of computing them from the keys: the same caches, merges and thresholds as without
-    that buffer, for a prompt in chunks and decode steps with merges, all layers at once or one by one;
-    and the kept norms are those of the keys held."""
+    that buffer, for a prompt in chunks and decode steps with merges; and the kept norms are those of
+    the keys held."""
     from kvmini.cache import KEY_NORM, key_norm
 
     model = random_model(L=4).to(torch.float64)
@@ -604,16 +602,14 @@ def test_key_norms_kept_by_the_cache_change_nothing(options, together):
 
     def run(kept: bool):
         policy = make_policy("d2o", 12, **options)
-        one = policy
-        one.together = together
         if not kept:
-            one.scorer.aux = CumulativeAttention.aux  # the norms computed from the keys at every step
+            policy.aux = ("attention_sum",)  # the norms computed from the keys at every step
         policy.start(40, 48)
         cache = model.new_cache(1, 4)
         with torch.no_grad():
             for a, b in [(0, 16), (16, 32), (32, 40)] + [(t, t + 1) for t in range(40, 48)]:
                 model(ids[:, a:b], cache, policy)
-        return cache, one
+        return cache, policy
 
     (fast, p_fast), (slow, p_slow) = run(True), run(False)
     assert sum(p_fast.merged) > 0 and p_fast.merged == pytest.approx(p_slow.merged, abs=1e-9)
@@ -626,8 +622,8 @@ def test_key_norms_kept_by_the_cache_change_nothing(options, together):
             norms += 1
             torch.testing.assert_close(a.aux(KEY_NORM), key_norm(a.keys), rtol=1e-12, atol=0)
     assert norms > 0 and KEY_NORM not in slow[0].aux_names() + slow[2].aux_names()
-    for layer, tau in p_fast.compressor.merge.tau.items():
-        torch.testing.assert_close(tau, p_slow.compressor.merge.tau[layer], rtol=1e-12, atol=1e-12)
+    for layer, tau in p_fast.merge.tau.items():
+        torch.testing.assert_close(tau, p_slow.merge.tau[layer], rtol=1e-12, atol=1e-12)
 
 
 @pytest.mark.parametrize("writes", ["keys", "values"])

@@ -106,8 +106,7 @@ def test_text_and_typed_values_build_the_same_policy():
     typed = make_policy("d2o", 0.2, nm=(3, 1), protected_layers=(0, -1), clamp_budgets=False, beta=0.3)
     text = make_policy("d2o", 0.2, nm="3:1", protected_layers="0;-1", clamp_budgets="false", beta="0.3")
     for p in (typed, text):
-        o = p.budgeter
-        assert o.protected == (0, -1) and o.parts == (3, 1) and o.clamp is False
+        assert p.protected_spec == (0, -1) and p.nm == (3, 1) and p.o.clamp_budgets is False
     with pytest.raises(KvminiError, match=r"--nm must be a pair of whole numbers \(N, M\), got \[3, 1\]"):
         make_policy("d2o", 0.2, nm=[3, 1])
     with pytest.raises(KvminiError, match="--recent must be a whole number of at most 2,147,483,647 in size, got 2.5"):

@@ -168,8 +168,8 @@ def test_invariants(name, kv_heads, group, B, n, steps, budget, chunk, seed):
                 held = Fraction(sum(counts), len(counts))  # per KV head, on average (exact)
                 assert own_counts(base) or len(set(counts)) == 1, "a layer's heads hold the same count"
                 b_l = row.budgets[l] if base.active else seen  # inactive: budget >= the sequence
-                if own_counts(base) and l in row.compressor.kept:  # each head's budget, as the method gave it
-                    gave = row.compressor.kept[l][b].tolist()
+                if own_counts(base) and l in row.kept:  # each head's budget, as the method gave it
+                    gave = row.kept[l][b].tolist()
                     assert sum(gave) / len(gave) <= b_l + 0.5, "never above budget (each head's count rounded)"
                     assert seen < n or counts == [g + seen - n for g in gave], "each head holds what it was given"
                     b_l = Fraction(sum(gave), len(gave))
@@ -231,7 +231,7 @@ def test_a_batch_with_per_sequence_budgets_is_the_batch_s_concern(name):
     batch fed to the model directly with that policy is refused, naming the two ways to run it."""
     model, ids = random_model(seed=1), make_calls(2, 20, 0)[0]
     policy = make_policy(name, **fitted(name)) if chooses_budget(name) else make_policy(name, 8, **fitted(name))
-    assert isinstance(policy, Policy) and policy.budgeter.per_sequence
+    assert policy.per_sequence
     policy.start(20)
     with torch.no_grad(), pytest.raises(KvminiError, match=r"this batch holds 2: run it with kvmini.generate \(generate "
                                         r"or prefill\), or wrap the policy: kvmini.per_sequence.PerSequence.of\(policy\)$"):

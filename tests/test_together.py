@@ -99,13 +99,6 @@ def model():
 def test_all_layers_at_once_equal_layer_by_layer(model, name, budget, options):
     joint, alone = run(model, name, budget, options, True), run(model, name, budget, options, False)
     same(joint, alone)
-    if name == "d2o" and options.get("merge") != "off":
-        merger = joint[1].parts[2].merge
-        other = alone[1].parts[2].merge
-        assert merger.tau.keys() == other.tau.keys()
-        for layer in merger.tau:
-            torch.testing.assert_close(merger.tau[layer], other.tau[layer], **TOL)
-        assert sum(joint[1].merged) > 0  # the merges happened
 
 
 @pytest.mark.parametrize("name, options", [(m, {}) for m in ("h2o", "tova", "weightedkv", "streaming_llm") if m in TOGETHER])
@@ -122,14 +115,14 @@ def calls_at_once(monkeypatch) -> list[tuple]:
     return calls
 
 
-@pytest.mark.parametrize("name", ["weightedkv", "d2o"])
+@pytest.mark.parametrize("name", ["weightedkv"])
 def test_the_joint_path_runs(model, name, monkeypatch):
     """The comparison above compares two different paths: the joint one really runs (and the
     layer-by-layer one really does not)."""
     calls = calls_at_once(monkeypatch)
-    run(model, name, 12, {"protected_layers": ""} if name == "d2o" else {}, False)
+    run(model, name, 12, {}, False)
     assert calls == []
-    run(model, name, 12, {"protected_layers": ""} if name == "d2o" else {}, True)
+    run(model, name, 12, {}, True)
     assert len(calls) >= 7 and all(layers == (0, 1, 2, 3) for layers in calls)
 
 
@@ -143,15 +136,6 @@ def test_steps_between_evictions_update_at_once_without_copying(model, monkeypat
     _, policy, _, _ = run(model, "scissorhands", 30, {"evict_every": 3}, True)
     assert sum(policy.evicted) == 4 * (40 - 30) + 4 * 6  # the prompt, then 3 entries at steps 3 and 6 of 8
     assert len(calls) == 8 and stacks == [3]
-
-
-def test_a_layer_far_longer_than_the_others_is_evicted_on_its_own(model, monkeypatch):
-    """A stack's rows are as long as its longest layer: a layer budgeted over twice the median budget
-    would make every row that long, so it is a group of its own (the equality above covers this run too)."""
-    calls = calls_at_once(monkeypatch)
-    _, policy, _, _ = run(model, "d2o", 12, SKEWED, True)
-    assert policy.budgets == [24, 8, 8, 8] and policy.groups == ({0}, {1, 2, 3})
-    assert calls.count((1, 2, 3)) == 8 and set(calls) <= {(0,), (1, 2, 3)}
 
 
 def test_stacked_layers_are_views_of_ragged_rows_and_rebuilt_when_one_outgrows_it():
@@ -271,38 +255,17 @@ def test_d2o_first_compression_by_chunks_equals_one_call(model, options, monkeyp
     """D2O's first compression (the whole prompt's evicted keys against the kept ones, Eq. 9) takes its
     similarities a chunk of evicted keys at a time when they are many (`EMAMerge.at_once`): forced to
     one evicted key per chunk here, every run (kept entries, keys, values, merges, thresholds, traces,
-    logits) equals the one-call specification, with all layers at once and layer by layer."""
+    logits) equals the one-call specification."""
     from kvmini.methods import ema_merging
-    for together in (True, False):
-        whole = run(model, "d2o", 12, options, together)
-        monkeypatch.setattr(ema_merging.EMAMerge, "at_once", 1)  # a row per chunk
-        chunked = run(model, "d2o", 12, options, together)
-        monkeypatch.undo()
-        same(chunked, whole)
-        assert sum(whole[1].merged) > 0  # the merges happened
-
-
-@pytest.mark.parametrize("L, budgets", [(6, [40, 8, 8, 24, 8, 8]), (8, [40, 8, 8, 40, 8, 8, 8, 8])])
-def test_several_layers_far_longer_than_the_others_are_joined_apart(L, budgets, monkeypatch):
-    """Layers budgeted over twice the median are evicted at once as a second group (their rows padded to
-    the longest of them, not the others'), with the same result as layer by layer."""
-    model = random_model(L=L).to(torch.float64)
-    calls = calls_at_once(monkeypatch)
-    joint = run(model, "d2o", 0.4, SKEWED, True)
-    assert joint[1].budgets == budgets and joint[1].groups[0] == {0, 3}
-    short = tuple(l for l, b in enumerate(budgets) if b == 8)
-    assert calls.count((0, 3)) >= 7 and calls.count(short) >= 7 and set(calls) == {(0, 3), short}
-    by_layer = lambda out: (*out[:3], sorted(out[3], key=lambda r: r.layer))  # noqa: E731  stable: steps in order
-    alone = run(model, "d2o", 0.4, SKEWED, False)
-    same(by_layer(joint), by_layer(alone))  # a step's trace: the long group first
-    tau, other = joint[1].parts[2].merge.tau, alone[1].parts[2].merge.tau  # each group's thresholds, split
-    assert tau.keys() == other.keys() == set(range(L))
-    for layer in tau:
-        torch.testing.assert_close(tau[layer], other[layer], **TOL)
+    whole = run(model, "d2o", 12, options, False)
+    monkeypatch.setattr(ema_merging.EMAMerge, "at_once", 1)  # a row per chunk
+    chunked = run(model, "d2o", 12, options, False)
+    same(chunked, whole)
+    assert sum(whole[1].merged) > 0  # the merges happened
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("method", ["weightedkv", "d2o"])
+@pytest.mark.parametrize("method", ["weightedkv"])
 def test_run_py_layer_by_layer_runs_the_specification_loop(method, default_model_dir, tmp_path, monkeypatch, capsys):
     """run.py --layer-by-layer: no decode step goes through at_once's every-layer step, and the answer and
     what the cache kept are the default run's (the same evictions, as the tests above prove)."""

@@ -18,7 +18,7 @@ import torch  # noqa: E402
 from kvmini.course.cells import solved  # noqa: E402  (a student copy: skip what needs an exercise not done yet)
 from kvmini.statistics import Request, column_sums  # noqa: E402
 from kvmini.methods.allocators import proportional  # noqa: E402
-from kvmini.methods.variance_softmax import VarianceSoftmax, attention_variance, layer_weights  # noqa: E402
+from kvmini.methods.variance_softmax import attention_variance, layer_weights, split  # noqa: E402
 
 # %% [markdown]
 # ## Attention density per layer (Eq. 4)
@@ -100,7 +100,7 @@ assert layer_weights(same) == [1 / 3] * 3
 # %%
 L, n, rho = 3, 100, 0.5
 assert proportional([0.9, 0.05, 0.05], 300, 60, [200] * 3) == [180, 60, 60]
-budgets = VarianceSoftmax(low=8).allocate(round(rho * n), L, F_v, n)  # (b = rho * n per layer, L, F_v, n)
+budgets = split(F_v, "zscore", round(rho * n), n, low=8)  # (F_v, allocation, b = rho * n per layer, n)
 print("S_l =", budgets)
 assert sum(budgets) == L * round(rho * n) and budgets[0] == n  # layer 0 wanted 109 and was capped at n
 
@@ -140,8 +140,7 @@ policy = make_policy("d2o", 0.2, variant="paper", allocation="zscore", merge="of
 policy.start(512)  # the policy is told where the prompt ends (kvmini.generate.prefill does this)
 with torch.no_grad():
     model(ids, model.new_cache(), policy)
-scorer, budgeter, compressor = policy.parts  # D2O = CumulativeAttention + VarianceSoftmax + TopK (merge off)
-print("F_v per layer:", [round(v, 2) for v in budgeter.F_v.values()])
+print("F_v per layer:", [round(v, 2) for v in policy.F_v.values()])  # Eq. 4, measured on the prompt
 print("S_l per layer:", policy.budgets)
 assert sum(policy.budgets) == 30 * round(0.2 * 512)
 assert max(policy.budgets[:3]) > 2 * 102 and min(policy.budgets) < 102 / 2  # early layers rich, some starved
@@ -163,7 +162,7 @@ for ax, layer in zip(axes[:2], (0, 29)):
     ax.set_xlabel("key block")
     ax.set_ylabel("query block")
     fig.colorbar(im, ax=ax, shrink=0.8)
-F = list(budgeter.F_v.values())  # the budgets of the cell above
+F = list(policy.F_v.values())  # the budgets of the cell above
 axes[2].bar(range(30), F, color="tab:gray", label="F_v (left)")
 axes[2].set_yscale("log")
 axes[2].set_xlabel("layer")
@@ -209,7 +208,7 @@ for how in ("paper", "zscore", "official", "uniform") if solved("variance_softma
 #    `layer_weights` in `kvmini/methods/variance_softmax.py`: the shares $\mathrm{softmax}(-F_v)$ over the
 #    layers, as a list of floats summing to 1. What the tests check: $F_v = [1, 2, 3]$ gives
 #    $e^{-f} / \sum e^{-f}$ exactly (to 1e-6), on the raw variances (no standardizing; the
-#    `temperature` argument is not used by this branch); `VarianceSoftmax("paper").allocate(b, L, F_v, n)`
+#    `temperature` argument is not used by this branch); `split(F_v, "paper", b, n)`
 #    turns the shares into $S_l$, a split of $L b$ (unclamped: $[20, 7, 3]$ for $F_v = [0, 1, 2]$,
 #    $b = 10$); and the `paper` variant on a random 4-layer model budgets each layer by Eq. 5 on
 #    its measured $F_v$ (Eq. 4), clamped to [8, n]. Check it with

@@ -3,11 +3,12 @@
 "D2O: Dynamic Discriminative Operations for Efficient Long-Context Inference of Large Language Models",
 Zhongwei Wan et al., ICLR 2025, arXiv 2406.13035.
 
-    scorer       cumulative attention (H2O), per KV head
-    budgeter     S_l from the variance of each layer's prompt attention (Eq. 4-5: variance_softmax)
-    compressor   T sinks + N heavy + M recent (Eq. 6-8); an evicted token merged into its nearest
-                 kept one when similar enough (Eq. 9-12: ema_merging)
-    schedule     when the prompt is complete (paper) or at the first decode step (official), then every step
+    1. s_j: the attention each cached token received, summed over every query so far (H2O), per KV head
+    2. F_v of every layer, from its prompt's attention (Eq. 4), and its budget S_l (Eq. 5: variance_softmax)
+    3. each layer keeps T sinks + N heavy hitters + M recent tokens (Eq. 6-8); an evicted token is merged
+       into its nearest kept one when similar enough (Eq. 9-12: ema_merging)
+Steps 2-3 run when the prompt is complete (paper) or at the first decode step (official); step 3 then
+after every decode step.
 
 Variants `paper` (the equations) and `official` (AIoT-MLSys-Lab/D2O): docs/methods.md, "D2O".
 Deviation: one cache per KV head (the g query heads reduced by mean); the authors' code keeps one per query head.
@@ -18,14 +19,18 @@ Deviation: every layer is held at its budget, also one budgeted n - 1 or more (t
 from dataclasses import dataclass
 from typing import Literal
 
+import torch
+import torch.nn.functional as F
+
+from kvmini.budget import Rule, check
 from kvmini.cache import KEY_NORM
 from kvmini.methods.ema_merging import EMAMerge
-from kvmini.methods.scorers import CumulativeAttention
-from kvmini.methods.topk import TopK
-from kvmini.methods.variance_softmax import VarianceSoftmax, idle_temperature
-from kvmini.budget import Rule
+from kvmini.methods.method import Method
+from kvmini.methods.selectors import keep_top, lowest
+from kvmini.methods.snapkv import reduce_heads
+from kvmini.methods.variance_softmax import HEADS, allocate, column_sums_heads, idle_temperature, layer_variance
 from kvmini.parts import AFTER_PROMPT, DECODE
-from kvmini.policy import Policy
+from kvmini.statistics import Request, column_sums
 
 
 @dataclass(frozen=True)
@@ -66,18 +71,113 @@ def idle(o: Options) -> dict[str, str]:
     return found
 
 
-def build(budget: float, o: Options = Options()) -> Policy:
-    N, M = o.nm
-    if o.split == "paper":  # Eq. 8: S_l = T + N + M, N:M of what is not a sink
-        recent = Rule(f"(budget - {o.sinks}) * {M} // {N + M}", lambda S_l: (S_l - o.sinks) * M // (N + M))
-    else:  # the official code: N:M of S_l, the sinks inside the heavy part
-        recent = Rule(f"budget * {M} // {N + M}", lambda S_l: S_l * M // (N + M))
-    first_decode = o.start == "first_decode"
-    budgeter = VarianceSoftmax(o.allocation, o.softmax_temperature, o.sinks + 4, o.reduce, o.protected_layers,
-                               parts=(N, M), measure_in_prompt=first_decode, clamp=o.clamp_budgets)
-    merging = None if o.merge == "off" else EMAMerge(o.beta, weights=o.merge, tau=o.tau, writes=o.merge_writes)
-    scorer = CumulativeAttention(o.reduce)
-    if merging is not None:  # Eq. 9 divides by the kept keys' norms: the cache keeps them from each append
-        scorer.aux = scorer.aux + (KEY_NORM,)  # in a buffer the policy declares with the scorer's own
-    return Policy("d2o", budget, scorer, budgeter, TopK(o.sinks, recent, merge=merging),
-                  schedule=DECODE if first_decode else AFTER_PROMPT)
+class D2O(Method):
+    per_sequence = True  # each sequence's budgets follow its own variances (kvmini.per_sequence)
+
+    def __init__(self, budget: float, o: Options = Options()):
+        super().__init__("d2o", budget)
+        N, M = self.nm = o.nm
+        self.o, self.sinks, self.protected_spec = o, o.sinks, tuple(o.protected_layers)
+        if o.split == "paper":  # Eq. 8: S_l = T + N + M, N:M of what is not a sink
+            self.recent = Rule(f"(budget - {o.sinks}) * {M} // {N + M}", lambda S_l: (S_l - o.sinks) * M // (N + M))
+        else:  # the official code: N:M of S_l, the sinks inside the heavy part
+            self.recent = Rule(f"budget * {M} // {N + M}", lambda S_l: S_l * M // (N + M))
+        self.schedule = DECODE if o.start == "first_decode" else AFTER_PROMPT
+        self.merge = None if o.merge == "off" else EMAMerge(o.beta, weights=o.merge, tau=o.tau, writes=o.merge_writes)
+        self.aux = ("attention_sum",) + ((KEY_NORM,) if self.merge else ())  # Eq. 9 divides by the kept keys' norms
+
+    merger = property(lambda self: self.merge)  # its `trace` records the merges (kvmini.view)
+
+    def before(self, cache, T: int) -> None:
+        if not self.started:  # a protected layer is scored too (the official allocation measures it)
+            for layer in range(len(cache)):
+                cache[layer].declare(*self.aux)
+            if self.merge is not None:
+                self.merge.reset(len(cache))
+        super().before(cache, T)
+        start, n = self.seen - T, self.prompt_end
+        if start == self.prompt_start:
+            self.F_v, self.allocated, self.sums = {}, False, {}  # this prompt's Eq. 4, and its pieces' sums
+        self.pieces = self.active and self.in_prompt and T < n - self.prompt_start  # a prompt fed in several calls
+        self.compresses = self.active and (self.seen > n if self.schedule == DECODE else self.seen >= n)
+        measures = self.active and self.in_prompt  # F_v is taken on the prompt's attention
+        wanted = [column_sums(self.o.reduce)] if self.updates or measures else []
+        if measures and self.o.allocation in HEADS:
+            wanted.append(column_sums_heads())
+        if self.pieces and wanted:  # each piece's share per query head, added up until the prompt is complete
+            wanted = [column_sums("heads")]
+        self.wants = Request(*wanted) if wanted else None
+        if self.compresses and not self.allocated and len(self.F_v) == len(cache):  # the first decode step
+            self.allocate(cache[0].length + T)
+
+    def after_attention(self, layer: int, cache, seen) -> None:
+        lc = cache[layer]
+        column, heads = self.column_sums(layer, lc, seen)
+        if column is None:
+            return  # nothing asked, or a piece of the prompt: its sums wait for the rest
+        if self.updates:
+            lc.aux("attention_sum").add_(column)  # 1. s_j += sum_i A_ij, (B, H_kv, S)
+        if self.completes and self.active:
+            self.F_v[layer] = layer_variance(self.o.allocation, column, heads)  # 2. Eq. 4 on the whole prompt
+        if self.allocated and layer not in self.protected:
+            self.compress(layer, lc)
+
+    def after_layers(self, cache) -> None:
+        """The prompt's call (paper: compressed when the prompt is complete): every layer measured, budgeted
+        (Eq. 5) and compressed, in layer order."""
+        if self.compresses and not self.allocated and len(self.F_v) == len(cache):
+            self.allocate(cache[len(cache) - 1].length)
+            for layer in range(len(cache)):
+                if layer not in self.protected:
+                    self.compress(layer, cache[layer])
+
+    def column_sums(self, layer: int, lc, seen) -> tuple:
+        """This call's column sums (B, H_kv, S) and, if Eq. 4 reads them, each query head's (B, H, S); for
+        a prompt in pieces, the whole prompt's in the call that completes it and (None, None) before."""
+        if self.wants is None:
+            return None, None
+        if not self.pieces:
+            return seen.column_sums, seen.column_sums_heads if "column_sums_heads" in seen else None
+        C = seen.column_sums  # (B, H, S): this piece's share, per query head
+        if layer in self.sums:
+            C = F.pad(self.sums[layer], (0, C.shape[-1] - self.sums[layer].shape[-1])) + C
+        self.sums[layer] = C
+        if not self.completes:
+            return None, None
+        del self.sums[layer]
+        return reduce_heads(C, lc.keys.shape[1], self.o.reduce), C if self.o.allocation in HEADS else None
+
+    def allocate(self, length: int) -> None:
+        """2. S_l of every layer from F_v (Eq. 5; `length`: what a layer holds now), checked once."""
+        L = len(self.F_v)
+        self._budgets = allocate([self.F_v[l] for l in range(L)], self.o.allocation, self.mean_budget, self.prompt_end,
+                                 length, self.protected, self.nm, self.o.sinks + 4, self.o.softmax_temperature,
+                                 self.o.clamp_budgets)
+        self.allocated = True
+        check(self.name, self, dict(enumerate(self._budgets)), self.protected)
+
+    def compress(self, layer: int, lc) -> None:
+        """3. Keep T sinks + N heavy hitters + M recent tokens (Eq. 6-8), the evicted merged first (Eq. 9-12)."""
+        b = self._budgets[layer]
+        if lc.length <= b + self.slack:
+            return
+        self.evicted[layer] += lc.length - b
+        score, recent = lc.aux("attention_sum"), self.recent(b)  # (B, H_kv, S)
+        if lc.length == b + 1:  # a decode step: one entry goes
+            victim = lowest(score, lc.positions, self.sinks, recent, self.newest)  # (B, H_kv)
+            if self.merge is not None:
+                self.merged[layer] += float(self.merge.one((layer,), lc, victim, self.newest).sum())
+            lc.evict_one(victim)
+            return
+        order = lc.positions.argsort(dim=-1)  # (B, H_kv, S): position order
+        keep = order.gather(2, keep_top(score.gather(2, order), b, self.sinks, recent))  # (B, H_kv, b)
+        if self.merge is not None:
+            self.merged[layer] += float(self.merge((layer,), lc, keep).sum())
+        lc.keep(keep)
+
+    def describe(self, lc) -> tuple[str, torch.Tensor | None]:
+        return "accumulated attention (H2O's score: summed over every query so far)", lc.aux("attention_sum")
+
+
+def build(budget: float, o: Options = Options()) -> D2O:
+    return D2O(budget, o)

@@ -79,6 +79,10 @@ class Method:
         `aux`; at a prompt's first call plan its budgets. Then `in_prompt` (the call ends within the prompt),
         `completes` (it ends the prompt), `newest` (its last token's position), `slack` (entries a layer may hold beyond its budget) and `updates` (keep running sums in this call)."""
         start, end, n = cache.seen_tokens, cache.seen_tokens + T, self.prompt_end
+        if self.per_sequence and cache[0].positions.shape[0] > 1:
+            raise KvminiError(f"{self.name}: its budgets follow each sequence, and this batch holds "
+                              f"{cache[0].positions.shape[0]}: run it with kvmini.generate (generate or prefill), "
+                              "or wrap the policy: kvmini.per_sequence.PerSequence.of(policy)")
         self._check_call(start, end)
         if not self.started:
             self.started, self.evicted, self.merged = True, [0] * len(cache), [0.0] * len(cache)

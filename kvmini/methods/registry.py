@@ -225,7 +225,7 @@ def some_budget_works(policy: Policy) -> None:
                           f"tokens is {never}; use fewer sinks or a smaller window")
 
 
-TOGETHER = {"vatp", "scissorhands", "d2o", "weightedkv", "cam", "roco"}  # decode steps with every layer at once
+TOGETHER = {"vatp", "scissorhands", "weightedkv", "cam", "roco"}  # decode steps with every layer at once
 
 
 def make_policy(name: str, budget: float | None = None, **given) -> Policy | None:

@@ -23,6 +23,7 @@ from kvmini.methods.allocators import proportional
 from kvmini.parts import Budgeter
 
 ALLOCATIONS = ("official", "paper", "zscore", "reciprocal", "uniform")
+HEADS = ("official", "paper")  # the allocations that read each query head's column sums
 
 
 def attention_variance(column_sums: torch.Tensor, correction: int = 0) -> float:
@@ -53,7 +54,7 @@ class VarianceSoftmax(Budgeter):
         super().__init__(protected)
         self.how = one_of("VarianceSoftmax allocation", how, ALLOCATIONS)
         self.temperature, self.low, self.parts, self.clamp = temperature, low, parts, clamp
-        heads = (Statistic("column_sums_heads", reduce="heads"),) if how in ("official", "paper") else ()  # (B, H, S)
+        heads = (column_sums_heads(),) if how in HEADS else ()  # (B, H, S)
         self.request = Request(column_sums(reduce), *heads)
         self.accumulates = measure_in_prompt  # F_v is recorded by update() during the prompt
 
@@ -76,11 +77,7 @@ class VarianceSoftmax(Budgeter):
             self.F_v[layer] = self.measure(stats)
 
     def measure(self, stats: Stats) -> float:
-        if self.how == "official":
-            return official_variance(stats.column_sums_heads)
-        if self.how == "paper":
-            return attention_variance(stats.column_sums_heads)
-        return attention_variance(stats.column_sums)
+        return layer_variance(self.how, stats.column_sums, stats.column_sums_heads if self.how in HEADS else None)
 
     def decide(self, layer: int, lc, stats: Stats, score) -> dict[int, int]:
         if not self.allocated:
@@ -94,28 +91,53 @@ class VarianceSoftmax(Budgeter):
         return {l: self.budgets[l] for l in dict.fromkeys(now)}
 
     def allocate_all(self, length: int) -> None:
-        """Budgets for every layer from F_v; `length` is what a layer holds now (n, or n + 1 at the
-        first decode step: the official code's base)."""
-        F_v = [self.F_v[l] for l in range(self.L)]
-        if self.how == "official":  # ratio clamped to [0.01, 1]; kvmini raises the floor to `low` (a Deviation)
-            S = official_budgets(F_v, self.b / self.n, length, self.parts)
-            low = min(self.low, length) if self.clamp else 0
-            self.budgets = [length if l in self.protected else max(S_l, low) for l, S_l in enumerate(S)]
-        else:
-            free = [l for l in range(self.L) if l not in self.protected]
-            S = self.allocate(self.b, len(free), [F_v[l] for l in free], self.n)
-            for l, S_l in zip(free, S):
-                self.budgets[l] = S_l
+        """Budgets for every layer from F_v (`allocate`)."""
+        self.budgets = allocate([self.F_v[l] for l in range(self.L)], self.how, self.b, self.n, length, self.protected,
+                                self.parts, self.low, self.temperature, self.clamp)
         self.allocated = True
 
-    def allocate(self, b: int, L: int, F_v: list[float], n: int) -> list[int]:
-        """S_l per layer (Eq. 5), b = rho * n: layers get between min(low, b) and max(n, b) tokens
-        (b > n: room for decoding), L * b in all."""
-        share = layer_weights(F_v, self.how, self.temperature)  # softmax(-F_v)_l, summing to 1
-        # S_l = alpha_l * n = share_l * L * rho * n = share_l * (L * b): a split of L * b, clamped or not
-        if not self.clamp:
-            return proportional(share, b * L, 0, [b * L] * L)
-        return proportional(share, b * L, min(self.low, b), [max(n, b)] * L)
+
+def layer_variance(how: str, column_sums: torch.Tensor, column_sums_heads: torch.Tensor | None) -> float:
+    """F_v of one layer (Eq. 4) as allocation `how` reads it: the official and paper allocations from each
+    query head's column sums (B, H, n), zscore from the KV heads' (B, H_kv, n)."""
+    if how == "official":
+        return official_variance(column_sums_heads)
+    if how == "paper":
+        return attention_variance(column_sums_heads)
+    return attention_variance(column_sums)
+
+
+def allocate(F_v: list[float], how: str, b: int, n: int, length: int, protected: tuple, parts: tuple = (1, 1),
+             low: int = 8, temperature: float = 1.0, clamp: bool = True) -> list[int]:
+    """S_l for every layer from its F_v: a mean of b tokens on an n-token prompt, `length` what a layer holds
+    now (n, or n + 1 at the first decode step: the official code's base). A protected layer keeps all.
+    Official: `official_budgets`, its ratio clamped to [0.01, 1], floored at `low` (kvmini's Deviation);
+    the others: Eq. 5's split of L b over the free layers (`split`)."""
+    L = len(F_v)
+    if how == "official":
+        S = official_budgets(F_v, b / n, length, parts)
+        floor = min(low, length) if clamp else 0
+        return [length if l in protected else max(S_l, floor) for l, S_l in enumerate(S)]
+    free = [l for l in range(L) if l not in protected]
+    S = dict(zip(free, split([F_v[l] for l in free], how, b, n, low, temperature, clamp)))
+    return [S.get(l, n) for l in range(L)]
+
+
+def split(F_v: list[float], how: str, b: int, n: int, low: int = 8, temperature: float = 1.0,
+          clamp: bool = True) -> list[int]:
+    """S_l per layer (Eq. 5), b = rho * n: layers get between min(low, b) and max(n, b) tokens
+    (b > n: room for decoding), L * b in all."""
+    L = len(F_v)
+    share = layer_weights(F_v, how, temperature)  # softmax(-F_v)_l, summing to 1
+    # S_l = alpha_l * n = share_l * L * rho * n = share_l * (L * b): a split of L * b, clamped or not
+    if not clamp:
+        return proportional(share, b * L, 0, [b * L] * L)
+    return proportional(share, b * L, min(low, b), [max(n, b)] * L)
+
+
+def column_sums_heads() -> Statistic:
+    """Every query head's own column sums, (B, H, S)."""
+    return Statistic("column_sums_heads", reduce="heads")
 
 
 def idle_temperature(o) -> dict[str, str]:
