@@ -69,6 +69,13 @@ class Statistic:
         return summed.reshape(B, H_kv * g, S)
 
 
+def reduce_heads(C: torch.Tensor, H_kv: int, reduce: str) -> torch.Tensor:
+    """(B, H, S) per query head -> (B, H_kv, S): the g query heads of each KV head combined."""
+    B, H, S = C.shape
+    C = C.view(B, H_kv, H // H_kv, S)
+    return C.mean(2) if reduce == "mean" else C.amax(2) if reduce == "max" else C.sum(2)
+
+
 def column_sums(reduce: str = "mean") -> Statistic:
     """The attention each key received from every new query (H2O's score, D2O's variance)."""
     return Statistic("column_sums", None, None, reduce)

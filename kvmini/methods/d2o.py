@@ -27,10 +27,9 @@ from kvmini.cache import KEY_NORM
 from kvmini.methods.ema_merging import EMAMerge
 from kvmini.methods.method import Method
 from kvmini.methods.selectors import keep_top, lowest
-from kvmini.methods.snapkv import reduce_heads
 from kvmini.methods.variance_softmax import HEADS, allocate, column_sums_heads, idle_temperature, layer_variance
 from kvmini.parts import AFTER_PROMPT, DECODE
-from kvmini.statistics import Request, column_sums
+from kvmini.statistics import Request, column_sums, reduce_heads
 
 
 @dataclass(frozen=True)

@@ -20,7 +20,7 @@ from kvmini.methods.method import Method
 from kvmini.methods.selectors import shrink
 from kvmini.budget import PREFILL
 from kvmini.parts import Scorer
-from kvmini.statistics import Request, Statistic, window_sums
+from kvmini.statistics import Request, Statistic, reduce_heads, window_sums
 
 
 def window_scores(C: torch.Tensor, held: torch.Tensor, window: int, kernel: int, pooling: str) -> torch.Tensor:
@@ -34,13 +34,6 @@ def window_scores(C: torch.Tensor, held: torch.Tensor, window: int, kernel: int,
     # zeros from the window on act as the pooling's zero padding (C >= 0, so also for max)
     pooled = pool(C.masked_fill(~earlier, 0).view(B * H_kv, 1, S), kernel, stride=1, padding=kernel // 2).view(B, H_kv, S)
     return torch.where(earlier, pooled, torch.where(slot < held[..., None], float("inf"), float("-inf")))
-
-
-def reduce_heads(C: torch.Tensor, H_kv: int, reduce: str) -> torch.Tensor:
-    """(B, H, S) per query head -> (B, H_kv, S): the g query heads of each KV head combined."""
-    B, H, S = C.shape
-    C = C.view(B, H_kv, H // H_kv, S)
-    return C.mean(2) if reduce == "mean" else C.amax(2) if reduce == "max" else C.sum(2)
 
 
 @dataclass(frozen=True)
