@@ -19,7 +19,6 @@ except KeyboardInterrupt:
 cli.exit_on_ctrl_c(__name__)  # before anything imports torch
 import torch  # noqa: E402
 
-from kvmini.at_once import AtOnce  # noqa: E402
 from kvmini.chat import load_chat_format, stop_token_ids  # noqa: E402
 from kvmini.compare import comparison  # noqa: E402
 from kvmini.conversation import Session, line  # noqa: E402
@@ -132,10 +131,7 @@ def parse_args(argv=None):
                         "or each --question)")
     p.add_argument("--html", type=cli.path, metavar="FILE", help="also write a web page of what each layer and KV head kept, "
                                                   "token by token (one self-contained file)")
-    p.add_argument("--layer-by-layer", action="store_true",
-                   help="decode steps run kvmini.policy's loop, one layer at a time as docs/design.md writes it, instead "
-                        "of kvmini.at_once's step with every layer at once: the same caches, slower; for following a "
-                        "run in a debugger")
+    p.add_argument("--layer-by-layer", action="store_true", help=argparse.SUPPRESS)  # gone: refused with why
     p.add_argument("--per-query-head", action="store_true",
                    help="the cache holds one entry set per query head, as the authors' codes hold it after repeat_kv "
                         "(H/H_kv times the memory), so every method selects per query head; default: per KV head")
@@ -217,12 +213,11 @@ def generate_answer(args, set_threads: bool = False) -> int:
 
 
 def method_policy(args):
-    """A fresh policy of the method and its options (None: the full cache); --layer-by-layer turns off
-    kvmini.at_once's every-layer decode step, so the loop that runs is kvmini.policy's."""
-    policy = make_policy(args.method, args.budget, **args.options)
-    if args.layer_by_layer and isinstance(policy, AtOnce):
-        policy.together = False
-    return policy
+    """A fresh policy of the method and its options (None: the full cache)."""
+    if args.layer_by_layer:
+        raise KvminiError("--layer-by-layer is gone: every decode step now runs the method's own code, one layer "
+                          "at a time, the code a reader reads (docs/design.md, \"The method form\")")
+    return make_policy(args.method, args.budget, **args.options)
 
 
 def load(args):

@@ -41,7 +41,7 @@ TEMPLATE = Path(__file__).with_name("view.html")
 
 
 def record_merges(policy) -> list[Merged] | None:
-    """Ask the policy's merging compressor (D2O's EMAMerge, WeightedKV's ConvexValueMerge) to record its
+    """Ask the policy's merging compressor (D2O's EMAMerge, WeightedKV itself) to record its
     merges in a list, returned (None: the method does not merge). Call before the run."""
     merger = None if policy is None else policy.merger
     if merger is None:

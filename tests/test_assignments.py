@@ -26,7 +26,7 @@ EXERCISES = {  # written out by hand: what the markers in kvmini/methods must ad
     "frobenius_stop": {"kvmini/methods/frobenius_stop.py": ["frobenius_stop"]},
     "convex_value_merge": {"kvmini/methods/convex_value_merge.py": ["convex_value_merge"]},
     "progressive_budgets": {"kvmini/methods/progressive_budgets.py": ["ProgressiveBudgets.decide"]},
-    "value_norm": {"kvmini/methods/vatp.py": ["ValueWeightedAttention.norm"]},
+    "value_norm": {"kvmini/methods/vatp.py": ["VATP.norm"]},
 }
 
 

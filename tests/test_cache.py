@@ -2,12 +2,11 @@
 import pytest
 import torch
 
-from kvmini.at_once import Stack
 from kvmini.cache import PAD, KVCache, LayerCache
 from kvmini.generate import prefill
 from kvmini.loading import load_model
 from kvmini.per_sequence import SequenceView
-from kvmini.report import allocated_nbytes, aux_nbytes, cache_summary, full_nbytes, layer_bars
+from kvmini.report import allocated_nbytes, cache_summary, full_nbytes, layer_bars
 
 
 def test_prefill_then_stepwise_decode_equals_full_forward(tiny):
@@ -213,10 +212,8 @@ def test_aux_buffers_are_declared_before_use():
 
 
 def test_aux_buffers_keep_their_dtype_through_every_eviction_and_count_in_bytes():
-    """A bool and an int buffer follow keep, evict_one, padded rows and the stacked layers of a decode
-    step like a float one, stay of their dtype, and count in aux_nbytes (not in the K/V bytes)."""
-    from kvmini.config import ModelConfig
-    from kvmini.cache import KVCache
+    """A bool and an int buffer follow keep, evict_one and padded rows like a float one, stay of their
+    dtype, and count in aux_nbytes (not in the K/V bytes)."""
 
     lc = LayerCache(2, 1, 1, torch.float32, "cpu")
     lc.declare(("seen", torch.bool), ("count", torch.int32), "sum")
@@ -233,24 +230,9 @@ def test_aux_buffers_keep_their_dtype_through_every_eviction_and_count_in_bytes(
     assert lc.aux("count")[0, 0, :2].tolist() == [0, 20] and lc.aux("seen")[0, 0, 2:].tolist() == [False, False]
     assert lc.aux_nbytes() == 9 * (2 + 4)
 
-    config = ModelConfig(model_type="llama", vocab_size=8, hidden_size=4, intermediate_size=8, num_layers=2, num_heads=1,
-                         num_kv_heads=1, head_dim=2)
-    cache = KVCache(config, 1)
-    for i, layer in enumerate(cache.layers):
-        layer.declare(("seen", torch.bool))
-        layer.append(torch.zeros(1, 1, 3 + i, 2), torch.zeros(1, 1, 3 + i, 2), torch.arange(3 + i)[None])
-        layer.aux("seen")[..., -1] = True
-    joint = Stack(cache, (0, 1), room=1).joint
-    assert joint.aux("seen").dtype == torch.bool
-    assert joint.aux("seen").tolist() == [[[False, False, True, False]], [[False, False, False, True]]]  # then a pad
-    assert aux_nbytes(cache) == 3 + 4
-
 
 def test_an_aux_buffer_of_several_values_per_entry_moves_whole():
-    """A (w,)-shaped buffer (e.g. a history of flags) moves with its entry through evict_one, keep and join."""
-    from kvmini.cache import KVCache
-    from kvmini.config import ModelConfig
-
+    """A (w,)-shaped buffer (e.g. a history of flags) moves with its entry through evict_one and keep."""
     lc = LayerCache(1, 1, 1, torch.float32, "cpu")
     lc.declare(("history", torch.bool, (3,)))
     for t in range(4):
@@ -262,28 +244,10 @@ def test_an_aux_buffer_of_several_values_per_entry_moves_whole():
     lc.keep(torch.tensor([[[2, 0]]]))
     assert lc.aux("history")[0, 0].int().tolist() == [[0, 0, 1], [1, 0, 0]]
 
-    config = ModelConfig(model_type="llama", vocab_size=8, hidden_size=4, intermediate_size=8, num_layers=2,
-                         num_heads=1, num_kv_heads=1, head_dim=2)
-    cache = KVCache(config, 1)
-    for i, layer in enumerate(cache.layers):
-        layer.declare(("history", torch.bool, (2,)))
-        layer.append(torch.zeros(1, 1, 2 + i, 2), torch.zeros(1, 1, 2 + i, 2), torch.arange(2 + i)[None])
-        layer.aux("history")[0, 0, -1, i] = True
-    joint = Stack(cache, (0, 1), room=1).joint
-    assert joint.aux("history").shape == (2, 1, 3, 2)
-    joint.evict_one(torch.tensor([[0], [0]]))  # each row's last entry moves into its first entry's slot
-    for layer in cache.layers:  # as AtOnce.end does after a joint eviction
-        layer.length -= 1
-    assert cache[0].aux("history")[0, 0].int().tolist() == [[1, 0]]
-    assert cache[1].aux("history")[0, 0, :2].int().tolist() == [[0, 1], [0, 0]]
-
 
 def test_a_buffer_of_several_values_per_entry_holds_each_value_of_every_entry_side_by_side():
     """One value of every entry (a history's slot, which a decode step writes) is contiguous in memory:
-    in the declared buffer, after it grows and shrinks, and in a joined cache."""
-    from kvmini.cache import KVCache
-    from kvmini.config import ModelConfig
-
+    in the declared buffer, and after it grows and shrinks."""
     side_by_side = lambda buf: buf[..., 1].stride(2) == 1  # noqa: E731  entries one element apart
     lc = LayerCache(1, 2, 1, torch.float32, "cpu")
     lc.declare(("history", torch.int16, (5,)))
@@ -295,20 +259,12 @@ def test_a_buffer_of_several_values_per_entry_holds_each_value_of_every_entry_si
     assert lc.capacity < 300 and side_by_side(lc.aux("history"))  # shrunk
     assert lc.keys.stride(3) == 1 and lc.values.stride(3) == 1  # keys and values stay entry by entry
     assert lc.aux("history")[0, 1, :, 3].tolist() == list(range(0, 300, 10))
-    config = ModelConfig(model_type="llama", vocab_size=8, hidden_size=4, intermediate_size=8, num_layers=2,
-                         num_heads=1, num_kv_heads=1, head_dim=2)
-    cache = KVCache(config, 1)
-    for layer in cache.layers:
-        layer.declare(("history", torch.int16, (5,)))
-        layer.append(torch.zeros(1, 1, 4, 2), torch.zeros(1, 1, 4, 2), torch.arange(4)[None])
-    assert side_by_side(Stack(cache, (0, 1), room=1).joint.aux("history"))
 
 
 def test_key_norms_are_kept_by_the_cache_through_appends_evictions_joins_and_set_keys():
     """KEY_NORM, once declared, holds the norm of every held key: the keys held when it is declared,
-    each appended one (also in padded rows), after evictions and in a join, and after `set_keys`."""
+    each appended one (also in padded rows), after evictions, and after `set_keys`."""
     from kvmini.cache import KEY_NORM, key_norm
-    from kvmini.config import ModelConfig
 
     def check(lc):
         torch.testing.assert_close(lc.aux(KEY_NORM), key_norm(lc.keys), rtol=1e-6, atol=0)
@@ -327,17 +283,6 @@ def test_key_norms_are_kept_by_the_cache_through_appends_evictions_joins_and_set
     lc.append(*kv(1), torch.tensor([[8], [8]]))
     check(lc)
     assert lc.aux(KEY_NORM)[1, :, 5:].eq(0).all()  # pads
-    cache = KVCache(ModelConfig(model_type="llama", vocab_size=8, hidden_size=4, intermediate_size=8, num_layers=2,
-                                num_heads=1, num_kv_heads=1, head_dim=4), batch=1)
-    for i, lc in enumerate(cache.layers):
-        lc.declare(KEY_NORM)
-        lc.append(torch.randn(1, 1, 6 + i, 4, generator=gen), torch.randn(1, 1, 6 + i, 4, generator=gen),
-                  torch.arange(6 + i)[None])
-    joint = Stack(cache, (0, 1), room=1).joint
-    joint.set_keys(torch.tensor([[[5]], [[6]]]), torch.randn(2, 1, 1, 4, generator=gen))  # each row's last entry
-    joint.evict_one(torch.tensor([[1], [0]]))
-    for lc in (joint, *cache.layers):
-        check(lc)
 
 
 def test_the_report_rounds_the_counts_of_heads_that_keep_their_own():

@@ -9,9 +9,8 @@ import torch
 from kvmini.cache import LayerCache
 from kvmini.methods.cache_merging import CacheMerge
 from kvmini.methods.registry import make_policy
-from kvmini.view import record_merges
 from reference import random_model
-from test_together import run, same
+from test_decode_steps import run, same
 
 DT = torch.float64
 
@@ -128,7 +127,7 @@ def decode_step(cm, lc, t, value, row, b=4):
     """Token t with `value` attends with `row` over the held entries and itself (buffer order), then compress."""
     lc.append(torch.zeros(1, 1, 1, 2, dtype=DT), torch.tensor(value, dtype=DT).view(1, 1, 1, 2), torch.tensor([[t]]))
     lc.aux("attention_sum").add_(torch.tensor(row, dtype=DT))
-    cm((0,), lc, lc.aux("attention_sum"), b, int(lc.positions.max()))
+    return cm(0, lc, lc.aux("attention_sum"), b)
 
 
 # --- the toy, numbers by hand (cam.md section 6) --------------------------------------------------------------
@@ -137,7 +136,7 @@ def test_toy_paper_variant_by_hand():
     """sinks 1, budget 4, m 2, v_i / (targets), M = p. Evict 1: p = 0.3 / ((0.9 + 0.6) / 2) = 0.4, v2, v3 +=
     0.4 (2, 4) / 2 = (0.4, 0.8). Evict 2, now (0.4, 2.8): p = clamp(0.9 / 0.45) = 1, v3, v4 += (0.2, 1.4)."""
     lc, cm = toy(), compressor(sinks=1, m=2, divide="count", mask="expectation")
-    cm((0,), lc, lc.aux("attention_sum"), 4, int(lc.positions.max()))
+    merged = cm(0, lc, lc.aux("attention_sum"), 4)
     pos, V, acc = by_position(lc)
     assert pos == [0, 3, 4, 5]
     torch.testing.assert_close(V, torch.tensor([[1, 0], [4.6, 2.2], [2.2, 3.4], [6, 4]], dtype=DT))
@@ -147,12 +146,12 @@ def test_toy_paper_variant_by_hand():
     torch.testing.assert_close(record.weight, torch.tensor([[[0.2, 0.5]]], dtype=DT))  # M / 2
     # decode: token 6 = (0, 6) attends [0, 0, 0.6, 0.4, 0] over 0, 3, 4, 5, 6: Abar = [3.7, 0.6, 0.9, 0.6, 0];
     # evict 3: p = 0.6 / 0.75 = 0.8, v4, v5 += 0.8 (4.6, 2.2) / 2 = (1.84, 0.88)
-    decode_step(cm, lc, 6, [0, 6], [0.0, 0.0, 0.6, 0.4, 0.0])
+    merged += decode_step(cm, lc, 6, [0, 6], [0.0, 0.0, 0.6, 0.4, 0.0])
     pos, V, acc = by_position(lc)
     assert pos == [0, 4, 5, 6]
     torch.testing.assert_close(V, torch.tensor([[1, 0], [4.04, 4.28], [7.84, 4.88], [0, 6]], dtype=DT))
     torch.testing.assert_close(acc, torch.tensor([3.7, 0.9, 0.6, 0.0], dtype=DT))
-    assert cm.merged[0] == pytest.approx(0.4 + 1 + 0.8)
+    assert merged == pytest.approx(0.4 + 1 + 0.8)
 
 
 def test_toy_official_variant_by_hand():
@@ -161,7 +160,7 @@ def test_toy_official_variant_by_hand():
     Decode: evict 3 = (4.0796875, 0.284375) into 4, 5, 6: p = clamp(0.6 / 0.5) = 1, share / 16; the new token
     receives it too."""
     lc, cm = toy(), compressor(sinks=1, m=16, divide="fixed", mask="expectation")
-    cm((0,), lc, lc.aux("attention_sum"), 4, int(lc.positions.max()))
+    cm(0, lc, lc.aux("attention_sum"), 4)
     v3 = [4 + 0.075 + 0.0046875, 0.15 + 0.134375]
     torch.testing.assert_close(by_position(lc)[1], torch.tensor(
         [[1, 0], v3, [2.0796875, 2.284375], [6.0796875, 4.284375]], dtype=DT))
@@ -175,16 +174,16 @@ def test_toy_official_variant_by_hand():
 
 def test_toy_threshold_always_and_bernoulli_by_hand():
     lc, cm = toy(), compressor(sinks=1, m=2, divide="count", mask="threshold")  # ratios 0.4 (no), 2 (yes)
-    cm((0,), lc, lc.aux("attention_sum"), 4, int(lc.positions.max()))
+    cm(0, lc, lc.aux("attention_sum"), 4)
     torch.testing.assert_close(by_position(lc)[1], torch.tensor([[1, 0], [4, 1], [2, 3], [6, 4]], dtype=DT))
     assert cm.trace[0].into.tolist() == [[[-1, 3]]]  # evicted 1 was dropped, not merged
     lc, cm = toy(), compressor(sinks=1, m=2, divide="count", mask="always")  # the "w.o. Merge Mask" ablation
-    cm((0,), lc, lc.aux("attention_sum"), 4, int(lc.positions.max()))  # v2 = (0, 2) + (1, 2) = (1, 4); v3 = (5, 2) + (0.5, 2)
+    cm(0, lc, lc.aux("attention_sum"), 4)  # v2 = (0, 2) + (1, 2) = (1, 4); v3 = (5, 2) + (0.5, 2)
     torch.testing.assert_close(by_position(lc)[1], torch.tensor([[1, 0], [5.5, 4], [2.5, 4], [6, 4]], dtype=DT))
     # Bernoulli: eviction 1 (p = 0.4) merges iff the layer's first uniform is below 0.4; eviction 2 (p = 1) always
     u = torch.rand((1, 1, 2), generator=torch.Generator().manual_seed(0), dtype=DT)  # seed 0, layer 0
     lc, cm = toy(), compressor(sinks=1, m=2, divide="count", mask="bernoulli", seed=0)
-    cm((0,), lc, lc.aux("attention_sum"), 4, int(lc.positions.max()))
+    cm(0, lc, lc.aux("attention_sum"), 4)
     want = [[1, 0], [5.5, 4], [2.5, 4], [6, 4]] if u[0, 0, 0] < 0.4 else [[1, 0], [4, 1], [2, 3], [6, 4]]
     torch.testing.assert_close(by_position(lc)[1], torch.tensor(want, dtype=DT))
 
@@ -226,7 +225,7 @@ def test_compressor_equals_algorithm_1_after_a_prompt_and_decode_steps(kw):
                 c.acc = [a + float(x) for a, x in zip(c.acc, w)]
         E = lc.length - b
         u = torch.rand((1, H, E), generator=draws, dtype=DT)
-        cm((0,), lc, lc.aux("attention_sum"), b, int(lc.positions.max()))
+        cm(0, lc, lc.aux("attention_sum"), b)
         for h, c in enumerate(heads):
             literal_compress(c, b, sinks, kw["m"], kw["divide"], kw["mask"], draws=u[0, h].tolist())
             pos, values, a = by_position(lc, h)
@@ -255,7 +254,7 @@ def test_token_by_token_equals_the_authors_kv_cache_cam(sinks, recent, m, mask):
         lc.append(k[t].view(1, 1, 1, D), v[t].view(1, 1, 1, D), torch.tensor([[t]]))
         lc.aux("attention_sum").add_(torch.softmax(lc.keys[0, 0] @ q[t] / math.sqrt(D), -1))
         if lc.length > b:
-            cm((0,), lc, lc.aux("attention_sum"), b, int(lc.positions.max()))
+            cm(0, lc, lc.aux("attention_sum"), b)
             ps.append(cm.trace[-1].weight.item() * m)
     pos, V, acc = by_position(lc)
     assert pos == want_pos
@@ -272,7 +271,7 @@ def test_merging_with_every_target_conserves_the_sum_of_values():
     V, acc = torch.randn(30, 4, generator=gen, dtype=DT), torch.rand(30, generator=gen, dtype=DT)
     for divide, conserved in (("count", True), ("fixed", False)):
         lc, cm = layer(list(range(30)), V, acc), compressor(sinks=4, m=16, divide=divide, mask="always")
-        cm((0,), lc, lc.aux("attention_sum"), 12, int(lc.positions.max()))
+        cm(0, lc, lc.aux("attention_sum"), 12)
         assert torch.allclose(lc.values.sum((0, 1, 2)), V.sum(0), atol=1e-12) == conserved
 
 
@@ -301,23 +300,14 @@ def test_budget_sinks_and_recent_are_held_at_every_step_and_the_global_rng_is_un
 
 
 def test_two_runs_equal_and_the_seed_matters(model):
-    first, again = run(model, "cam", 12, {}, True), run(model, "cam", 12, {}, True)
+    first, again = run(model, "cam", 12, {}), run(model, "cam", 12, {})
     same(first, again)
-    other = run(model, "cam", 12, {"merge_seed": 1}, True)
+    other = run(model, "cam", 12, {"merge_seed": 1})
     assert any(not torch.equal(a.values, b.values) for a, b in zip(first[0].layers, other[0].layers))
 
 
-@pytest.mark.parametrize("options", [{"variant": "paper", "merge_mask": "expectation"},
-                                     {"merge_score": "current", "merge_window": 3, "merge_mask": "threshold"},
-                                     {"variant": "paper", "merge_window": 10, "sinks": 1}])
-def test_all_layers_at_once_equal_layer_by_layer(model, options):
-    """tests/test_together.py runs the defaults; the variants here, batch 2 too (the draws are per layer)."""
-    same(run(model, "cam", 12, options, True), run(model, "cam", 12, options, False))
-    same(run(model, "cam", 12, options, True, batch=2), run(model, "cam", 12, options, False, batch=2))
-
-
 def test_the_trace_records_each_eviction_once_with_its_first_target(model):
-    _, policy, _, trace = run(model, "cam", 12, {"merge_mask": "expectation"}, True)
+    _, policy, _, trace = run(model, "cam", 12, {"merge_mask": "expectation"})
     by_layer = {}
     for r in trace:
         by_layer.setdefault(r.layer, []).append(r)

@@ -390,7 +390,6 @@ def test_topk_dropping_two_worked_example():
 
 
 def test_every_part_refuses_a_mode_it_does_not_know():
-    from kvmini.methods.convex_value_merge import ConvexValueMerge
     from kvmini.methods.ema_merging import EMAMerge
     from kvmini.methods.frobenius_stop import FrobeniusStop
     from kvmini.methods.progressive_budgets import ProgressiveBudgets
@@ -399,7 +398,7 @@ def test_every_part_refuses_a_mode_it_does_not_know():
 
     for make in (lambda: EMAMerge(weights="papr"), lambda: EMAMerge(tau="per_token"),
                  lambda: WindowAttention(pooling="mean"), lambda: ProgressiveBudgets(rounding="round"),
-                 lambda: ConvexValueMerge(chunk_merge="run"), lambda: FrobeniusStop(ranking="attention"),
+                 lambda: FrobeniusStop(ranking="attention"),
                  lambda: VarianceSoftmax("softmax"), lambda: layer_weights([1.0, 2.0], "softmax")):
         with pytest.raises(KvminiError, match="must be one of"):
             make()

@@ -40,18 +40,31 @@ TOY_ROWS = [
 ]
 
 
+class OneLayer:
+    """A cache of one layer, as the model passes it to a method's hooks."""
+
+    def __init__(self, lc: LayerCache):
+        self.layers, self.seen_tokens = [lc], 0
+
+    def __getitem__(self, layer: int) -> LayerCache:
+        return self.layers[layer]
+
+    def __len__(self) -> int:
+        return 1
+
+
 def run_toy(calls, budget, options, seen=None):
-    """RoCo's parts on the toy: each call's rows (renormalised over the held keys: a softmax over fewer
-    keys is the full one restricted and renormalised) as the statistics the attention pass would give.
-    seen(call, lc, scorer) hears the cache after the statistics are added, before the eviction.
+    """RoCo on the toy, a 6-token prompt: each call's rows (renormalised over the held keys: a softmax over
+    fewer keys is the full one restricted and renormalised) as the statistics the attention pass would give.
+    seen(call, lc, method) hears the cache after the statistics are added, before the eviction.
     Returns the held positions after each call."""
-    scorer, budgeter, compressor = make_policy("roco", budget, **options).parts
-    budgeter.start(budget, 1, 6)
-    compressor.start(1)
+    method = make_policy("roco", budget, **options)
+    method.start(6)
     lc = LayerCache(1, 1, 2, torch.float64, "cpu")
-    lc.declare(*scorer.aux)
+    cache = OneLayer(lc)
     kept, t = [], 0
     for c, T in enumerate(calls):
+        method.before(cache, T)  # declares a, q and n at the first call
         lc.append(torch.zeros(1, 1, T, 2, dtype=torch.float64), torch.zeros(1, 1, T, 2, dtype=torch.float64),
                   torch.arange(t, t + T)[None])
         held = lc.positions[0, 0].tolist()  # buffer order
@@ -63,14 +76,14 @@ def run_toy(calls, budget, options, seen=None):
                 w = TOY_ROWS[i][p] / total
                 sums[0, 0, held.index(p)] += w
                 squares[0, 0, held.index(p)] += w * w
-        stats = Stats(column_sums=sums, column_squares=squares)
-        scorer.update(lc, stats, t, T)
+        method.add_up(lc, Stats(column_sums=sums, column_squares=squares))  # R1-R2
         if seen is not None:
-            seen(c, lc, scorer)
+            seen(c, lc, method)
         if lc.length > budget:
-            compressor((0,), lc, scorer(lc, stats), budget, int(lc.positions.max()))
+            method.evict(lc, budget)  # R3-R5
         kept.append(sorted(lc.positions[0, 0].tolist()))
         t += T
+        cache.seen_tokens = t
     return kept
 
 
@@ -89,11 +102,11 @@ def test_toy_paper_block_wise_by_hand():
     R = {0} (sigma .244); evict 5."""
     want = {"a": [2.8, 0.9, 1.1, 0.75, 0.25, 0.2], "q": [1.7, 0.31, 0.37, 0.2225, 0.0425, 0.04], "n": [6, 5, 4, 3, 2, 1]}
 
-    def seen(c, lc, scorer):
+    def seen(c, lc, method):
         if c == 0:
             for name, values in want.items():
                 assert column(lc, name) == pytest.approx(values, abs=1e-12)
-            mas = scorer(lc, None)[0, 0, lc.positions[0, 0].argsort()].tolist()
+            mas = (lc.aux("a") / lc.aux("n"))[0, 0, lc.positions[0, 0].argsort()].tolist()
             assert mas == pytest.approx([2.8 / 6, 0.18, 0.275, 0.25, 0.125, 0.2], abs=1e-12)
         else:
             assert column(lc, "a") == pytest.approx([3.1, 1.3, 0.75, 0.3, 0.4], abs=1e-12)
@@ -117,7 +130,7 @@ def test_toy_official_by_hand():
     [.1, .05, .15, .025, .075, 0] with keys 0 and 5 at 1e9; the scope is the max(4 - 0 - 1, 2) = 3 lowest
     sigma, {3, 1, 4}; evict its 2 lowest MAS, 1 (.05) and 4 (.125). Decode: a = [.9, .7, .35, .3, .4],
     n = [3, 3, 3, 2, 1]; scope = the 4 - 1 = 3 lowest sigma {5 (.05), 0 (.0816), 3 (.085)}; evict 3 (MAS .1167)."""
-    def seen(c, lc, scorer):
+    def seen(c, lc, method):
         if c == 1:
             assert column(lc, "n") == [0, 0, 0, 0]  # no statistics until the cache overflows
         if c == 2:
@@ -457,17 +470,3 @@ def test_never_above_budget_and_the_paper_guards_are_kept(options):
                         assert set(range(seen - 4, seen)) <= held  # decode rho = 1 + 3 = 4
                 for name in ("a", "q", "n"):
                     assert torch.isfinite(lc.aux(name)).all()
-
-
-def test_the_paper_variant_evicts_all_layers_at_once_as_layer_by_layer(monkeypatch):
-    """tests/test_together.py checks the official default; here the paper variant, and that the joint path runs."""
-    from test_together import calls_at_once, run, same
-
-    joins = calls_at_once(monkeypatch)
-    model = random_model(L=4).to(torch.float64)
-    for options in (PAPER, PAPER | {"sinks": 2, "recent": 2, "decode_sinks": False}, {}):
-        joins.clear()
-        alone = run(model, "roco", 12, options, False)
-        assert joins == []
-        same(run(model, "roco", 12, options, True), alone)
-        assert len(joins) == 8 and all(layers == (0, 1, 2, 3) for layers in joins)  # every decode step

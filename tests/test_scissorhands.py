@@ -7,9 +7,8 @@ import torch
 
 from kvmini.cache import LayerCache
 from kvmini.methods.registry import declarations, make_policy
-from kvmini.methods.scissorhands import DropLowest, LowHistory, below_average, drop
-from kvmini.methods.topk import TopK
-from kvmini.statistics import Stats
+from kvmini.methods.scissorhands import below_average, drop, drop_lowest, importance_score, remember
+from kvmini.methods.selectors import shrink
 from reference import engine_run, random_model, simulate
 
 
@@ -29,25 +28,23 @@ ROWS = {  # step t -> the query's attention over the cache, in position order (s
 }
 
 
-@pytest.mark.parametrize("compressor", [TopK(0, 2), DropLowest(0, 2)], ids=["TopK", "DropLowest"])
-def test_the_hand_worked_stream(compressor):
+@pytest.mark.parametrize("evict", [shrink, drop_lowest], ids=["shrink", "drop_lowest"])
+def test_the_hand_worked_stream(evict):
     """B = 6, m = 2 (budget 4, evict 2 at once), w = 3, r = 2. After step 5 the window is steps 3-5:
     I = 0, 3, 2, 1 for positions 0-3 (4 and 5 are recent), so 1 and 2 go: [0, 3, 4, 5]. After step 7
     (steps 5-7): I(0) = 0, I(3) = 1, I(4) = 3, I(5) = 1: 4 goes, then the tie of 3 and 5 drops the
     older, 3: [0, 5, 6, 7]. The cache holds 1, 2, 3, 4, 5, 4, 5, 4 entries."""
-    scorer = LowHistory(w=3)
-    compressor.start(1)
     lc = LayerCache(1, 1, 1, torch.float64, "cpu")
-    lc.declare(*scorer.aux)
+    lc.declare(("low_history", torch.int16, (3,)), ("low_count", torch.int32))  # the ring of w = 3 steps, and I
     sizes, kept = [], {}
     for t, row in ROWS.items():
         lc.append(torch.zeros(1, 1, 1, 1), torch.zeros(1, 1, 1, 1), torch.tensor([[t]]))
         order = lc.positions[0, 0].argsort()
         attention = torch.zeros(1, 1, 1, lc.length, dtype=torch.float64)
         attention[..., order] = torch.tensor(row, dtype=torch.float64)  # the row in buffer order
-        scorer.update(lc, Stats(low_counts=below_average(attention)[:, :, 0]), t, 1)
+        remember(lc, below_average(attention)[:, :, 0], t, 1, 3)
         if lc.length == 6:  # the cache reached B: drop m = 2
-            compressor((0,), lc, scorer(lc, Stats()), 4, int(lc.positions.max()))
+            evict(lc, importance_score(lc), 4, 0, 2, int(lc.positions.max()))
             kept[t] = sorted(lc.positions.flatten().tolist())
         sizes.append(lc.length)
     assert kept == {5: [0, 3, 4, 5], 7: [0, 5, 6, 7]}
@@ -74,7 +71,7 @@ def test_drop_moves_the_last_surviving_entries_into_the_victims_slots():
 @pytest.mark.parametrize("seed", range(40))
 def test_drop_lowest_keeps_what_topk_keeps_in_any_buffer_order(seed):
     """Random decode-time caches (sinks at positions 0.., gaps, the window the newest positions), buffers
-    in any order, distinct scores: DropLowest leaves the tokens TopK's sort and keep leave, each with its
+    in any order, distinct scores: drop_lowest leaves the tokens shrink's sort and keep leave, each with its
     key, value and record."""
     gen = torch.Generator().manual_seed(seed)
     sinks, recent, m = (int(x) for x in torch.randint(0, 4, (3,), generator=gen))
@@ -84,7 +81,7 @@ def test_drop_lowest_keeps_what_topk_keeps_in_any_buffer_order(seed):
     top = int(middle.max()) + 1
     positions = torch.cat([torch.arange(sinks), middle, torch.arange(top, top + recent)])  # (S,) ascending
     caches = []
-    for compressor in (TopK(sinks, recent), DropLowest(sinks, recent)):
+    for evict in (shrink, drop_lowest):
         lc = LayerCache(1, 2, 1, torch.float64, "cpu")
         lc.declare(("record", torch.int16, (3,)))
         perm = torch.stack([torch.randperm(S, generator=torch.Generator().manual_seed(seed + h)) for h in range(2)])
@@ -93,10 +90,9 @@ def test_drop_lowest_keeps_what_topk_keeps_in_any_buffer_order(seed):
         lc.positions[0] = pos
         lc.aux("record")[0] = pos[..., None].to(torch.int16) * torch.tensor([1, 2, 3], dtype=torch.int16)
         score = torch.sin(pos.double() * 7.3 + seed)[None]  # (1, 2, S): distinct
-        compressor.start(1)
-        if isinstance(compressor, DropLowest):  # its own path: no entry but the last m moves
-            lc.keep = lambda idx: pytest.fail("DropLowest fell back to keep")
-        compressor((0,), lc, score, b, int(positions.max()))
+        if evict is drop_lowest:  # its own path: no entry but the last m moves
+            lc.keep = lambda idx: pytest.fail("drop_lowest fell back to keep")
+        evict(lc, score, b, sinks, recent, int(positions.max()))
         order = lc.positions.argsort(-1)
         caches.append([lc.positions.gather(2, order), lc.keys[..., 0].gather(2, order),
                        lc.values[..., 0].gather(2, order), lc.aux("record")[..., 2].gather(2, order)])

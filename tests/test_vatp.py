@@ -1,14 +1,13 @@
-"""VATP (kvmini.methods.vatp), the method tutorial 9 writes: a scorer worked by hand, the engine against
+"""VATP (kvmini.methods.vatp), the method tutorial 9 writes: its score worked by hand, the engine against
 a literal masked simulation written from the paper's score, and H2O as its special case."""
 from collections import defaultdict
 
 import pytest
 import torch
 
-from kvmini.statistics import Stats
 from kvmini.cache import PAD, LayerCache
 from kvmini.methods.registry import make_policy
-from kvmini.methods.vatp import ValueWeightedAttention
+from kvmini.methods.vatp import VATP, Options
 from cases import stored
 from reference import engine_run, group_mean, random_model, simulate, top_positions
 
@@ -17,29 +16,31 @@ from reference import engine_run, group_mean, random_model, simulate, top_positi
 def test_value_weighting_by_hand():
     """Accumulated attention [.5, .3, .2] times the l1 norms of the values [1, 4, 2] (|1| + |-3| = 4)
     -> [.5, 1.2, .4]: the second token, though less attended than the first, scores highest.
-    The norms are kept from the call that cached the values (`update`), as the attention is."""
-    for p, want in [(1.0, [0.5, 1.2, 0.4]), (2.0, [0.5 * 1.0, 0.3 * 10**0.5, 0.2 * 2.5**0.5]), (None, [0.5, 0.3, 0.2])]:
+    The norms are kept from the call that cached the values (`keep_norms`), as the attention is."""
+    for norm, want in [("l1", [0.5, 1.2, 0.4]), ("l2", [0.5 * 1.0, 0.3 * 10**0.5, 0.2 * 2.5**0.5]), ("off", [0.5, 0.3, 0.2])]:
         lc = LayerCache(1, 1, 2, torch.float32, "cpu", capacity=4)
         lc.append(torch.zeros(1, 1, 3, 2), torch.tensor([[1.0, 0.0], [1.0, -3.0], [0.5, 1.5]]).view(1, 1, 3, 2),
                   torch.tensor([[0, 1, 2]]))
-        scorer = ValueWeightedAttention(p=p)
-        lc.declare(*scorer.aux)
-        scorer.update(lc, Stats(column_sums=torch.tensor([[[0.5, 0.3, 0.2]]])), 0, 3)  # one call of 3 queries
-        assert scorer(lc, Stats()).flatten().tolist() == pytest.approx(want)
+        method = VATP(12, Options(value_norm=norm))
+        lc.declare(*method.aux)
+        lc.aux("attention_sum").add_(torch.tensor([[[0.5, 0.3, 0.2]]]))  # one call of 3 queries
+        if method.p is not None:
+            method.keep_norms(lc, 3)
+        assert method.score(lc).flatten().tolist() == pytest.approx(want)
 
 
 def test_a_norm_is_kept_from_the_call_that_cached_the_value():
-    """Each row's newly appended values (its last T entries, also in a row that holds fewer, as a shorter
-    layer's rows in kvmini.at_once) get their norms; the earlier entries keep theirs."""
+    """Each row's newly appended values (its last T entries, also in a row that holds fewer) get their
+    norms; the earlier entries keep theirs."""
     lc = LayerCache(2, 1, 2, torch.float32, "cpu", capacity=8)
     lc.append(torch.zeros(2, 1, 2, 2), torch.tensor([[[[9.0, 9.0], [3.0, 0.0]]], [[[0.0, -1.0], [2.0, 2.0]]]]),
               torch.tensor([[0, 1], [0, 1]]))
-    scorer = ValueWeightedAttention(p=1.0)
-    lc.declare(*scorer.aux)
-    scorer.update(lc, Stats(column_sums=torch.ones(2, 1, 2)), 0, 2)
+    method = VATP(12)
+    lc.declare(*method.aux)
+    method.keep_norms(lc, 2)
     lc.keep(torch.tensor([[[1, 0]], [[0, 1]]]), counts=torch.tensor([[1], [2]]))  # row 0 keeps position 1, then a pad
     lc.append(torch.zeros(2, 1, 1, 2), torch.tensor([[[[-4.0, 1.0]]], [[[0.5, 0.5]]]]), torch.tensor([[2], [2]]))
-    scorer.update(lc, Stats(column_sums=torch.zeros(2, 1, 3)), 2, 1)
+    method.keep_norms(lc, 1)
     assert lc.aux("value_norm").tolist() == [[[3.0, 5.0, 0.0]], [[1.0, 4.0, 1.0]]]
 
 

@@ -17,7 +17,8 @@ import torch
 
 from kvmini.cache import PAD, LayerCache
 from kvmini.generate import generate
-from kvmini.methods.convex_value_merge import ConvexValueMerge
+from kvmini.methods.convex_value_merge import merge_down
+from kvmini.methods.merged import Merged
 from kvmini.methods.ema_merging import EMAMerge
 from kvmini.methods.registry import METHODS, make_policy
 from kvmini.view import record_merges, write_comparison
@@ -106,11 +107,10 @@ def abar_cache(abar: list[float]) -> LayerCache:
 def test_weightedkv_trace_by_hand(chunk_merge, budget, expected):
     """abar = 9 1 2 8 5 7 at positions 0..5, one sink, a window of one: the lowest free entries go first."""
     lc = abar_cache([9, 1, 2, 8, 5, 7])
-    compressor = ConvexValueMerge(sinks=1, recent=1, chunk_merge=chunk_merge)
-    compressor.start(1)
-    compressor.trace = []
-    compressor((0,), lc, None, budget, int(lc.positions.max()))
-    got = [(e, q, w) for m in compressor.trace
+    trace = []
+    merge_down(lc, budget, 1, 1, int(lc.positions.max()), chunk_merge == "sequential",
+               lambda *record: trace.append(Merged(0, *record)))
+    got = [(e, q, w) for m in trace
            for e, q, w in zip(m.evicted[0, 0].tolist(), m.into[0, 0].tolist(), m.weight[0, 0].tolist())]
     assert [(e, q) for e, q, _ in got] == [(e, q) for e, q, _ in expected]
     assert [w for *_, w in got] == pytest.approx([w for *_, w in expected])

@@ -147,7 +147,7 @@ def test_chunk_size_1_is_algorithm_1_literally():
 def test_chunked_prompt_keeps_capacity_and_default_windows():
     model = random_model(seed=2)
     policy = make_policy("weightedkv", 40)
-    recent, sinks = policy.compressor.recent, policy.compressor.sinks
+    recent, sinks = policy.recent, policy.sinks
     assert recent(1024) == 508 and recent(256) == 124 and sinks == 4
     ids = torch.randint(0, 61, (1, 150), generator=torch.Generator().manual_seed(0))
     cache = model.new_cache(1)

@@ -21,9 +21,8 @@ sys.path.insert(0, str(Path.cwd() if Path("kvmini").is_dir() else Path.cwd().par
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-from kvmini.at_once import Stack  # noqa: E402
 from kvmini.attention import sdpa_attention  # noqa: E402
-from kvmini.cache import KVCache, LayerCache  # noqa: E402
+from kvmini.cache import PAD, KVCache, LayerCache  # noqa: E402
 from kvmini.config import ModelConfig  # noqa: E402
 from kvmini.model import RMSNorm, Transformer, apply_rope, rope_frequencies  # noqa: E402
 
@@ -186,27 +185,20 @@ torch.testing.assert_close(a, b)  # attention cannot tell the two buffers apart
 # go (finding it with `selectors.lowest`, a masked minimum instead of a sort) and `keep` otherwise
 # (sorting by position first). Both keep the same tokens; tests/test_policy.py checks it.
 #
-# ## Every layer at once: `kvmini.at_once`
+# ## Rows of their own
 #
-# A decode step evicts one entry in each of $L$ layers. Done layer by layer, that is $L$ times the
-# same handful of small tensor operations (on a CPU each costs a few microseconds whatever its
-# size, so with 30 layers the bookkeeping cost more than the smaller cache saved). But layer
-# $l$'s eviction changes only layer $l$'s cache, and no later layer of the same step reads it, so
-# the engine waits until the last layer has attended (`AtOnce.end`) and evicts all of them
-# together: `Stack(cache, layers)` holds the layers as the rows of one `LayerCache` (each layer's
-# buffers become views of its buffers). A layer that holds fewer entries (D2O's per-layer budgets)
-# has pads after its entries: the rows hold their own counts, the cache's ragged layout, and one
-# `evict_one` moves each row's own last entry, in every layer at once.
+# A method may let the KV heads of a layer keep different counts (Ada-KV shares a layer's budget out
+# over its heads): `keep(idx, counts)` keeps the first `counts[r]` of row r's `idx`, and the places a
+# row does not fill become pads (position PAD, never attended to). `evict_one` then moves each row's
+# own last entry into the freed slot.
 
 # %%
-two = KVCache(ModelConfig("llama", 50, 32, 64, 2, 4, 1, 2, rope_theta=1000.0), batch=1)
-for i, lc in enumerate(two.layers):  # layer 0 holds positions 0..3, layer 1 positions 0..4
-    n = 4 + i
-    lc.append(torch.full((1, 1, n, 2), float(i)), torch.zeros(1, 1, n, 2), torch.arange(n)[None])
-joint = Stack(two, (0, 1), room=1).joint  # (2 rows, 1 KV head, 6 places, 2); row 0 ends with a pad
-joint.evict_one(torch.tensor([[1], [2]]))  # layer 0 drops position 1, layer 1 position 2: each row's last entry moves there
-two[0].length, two[1].length = two[0].length - 1, two[1].length - 1  # what AtOnce.end does after an eviction
-assert two[0].positions.tolist() == [[[0, 3, 2]]] and two[1].positions.tolist() == [[[0, 1, 4, 3]]]
+ragged = LayerCache(1, 2, 2, torch.float32, "cpu")  # batch 1, 2 KV heads, head_dim 2
+ragged.append(torch.zeros(1, 2, 5, 2), torch.zeros(1, 2, 5, 2), torch.arange(5)[None])
+ragged.keep(torch.tensor([[[0, 2, 4, 1], [0, 1, 3, 4]]]), counts=torch.tensor([[3, 4]]))  # head 0 keeps 3, head 1 keeps 4
+assert ragged.held().tolist() == [[3, 4]] and ragged.positions[0, 0, 3] == PAD  # head 0's fourth place: a pad
+ragged.evict_one(torch.tensor([[0, 1]]))  # head 0 drops position 0, head 1 position 1
+assert ragged.positions[0, 0, :2].tolist() == [4, 2] and ragged.positions[0, 1, :3].tolist() == [0, 4, 3]
 
 # %% [markdown]
 # ## The memory formula

@@ -94,7 +94,7 @@ assert err[0.1] < err[3.0]  # the less the dropped token was attended, the bette
 lc = LayerCache(1, 1, 2, torch.float32, "cpu")
 for t in [1, 3, 5, 6, 7]:  # cached positions; a chunk of 3 queries at positions 5, 6, 7 just arrived
     lc.append(torch.zeros(1, 1, 1, 2), torch.zeros(1, 1, 1, 2), torch.tensor([[t]]))
-lc.declare(*AverageAttention.aux)  # the buffers the scorer keeps in the cache: a and n
+lc.declare(*AverageAttention.aux)  # the buffers WeightedKV keeps in the cache: a and n
 AverageAttention().update(lc, Stats(column_sums=torch.tensor([[[0.5, 1.0, 1.5, 0.4, 0.1]]])), start=5, T=3)
 assert lc.aux("n").tolist() == [[[3, 3, 3, 2, 1]]]
 
@@ -165,8 +165,7 @@ show(fig, "06_merge_chain")
 
 # %%
 policy = make_policy("weightedkv", 256)
-compressor = policy.compressor  # ConvexValueMerge(sinks, recent)
-assert compressor.sinks == 4 and compressor.recent(1024) == 508 and compressor.recent(256) == 124
+assert policy.sinks == 4 and policy.recent(1024) == 508 and policy.recent(256) == 124
 
 # %% [markdown]
 # ## Seeing the merges on a whole model
@@ -236,11 +235,11 @@ def ten_values():
 
 
 def cam_down_to(budget):
-    """CaM's compressor (sinks 1, m = 3, divide by m, M = p) on the ten values, down to `budget` entries."""
+    """CaM's merge (sinks 1, m = 3, divide by m, M = p) on the ten values, down to `budget` entries."""
     lc, merge = ten_values(), CacheMerge(sinks=1, m=3, divide="fixed", mask="expectation")
     merge.start(1)  # one layer
     merge.trace = []  # record the merges (Merged: evicted, first target, weight M / m)
-    merge((0,), lc, lc.aux("attention_sum"), budget, int(lc.positions.max()))  # Eq. 14 + Alg. 1, oldest first
+    merge(0, lc, lc.aux("attention_sum"), budget)  # layer 0: Eq. 14 + Alg. 1, oldest first
     return lc, merge.trace
 
 

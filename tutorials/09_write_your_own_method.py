@@ -14,7 +14,8 @@
 #
 # It lives in `kvmini/methods/vatp.py`. Adding it took what adding any method takes:
 #
-# 1. **the module**: the parts (a new scorer, the rest reused), a typed `Options` declaration and `build`;
+# 1. **the module**: one class, `VATP`, whose hooks are the algorithm (the shared steps are functions it
+#    calls), a typed `Options` declaration and `build`;
 # 2. **its line** in `kvmini/methods/registry.py`'s `METHODS` (and its name in the import above it);
 # 3. **its tests**: `tests/test_vatp.py` (a worked example, a literal masked simulation, H2O as a special case).
 #
@@ -22,7 +23,7 @@
 # generic tests over every method — follows from those. Then two commands put it beside the others:
 # its behaviour recorded (`tests/test_engine_regression.py --record vatp`) and its measurements added to
 # the committed results (the checklist at the end). This tutorial walks through each step; part 2 adds a
-# method that needs a new attention statistic (Scissorhands), part 3 a budgeter that waits for every layer.
+# method that needs a new attention statistic (Scissorhands), part 3 a method that waits for every layer.
 # Open it as an executed notebook: `python -m kvmini.notebooks 09` (into notebooks/).
 
 # %%
@@ -38,26 +39,30 @@ sys.path.insert(0, str(ROOT / "tests"))  # the literal references ship with the 
 import torch  # noqa: E402
 
 from kvmini.course.cells import solved  # noqa: E402  (a student copy: skip what needs an exercise not done yet)
-from kvmini.attention import Stats  # noqa: E402
 from kvmini.cache import LayerCache  # noqa: E402
 from kvmini.errors import KvminiError  # noqa: E402
 from kvmini.methods import registry, vatp  # noqa: E402
 from kvmini.methods.registry import make_policy, parse_spec  # noqa: E402
 
 # %% [markdown]
-# ## The scorer
+# ## The score
 #
-# A method is four parts (`kvmini/parts.py`, and docs/design.md): a scorer, a budgeter, a compressor
-# and a schedule. VATP changes only the scorer. H2O's `CumulativeAttention` already keeps the running
-# column sums $\sum_{i \le t} A_{ij}$ of every cached token (in the cache's aux buffer
-# `attention_sum`, which follows each eviction); the new scorer multiplies them by each cached value's
-# norm, $\ell_p$ with $p = 1$ (`value_norm=l1`, the paper) or $p = 2$ (`value_norm=l2`). A value never
-# changes once cached, so its norm is computed once, by `update` in the call that caches it, and kept in a
-# second aux buffer, `value_norm`: a decode step then reads S numbers instead of S value vectors. Scores
-# are per KV head, shape (B, H_kv, S), higher = keep.
+# A method is one class in its own module (docs/design.md, "The method form"): it extends `Method`
+# (`kvmini/methods/method.py`, a run's bookkeeping) and fills in the hooks the model's forward pass
+# calls. `before(cache, T)` says what this call's attention passes compute (`self.wants`: here the
+# column sums of its queries); `after_attention(layer, cache, seen)` is the method's step for one
+# layer, read in order: add this call's column sums $\sum_i A_{ij}$ to every cached token's running
+# sum (the cache's aux buffer `attention_sum`, which follows each eviction, as H2O's does), keep the
+# norms of the values this call cached, and, when the layer holds more than its budget, `shrink` it to
+# the sinks, the best scores and the recent window (`kvmini/methods/selectors.py`, a function H2O
+# calls too). The score multiplies the running sum by each cached value's norm, $\ell_p$ with $p = 1$
+# (`value_norm=l1`, the paper) or $p = 2$ (`value_norm=l2`). A value never changes once cached, so its
+# norm is computed once, in the call that caches it, and kept in a second aux buffer, `value_norm`: a
+# decode step then reads S numbers instead of S value vectors. Scores are per KV head, shape
+# (B, H_kv, S), higher = keep.
 
 # %%
-print(inspect.getsource(vatp.ValueWeightedAttention))
+print(inspect.getsource(vatp.VATP))
 
 # %% [markdown]
 # Checked by hand: three tokens that received 0.5, 0.3 and 0.2 of the attention, with values
@@ -67,19 +72,20 @@ print(inspect.getsource(vatp.ValueWeightedAttention))
 # \approx 1.58$) the scores are 0.5, 0.95 and 0.32: the same order here, by a smaller margin.
 
 # %%
-def scored(p: float | None) -> torch.Tensor:
+def scored(value_norm: str) -> torch.Tensor:
     """The three tokens cached by one call whose 3 queries gave them the attention above; their scores."""
     lc = LayerCache(1, 1, 2, torch.float32, "cpu", capacity=4)  # batch 1, one KV head, head_dim 2
     lc.append(torch.zeros(1, 1, 3, 2), torch.tensor([[1.0, 0.0], [1.0, -3.0], [0.5, 1.5]]).view(1, 1, 3, 2),
               torch.tensor([[0, 1, 2]]))
-    scorer = vatp.ValueWeightedAttention(p=p)
-    lc.declare(*scorer.aux)  # the buffers the scorer keeps: ("attention_sum", "value_norm")
-    scorer.update(lc, Stats(column_sums=torch.tensor([[[0.5, 0.3, 0.2]]])), 0, 3)  # the call's statistics
-    return scorer(lc, Stats())  # (1, 1, 3)
+    method = vatp.VATP(12, vatp.Options(value_norm=value_norm))
+    lc.declare(*method.aux)  # the buffers the method keeps: ("attention_sum", "value_norm")
+    lc.aux("attention_sum").add_(torch.tensor([[[0.5, 0.3, 0.2]]]))  # the call's column sums, as after_attention
+    method.keep_norms(lc, 3)  # ... and the norms of the 3 values it cached
+    return method.score(lc)  # (1, 1, 3)
 
 
 if solved("value_norm"):
-    l1, l2 = scored(1.0), scored(2.0)
+    l1, l2 = scored("l1"), scored("l2")
     print("l1:", l1.flatten().tolist(), " l2:", l2.flatten().tolist())
     assert torch.allclose(l1.flatten(), torch.tensor([0.5, 1.2, 0.4]))
     assert torch.allclose(l2.flatten(), torch.tensor([0.5, 0.3 * math.sqrt(10), 0.2 * math.sqrt(2.5)]))
@@ -93,8 +99,7 @@ if solved("value_norm"):
 # table by name (`CHECKS` in `kvmini/methods/options.py`), so a name means one thing (an option only
 # one method takes may be checked in its own module's `CHECKS`); VATP adds one
 # of its own, `value_norm`, a `Literal` of three choices. `recent` defaults to a `Rule`, a function of the
-# budget with a name, so the help can print it. `build` receives the typed values and composes the
-# parts: the new scorer, H2O's uniform budgets, `TopK` with sinks and a recent window, after every call.
+# budget with a name, so the help can print it. `build` receives the typed values and makes the method.
 
 # %%
 print(inspect.getsource(vatp.Options))
@@ -129,16 +134,14 @@ assert registry.METHODS["vatp"] is vatp
 # ## The tests it gets for free
 #
 # Tests that run over every registered method now include VATP, without a line written for it. What
-# they need of a method they derive from its declaration and its parts (`tests/tiny.py`): on the tiny
+# they need of a method they derive from its declaration and what it says of itself (`tests/tiny.py`): on the tiny
 # random models a declared `window` or `recent` longer than 3 tokens is cut to 3, and a test's budget is
-# raised to the least the method's compressor can keep.
+# raised to the least the method can keep.
 #
 # - `tests/test_policy.py`: a budget of the whole sequence keeps exactly everything; with a huge budget
 #   the generated tokens equal the full cache's; invariants (held counts, no position twice, sinks and
 #   window kept) over random shapes, chunkings and batches; a batch of two equals two single runs;
 #   back-to-back prompts equal fresh runs;
-# - `tests/test_together.py`: evicting every layer at once in a decode step (`kvmini.at_once`) leaves the
-#   same caches as evicting layer by layer;
 # - `tests/test_continuation.py`: three prompts on one cache, and budgets respected where they are given;
 # - `tests/test_chunked_prefill.py` (a method that compresses once the prompt is complete): a prompt in
 #   chunks keeps what one call keeps, in each variant and for each option that reads other statistics;
@@ -148,7 +151,8 @@ assert registry.METHODS["vatp"] is vatp
 #   runs (with the note that a ratio budget was raised, where the method always keeps more);
 # - `tests/test_engine_regression.py`: its behaviour is recorded, once you record it (the checklist).
 #
-# Here is one of them, run on VATP as the test suite does:
+# Here is one of them, run on VATP as the test suite does: a prompt fed in one call and in chunks keeps
+# its budget in every layer and head, with the sinks and the recent window, after six decode steps.
 
 # %%
 from reference import random_model  # noqa: E402
@@ -157,27 +161,27 @@ model = random_model(L=3, H=4, H_kv=2, seed=0)
 ids = torch.randint(0, 61, (1, 30), generator=torch.Generator().manual_seed(1))
 kept = {}
 if solved("value_norm"):
-    for together in (True, False):  # all layers at once (the fast path) / layer by layer (the specification)
+    for chunks in ([(0, 30)], [(0, 10), (10, 20), (20, 30)]):  # one call / three calls
         policy = make_policy("vatp", 10)
-        policy.together = together
         cache = model.new_cache(1)
         policy.start(30, 36)
         with torch.no_grad():
-            model(ids, cache, policy)
+            for a, b in chunks:
+                model(ids[:, a:b], cache, policy)
             for t in range(6):
                 model(torch.tensor([[t + 1]]), cache, policy)
-        kept[together] = [sorted(cache[layer].positions[0, h].tolist()) for layer in range(3) for h in range(2)]
-    print(kept[True][0])
-    assert kept[True] == kept[False] and all(len(s) == 10 for s in kept[True])
+        kept[len(chunks)] = [sorted(cache[layer].positions[0, h].tolist()) for layer in range(3) for h in range(2)]
+    print(kept[1][0])
+    assert all(len(s) == 10 for s in kept[1] + kept[3])  # the budget, in every layer and head
+    assert all(s[:4] == [0, 1, 2, 3] and s[-5:] == list(range(31, 36)) for s in kept[1] + kept[3])  # sinks, window
 
 # %% [markdown]
 # ## A literal reference: evicting equals masking
 #
 # The strongest test of a method is a second implementation written from the paper in plain loops,
 # that never evicts: `tests/reference.py`'s `simulate` keeps every key and value and hides what the
-# method dropped behind a $-\infty$ mask. `tests/test_vatp.py` gives it VATP's rule; if the engine
-# (which physically removes entries, and runs all layers at once) is right, the kept positions and
-# the logits agree at every call.
+# method dropped behind a $-\infty$ mask. `tests/test_vatp.py` gives it VATP's rule; if the method
+# (which physically removes entries) is right, the kept positions and the logits agree at every call.
 
 # %%
 from reference import engine_run, simulate  # noqa: E402
@@ -322,7 +326,7 @@ from kvmini.methods import scissorhands  # noqa: E402
 from kvmini.statistics import Request  # noqa: E402
 
 print(inspect.getsource(scissorhands.below_average))
-low = scissorhands.LowHistory(w=3).low
+low = scissorhands.Scissorhands(0.2, scissorhands.Options(history=3)).low
 print(low)
 g2 = torch.Generator().manual_seed(0)
 q, k, v = torch.randn(1, 2, 7, 4, generator=g2), torch.randn(1, 1, 7, 4, generator=g2), torch.randn(1, 1, 7, 4, generator=g2)
@@ -334,22 +338,28 @@ assert torch.equal(stats.low_counts[0, 0], by_hand[0])
 print("low counts over the last 3 queries:", stats.low_counts[0, 0].tolist())
 
 # %% [markdown]
-# **The history.** The scorer keeps, per cached token, the low counts of the last $w$ steps: an aux
+# **The history.** The method keeps, per cached token, the low counts of the last $w$ steps: an aux
 # buffer of its own dtype and shape, `("low_history", torch.int16, (w,))`, a ring whose slot is the
 # step modulo $w$, and the ring's sum, `("low_count", torch.int32)`, kept as the ring turns (the step
-# a slot held leaves as the new one comes), so that an eviction reads $I_j$ without summing $w$ values
-# per token. The cache moves both with their token through every eviction and counts their bytes
-# (`aux` in run.py's report). The hand-worked stream of `tests/test_scissorhands.py` (cache of
-# $B = 6$, $m = 2$, $w = 3$, $r = 2$) runs the scorer and Scissorhands' compressor on a cache by hand
-# (`DropLowest`: it drops the $m$ lowest at once by moving only the last $m$ entries; the test runs
-# TopK's sort and keep too, which keep the same tokens):
+# a slot held leaves as the new one comes: `remember`), so that an eviction reads $I_j$ without
+# summing $w$ values per token. The cache moves both with their token through every eviction and
+# counts their bytes (`aux` in run.py's report). The method's layer step reads as the algorithm:
+
+# %%
+print(inspect.getsource(scissorhands.Scissorhands.after_attention))
+
+# %% [markdown]
+# The hand-worked stream of `tests/test_scissorhands.py` (cache of $B = 6$, $m = 2$, $w = 3$, $r = 2$)
+# runs `remember` and the eviction on a cache by hand (`drop_lowest`: it drops the $m$ lowest at once
+# by moving only the last $m$ entries; the test runs `shrink`'s sort and keep too, which keep the same
+# tokens):
 
 # %%
 from test_scissorhands import test_the_hand_worked_stream  # noqa: E402
 
-print(scissorhands.LowHistory(w=3).aux)
+print(scissorhands.Scissorhands(0.2, scissorhands.Options(history=3)).aux)
 print(inspect.getsource(test_the_hand_worked_stream).split('"""')[1])
-test_the_hand_worked_stream(scissorhands.DropLowest(0, 2))
+test_the_hand_worked_stream(scissorhands.drop_lowest)
 
 # %% [markdown]
 # **Dropping $m$ at once** is the engine's `evict_every`: a layer holds up to budget + m − 1 entries
@@ -383,7 +393,7 @@ print("kept sets equal at every call:", [len(kept[0][0][0]) for kept in got_kept
 class LowCounts(ColumnSums):
     """Records every layer's low counts over the last 400 queries of the prompt, compressing nothing."""
 
-    wants = Request(scissorhands.LowHistory(w=400).low)
+    wants = Request(scissorhands.Scissorhands(0.2).low)  # over the last 400 queries
 
     def after_attention(self, layer, cache, stats):
         self.sums.append(stats.low_counts)
@@ -417,12 +427,12 @@ show(fig, "09_scissorhands_low_counts")
 # attention sink). The paper counts in a stream, where every kept token has been seen for $w$ steps;
 # a prompt is the case where this reading of "most often low" favours the recent.
 #
-# What it took: `kvmini/methods/scissorhands.py` (the statistic, the scorer with its history, the
+# What it took: `kvmini/methods/scissorhands.py` (the statistic, the history and its eviction, the
 # options and the engine default), one line in `METHODS`, and `tests/test_scissorhands.py`. The CLI and
 # evaluation tools and the generic tests picked it up from the registry; its recording and results
 # came from the commands of the checklist below.
 #
-# ## Part 3: a budgeter that waits for every layer, and a statistic made of two sums
+# ## Part 3: a method that waits for every layer, and a statistic made of sums
 #
 # Some methods cannot budget a layer when its attention has just been computed. CAKE ("CAKE: Cascading
 # and Adaptive KV Cache Eviction with Layer Preferences", Ziran Qin et al., ICLR 2025, arXiv 2503.12491)
@@ -444,13 +454,11 @@ show(fig, "09_scissorhands_low_counts")
 # over a prompt fed in several calls like any other statistic.
 
 # %%
+from kvmini.budget import PREFILL  # noqa: E402
 from kvmini.methods.allocators import proportional  # noqa: E402
-from kvmini.methods.scorers import CumulativeAttention  # noqa: E402
-from kvmini.methods.selectors import keep_top
-from kvmini.methods.topk import TopK  # noqa: E402
-from kvmini.parts import PREFILL, Budgeter  # noqa: E402
-from kvmini.policy import Policy  # noqa: E402
-from kvmini.statistics import Statistic  # noqa: E402
+from kvmini.methods.method import Method  # noqa: E402
+from kvmini.methods.selectors import keep_top, shrink  # noqa: E402
+from kvmini.statistics import Statistic, column_sums  # noqa: E402
 
 W = 4  # the observation window: the prompt's last 4 queries
 
@@ -483,70 +491,62 @@ assert torch.allclose(window_variance(stats)[0], by_hand, atol=1e-6)
 assert stats.toy_window_seen[0, 0].tolist() == [4, 4, 4, 4, 3, 2, 1]  # key 6 is seen by the last query only
 
 # %% [markdown]
-# **The budgeter that waits** (the protocol of `kvmini/parts.py`'s `Budgeter`, run by
-# `kvmini/policy.py`). In the call that completes the prompt, layer by layer:
+# **A method that waits.** In the call that completes the prompt, its `after_attention` measures each
+# layer and holds the layer's score (here the attention each key received over the prompt), compressing
+# nothing: the layer keeps every entry while the next layers attend (they never read this layer's
+# cache, so waiting changes nothing). `after_layers`, called once after the last layer, has every
+# measure: it budgets all layers and compresses each one with the score it held from that layer's own
+# turn. D2O's paper variant waits the same way (`kvmini/methods/d2o.py`). This toy compresses once,
+# when the prompt is complete (`schedule = PREFILL`), and takes the prompt in one call (a real method
+# adds up its statistics over a prompt's chunks, as SnapKV's does).
 #
-# - `known(layer)` returns None: the budget is not known yet. The engine then asks this layer's
-#   attention pass for the scorer's and the budgeter's statistics (`request`), scores the layer and
-#   holds the score for this call, and calls `decide`.
-# - `decide` measures the layer and returns `{}`: nothing is compressed yet. The layer keeps every
-#   entry while the next layers attend (they never read this layer's cache, so waiting changes nothing).
-# - At the last layer, `decide` has every measure, budgets all layers and returns them all,
-#   `{0: b_0, ..., L-1: b_{L-1}}`; the engine compresses each one with the score it held from that
-#   layer's own turn.
-#
-# After that, `known` returns the budgets (a method that also evicts while decoding is then budgeted
-# without measuring). This toy compresses once, when the prompt is complete (`PREFILL`).
-#
-# Two things a real budgeter of this kind needs that the toy leaves out: `per_sequence = True` on the
+# Two things a real method of this kind needs that the toy leaves out: `per_sequence = True` on the
 # class, so that each sequence of a batch gets budgets from its own measures (without it a batch shares
 # one plan; a literal reference of a batch then sees pad positions in the kept sets, to strip before
 # comparing); and its `Statistic`s built at module level, since a `Stats` holding a name is accepted
 # only once a `Statistic` of that name exists (a hand-worked test imports the module first).
 
 # %%
-class WindowVariance(Budgeter):
+class WindowVariance(Method):
     """Layer budgets in proportion to V_l, the mean variance of the attention a key receives across the
-    last W queries of the prompt (a toy in the spirit of CAKE's layer preferences, not CAKE)."""
+    last W queries of the prompt (a toy in the spirit of CAKE's layer preferences, not CAKE); in each
+    layer the recent window and the keys the prompt attended to most."""
 
-    request = Request(SUMS, SQUARES, SEEN)
+    schedule = PREFILL  # once, when the prompt is complete
 
-    def start(self, b, L, n):
-        super().start(b, L, n)  # self.budgets: the uniform plan, until every layer is measured
-        self.variance: dict[int, float] = {}  # layer -> V_l
-        self.allocated = False
+    def recent(self, b):
+        return W  # always kept: what the budget must leave room for
 
-    def known(self, layer):
-        return self.budgets[layer] if self.allocated else None  # None: measure this layer, then decide
+    def before(self, cache, T):
+        super().before(cache, T)
+        self.variance, self.score, self.held = {}, {}, []  # layer -> V_l, and its score
+        self.wants = Request(SUMS, SQUARES, SEEN, column_sums()) if self.active and self.completes else None
 
-    def decide(self, layer, lc, stats, score):
-        self.variance[layer] = window_variance(stats)[stats.toy_window_seen > 0].mean().item()
-        if len(self.variance) < self.L:
-            return {}  # wait: this layer keeps every entry for now
-        V = [self.variance[l] for l in range(self.L)]
-        self.budgets = proportional(V, self.b * self.L, low=W + 1, high=[self.n] * self.L)  # sum L·b
-        self.allocated = True
-        return dict(enumerate(self.budgets))  # every layer at once
+    def after_attention(self, layer, cache, seen):
+        if self.wants is None:
+            return
+        self.variance[layer] = window_variance(seen)[seen.toy_window_seen > 0].mean().item()  # V_l
+        self.score[layer] = seen.column_sums  # (B, H_kv, S): the attention each key received
+        self.held.append(cache[layer].length)  # nothing compressed yet
+        print(f"layer {layer}: V_l = {self.variance[layer]:.5f}, holds {cache[layer].length} entries")
+
+    def after_layers(self, cache):
+        if self.wants is None:
+            return
+        L, n = len(cache), self.prompt_end
+        V = [self.variance[l] for l in range(L)]
+        self._budgets = proportional(V, self.mean_budget * L, low=W + 1, high=[n] * L)  # every layer, sum L·b
+        for layer in range(L):
+            self.evicted[layer] += cache[layer].length - self._budgets[layer]
+            shrink(cache[layer], self.score[layer], self._budgets[layer], 0, W, self.newest)
 
 
-class Shown(WindowVariance):
-    """WindowVariance, saying what the engine asked and what it answered."""
-
-    def decide(self, layer, lc, stats, score):
-        answer = super().decide(layer, lc, stats, score)
-        print(f"layer {layer}: known -> None; holds {lc.length} entries; decide -> {answer}")
-        self.answers.append(answer)
-        return answer
-
-
-budgeter = Shown()
-budgeter.answers = []
-policy = Policy("window_variance", 10, CumulativeAttention(), budgeter, TopK(recent=W), PREFILL)  # H2O's score
+policy = WindowVariance("window_variance", 10)
 cache = model.new_cache(1)
 policy.start(30, 30)
 with torch.no_grad():
     model(ids, cache, policy)  # the 30-token prompt of the VATP example, in one call
-assert budgeter.answers[:-1] == [{}, {}] and budgeter.answers[-1] == dict(enumerate(policy.budgets))
+assert policy.held == [30, 30, 30]  # every layer measured while it still held the whole prompt
 assert sum(policy.budgets) == 10 * 3 and cache.lengths() == policy.budgets
 
 # %% [markdown]
@@ -561,24 +561,26 @@ with torch.no_grad():
 for layer in range(3):
     want = keep_top(recorder.sums[layer], policy.budgets[layer], sinks=0, recent=W)  # (1, H_kv, b), position order
     assert cache[layer].positions.sort(-1).values.tolist() == want.tolist(), layer
-print("budgets", policy.budgets, "from V_l", [round(policy.budgeter.variance[l], 5) for l in range(3)])
+print("budgets", policy.budgets, "from V_l", [round(policy.variance[l], 5) for l in range(3)])
 
 # %% [markdown]
 # ## Heads that keep their own counts
 #
-# A budget is per layer, but a compressor may share a layer's budget out over its KV heads: it calls
+# A budget is per layer, but a method may share a layer's budget out over its KV heads: it calls
 # `lc.keep(idx, counts)`, where `counts` (B, H_kv) says how many of each row's `idx` that row keeps,
 # and sets `own_counts = True`. The cache then holds each row's entries first and pads after them
 # (docs/design.md, "Rows of their own"); attention never sees a pad, and bytes count held entries.
-# `kvmini/methods/adakv.py` (Ada-KV) is such a method: its `AcrossHeads` counts the layer's best
-# scores per head. The generic tests then hold the mean count per head to the budget.
+# `kvmini/methods/adakv.py` (Ada-KV) is such a method: SnapKV with its own selection, `across_heads`,
+# which counts the layer's best scores per head. The generic tests then hold the mean count per head
+# to the budget.
 
 # %% [markdown]
 # ## A checklist for your own method
 #
 # 1. A module `kvmini/methods/<name>.py`: a docstring with the paper (title, authors, arXiv ID), the
-#    equation, the defaults and every `Deviation:` from the paper or the authors' code; the parts
-#    (reuse what exists, write the one that is new); `Options`, plain fields with their help in a
+#    equation, the defaults and every `Deviation:` from the paper or the authors' code; the method,
+#    one `Method` subclass whose hooks are its algorithm (reuse the functions that exist, write the
+#    step that is new); `Options`, plain fields with their help in a
 #    comment (a new number option that needs a check: a `CHECKS` dict in the module, name ->
 #    (test, what it must be), e.g. `{"gamma": (lambda x: x >= 0, "be >= 0")}`); `build(budget, o)`.
 # 2. Its line in `METHODS` and its name in the import above it (`kvmini/methods/registry.py`).
@@ -589,7 +591,7 @@ print("budgets", policy.budgets, "from V_l", [round(policy.budgeter.variance[l],
 # 5. Record its behaviour: `PYTHONPATH=. python tests/test_engine_regression.py --record <name>` (its
 #    entries only, on the tiny and the default model; every other entry keeps its bytes).
 # 6. Run the tests: `python -m pytest -q tests/test_<name>.py`, then the generic ones
-#    (`tests/test_policy.py tests/test_together.py tests/test_continuation.py tests/test_chunked_prefill.py
+#    (`tests/test_policy.py tests/test_decode_steps.py tests/test_continuation.py tests/test_chunked_prefill.py
 #    tests/test_options.py tests/test_engine_regression.py`), or the whole suite, `python -m pytest -q`.
 # 7. Measure it: `python -m pytest -q tests/test_results_current.py` names it as not measured in each
 #    results folder (results/quick, results/full, results/full-speed), with the command that measures it
@@ -601,7 +603,7 @@ print("budgets", policy.budgets, "from V_l", [round(policy.budgeter.variance[l],
 #
 # ## Exercises
 #
-# 1. *(assignment: `value_norm`)* Write the value norm in `ValueWeightedAttention.norm` (the
+# 1. *(assignment: `value_norm`)* Write the value norm in `VATP.norm` (the
 #    region between the `EXERCISE` markers in `kvmini/methods/vatp.py`): $\ell_1$ for $p = 1$, the
 #    general $\ell_p$ otherwise ($p = 2$ for `value_norm=l2`), over the last dimension: values
 #    $(\dots, S, D) \to (\dots, S)$, any leading dimensions. Check it with
@@ -609,6 +611,6 @@ print("budgets", policy.budgets, "from V_l", [round(policy.budgeter.variance[l],
 #    negative entry), the whole method against a literal masked simulation (a batch of two, a prompt
 #    in chunks, decode steps, sinks and a recent window), and H2O as the special case.
 # 2. Write a method of your own: keys instead of values (`-\|k_j\|_2`, as KNorm does, but times the
-#    accumulated attention). Which parts do you reuse? Which tests do you get for free?
+#    accumulated attention). Which functions do you reuse? Which tests do you get for free?
 # 3. VATP keeps the first 4 tokens unconditionally. Run `vatp[sinks=0]` in the fidelity tool: what
 #    happens to the first token, and why does its value norm explain it?

@@ -38,8 +38,7 @@ import torch
 from kvmini import cli
 from kvmini.errors import KvminiError
 from kvmini.statistics import Stats
-from kvmini.generate import for_batch, fork, prefill, synchronize
-from kvmini.methods import registry
+from kvmini.generate import for_batch, prefill, synchronize
 from kvmini.methods.registry import policy_for
 from kvmini.parts import DECODE
 from kvmini.report import full_nbytes
@@ -81,22 +80,6 @@ class Timed:
 
     def after_layers(self, cache) -> None:
         self._timed(self.policy.after_layers, cache)
-
-
-def has_joint_step(policy) -> bool:
-    """Does the policy's method have a decode step with every layer at once (kvmini.at_once; None: full)?"""
-    return policy is not None and policy.name in registry.TOGETHER
-
-
-def set_together(policy, together: bool) -> None:
-    """All layers at once (True) or layer by layer (False), for the policy and any per-sequence copies."""
-    from kvmini.at_once import AtOnce
-    from kvmini.per_sequence import PerSequence
-
-    policy = policy.policy if isinstance(policy, Timed) else policy
-    for p in policy.rows if isinstance(policy, PerSequence) else [policy]:
-        if isinstance(p, AtOnce):
-            p.together = together
 
 
 def ops_per_step(model, nxt: torch.Tensor, cache, policy: Timed) -> int:
@@ -146,11 +129,7 @@ def decode_speed(model, ids: torch.Tensor, methods: list[str], budget: float, st
                  log=print) -> dict:
     """method -> {"tokens_per_s", "ratio": / full's, ...} for decode steps after the prompt ids (1, n).
 
-    Every method prefills and takes its first decode step (timed apart). A method that evicts while
-    decoding is then forked (`kvmini.generate.fork`): the copy decodes layer by layer
-    (`AtOnce.together = False`, kvmini.at_once; the same evictions: tests/test_together.py), as run
-    "layer_by_layer_*", and "joint_speedup" is its tokens/s with all layers at once over layer by layer.
-    Then `rounds` rounds of `steps` steps, interleaved: at each step every run decodes one token, in
+    Every method prefills and takes its first decode step (timed apart). Then `rounds` rounds of `steps` steps, interleaved: at each step every run decodes one token, in
     an order rotated from step to step, so that a slow moment of a shared machine falls on all of them
     alike. A run's round is the sum of its `steps` step times; each run keeps its median round, and
     "rounds_s" records every round. The policy's time and share are of the same rounds."""
@@ -165,10 +144,6 @@ def decode_speed(model, ids: torch.Tensor, methods: list[str], budget: float, st
         nxt = model(nxt, cache, policy)[:, -1].argmax(-1, keepdim=True)  # the first decode step
         synchronize(model.device)
         runs[name] = {"policy": policy, "cache": cache, "next": nxt, "first_step_s": time.perf_counter() - t0}
-        if has_joint_step(policy):
-            lbl_cache, lbl_policy = fork(cache, policy)
-            set_together(lbl_policy, False)
-            runs["layer_by_layer_" + name] = {"policy": lbl_policy, "cache": lbl_cache, "next": nxt}
     order = list(runs.values())
     for run in order:
         run["rounds_s"], run["policy_rounds_s"] = [], []
@@ -196,9 +171,6 @@ def decode_speed(model, ids: torch.Tensor, methods: list[str], budget: float, st
     out = {}
     for name in ["full", *methods]:
         out[name] = dict(measured[name], first_step_s=runs[name]["first_step_s"])
-        if (lbl := measured.get("layer_by_layer_" + name)) is not None:
-            out[name].update({"layer_by_layer_" + key: lbl[key] for key in ("tokens_per_s", "policy_ms_per_step", "ops_per_step", "rounds_s")},
-                             joint_speedup=out[name]["tokens_per_s"] / lbl["tokens_per_s"])
         log(f"decode after {ids.shape[1]} tokens, {name}: {out[name]['tokens_per_s']:.1f} tokens/s "
             f"(first step {out[name]['first_step_s']:.2f} s; policy {out[name]['policy_share']:.1%} of a step, "
             f"{out[name]['ops_per_step']} ops)")
@@ -209,7 +181,7 @@ def decode_speed(model, ids: torch.Tensor, methods: list[str], budget: float, st
 
 def decode_length(n: int, steps: int, rounds: int) -> int:
     """The longest sequence `decode_speed` runs after an n-token prompt: its first decode step, the
-    rounds, and the step `ops_per_step` profiles. (A layer-by-layer copy decodes its own positions.)"""
+    rounds, and the step `ops_per_step` profiles."""
     return n + 1 + steps * rounds + 1
 
 

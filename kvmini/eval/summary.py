@@ -61,9 +61,9 @@ def summary(results: dict) -> str:
                 "the rest of a method's extra prefill time is its attention statistics; policy ops are the tensor "
                 "operations its hooks run in one decode step (torch.profiler's count, views included)."]
         if any("joint_speedup" in dec for dec in sp["decode"].values()):
-            out += ["", "A decode step's evictions for all layers at once (the default) against layer by layer "
-                    "(`AtOnce.together = False`, kvmini.at_once; the same evictions), on a copy of the cache forked "
-                    "after the first decode step, interleaved in the same rounds:", "", tables.together_table(results)]
+            out += ["", "A decode step's evictions for all layers at once (the former kvmini.at_once, then the default) "
+                    "against layer by layer (the same evictions), on a copy of the cache forked after the first decode "
+                    "step, interleaved in the same rounds:", "", tables.together_table(results)]
         if "peak_skipped" in sp:
             out.append(f"\n{sp['peak_skipped']}")
         if "batch" in sp:

@@ -32,8 +32,6 @@ import torch.nn.functional as F
 from kvmini.cache import PAD, LayerCache, along, wide
 from kvmini.errors import one_of
 from kvmini.methods.merged import Merged
-from kvmini.budget import Rule
-from kvmini.parts import Compressor, most
 
 MASKS = ("bernoulli", "expectation", "threshold", "always")
 DIVIDES = ("count", "fixed")
@@ -46,9 +44,9 @@ def merge_probability(abar_i: torch.Tensor, abar_targets: torch.Tensor) -> tuple
     return ratio.nan_to_num(nan=0.0).clamp(0.0, 1.0), ratio  # 0/0 -> 0; x/0 = inf -> 1
 
 
-class CacheMerge(Compressor):
+class CacheMerge:
     """StreamingLLM's eviction (the `sinks` first tokens and the most recent budget - sinks) with CaM's
-    value merge of every evicted token into the next `m` held ones.
+    value merge of every evicted token into the next `m` held ones, and one run's merge draws.
 
     divide "count": v_i / (targets that exist) (the paper's v_i / m assumes m exist); "fixed": always
     v_i / m, as the authors' code (kv_cache_cam.py:37, with :39 clipping the targets).
@@ -57,44 +55,39 @@ class CacheMerge(Compressor):
     is M_i / divisor, the coefficient of v_i in every target."""
 
     def __init__(self, sinks: int = 4, m: int = 16, divide: str = "fixed", mask: str = "bernoulli", seed: int = 0):
-        super().__init__(sinks, Rule(f"budget - {sinks}", lambda b: b - sinks))
-        self.m, self.seed = m, seed
+        self.sinks, self.m, self.seed = sinks, m, seed
         self.divide, self.mask = one_of("CacheMerge divide", divide, DIVIDES), one_of("CacheMerge mask", mask, MASKS)
         self.trace: list[Merged] | None = None
 
     def start(self, L: int) -> None:
-        super().start(L)
+        """A new run of L layers: each layer's generator seeded again, the trace emptied."""
         self.generators = [torch.Generator().manual_seed(self.seed * 2**20 + layer) for layer in range(L)]
         if self.trace is not None:
             self.trace.clear()  # a new run
 
-    def merge_mask(self, layers: tuple, p: torch.Tensor, ratio: torch.Tensor) -> torch.Tensor:
-        """M (R, H_kv, E) for p, ratio (R, H_kv, E), R = len(layers) * B rows, layer after layer."""
+    def merge_mask(self, layer: int, p: torch.Tensor, ratio: torch.Tensor) -> torch.Tensor:
+        """M (B, H_kv, E) for p, ratio (B, H_kv, E)."""
         if self.mask == "expectation":
             return p
         if self.mask == "threshold":
             return (ratio > 1).to(p.dtype)  # NaN: no merge
         if self.mask == "always":
             return torch.ones_like(p)
-        B = p.shape[0] // len(layers)  # Alg. 1 line 2: u < p, u from each layer's own generator, the same
-        u = torch.cat([torch.rand((1,) + p.shape[1:], generator=self.generators[layer], dtype=torch.float64)
-                       .expand(B, -1, -1) for layer in layers]).to(p.device)  # (R, H_kv, E)  for every sequence
+        u = torch.rand((1,) + p.shape[1:], generator=self.generators[layer], dtype=torch.float64)  # Alg. 1 line 2:
+        u = u.expand(p.shape[0], -1, -1).to(p.device)  # u < p, u from the layer's own generator, the same for every sequence
         return (u < p).to(p.dtype)
 
     def divisor(self, count: torch.Tensor) -> torch.Tensor | int:
         return self.m if self.divide == "fixed" else count.clamp(min=1)
 
-    def __call__(self, layers: tuple, lc: LayerCache, score: torch.Tensor, b, newest: int) -> None:
-        note = None
-        if self.trace is not None:
-            def note(*record):  # one record per layer, of its rows
-                for i, layer in enumerate(layers):
-                    self.trace.append(Merged(layer, *(t.chunk(len(layers))[i] for t in record)))
-        M = merge_oldest(lc, score, lc.length - most(b), self, layers, note)
-        self.count(layers, M.mean(1).sum(-1))  # mean over KV heads
+    def __call__(self, layer: int, lc: LayerCache, score: torch.Tensor, b: int) -> float:
+        """Layer `layer` down to b entries; returns the tokens merged (summed over rows, each a mean over heads)."""
+        note = None if self.trace is None else lambda *record: self.trace.append(Merged(layer, *record))
+        M = merge_oldest(lc, score, lc.length - b, self, layer, note)
+        return float(M.mean(1).sum(-1).sum())
 
 
-def merge_oldest(lc: LayerCache, score: torch.Tensor, E: int, cm: CacheMerge, layers: tuple, note=None) -> torch.Tensor:
+def merge_oldest(lc: LayerCache, score: torch.Tensor, E: int, cm: CacheMerge, layer: int, note=None) -> torch.Tensor:
     """Algorithm 1 for the E oldest entries after the sinks (positions below `sinks`), oldest first (the
     cascade: a later one may carry earlier merges), each into the m held entries with the next positions
     (pads, at position PAD, never). Found by position, so the buffer may be out of order: a decode step
@@ -106,7 +99,7 @@ def merge_oldest(lc: LayerCache, score: torch.Tensor, E: int, cm: CacheMerge, la
     abar = wide(score).gather(2, slots).masked_fill(~real, float("nan"))  # (R, H_kv, E + m')
     targets = F.pad(abar, (0, m), value=float("nan")).unfold(-1, m, 1)[:, :, 1 : 1 + E]  # (R, H_kv, E, m): the m after each
     p, ratio = merge_probability(abar[..., :E], targets)  # Eq. 14, (R, H_kv, E)
-    M = cm.merge_mask(layers, p, ratio)  # (R, H_kv, E)
+    M = cm.merge_mask(layer, p, ratio)  # (R, H_kv, E)
     w = M / cm.divisor(targets.isfinite().sum(-1))  # (R, H_kv, E): the coefficient of v_i in each target
     if note is not None:
         note(t_pos[..., :E], torch.where(w > 0, t_pos[..., 1 : 1 + E], -1), w)

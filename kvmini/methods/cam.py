@@ -4,12 +4,11 @@ Paper: "CaM: Cache Merging for Memory-efficient LLMs Inference" (Yuxin Zhang, Yu
 Yunshan Zhong, Zhenyu Zhang, Shiwei Liu, Rongrong Ji; ICML 2024, PMLR 235:58840-58850).
 Authors' code: github.com/zyxxmu/cam @ fc80e64.
 
-    scorer       the attention each entry received so far, \bar A (H2O's sums), per KV head
-    budgeter     uniform
-    compressor   keep the sinks and the most recent tokens; merge each evicted value into the m
-                 entries after it with probability clamp(\bar A_i / avg \bar A_{j:j+m}, 0, 1)
-                 (kvmini.methods.cache_merging, Eq. 14 and Algorithm 1)
-    schedule     after every call (each prefill chunk, each decode step)
+After every call (each prefill chunk, each decode step), per layer:
+    1. \bar A_j += this call's attention to each entry (H2O's sums), per KV head
+    2. keep the sinks and the most recent tokens; merge each evicted value into the m entries after
+       it with probability clamp(\bar A_i / avg \bar A_{j:j+m}, 0, 1) (kvmini.methods.cache_merging,
+       Eq. 14 and Algorithm 1)
 
 Two variants; every option below overrides its part of the chosen one:
 
@@ -52,13 +51,12 @@ drops the prompt's evictions unmerged); the clamp interval is [0, 1] (Table 3 co
 from dataclasses import dataclass
 from typing import Literal
 
-from kvmini.cache import LayerCache
-from kvmini.methods.allocators import Uniform
+import torch
+
+from kvmini.budget import Rule
 from kvmini.methods.cache_merging import CacheMerge
-from kvmini.methods.scorers import CumulativeAttention
-from kvmini.methods.scorers import LastRowAttention
-from kvmini.policy import Policy
-from kvmini.parts import EVERY_CALL
+from kvmini.methods.method import Method
+from kvmini.statistics import Request, column_sums, last_row
 
 
 @dataclass(frozen=True)
@@ -79,19 +77,44 @@ VARIANTS = {"paper": Options(merge_divide="count"), "official": Options()}
 DEFAULT_VARIANT = "official"
 
 
-class AccumulatedAttention(CumulativeAttention):
-    r"""CaM's \bar A_j = \sum_{k \le t} A_{kj}: what Eq. 14 weighs a merge by (eviction goes by position)."""
-
-    def describe(self, lc: LayerCache):
-        return "accumulated attention (CaM's Eq. 14 reads it; eviction goes by position)", self(lc, None)
-
-
 def idle(o: Options) -> dict[str, str]:
     """merge_seed seeds the Bernoulli draws only (given with another merge_mask, it is refused)."""
     return {} if o.merge_mask == "bernoulli" else {"merge_seed": f"--merge-mask {o.merge_mask} (it draws nothing)"}
 
 
-def build(budget: float, o: Options = Options()) -> Policy:
-    scorer = AccumulatedAttention(o.reduce) if o.merge_score == "accumulated" else LastRowAttention(o.reduce)
-    return Policy("cam", budget, scorer, Uniform(),
-                  CacheMerge(o.sinks, o.merge_window, o.merge_divide, o.merge_mask, o.merge_seed), schedule=EVERY_CALL)
+class CaM(Method):
+    def __init__(self, budget: float, o: Options = Options()):
+        super().__init__("cam", budget)
+        self.sinks, self.reduce, self.accumulated = o.sinks, o.reduce, o.merge_score == "accumulated"
+        self.recent = Rule(f"budget - {o.sinks}", lambda b: b - o.sinks)  # StreamingLLM's window
+        self.merge = CacheMerge(o.sinks, o.merge_window, o.merge_divide, o.merge_mask, o.merge_seed)
+        self.aux = ("attention_sum",) if self.accumulated else ()  # \bar A per cached token
+
+    merger = property(lambda self: self.merge)  # its `trace` records the merges (kvmini.view)
+
+    def before(self, cache, T: int) -> None:
+        if not self.started:
+            self.merge.start(len(cache))
+        super().before(cache, T)
+        if self.accumulated:
+            self.wants = Request(column_sums(self.reduce)) if self.updates else None  # sum_i A_ij
+        else:  # "w.o. Acc. Attention": the current step's row only
+            self.wants = Request(last_row(self.reduce)) if self.active else None
+
+    def after_attention(self, layer: int, cache, seen) -> None:
+        lc, b = cache[layer], self.budgets[layer]
+        if self.accumulated and self.updates:
+            lc.aux("attention_sum").add_(seen.column_sums)  # 1. \bar A_j (B, H_kv, S)
+        if self.active and lc.length > b + self.slack:
+            self.evicted[layer] += lc.length - b
+            score = lc.aux("attention_sum") if self.accumulated else seen.last_row
+            self.merged[layer] += self.merge(layer, lc, score, b)  # 2. the oldest go, merged (Eq. 14, Alg. 1)
+
+    def describe(self, lc) -> tuple[str, torch.Tensor | None]:
+        if not self.accumulated:
+            return super().describe(lc)
+        return "accumulated attention (CaM's Eq. 14 reads it; eviction goes by position)", lc.aux("attention_sum")
+
+
+def build(budget: float, o: Options = Options()) -> CaM:
+    return CaM(budget, o)

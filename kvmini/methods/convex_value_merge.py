@@ -13,8 +13,8 @@ value vanishes outright. The paper protects no token in Alg. 1 except the newest
 its experiments (Sec. V-A) keep 4 initial tokens and (m - 8) // 2 recent ones, our defaults.
 Lines 6-10 run as written in `convex_value_merge`: one merge at a time, entries found by position, so
 in any buffer order (a decode step deletes j in O(D) with `LayerCache.evict_one`, which moves the last
-entry into its slot) and per row of kvmini.at_once's stacked layers. `merge_runs` does the many
-merges after a prefill chunk at once (the deviation below).
+entry into its slot). `merge_runs` does the many merges after a prefill chunk at once (the deviation
+below); `merge_down` picks one of them.
 Deviation: for a prompt, Alg. 1 runs after each chunk of the prefill (chunk size 1 is Alg. 1
 literally); n counts the queries of the chunk that could see the token (causal mask).
 Deviation (`chunk_merge="runs"`, the default): within a chunk, `merge_runs` deletes the same
@@ -33,10 +33,6 @@ cache in 17.9 s; chunks of the capacity 0.035 (runs, 0.8 s) and 0.033 (sequentia
 import torch
 
 from kvmini.cache import PAD, LayerCache, wide
-from kvmini.errors import one_of
-from kvmini.methods.merged import Merged
-from kvmini.budget import Rule
-from kvmini.parts import Compressor, most
 
 
 def convex_value_merge(lc: LayerCache, capacity: int, sinks: int, recent, newest: int | None = None, note=None,
@@ -112,31 +108,12 @@ def merge_runs(lc: LayerCache, capacity: int, sinks: int, recent: int, note=None
     lc.keep(order.gather(2, held))  # line 10, in position order
 
 
-class ConvexValueMerge(Compressor):
-    """The compressor: down to the budget, every evicted token's value merged (`convex_value_merge` for one
-    excess entry and for every call when chunk_merge="sequential", else `merge_runs`).
-    `trace`: None (default, no cost), or a list that each merge extends with a `Merged` record."""
-
-    def __init__(self, sinks: int = 0, recent: int | Rule = 0, chunk_merge: str = "runs"):
-        super().__init__(sinks, recent)
-        self.sequential = one_of("ConvexValueMerge chunk_merge", chunk_merge, ("runs", "sequential")) == "sequential"
-        self.trace: list[Merged] | None = None
-
-    def start(self, L: int) -> None:
-        super().start(L)
-        if self.trace is not None:
-            self.trace.clear()  # a new run
-
-    def __call__(self, layers: tuple, lc: LayerCache, score: torch.Tensor, b, newest: int) -> None:
-        self.merged[list(layers)] += lc.length - most(b)
-        note = None
-        if self.trace is not None:
-            def note(*record):  # one record per layer, of its rows
-                for i, layer in enumerate(layers):
-                    self.trace.append(Merged(layer, *(t.chunk(len(layers))[i] for t in record)))
-        if self.sequential:
-            convex_value_merge(lc, b, self.sinks, self.recent(b), newest, note)
-        elif lc.length == most(b) + 1:  # a decode step: one merge, O(D)
-            convex_value_merge(lc, lc.length - 1, self.sinks, self.recent(b), newest, note, keep_order=False)
-        else:
-            merge_runs(lc, b, self.sinks, self.recent(b), note)
+def merge_down(lc: LayerCache, b: int, sinks: int, recent, newest: int, sequential: bool = False, note=None) -> None:
+    """Lines 6-10 until the layer holds b entries, every deleted value merged: one excess entry (a decode
+    step) by `convex_value_merge` in O(D); more by `merge_runs`, or one by one with `sequential`."""
+    if sequential:
+        convex_value_merge(lc, b, sinks, recent, newest, note)
+    elif lc.length == b + 1:
+        convex_value_merge(lc, b, sinks, recent, newest, note, keep_order=False)
+    else:
+        merge_runs(lc, b, sinks, recent, note)

@@ -24,9 +24,9 @@ import torch.nn.functional as F
 
 from kvmini.budget import Rule, check
 from kvmini.cache import KEY_NORM
-from kvmini.methods.ema_merging import EMAMerge
+from kvmini.methods.ema_merging import EMAMerge, shrink_merging
 from kvmini.methods.method import Method
-from kvmini.methods.selectors import keep_top, lowest
+from kvmini.methods.selectors import shrink
 from kvmini.methods.variance_softmax import HEADS, allocate, column_sums_heads, idle_temperature, layer_variance
 from kvmini.parts import AFTER_PROMPT, DECODE
 from kvmini.statistics import Request, column_sums, reduce_heads
@@ -161,18 +161,11 @@ class D2O(Method):
         if lc.length <= b + self.slack:
             return
         self.evicted[layer] += lc.length - b
-        score, recent = lc.aux("attention_sum"), self.recent(b)  # (B, H_kv, S)
-        if lc.length == b + 1:  # a decode step: one entry goes
-            victim = lowest(score, lc.positions, self.sinks, recent, self.newest)  # (B, H_kv)
-            if self.merge is not None:
-                self.merged[layer] += float(self.merge.one((layer,), lc, victim, self.newest).sum())
-            lc.evict_one(victim)
-            return
-        order = lc.positions.argsort(dim=-1)  # (B, H_kv, S): position order
-        keep = order.gather(2, keep_top(score.gather(2, order), b, self.sinks, recent))  # (B, H_kv, b)
-        if self.merge is not None:
-            self.merged[layer] += float(self.merge((layer,), lc, keep).sum())
-        lc.keep(keep)
+        score = lc.aux("attention_sum")  # (B, H_kv, S): s_j
+        if self.merge is None:
+            shrink(lc, score, b, self.sinks, self.recent(b), self.newest)
+        else:
+            self.merged[layer] += shrink_merging(self.merge, layer, lc, score, b, self.sinks, self.recent(b), self.newest)
 
     def describe(self, lc) -> tuple[str, torch.Tensor | None]:
         return "accumulated attention (H2O's score: summed over every query so far)", lc.aux("attention_sum")

@@ -23,6 +23,7 @@ import torch.nn.functional as F
 from kvmini.cache import KEY_NORM, LayerCache, wide
 from kvmini.errors import one_of
 from kvmini.methods.merged import Merged
+from kvmini.methods.selectors import keep_top, lowest
 
 WEIGHTS = ("paper", "official")
 TAUS = ("per_head", "per_layer")
@@ -133,6 +134,23 @@ class EMAMerge:
         tau = torch.where(prev.isnan(), new, ema_threshold(prev, new, self.beta))
         self.thresholds[list(layers)] = tau.view(len(layers), -1, tau.shape[1])
         return (sim >= tau[..., None]).expand_as(best)
+
+
+def shrink_merging(merge: EMAMerge, layer: int, lc: LayerCache, score: torch.Tensor, b: int, sinks: int, recent: int,
+                   newest: int) -> float:
+    """`selectors.shrink` with the evicted tokens merged first (Eq. 9-12): one entry over (a decode step)
+    compared with every other (`EMAMerge.one`), more against the kept ones. Returns the tokens merged
+    (summed over the rows, each a mean over its heads)."""
+    if lc.length == b + 1:
+        victim = lowest(score, lc.positions, sinks, recent, newest)  # (B, H_kv)
+        merged = merge.one((layer,), lc, victim, newest)
+        lc.evict_one(victim)
+        return float(merged.sum())
+    order = lc.positions.argsort(dim=-1)  # (B, H_kv, S): position order
+    keep = order.gather(2, keep_top(score.gather(2, order), b, sinks, recent))  # (B, H_kv, b)
+    merged = merge((layer,), lc, keep)
+    lc.keep(keep)
+    return float(merged.sum())
 
 
 def nearest(k_evict: torch.Tensor, keys: torch.Tensor, norms: torch.Tensor | None = None,

@@ -17,7 +17,6 @@ from kvmini.methods import (adakv, cam, d2o, dbudgetkv, dynamickv, h2o, knorm, o
                             scissorhands, snapkv, snapkv_d2o, streaming_llm, tova, vatp, weightedkv)
 from kvmini.methods.options import Declared
 from kvmini.parts import EVERY_CALL, PREFILL
-from kvmini.at_once import AtOnce
 from kvmini.budget import resolve_budget
 from kvmini.policy import Policy
 
@@ -225,16 +224,12 @@ def some_budget_works(policy: Policy) -> None:
                           f"tokens is {never}; use fewer sinks or a smaller window")
 
 
-TOGETHER = {"vatp", "scissorhands", "weightedkv", "cam", "roco"}  # decode steps with every layer at once
-
-
 def make_policy(name: str, budget: float | None = None, **given) -> Policy | None:
     """A fresh policy for method `name`; clear errors for unknown names, options and values.
     Option values are typed (int, float, bool, a tuple for layers or N:M) or text as on the command
     line ("0,1,-1", "3:1", "true"). The policy runs one sequence (a batch with per-sequence budgets is
-    kvmini.generate's concern: kvmini.per_sequence); the methods in TOGETHER run their decode steps
-    with every layer at once (kvmini.at_once). `evict_every=N` is an option of the engine (Policy.evict_every)
-    that every method evicting while decoding takes."""
+    kvmini.generate's concern: kvmini.per_sequence). `evict_every=N` is an option of the engine
+    (`evict_every` of the method) that every method evicting while decoding takes."""
     if not isinstance(name, str) or name not in METHODS:
         raise KvminiError(f"unknown method {name!r}; choose from {', '.join(METHODS)}")
     given = check(name, given)
@@ -257,4 +252,4 @@ def make_policy(name: str, budget: float | None = None, **given) -> Policy | Non
     if budget is not None:
         some_budget_works(policy)
     policy.evict_every = every
-    return AtOnce.of(policy) if name in TOGETHER else policy
+    return policy

@@ -22,17 +22,12 @@ The size of R is the `scope` rule:
               the earlier columns; torch.topk leaves EasyKV's tie order unspecified). When rho < sinks + recent
               (decode: b < 30 with recent 10) part of that protection leaks: the newest keys stay, the
               sinks go first, as in EasyKV.
-The eviction itself is TopK's (`keep_top`, `lowest`) with every key of R at score +inf.
+The eviction itself is `selectors.shrink`'s (`keep_top`, `lowest`) with every key of R at score +inf.
 """
 import torch
 
 from kvmini.cache import PAD, LayerCache
-from kvmini.errors import one_of
-from kvmini.methods.average_attention import AverageAttention
-from kvmini.methods.topk import TopK
-from kvmini.budget import Rule
-from kvmini.parts import Budgeter, Compressor, most
-from kvmini.statistics import Request, Statistic, Stats, column_sums
+from kvmini.statistics import Statistic
 
 
 def group_mean_square(rows: torch.Tensor) -> torch.Tensor:
@@ -63,31 +58,6 @@ def last_held(positions: torch.Tensor, k) -> torch.Tensor:
 
 
 COLUMN_SQUARES = Statistic("column_squares", None, group_mean_square, "mean")  # (B, H_kv, S): sum_i Abar_ij^2
-
-
-class MeanAttention(AverageAttention):
-    r"""The running sums of R1-R2 in lc.aux, per KV head: a (WeightedKV's a), q (squares), n (queries).
-    MAS = a / n is WeightedKV's average attention (kvmini.methods.average_attention); RoCo adds q.
-
-    `from_budget`: None counts every query (the paper); a budgeter counts only the calls whose cache
-    exceeds its budget b (EasyKV with keep_attention=False, :603 and :620: statistics start with the
-    first call that overflows the cache; every later call overflows too)."""
-
-    aux = ("a", "q", "n")
-
-    def __init__(self, from_budget: Budgeter | None = None):
-        self.request = Request(column_sums("mean"), COLUMN_SQUARES)
-        self.from_budget = from_budget
-
-    def update(self, lc: LayerCache, stats: Stats, start: int, T: int) -> None:
-        if self.from_budget is not None and lc.length <= self.from_budget.b:
-            return
-        super().update(lc, stats, start, T)  # a += sum_i A_ij (R1), n += the queries that saw j
-        lc.aux("q").add_(stats.column_squares)  # (B, H_kv, S)  q += sum_i A_ij^2 (R2)
-
-    def describe(self, lc: LayerCache) -> tuple[str, torch.Tensor | None]:
-        mas = lc.aux("a") / lc.aux("n").clamp(min=1)
-        return "mean attention a/n over the queries that saw each key (RoCo's MAS; the robust set is shielded)", mas
 
 
 def deviation(lc: LayerCache) -> torch.Tensor:
@@ -147,52 +117,3 @@ def largest(s: torch.Tensor, rho) -> torch.Tensor:
         return s.kthvalue(S - min(max(rho, 1), S) + 1, dim=-1, keepdim=True).values
     at = (rho - 1).clamp(0, S - 1).expand(-1, s.shape[1], 1)  # (B, H_kv, 1)
     return s.sort(dim=-1, descending=True).values.gather(-1, at)
-
-
-class RobustScope(Compressor):
-    """R3-R5: shield the robust set (score +inf), then keep the budget's best MAS (TopK with nothing else
-    protected). The prompt and decoding may use different rules (EasyKV: robust 0.1 b and 4 sinks in the
-    prompt, 0.3 b and no sinks in decode); a call is a decode step when its newest position is at least
-    the prompt length, which the budgeter was started with (Budgeter.start)."""
-
-    def __init__(self, scope: str, robust: int | Rule, robust_decode: int | Rule, sinks: int, decode_sinks: bool,
-                 recent: int | Rule, budgeter: Budgeter):
-        self.scope = one_of("RobustScope scope", scope, ("paper", "official"))
-        hard = self.scope == "paper"  # what is always kept (the engine's and the page's `sinks`, `recent`)
-        super().__init__(sinks if hard and decode_sinks else 0, recent if hard else 0)
-        self.robust, self.robust_decode = Rule.of_(robust, "robust"), Rule.of_(robust_decode, "robust_decode")
-        self.guard_sinks, self.decode_sinks, self.guard_recent = sinks, decode_sinks, Rule.of_(recent, "recent")
-        self.budgeter = budgeter
-        self.select = TopK()
-
-    def start(self, L: int) -> None:
-        super().start(L)
-        self.select.start(L)
-
-    def size(self, b, e: int, decode: bool) -> tuple:
-        """(sinks, recent, rho) for a layer of budget b holding b + e entries (b, recent, rho: ints, or one per row)."""
-        T = self.guard_sinks if not decode or self.decode_sinks else 0
-        L, r = self.guard_recent(b), (self.robust_decode if decode else self.robust)(b)
-        if self.scope == "paper":
-            return T, L, T + L + r
-        # S - k, k = max(b - r - T, e): easykv.py:635 (prompt), :722 (decode, T = 0)
-        return T, L, (e + r + T).clamp(max=b) if isinstance(b, torch.Tensor) else min(e + r + T, b)
-
-    def problem(self, b: int) -> str | None:
-        if self.scope == "official":
-            return None  # EasyKV runs with any budget; what it protects then leaks (module docstring)
-        for decode in (False, True):
-            T, L, rho = self.size(b, 1, decode)
-            if rho > b:
-                return f"too small for {T} sinks, a window of {L} tokens and {rho - T - L} robust tokens"
-        return None
-
-    def shield(self, lc: LayerCache, score: torch.Tensor, T: int, L, rho) -> torch.Tensor:
-        """score (B, H_kv, S) with the robust set at +inf (R3-R4)."""
-        robust = robust_set(deviation(lc), lc.positions, rho, T, L, later_first=self.scope == "official")
-        return score.masked_fill(robust, float("inf"))
-
-    def __call__(self, layers: tuple, lc: LayerCache, score: torch.Tensor, b, newest: int) -> torch.Tensor:
-        decode = newest >= self.budgeter.n
-        T, L, rho = self.size(b, lc.length - most(b), decode)
-        return self.select(layers, lc, self.shield(lc, score, T, L, rho), b, newest)  # (R5)

@@ -5,13 +5,12 @@ Siyu Ren, Kenny Q. Zhu (arXiv 2402.06262, 2024). Authors' code: DRSY/EasyKV, eas
 a1d71ca, kv_policy='roco' (kv_mode 'encoding_decoding', i.e. 'auto' with a budget below the prompt); the
 line numbers below (:N) are that file's.
 
-    scorer       mean attention score MAS = a / n, with the sums of squares for its deviation
-                 (kvmini.methods.robust_scope, R1-R2)
-    budgeter     uniform: b tokens per layer
-    compressor   robust scope: the keys of largest deviation are shielded, the lowest MAS of the rest
-                 evicted (R3-R5)
-    schedule     after every call: the prompt in chunks of 64 (EasyKV's stride in its README's auto
-                 example; run.py --chunk-size 1 is token-wise), then one eviction per decode step
+After every call (the prompt in chunks of 64, EasyKV's stride in its README's auto example; run.py
+--chunk-size 1 is token-wise; then one eviction per decode step), per layer of b tokens:
+    1. the running sums of the mean attention score MAS = a / n and of its deviation (q), per cached
+       key (kvmini.methods.robust_scope, R1-R2)
+    2. the robust scope: the keys of largest deviation are shielded, the lowest MAS of the rest
+       evicted (R3-R5)
 
 The paper's full text was not available: the `paper` variant follows its abstract ("temporal attention
 scores and robustness measures"), a summary ("mean attention score for importance, standard deviation
@@ -53,11 +52,13 @@ attention row to the model's dtype (fp16) before summing (llama_patch.py:218-219
 from dataclasses import dataclass
 from typing import Literal
 
-from kvmini.methods.allocators import Uniform
-from kvmini.methods.robust_scope import MeanAttention, RobustScope
+import torch
+
 from kvmini.budget import Rule
-from kvmini.parts import EVERY_CALL
-from kvmini.policy import Policy
+from kvmini.methods.method import Method
+from kvmini.methods.robust_scope import COLUMN_SQUARES, deviation, robust_set
+from kvmini.methods.selectors import shrink
+from kvmini.statistics import Request, column_sums
 
 TENTH = Rule("budget // 10", lambda b: b // 10)  # int(0.1 * b), EasyKV's recent_window
 THREE_TENTHS = Rule("3 * budget // 10", lambda b: 3 * b // 10)  # int(0.3 * b) in decode
@@ -86,8 +87,68 @@ VARIANTS = {"paper": Options(scope="paper", robust=TENTH, robust_decode=TENTH, s
 DEFAULT_VARIANT = "official"
 
 
-def build(budget: float, o: Options = Options()) -> Policy:
-    budgeter = Uniform()  # also tells the parts the run's budget b and prompt length n (Budgeter.start)
-    scorer = MeanAttention(budgeter if o.prompt_statistics == "after_budget" else None)
-    compressor = RobustScope(o.scope, o.robust, o.robust_decode, o.sinks, o.decode_sinks, o.recent, budgeter)
-    return Policy("roco", budget, scorer, budgeter, compressor, schedule=EVERY_CALL, prefill_chunk=CHUNK)
+class RoCo(Method):
+    aux = ("a", "q", "n")  # per cached key: attention received, its squares, and from how many queries
+    prefill_chunk = CHUNK
+
+    def __init__(self, budget: float, o: Options = Options()):
+        super().__init__("roco", budget)
+        self.o, self.paper = o, o.scope == "paper"
+        self.robust, self.robust_decode = Rule.of_(o.robust, "robust"), Rule.of_(o.robust_decode, "robust_decode")
+        self.guard_recent = Rule.of_(o.recent, "recent")
+        self.sinks = o.sinks if self.paper and o.decode_sinks else 0  # what is always kept (the report, the page)
+        self.recent = self.guard_recent if self.paper else Rule.of_(0, "recent")
+
+    def before(self, cache, T: int) -> None:
+        super().before(cache, T)
+        self.T = T
+        self.wants = Request(column_sums("mean"), COLUMN_SQUARES) if self.updates else None
+
+    def after_attention(self, layer: int, cache, seen) -> None:
+        lc, b = cache[layer], self.budgets[layer]
+        if self.updates:
+            self.add_up(lc, seen)  # (R1-R2)
+        if self.active and lc.length > b + self.slack:
+            self.evicted[layer] += lc.length - b
+            self.evict(lc, b)  # (R3-R5)
+
+    def add_up(self, lc, seen) -> None:
+        """(R1-R2) a += sum_i A_ij, q += sum_i A_ij^2, n += the queries that saw j, (B, H_kv, S) each: in every
+        call (paper), or from the first call whose cache overflows the budget (EasyKV, :603 and :620)."""
+        if self.o.prompt_statistics == "after_budget" and (self.mean_budget is None or lc.length <= self.mean_budget):
+            return
+        lc.aux("a").add_(seen.column_sums)
+        lc.aux("n").add_(self.T - (lc.positions - (self.seen - self.T)).clamp(min=0))  # seen from max(p, start) on
+        lc.aux("q").add_(seen.column_squares)
+
+    def evict(self, lc, b: int) -> None:
+        """(R3) the robust set R; (R4) the scope, every key but R; (R5) its lowest MAS go, down to b."""
+        T, L, rho = self.size(b, lc.length - b, decode=self.newest >= self.prompt_end)
+        robust = robust_set(deviation(lc), lc.positions, rho, T, L, later_first=not self.paper)
+        mas = lc.aux("a") / lc.aux("n")  # (R1)
+        shrink(lc, mas.masked_fill(robust, float("inf")), b, 0, 0, self.newest)
+
+    def size(self, b: int, e: int, decode: bool) -> tuple[int, int, int]:
+        """(sinks, recent, rho) for a layer of budget b holding b + e entries."""
+        T = self.o.sinks if not decode or self.o.decode_sinks else 0
+        L, r = self.guard_recent(b), (self.robust_decode if decode else self.robust)(b)
+        if self.paper:
+            return T, L, T + L + r
+        return T, L, min(e + r + T, b)  # S - k, k = max(b - r - T, e): easykv.py:635 (prompt), :722 (decode, T = 0)
+
+    def problem(self, b: int) -> str | None:
+        if not self.paper:
+            return None  # EasyKV runs with any budget; what it protects then leaks (kvmini.methods.robust_scope)
+        for decode in (False, True):
+            T, L, rho = self.size(b, 1, decode)
+            if rho > b:
+                return f"too small for {T} sinks, a window of {L} tokens and {rho - T - L} robust tokens"
+        return None
+
+    def describe(self, lc) -> tuple[str, torch.Tensor | None]:
+        mas = lc.aux("a") / lc.aux("n").clamp(min=1)
+        return "mean attention a/n over the queries that saw each key (RoCo's MAS; the robust set is shielded)", mas
+
+
+def build(budget: float, o: Options = Options()) -> RoCo:
+    return RoCo(budget, o)

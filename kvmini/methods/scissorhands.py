@@ -39,13 +39,11 @@ from dataclasses import dataclass
 
 import torch
 
-from kvmini.cache import LayerCache, along
-from kvmini.methods.allocators import Uniform
-from kvmini.methods.topk import TopK
 from kvmini.budget import Rule
-from kvmini.parts import EVERY_CALL, Scorer
-from kvmini.policy import Policy
-from kvmini.statistics import Request, Stats, Statistic
+from kvmini.cache import LayerCache, along
+from kvmini.methods.method import Method
+from kvmini.methods.selectors import shrink
+from kvmini.statistics import Request, Statistic
 
 ENGINE_DEFAULTS = {"evict_every": 16}  # m: drop 16 tokens at once, every 16 decode steps
 
@@ -57,54 +55,38 @@ def below_average(rows: torch.Tensor) -> torch.Tensor:
     return (seen & (rows * K < 1)).to(rows.dtype)
 
 
-class LowHistory(Scorer):
-    r"""The importance record I_j: per entry a ring of the last w steps' low counts (aux "low_history",
-    (B, H_kv, S, w) int16, slot = step mod w) and their sum, kept as the ring turns (aux "low_count",
-    (B, H_kv, S) int32: the step a slot held leaves as the new one comes, so the ring is never summed);
-    score = -I, ties broken towards keeping the newer token."""
-
-    accumulates = True
-
-    def __init__(self, w: int = 400):
-        self.w = w
-        self.low = Statistic("low_counts", w, below_average, "sum")  # (B, H_kv, S): sum_{i in last w rows} low_ij
-        self.request = Request(self.low)
-        self.aux = (("low_history", torch.int16, (w,)), ("low_count", torch.int32))
-
-    def update(self, lc: LayerCache, stats: Stats, start: int, T: int) -> None:
-        """After a call of T queries at positions start..start+T-1: its rows are one step, at start+T-1."""
-        ring, count = lc.aux("low_history"), lc.aux("low_count")  # (B, H_kv, S, w), (B, H_kv, S)
-        if T > 1:  # the slots of this call's other steps held steps that have left the window
-            earlier = torch.arange(max(start, start + T - self.w), start + T - 1, device=ring.device) % self.w
-            count.sub_(ring[..., earlier].sum(-1, dtype=torch.int32))
-            ring.index_fill_(-1, earlier, 0)
-        last, new = (start + T - 1) % self.w, stats.low_counts.to(ring.dtype)  # (B, H_kv, S): sums of 0/1 flags, exact
-        count.add_(new - ring[..., last])  # the step w ago leaves the window, this one enters
-        ring[..., last] = new
-
-    def importance(self, lc: LayerCache) -> torch.Tensor:
-        """I_j: low steps in the history window (Alg. 2), (B, H_kv, S): the ring's sum, kept as it turns."""
-        return lc.aux("low_count")
-
-    def __call__(self, lc: LayerCache, stats: Stats) -> torch.Tensor:
-        position = lc.positions.to(torch.float64) / 2**40  # < 1: breaks ties only (keeps the newer)
-        return -self.importance(lc).to(torch.float64) + position  # (B, H_kv, S), higher = keep
-
-    def describe(self, lc: LayerCache) -> tuple[str, torch.Tensor | None]:
-        return f"minus the low-attention steps among the last {self.w} (Scissorhands' importance record)", self(lc, None)
+def remember(lc: LayerCache, low: torch.Tensor, start: int, T: int, w: int) -> None:
+    """The importance record after a call of T queries at positions start..start+T-1, its rows one step
+    at start+T-1: per entry a ring of the last w steps' low counts (aux "low_history", (B, H_kv, S, w)
+    int16, slot = step mod w) and their sum I_j, kept as the ring turns (aux "low_count", (B, H_kv, S)
+    int32: the step a slot held leaves as the new one comes, so the ring is never summed).
+    low (B, H_kv, S): this call's low flags summed over its last min(T, w) rows and the group's heads."""
+    ring, count = lc.aux("low_history"), lc.aux("low_count")  # (B, H_kv, S, w), (B, H_kv, S)
+    if T > 1:  # the slots of this call's other steps held steps that have left the window
+        earlier = torch.arange(max(start, start + T - w), start + T - 1, device=ring.device) % w
+        count.sub_(ring[..., earlier].sum(-1, dtype=torch.int32))
+        ring.index_fill_(-1, earlier, 0)
+    last, new = (start + T - 1) % w, low.to(ring.dtype)  # sums of 0/1 flags, exact
+    count.add_(new - ring[..., last])  # the step w ago leaves the window, this one enters
+    ring[..., last] = new
 
 
-class DropLowest(TopK):
-    """Alg. 2's eviction: the m tokens of lowest score go at once, outside the sinks and the window (the
-    scores never tie: the position breaks them), and the last entries move into their slots (`drop`), so
-    m entries move with their w-step records where TopK's sort and `keep` move all S. One entry, the
-    prompt, or rows of different lengths: TopK's (tests/test_scissorhands.py: the same tokens stay)."""
+def importance_score(lc: LayerCache) -> torch.Tensor:
+    """-I_j, ties broken towards keeping the newer token, (B, H_kv, S), higher = keep."""
+    position = lc.positions.to(torch.float64) / 2**40  # < 1: breaks ties only
+    return -lc.aux("low_count").to(torch.float64) + position
 
-    def __call__(self, layers: tuple, lc: LayerCache, score: torch.Tensor, b, newest: int) -> torch.Tensor | None:
-        if not isinstance(b, int) or not isinstance(lc, LayerCache) or lc.padded or not 1 < lc.length - b <= b:
-            return super().__call__(layers, lc, score, b, newest)
-        free = (lc.positions >= self.sinks) & (lc.positions <= newest - self.recent(b))  # (B, H_kv, S)
-        return drop(lc, score.masked_fill(~free, float("inf")).topk(lc.length - b, -1, largest=False).indices)
+
+def drop_lowest(lc: LayerCache, score: torch.Tensor, b: int, sinks: int, recent: int, newest: int) -> None:
+    """Alg. 2's eviction, down to b entries: the lowest scores go at once, outside the sinks and the window
+    (the scores never tie: the position breaks them), and the last entries move into their slots (`drop`),
+    so m entries move with their w-step records where `shrink`'s sort and `keep` move all S. One entry,
+    the prompt, or rows of different lengths: `shrink` (tests/test_scissorhands.py: the same tokens stay)."""
+    if lc.padded or not 1 < lc.length - b <= b:
+        shrink(lc, score, b, sinks, recent, newest)
+        return
+    free = (lc.positions >= sinks) & (lc.positions <= newest - recent)  # (B, H_kv, S)
+    drop(lc, score.masked_fill(~free, float("inf")).topk(lc.length - b, -1, largest=False).indices)
 
 
 def drop(lc: LayerCache, victims: torch.Tensor) -> torch.Tensor:
@@ -131,6 +113,29 @@ class Options:
     recent: int | Rule = 10  # most recent tokens always kept
 
 
-def build(budget: float, o: Options = Options()) -> Policy:
-    return Policy("scissorhands", budget, LowHistory(o.history), Uniform(), DropLowest(o.sinks, o.recent),
-                  schedule=EVERY_CALL)
+class Scissorhands(Method):
+    def __init__(self, budget: float, o: Options = Options()):
+        super().__init__("scissorhands", budget)
+        self.w, self.sinks, self.recent = o.history, o.sinks, Rule.of_(o.recent, "recent")
+        self.low = Statistic("low_counts", self.w, below_average, "sum")  # (B, H_kv, S): the last w rows' low flags
+        self.aux = (("low_history", torch.int16, (self.w,)), ("low_count", torch.int32))  # I_j's ring, and I_j
+
+    def before(self, cache, T: int) -> None:
+        super().before(cache, T)
+        self.T = T
+        self.wants = Request(self.low) if self.updates else None
+
+    def after_attention(self, layer: int, cache, seen) -> None:
+        lc, b = cache[layer], self.budgets[layer]
+        if self.updates:
+            remember(lc, seen.low_counts, self.seen - self.T, self.T, self.w)  # I_j over the last w steps
+        if self.active and lc.length > b + self.slack:  # while decoding: every m = evict_every steps
+            self.evicted[layer] += lc.length - b
+            drop_lowest(lc, importance_score(lc), b, self.sinks, self.recent(b), self.newest)  # the m largest I_j
+
+    def describe(self, lc) -> tuple[str, torch.Tensor | None]:
+        return f"minus the low-attention steps among the last {self.w} (Scissorhands' importance record)", importance_score(lc)
+
+
+def build(budget: float, o: Options = Options()) -> Scissorhands:
+    return Scissorhands(budget, o)

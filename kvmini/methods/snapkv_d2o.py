@@ -1,22 +1,25 @@
 """SnapKV scores with D2O's layer budgets and merging: a composition no paper ran.
 
-    scorer      SnapKV's pooled attention of the observation window (snapkv.WindowAttention)
-    budgeter    D2O's variance-softmax over layers (variance_softmax.VarianceSoftmax, Eq. 4-5)
-    compressor  the observation window + the best-scoring keys (TopK), evicted keys merged into
-                their nearest kept key when similar enough (ema_merging.EMAMerge, Eq. 9-12)
-    schedule    once, when the prompt is complete (SnapKV's); decode steps append
+Once, when the prompt is complete (SnapKV's schedule; decode steps append):
+    1. each layer's score: SnapKV's pooled attention of the observation window (snapkv.window_scores)
+    2. its budget: D2O's variance softmax over the layers (Eq. 4-5, variance_softmax.allocate), once
+       every layer is measured
+    3. the observation window + the best-scoring keys kept, the evicted keys merged into their nearest
+       kept key when similar enough (D2O's Eq. 9-12, ema_merging)
 Defaults: SnapKV's (window 32, kernel 7, avg pooling) and kvmini's reading of D2O (beta 0.7,
 allocation zscore, temperature 1); a layer keeps at least window + 4 tokens.
 """
 from dataclasses import dataclass
 from typing import Literal
 
-from kvmini.methods.ema_merging import EMAMerge
-from kvmini.methods.topk import TopK
-from kvmini.methods.snapkv import WindowAttention
-from kvmini.methods.variance_softmax import VarianceSoftmax, idle_temperature
-from kvmini.parts import PREFILL
-from kvmini.policy import Policy
+import torch.nn.functional as F
+
+from kvmini.budget import check
+from kvmini.methods import snapkv
+from kvmini.methods.ema_merging import EMAMerge, shrink_merging
+from kvmini.methods.snapkv import SnapKV, window_scores
+from kvmini.methods.variance_softmax import allocate, idle_temperature, layer_variance
+from kvmini.statistics import Request, Statistic, reduce_heads
 
 
 @dataclass(frozen=True)
@@ -33,9 +36,58 @@ class Options:
 
 
 idle = idle_temperature  # given with allocation other than zscore, softmax_temperature is refused
+COLUMNS = Statistic("column_sums", None, None, "heads")  # every query's attention, per query head: Eq. 4's
 
 
-def build(budget: float, o: Options = Options()) -> Policy:
-    return Policy("snapkv_d2o", budget, WindowAttention(o.window, o.kernel, o.pooling, o.reduce),
-                  VarianceSoftmax(o.allocation, o.softmax_temperature, o.window + 4, o.reduce),
-                  TopK(recent=o.window, merge=EMAMerge(o.beta)), schedule=PREFILL)
+class SnapKVD2O(SnapKV):
+    per_sequence = True  # each sequence's budgets follow its own variances (kvmini.per_sequence)
+
+    def __init__(self, budget: float, o: Options = Options()):
+        super().__init__(budget, snapkv.Options(o.window, o.kernel, o.pooling, o.reduce), "snapkv_d2o")
+        self.allocation, self.temperature, self.merge = o.allocation, o.softmax_temperature, EMAMerge(o.beta)
+
+    merger = property(lambda self: self.merge)  # its `trace` records the merges (kvmini.view)
+
+    def before(self, cache, T: int) -> None:
+        if not self.started:
+            self.merge.reset(len(cache))
+        super().before(cache, T)  # SnapKV's: the window's rows, in the calls that hold window queries
+        if self.seen - T == self.prompt_start:
+            self.columns, self.F_v, self.scores = {}, {}, {}
+        if self.active and self.in_prompt:
+            self.wants = Request(COLUMNS, *(self.wants.statistics if self.wants else ()))
+
+    def after_attention(self, layer: int, cache, seen) -> None:
+        if self.wants is None:
+            return
+        lc, C = cache[layer], seen.column_sums  # (B, H, S): this call's share
+        if layer in self.columns:
+            C = F.pad(self.columns[layer], (0, C.shape[-1] - self.columns[layer].shape[-1])) + C
+        self.columns[layer] = C
+        if "window_sums" in seen:
+            W = seen.window_sums
+            self.C[layer] = W if layer not in self.C else F.pad(self.C[layer], (0, W.shape[-1] - self.C[layer].shape[-1])) + W
+        if not self.completes:
+            return
+        H_kv = lc.keys.shape[1]
+        self.F_v[layer] = layer_variance(self.allocation, reduce_heads(C, H_kv, self.reduce), C)  # 2. Eq. 4
+        self.scores[layer] = window_scores(reduce_heads(self.C.pop(layer), H_kv, self.reduce), lc.held(), self.window,
+                                           self.kernel, self.pooling)  # 1.
+
+    def after_layers(self, cache) -> None:
+        if not (self.active and self.completes):
+            return
+        L = len(cache)
+        self._budgets = allocate([self.F_v[l] for l in range(L)], self.allocation, self.mean_budget, self.prompt_end,
+                                 cache[L - 1].length, (), (1, 1), self.window + 4, self.temperature)  # 2. Eq. 5
+        check(self.name, self, dict(enumerate(self._budgets)), ())
+        for layer in range(L):
+            lc, b = cache[layer], self._budgets[layer]
+            if lc.length > b:  # 3.
+                self.evicted[layer] += lc.length - b
+                self.merged[layer] += shrink_merging(self.merge, layer, lc, self.scores[layer], b, 0, self.window,
+                                                     self.newest)
+
+
+def build(budget: float, o: Options = Options()) -> SnapKVD2O:
+    return SnapKVD2O(budget, o)

@@ -19,8 +19,9 @@ budget // 2, l1 norm, group reduction mean. `value_norm=off` is H2O with sinks.
 Chunked prefill: compressed after every call by design, as H2O.
 Deviation: the authors' code scores per query head (Llama-2 has no grouped heads); kvmini per KV
 head, the query heads of a group reduced by mean. Their code multiplies each step's column sums
-by the norms before adding them up; the norm of a kept value never changes, so the sum is the same,
-and kvmini computes each norm once, when the value is cached (the aux buffer `value_norm`).
+by the norms before adding them up; the norm of a kept value never changes (VATP does not merge), so
+the sum is the same, and kvmini computes each norm once, when the value is cached, and keeps it beside
+it (the aux buffer `value_norm`): a step reads S norms instead of the S x D values.
 This module is the method built in tutorials/09_write_your_own_method.py.
 """
 from dataclasses import dataclass
@@ -28,53 +29,12 @@ from typing import Literal
 
 import torch
 
-from kvmini.statistics import Stats
-from kvmini.cache import LayerCache, wide
-from kvmini.methods.allocators import Uniform
-from kvmini.methods.h2o import HALF
-from kvmini.methods.scorers import CumulativeAttention
-from kvmini.methods.topk import TopK
 from kvmini.budget import Rule
-from kvmini.parts import EVERY_CALL
-from kvmini.policy import Policy
-
-
-class ValueWeightedAttention(CumulativeAttention):
-    r"""s_j = \|v_j\|_p \sum_{i \le t} A_{ij}: H2O's running column sums (kept in lc.aux by `update`)
-    times each cached value's norm (p = 1 in the paper, 2 for value_norm=l2, None: no weighting).
-    A value never changes once cached (VATP does not merge), so its norm is computed once, by `update`
-    in the call that appends it, and kept beside it in the aux buffer `value_norm` (B, H_kv, S): a step
-    reads S norms instead of recomputing them from the S x D values."""
-
-    def __init__(self, reduce: str = "mean", p: float | None = 1.0):
-        super().__init__(reduce)
-        self.p = p  # None: no weighting (H2O)
-        self.aux = CumulativeAttention.aux + (() if p is None else ("value_norm",))
-
-    def norm(self, values: torch.Tensor) -> torch.Tensor:
-        r"""\|v_j\|_p of each value: values (..., S, D) -> (..., S)."""
-        # BEGIN EXERCISE value_norm: tutorials/09_write_your_own_method.py, "The scorer"
-        # l1 as |v|.sum(): torch's general p-norm is some 12x slower for p = 1 on CPU
-        return values.abs().sum(-1) if self.p == 1 else torch.linalg.vector_norm(values, ord=self.p, dim=-1)
-        # END EXERCISE
-
-    def update(self, lc: LayerCache, stats: Stats, start: int, T: int) -> None:
-        """After a call of T queries: the column sums (H2O's), and the norms of the T values it appended."""
-        super().update(lc, stats, start, T)
-        if self.p is None:
-            return
-        at = lc.held()[..., None] - T + torch.arange(T, device=lc.values.device)  # (B, H_kv, T): each row's last T
-        new = lc.values.gather(2, at[..., None].expand(-1, -1, -1, lc.values.shape[-1]))  # (B, H_kv, T, D)
-        lc.aux("value_norm").scatter_(2, at, self.norm(wide(new)))
-
-    def __call__(self, lc: LayerCache, stats: Stats) -> torch.Tensor:
-        received = super().__call__(lc, stats)  # (B, H_kv, S)
-        return received if self.p is None else received * lc.aux("value_norm")  # (B, H_kv, S)
-
-    def describe(self, lc: LayerCache) -> tuple[str, torch.Tensor | None]:
-        if self.p is None:
-            return super().describe(lc)
-        return f"accumulated attention times the value's l{self.p:g} norm (VATP's score)", self(lc, None)
+from kvmini.cache import wide
+from kvmini.methods.h2o import HALF
+from kvmini.methods.method import Method
+from kvmini.methods.selectors import shrink
+from kvmini.statistics import Request, column_sums
 
 
 @dataclass(frozen=True)
@@ -86,7 +46,51 @@ class Options:
     reduce: Literal["mean", "max", "sum"] = "mean"  # how the query heads of a KV head are combined
 
 
-def build(budget: float, o: Options = Options()) -> Policy:
-    p = {"l1": 1.0, "l2": 2.0, "off": None}[o.value_norm]
-    return Policy("vatp", budget, ValueWeightedAttention(o.reduce, p), Uniform(), TopK(o.sinks, o.recent),
-                  schedule=EVERY_CALL)
+class VATP(Method):
+    def __init__(self, budget: float, o: Options = Options()):
+        super().__init__("vatp", budget)
+        self.sinks, self.recent, self.reduce = o.sinks, Rule.of_(o.recent, "recent"), o.reduce
+        self.p = {"l1": 1.0, "l2": 2.0, "off": None}[o.value_norm]  # None: no weighting (H2O with sinks)
+        self.aux = ("attention_sum",) + (() if self.p is None else ("value_norm",))  # per cached token
+
+    def before(self, cache, T: int) -> None:
+        super().before(cache, T)
+        self.T = T
+        self.wants = Request(column_sums(self.reduce)) if self.updates else None  # this call's A_ij, summed over i
+
+    def after_attention(self, layer: int, cache, seen) -> None:
+        lc, b = cache[layer], self.budgets[layer]
+        if self.updates:
+            lc.aux("attention_sum").add_(seen.column_sums)  # sum_{i <= t} A_ij, as H2O's (B, H_kv, S)
+            if self.p is not None:
+                self.keep_norms(lc, self.T)  # ||v_j||_p of the values this call cached
+        if self.active and lc.length > b + self.slack:  # every call: a prompt chunk, or one decode step
+            self.evicted[layer] += lc.length - b
+            shrink(lc, self.score(lc), b, self.sinks, self.recent(b), self.newest)  # sinks + top s_j + window
+
+    def score(self, lc) -> torch.Tensor:
+        r"""s_j = \|v_j\|_p \sum_{i \le t} A_{ij}, (B, H_kv, S)."""
+        received = lc.aux("attention_sum")
+        return received if self.p is None else received * lc.aux("value_norm")
+
+    def keep_norms(self, lc, T: int) -> None:
+        """The norms of each row's T newest values (its last T entries, also in a row holding fewer)."""
+        at = lc.held()[..., None] - T + torch.arange(T, device=lc.values.device)  # (B, H_kv, T)
+        new = lc.values.gather(2, at[..., None].expand(-1, -1, -1, lc.values.shape[-1]))  # (B, H_kv, T, D)
+        lc.aux("value_norm").scatter_(2, at, self.norm(wide(new)))
+
+    def norm(self, values: torch.Tensor) -> torch.Tensor:
+        r"""\|v_j\|_p of each value: values (..., S, D) -> (..., S)."""
+        # BEGIN EXERCISE value_norm: tutorials/09_write_your_own_method.py, "The score"
+        # l1 as |v|.sum(): torch's general p-norm is some 12x slower for p = 1 on CPU
+        return values.abs().sum(-1) if self.p == 1 else torch.linalg.vector_norm(values, ord=self.p, dim=-1)
+        # END EXERCISE
+
+    def describe(self, lc) -> tuple[str, torch.Tensor | None]:
+        if self.p is None:
+            return "accumulated attention (H2O's score: summed over every query so far)", lc.aux("attention_sum")
+        return f"accumulated attention times the value's l{self.p:g} norm (VATP's score)", self.score(lc)
+
+
+def build(budget: float, o: Options = Options()) -> VATP:
+    return VATP(budget, o)

@@ -18,13 +18,14 @@ up to c extra entries, then merge them down.
 from dataclasses import dataclass
 from typing import Literal
 
-from kvmini.methods.allocators import Uniform
-from kvmini.methods.average_attention import AverageAttention
-from kvmini.methods.convex_value_merge import ConvexValueMerge
-from kvmini.methods.topk import TopK
+import torch
+
 from kvmini.budget import Rule
-from kvmini.parts import EVERY_CALL
-from kvmini.policy import Policy
+from kvmini.methods.convex_value_merge import merge_down
+from kvmini.methods.merged import Merged
+from kvmini.methods.method import Method
+from kvmini.methods.selectors import shrink
+from kvmini.statistics import Request, column_sums
 
 HALF_BEYOND_8 = Rule("(budget - 8) // 2", lambda m: max((m - 8) // 2, 0))  # Sec. V-A: 1024 -> 508, 256 -> 124
 CHUNK = Rule("max(budget, 64)", lambda m: max(m, 64))  # the prompt's chunks: the cache holds at most 2m
@@ -46,7 +47,43 @@ def idle(o: Options) -> dict[str, str]:
     return {"chunk_merge": "--value-merge off (nothing is merged)"} if o.value_merge == "off" else {}
 
 
-def build(budget: float, o: Options = Options()) -> Policy:
-    compressor = TopK(o.sinks, o.recent) if o.value_merge == "off" else ConvexValueMerge(o.sinks, o.recent, o.chunk_merge)
-    return Policy("weightedkv", budget, AverageAttention(o.reduce), Uniform(), compressor, schedule=EVERY_CALL,
-                  prefill_chunk=CHUNK)
+class WeightedKV(Method):
+    aux = ("a", "n")  # Alg. 1 lines 4-5, per cached token: the attention it received, and from how many queries
+    prefill_chunk = CHUNK
+
+    def __init__(self, budget: float, o: Options = Options()):
+        super().__init__("weightedkv", budget)
+        self.sinks, self.recent, self.reduce = o.sinks, Rule.of_(o.recent, "recent"), o.reduce
+        self.merges, self.sequential = o.value_merge == "convex", o.chunk_merge == "sequential"
+        self.trace: list[Merged] | None = None  # a list to record the merges in (kvmini.view), or None
+
+    merger = property(lambda self: self if self.merges else None)
+
+    def before(self, cache, T: int) -> None:
+        if not self.started and self.trace is not None:
+            self.trace.clear()  # a new run
+        super().before(cache, T)
+        self.T = T
+        self.wants = Request(column_sums(self.reduce)) if self.updates else None  # this call's A_ij, summed over i
+
+    def after_attention(self, layer: int, cache, seen) -> None:
+        lc, b, start = cache[layer], self.budgets[layer], self.seen - self.T
+        if self.updates:
+            lc.aux("a").add_(seen.column_sums)  # line 4, (B, H_kv, S)
+            lc.aux("n").add_(self.T - (lc.positions - start).clamp(min=0))  # line 5: seen from max(p, start) on
+        if not self.active or lc.length <= b + self.slack:  # every call: a prefill chunk, or one decode step
+            return
+        self.evicted[layer] += lc.length - b
+        if not self.merges:  # the ablation: the weakest tokens dropped, key and value
+            shrink(lc, lc.aux("a") / lc.aux("n"), b, self.sinks, self.recent(b), self.newest)
+            return
+        self.merged[layer] += lc.length - b
+        note = None if self.trace is None else lambda *record: self.trace.append(Merged(layer, *record))
+        merge_down(lc, b, self.sinks, self.recent(b), self.newest, self.sequential, note)  # lines 6-10
+
+    def describe(self, lc) -> tuple[str, torch.Tensor | None]:
+        return "average attention a/n (WeightedKV's ranking)", lc.aux("a") / lc.aux("n")
+
+
+def build(budget: float, o: Options = Options()) -> WeightedKV:
+    return WeightedKV(budget, o)
