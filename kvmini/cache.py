@@ -22,7 +22,7 @@ from kvmini.errors import KvminiError
 def wide(t: torch.Tensor) -> torch.Tensor:
     """t in the precision of statistics and merges: float32, or float64 when t already is (a float64
     model decides in float64: the recorded-behaviour tests rely on it)."""
-    return t if t.dtype == torch.float64 else t.float()
+    return t if t.dtype in (torch.float32, torch.float64) else t.float()
 
 PAD = torch.iinfo(torch.long).max  # the position of a pad entry: no query is late enough to see it
 KEY_NORM = "key_norm"  # the aux buffer of the keys' norms, kept by the cache (see the module's docstring)

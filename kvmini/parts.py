@@ -84,8 +84,7 @@ class Compressor:
     newest token) are always kept. Returns the kept indices (B, H_kv, b) in their new buffer order, or
     None when entries were merged rather than selected (`merged[layer]` counts the tokens merged).
 
-    `layers` are the layers whose rows `lc` holds: `(layer,)` in kvmini.policy's loop, several in
-    kvmini.at_once's decode step (b then one per row, (rows, 1, 1); sinks and windows are found by position)."""
+    `layers` is `(layer,)`, the layer `lc` is."""
 
     def __init__(self, sinks: int = 0, recent: int | Rule = 0):
         self.sinks, self.recent = sinks, Rule.of_(recent, "recent")
@@ -107,9 +106,3 @@ class Compressor:
 
     def __call__(self, layers: tuple, lc, score: torch.Tensor, b, newest: int) -> torch.Tensor | None:
         raise NotImplementedError
-
-
-def most(b) -> int:
-    """The largest budget of `b` (an int, or one per row (rows, 1, 1)): the rows of a LayerCache hold
-    their budget + the same excess each, so lc.length - most(b) entries go from each."""
-    return b if isinstance(b, int) else int(b.max())

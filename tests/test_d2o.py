@@ -132,7 +132,7 @@ def test_d2o_merge_by_hand():
     Weights (Eq. 12): w_c = e / (e + e^0.995), w_2 = e^0.995 / (e + e^0.995)."""
     lc = toy_cache([(1, 0), (0, 1), (1, 0.1), (-1, 0)], [(1, 2), (5, 6), (3, 4), (7, 8)])
     merge = EMAMerge(beta=0.7)
-    merged = merge((0,), lc, torch.tensor([[[0, 1]]]))
+    merged = merge(0, lc, torch.tensor([[[0, 1]]]))
     u = 1 / math.sqrt(1.01)
     assert merge.tau[0].item() == pytest.approx(u / 2)
     w_c, w_2 = math.e / (math.e + math.exp(u)), math.exp(u) / (math.e + math.exp(u))
@@ -152,7 +152,7 @@ def test_two_evicted_tokens_merge_into_one_kept_token_convexly():
     summing to 1, so the merged key is (1, 0). Eq. 12 read with the sum over E_j in the numerator
     (each w_i = sum e^u / ...) would give (e + 4 e^u) / (e + 2 e^u) = 1.50 as the key's first coordinate."""
     lc = toy_cache([(1, 0), (0, 1), (1, 0.1), (1, -0.1)], [(1, 2), (5, 6), (3, 4), (5, 8)])
-    merged = EMAMerge(beta=0.7)((0,), lc, torch.tensor([[[0, 1]]]))
+    merged = EMAMerge(beta=0.7)(0, lc, torch.tensor([[[0, 1]]]))
     u = 1 / math.sqrt(1.01)
     den = math.e + 2 * math.exp(u)
     w_c, w_i = math.e / den, math.exp(u) / den
@@ -198,7 +198,7 @@ def test_merge_equals_literal_loops_over_several_steps(seed):
         sims = literal_merge(cur_k, cur_v, keep, float("inf"))[2]  # max similarities of the evicted
         threshold = sum(sims) / len(sims) if tau is None else tau  # tau_0, else compare with tau_{t-1}
         new_k, new_v, _ = literal_merge(cur_k, cur_v, keep, threshold)
-        merge((0,), lc, torch.tensor([[keep]]))
+        merge(0, lc, torch.tensor([[keep]]))
         lc.keep(torch.tensor([[keep]]))
         tau = threshold if tau is None else beta * sims[0] + (1 - beta) * tau
         assert merge.tau[0].item() == pytest.approx(tau, abs=1e-6)
@@ -216,10 +216,10 @@ def test_beta_extremes(beta):
     """beta 0: tau never moves from tau_0; beta 1: tau is the latest maximum similarity."""
     lc = toy_cache([(1, 0), (0, 1), (1, 0.1), (-1, 0), (1, 1)], [(0, 0)] * 5)
     merge = EMAMerge(beta)
-    merge((0,), lc, torch.tensor([[[0, 1, 4]]]))  # prefill: evict k2, k3
+    merge(0, lc, torch.tensor([[[0, 1, 4]]]))  # prefill: evict k2, k3
     tau_0 = merge.tau[0].item()
     lc.keep(torch.tensor([[[0, 1, 4]]]))
-    merge((0,), lc, torch.tensor([[[0, 2]]]))  # a decode step evicts k1 = (0, 1): nearest (1, 1), cos 0.707
+    merge(0, lc, torch.tensor([[[0, 2]]]))  # a decode step evicts k1 = (0, 1): nearest (1, 1), cos 0.707
     assert merge.tau[0].item() == pytest.approx(tau_0 if beta == 0 else 1 / math.sqrt(2))
 
 
@@ -475,7 +475,7 @@ def test_official_merge_equals_literal_loops_over_several_heads_and_steps(seed):
         keys = [list(lc.keys[0, h]) for h in range(H)]
         values = [list(lc.values[0, h]) for h in range(H)]
         want_k, want_v, tau = literal_official_merge(keys, values, keep, tau, beta)
-        merge((0,), lc, torch.tensor([keep]))
+        merge(0, lc, torch.tensor([keep]))
         lc.keep(torch.tensor([keep]))
         assert merge.tau[0].item() == pytest.approx(tau, abs=1e-6)
         torch.testing.assert_close(lc.keys[0], want_k, atol=1e-5, rtol=0)
@@ -496,7 +496,7 @@ def test_paper_merge_over_several_kv_heads_equals_loops_per_head():
     keys = [list(lc.keys[0, h].clone()) for h in range(H)]  # copies: the merge writes the cache in place
     values = [list(lc.values[0, h].clone()) for h in range(H)]
     merge = EMAMerge(0.7)
-    merge((0,), lc, torch.tensor([keep]))
+    merge(0, lc, torch.tensor([keep]))
     for h in range(H):
         sims = literal_merge(keys[h], values[h], keep[h], float("inf"))[2]
         new_k, new_v, _ = literal_merge(keys[h], values[h], keep[h], sum(sims) / len(sims))
@@ -530,7 +530,7 @@ def test_one_eviction_merge_equals_literal_loops_paper(seed):
         sim = literal_merge(cur_k, cur_v, keep, float("inf"))[2][0]
         tau = sim if tau is None else beta * sim + (1 - beta) * tau  # tau_t, compared with this step's
         new_k, new_v, _ = literal_merge(cur_k, cur_v, keep, tau)
-        merge.one((0,), lc, torch.tensor([[victim]]), 7 + step)
+        merge.one(0, lc, torch.tensor([[victim]]), 7 + step)
         lc.evict_one(torch.tensor([[victim]]))
         assert merge.tau[0].item() == pytest.approx(tau, abs=1e-6)
         want_k = after_evict_one([new_k.get(j, cur_k[j]) for j in range(S)], victim)
@@ -556,7 +556,7 @@ def test_one_eviction_merge_equals_literal_loops_official(seed):
         values = [list(lc.values[0, h].clone()) for h in range(H)]
         keep = [[j for j in range(S) if j != victims[h]] for h in range(H)]
         want_k, want_v, tau = literal_official_merge(keys, values, keep, tau, beta)  # (H, S-1, D) in keep order
-        merge.one((0,), lc, torch.tensor([victims]), 7 + step)
+        merge.one(0, lc, torch.tensor([victims]), 7 + step)
         lc.evict_one(torch.tensor([victims]))
         assert merge.tau[0].item() == pytest.approx(tau, abs=1e-6)
         for h in range(H):
@@ -632,14 +632,14 @@ def test_a_merge_that_writes_one_side_leaves_the_other(writes):
     the bulk merge and a decode step's single merge alike."""
     keys, values = [(1, 0), (0, 1), (1, 0.1), (-1, 0)], [(1, 2), (5, 6), (3, 4), (7, 8)]
     both, one = toy_cache(keys, values), toy_cache(keys, values)
-    EMAMerge(beta=0.7)((0,), both, torch.tensor([[[0, 1]]]))
-    EMAMerge(beta=0.7, writes=writes)((0,), one, torch.tensor([[[0, 1]]]))
+    EMAMerge(beta=0.7)(0, both, torch.tensor([[[0, 1]]]))
+    EMAMerge(beta=0.7, writes=writes)(0, one, torch.tensor([[[0, 1]]]))
     as_before = toy_cache(keys, values)
     written, kept = (one.keys, one.values) if writes == "keys" else (one.values, one.keys)
     torch.testing.assert_close(written[0, 0, :2], (both.keys if writes == "keys" else both.values)[0, 0, :2])
     torch.testing.assert_close(kept[0, 0, :2], (as_before.values if writes == "keys" else as_before.keys)[0, 0, :2])
     for lc, w in ((toy_cache(keys, values), "both"), (toy_cache(keys, values), writes)):  # one step: evict k2
-        EMAMerge(beta=0.7, writes=w).one((0,), lc, torch.tensor([[2]]), newest=3)
+        EMAMerge(beta=0.7, writes=w).one(0, lc, torch.tensor([[2]]), newest=3)
         if w == "both":
             k_both, v_both = lc.keys.clone(), lc.values.clone()
     torch.testing.assert_close(lc.keys, k_both if writes == "keys" else as_before.keys)

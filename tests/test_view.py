@@ -80,7 +80,7 @@ def test_d2o_trace_by_hand():
     lc = toy_cache([(1, 0), (0, 1), (1, 0.1), (-1, 0)], [(1, 2), (5, 6), (3, 4), (7, 8)])
     merge = EMAMerge(beta=0.7)
     merge.trace = []
-    merge((5,), lc, torch.tensor([[[0, 1]]]))
+    merge(5, lc, torch.tensor([[[0, 1]]]))
     u = 1 / math.sqrt(1.01)
     (record,) = merge.trace
     assert record.layer == 5
@@ -255,41 +255,40 @@ class Decisions:
     """A run's close calls, to tell a near tie another CPU resolved otherwise from a real change: at every
     eviction, each candidate's score and what went (per layer and KV head, row 0), and for every merged
     token its cosine similarity (Eq. 9) to each entry it could have merged into. Recorded by wrapping
-    TopK and EMAMerge, D2O's parts (the README's page is D2O's), around the engine's calls."""
+    D2O's eviction (`shrink_merging`) and its merge (EMAMerge; the README's page is D2O's)."""
 
     def __init__(self):
         self.evictions: dict[tuple, list[tuple[dict, set]]] = {}  # (layer, head) -> [(position -> score, evicted)]
         self.similar: dict[tuple, tuple] = {}  # (layer, head, merged position) -> (candidate position -> column, u)
 
     def watch(self, monkeypatch) -> "Decisions":
-        from kvmini.methods.topk import TopK
+        from kvmini.methods import d2o
 
-        me, call, merge, one = self, TopK.__call__, EMAMerge.__call__, EMAMerge.one
+        me, shrink, merge, one = self, d2o.shrink_merging, EMAMerge.__call__, EMAMerge.one
 
-        def call_(self, layers, lc, score, b, newest):
+        def shrink_(merger, layer, lc, score, b, *rest):
             before = lc.positions.clone()
-            out = call(self, layers, lc, score, b, newest)
-            me.evicted(layers, before, score, lc.positions)
+            out = shrink(merger, layer, lc, score, b, *rest)
+            me.evicted(layer, before, score, lc.positions)
             return out
 
-        def merge_(self, layers, lc, keep):
-            return me.merged(self, lambda: merge(self, layers, lc, keep), lc, keep)
+        def merge_(self, layer, lc, keep):
+            return me.merged(self, lambda: merge(self, layer, lc, keep), lc, keep)
 
-        def one_(self, layers, lc, victim, newest):
-            return me.merged(self, lambda: one(self, layers, lc, victim, newest), lc, None)
+        def one_(self, layer, lc, victim, newest):
+            return me.merged(self, lambda: one(self, layer, lc, victim, newest), lc, None)
 
-        for cls, name, f in ((TopK, "__call__", call_), (EMAMerge, "__call__", merge_), (EMAMerge, "one", one_)):
-            monkeypatch.setattr(cls, name, f)
+        monkeypatch.setattr(d2o, "shrink_merging", shrink_)
+        monkeypatch.setattr(EMAMerge, "__call__", merge_)
+        monkeypatch.setattr(EMAMerge, "one", one_)
         return self
 
-    def evicted(self, layers: tuple, before: torch.Tensor, score: torch.Tensor, after: torch.Tensor) -> None:
-        """One eviction of the rows of `layers` (B rows each; row 0 of each layer is recorded)."""
-        B = before.shape[0] // len(layers)
-        for i, layer in enumerate(layers):
-            for h in range(before.shape[1]):
-                scores = {p: s for p, s in zip(before[i * B, h].tolist(), score[i * B, h].tolist()) if p != PAD}
-                gone = set(scores) - set(after[i * B, h].tolist())
-                self.evictions.setdefault((layer, h), []).append((scores, gone))
+    def evicted(self, layer: int, before: torch.Tensor, score: torch.Tensor, after: torch.Tensor) -> None:
+        """One eviction of a layer (row 0 is recorded)."""
+        for h in range(before.shape[1]):
+            scores = {p: s for p, s in zip(before[0, h].tolist(), score[0, h].tolist()) if p != PAD}
+            gone = set(scores) - set(after[0, h].tolist())
+            self.evictions.setdefault((layer, h), []).append((scores, gone))
 
     def merged(self, merger, merge, lc, keep: torch.Tensor | None):
         """Run `merge`, then note each new trace record's similarities from the keys as they were before it:

@@ -92,7 +92,7 @@ class D2O(Method):
             for layer in range(len(cache)):
                 cache[layer].declare(*self.aux)
             if self.merge is not None:
-                self.merge.reset(len(cache))
+                self.merge.reset()
         super().before(cache, T)
         start, n = self.seen - T, self.prompt_end
         if start == self.prompt_start:

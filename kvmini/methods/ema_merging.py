@@ -45,21 +45,15 @@ class EMAMerge:
         self.trace: list[Merged] | None = None
         self.reset()
 
-    def reset(self, L: int = 0) -> None:
-        """A new run of L layers (more are added as they come)."""
-        self.L = L
-        self.thresholds: torch.Tensor | None = None  # (L, B, H_kv), or (L, B, 1) per layer; NaN: none yet
+    def reset(self) -> None:
+        """A new run: no layer has a threshold yet."""
+        self.tau: dict[int, torch.Tensor] = {}  # layer -> its threshold (Eq. 10), (B, H_kv), or (B, 1) per layer
         if self.trace is not None:
-            self.trace.clear()  # a new run
+            self.trace.clear()
 
-    @property
-    def tau(self) -> dict[int, torch.Tensor]:
-        """Each layer's threshold (Eq. 10), (B, H_kv), or (B, 1) per layer, for the layers that have one."""
-        if self.thresholds is None:
-            return {}
-        return {layer: t for layer, t in enumerate(self.thresholds) if not bool(t.isnan().all())}
-
-    def __call__(self, layers: tuple, lc: LayerCache, keep: torch.Tensor) -> torch.Tensor:
+    def __call__(self, layer: int, lc: LayerCache, keep: torch.Tensor) -> torch.Tensor:
+        """Every entry of layer `layer` not in `keep` (B, H_kv, b) against the kept ones (Eq. 9-12), before
+        they are gathered. Returns the merges per row (B,), mean over heads."""
         B, H_kv, S = lc.positions.shape
         evicted = torch.ones(B, H_kv, S, dtype=torch.int8, device=keep.device).scatter_(2, keep, 0)  # 1: evicted
         evict = evicted.argsort(dim=-1, descending=True, stable=True)[..., : S - keep.shape[2]]  # (B, H_kv, E) asc.
@@ -70,29 +64,29 @@ class EMAMerge:
         rows = max(1, self.at_once // max(1, k_keep.shape[:-1].numel()))  # evicted keys per chunk
         found = [nearest(chunk, unit, unit.new_ones(unit.shape[:-1])) for chunk in k_evict.split(rows, dim=2)]  # Eq. 9
         best, j_star = (torch.cat(t, -1) for t in zip(*found))  # (B, H_kv, E) each
-        return self.merge(layers, lc, evict, keep, j_star, best)
+        return self.merge(layer, lc, evict, keep, j_star, best)
 
-    def one(self, layers: tuple, lc: LayerCache, victim: torch.Tensor, newest: int) -> torch.Tensor:
+    def one(self, layer: int, lc: LayerCache, victim: torch.Tensor, newest: int) -> torch.Tensor:
         """A decode step: the one entry each head evicts, `victim` (B, H_kv), is compared with every other
         entry (Eq. 9) and, if similar enough, merged into its nearest (Eq. 11-12). The same result as
         `__call__` with every other entry kept, but only the nearest entry's key and value are written.
         Returns the merges per row (B,), mean over heads. The candidates are the entries at positions up
-        to `newest` (in kvmini.policy's loop: all; the pads of kvmini.at_once's shorter rows: none)."""
+        to `newest` (a shorter row's pads: never)."""
         D = lc.keys.shape[-1]
         k_evict = wide(lc.keys.gather(2, victim[:, :, None, None].expand(-1, -1, 1, D)))  # (B, H_kv, 1, D)
         norms = lc.aux(KEY_NORM) if KEY_NORM in lc.aux_names() else None  # (B, H_kv, S), kept by the cache
         exclude = (lc.positions > newest)[:, :, None].scatter(3, victim[:, :, None, None], True)  # (B, H_kv, 1, S)
         best, j_star = nearest(k_evict, wide(lc.keys), norms, exclude)  # (B, H_kv, 1) each, Eq. 9: not itself
-        return self.merge(layers, lc, victim[..., None], j_star, torch.zeros_like(j_star), best)
+        return self.merge(layer, lc, victim[..., None], j_star, torch.zeros_like(j_star), best)  # into j_star itself
 
-    def merge(self, layers: tuple, lc: LayerCache, evict, targets, j_star, best) -> torch.Tensor:
+    def merge(self, layer: int, lc: LayerCache, evict, targets, j_star, best) -> torch.Tensor:
         """Eq. 10-12 for the evicted entries `evict` (B, H_kv, E), each nearest to `targets[j_star]` with
         similarity `best` (targets (B, H_kv, T) and evict: indices into the cache; j_star, best (B, H_kv, E)):
-        the threshold decides which merge, and each target's key and value become their convex mix (only
-        the targets are written). Returns the merges per row (B,), mean over heads."""
-        merge = self.decide(layers, best)  # (B, H_kv, E)
+        the threshold decides which merge, and each target's key and value become their mix (only the
+        targets are written). Returns the merges per row (B,), mean over heads."""
+        merge = self.decide(layer, best)  # (B, H_kv, E)
         if self.trace is not None:
-            self.record(layers, lc.positions, evict, targets.gather(2, j_star), best, merge)
+            self.record(layer, lc.positions, evict, targets.gather(2, j_star), best, merge)
         D = lc.keys.shape[-1]
         at = lambda idx: idx[..., None].expand(-1, -1, -1, D)  # noqa: E731
         kv = lambda idx: wide(torch.cat([lc.keys.gather(2, at(idx)), lc.values.gather(2, at(idx))], -1))  # noqa: E731
@@ -104,10 +98,10 @@ class EMAMerge:
             lc.values.scatter_(2, at(targets), merged[..., D:].to(lc.values.dtype))
         return merge.float().mean(1).sum(-1)  # (B,): tokens merged, mean over heads
 
-    def record(self, layers: tuple, pos, evict, into, best, merge) -> None:
-        """Append to the trace: evicted entries `evict` (B, H_kv, E) and the entries `into` they are
-        nearest to (indices into `pos`, (B, H_kv, S)), with each one's weight in Eq. 11-12 (or the
-        official scatter-mean). One record per layer, of its rows."""
+    def record(self, layer: int, pos, evict, into, best, merge) -> None:
+        """Append to the trace: evicted entries `evict` (B, H_kv, E) and the entries `into` they are nearest
+        to (indices into `pos`, (B, H_kv, S)), with each one's weight in Eq. 11-12 (or the official
+        scatter-mean)."""
         S = pos.shape[2]
         if self.weights == "paper":  # w_i = e^u / (e + sum over the tokens merged into the same j of e^u)
             mass = torch.where(merge, best.exp(), 0.0)
@@ -115,24 +109,15 @@ class EMAMerge:
         else:  # u / (1 + |E_j|)
             mass = torch.where(merge, best, 0.0)
             den = torch.ones(pos.shape[:2] + (S,), dtype=mass.dtype, device=pos.device).scatter_add_(2, into, merge.to(mass.dtype))
-        record = (pos.gather(2, evict), torch.where(merge, pos.gather(2, into), -1), mass / den.gather(2, into))
-        for i, one in enumerate(layers):
-            self.trace.append(Merged(one, *(t.chunk(len(layers))[i] for t in record)))
+        self.trace.append(Merged(layer, pos.gather(2, evict), torch.where(merge, pos.gather(2, into), -1),
+                                 mass / den.gather(2, into)))
 
-    def decide(self, layers: tuple, best: torch.Tensor) -> torch.Tensor:
-        """Eq. 10: update the thresholds of `layers` (whose rows `best` holds, layer after layer) with the
-        evicted tokens' best similarities `best` (B, H_kv, E) and say which of them merge, (B, H_kv, E) bool."""
+    def decide(self, layer: int, best: torch.Tensor) -> torch.Tensor:
+        """Eq. 10: update layer `layer`'s threshold with the evicted tokens' best similarities `best`
+        (B, H_kv, E) and say which of them merge, (B, H_kv, E) bool."""
         sim = best.mean(1, keepdim=True) if self.per_layer else best  # official: one threshold per layer,
         new = sim.mean(-1)  # (B, H_kv) or (B, 1)                    # similarities averaged over heads
-        if self.thresholds is None or max(layers) >= len(self.thresholds):
-            L = max(self.L, max(layers) + 1)
-            fresh = new.new_full((L, new.shape[0] // len(layers), new.shape[1]), float("nan"))
-            if self.thresholds is not None:
-                fresh[: len(self.thresholds)] = self.thresholds
-            self.thresholds = fresh
-        prev = self.thresholds[list(layers)].view_as(new)  # NaN: the layer's first threshold is tau_0
-        tau = torch.where(prev.isnan(), new, ema_threshold(prev, new, self.beta))
-        self.thresholds[list(layers)] = tau.view(len(layers), -1, tau.shape[1])
+        tau = self.tau[layer] = ema_threshold(self.tau.get(layer), new, self.beta)  # tau_0 if it has none yet
         return (sim >= tau[..., None]).expand_as(best)
 
 
@@ -143,12 +128,12 @@ def shrink_merging(merge: EMAMerge, layer: int, lc: LayerCache, score: torch.Ten
     (summed over the rows, each a mean over its heads)."""
     if lc.length == b + 1:
         victim = lowest(score, lc.positions, sinks, recent, newest)  # (B, H_kv)
-        merged = merge.one((layer,), lc, victim, newest)
+        merged = merge.one(layer, lc, victim, newest)
         lc.evict_one(victim)
         return float(merged.sum())
     order = lc.positions.argsort(dim=-1)  # (B, H_kv, S): position order
     keep = order.gather(2, keep_top(score.gather(2, order), b, sinks, recent))  # (B, H_kv, b)
-    merged = merge((layer,), lc, keep)
+    merged = merge(layer, lc, keep)
     lc.keep(keep)
     return float(merged.sum())
 

@@ -50,7 +50,7 @@ class SnapKVD2O(SnapKV):
 
     def before(self, cache, T: int) -> None:
         if not self.started:
-            self.merge.reset(len(cache))
+            self.merge.reset()
         super().before(cache, T)  # SnapKV's: the window's rows, in the calls that hold window queries
         if self.seen - T == self.prompt_start:
             self.columns, self.F_v, self.scores = {}, {}, {}
