@@ -22,15 +22,16 @@ DBudgetKV table has the measured comparison). In a batch, every sequence gets it
 from dataclasses import dataclass
 from typing import Literal
 
+import torch
+import torch.nn.functional as F
+
+from kvmini.budget import PREFILL
 from kvmini.errors import KvminiError
-from kvmini.methods.allocators import Uniform
-from kvmini.methods.frobenius_stop import FrobeniusStop
-from kvmini.methods.scorers import CumulativeAttention
-from kvmini.methods.topk import TopK
-from kvmini.methods.snapkv import WindowAttention
-from kvmini.methods.scorers import Position
-from kvmini.parts import PREFILL
-from kvmini.policy import Policy
+from kvmini.methods.frobenius_stop import eq1_row, to_prune
+from kvmini.methods.method import Method
+from kvmini.methods.selectors import shrink
+from kvmini.methods.snapkv import window_scores
+from kvmini.statistics import Request, Statistic, reduce_heads
 
 CHOOSES_BUDGET = True  # the registry rejects --budget for this method
 CHECKS = {"fixed_share": (lambda x: 0 <= x <= 1, "be in [0, 1] (0: the stopping rule chooses)")}
@@ -55,20 +56,87 @@ VARIANTS = {"paper": Options(),
 DEFAULT_VARIANT = "paper"
 
 
-def build(budget: None, o: Options = Options()) -> Policy:
+ROWS = {name: Statistic(name, reduce="heads") for name in ("dbudgetkv_rows", "dbudgetkv_window", "column_sums")}
+
+
+class DBudgetKV(Method):
+    schedule = PREFILL
+    per_sequence = True  # each sequence's budgets follow its own attention (kvmini.per_sequence)
+
+    def __init__(self, o: Options = Options()):
+        super().__init__("dbudgetkv", o.fixed_share or None)  # None: the stopping rule chooses each layer's budget
+        self.o, self.rule = o, not o.fixed_share
+        self.protected_spec = tuple(o.protected_layers) if self.rule else ()
+        self.sinks = o.sinks if o.ranking == "position" else 0
+        self.window = o.window if o.ranking == "window_attention" else 0
+        self.aux = ("attention_sum",) if o.ranking == "cumulative" else ()  # the prompt's column sums
+
+    def recent(self, b: int) -> int:
+        return self.window
+
+    def plan(self, b, L: int, n: int) -> list[int]:
+        return [n] * L if self.rule else super().plan(b, L, n)  # the rule: nothing is pruned until a layer chose
+
+    def before(self, cache, T: int) -> None:
+        super().before(cache, T)
+        start, n = self.seen - T, self.prompt_end
+        if start == self.prompt_start:
+            self.sums = {}  # layer -> name -> this prompt's sums so far, per query head (B, H, S)
+        wanted = []  # this call's share of the last k queries (Eq. 1), of the window's, of all (cumulative)
+        for name, last, needed in (("dbudgetkv_rows", self.o.k, self.rule and self.active),
+                                   ("dbudgetkv_window", self.window, self.window and self.active),
+                                   ("column_sums", n, self.o.ranking == "cumulative" and self.updates)):
+            mine = self.seen - max(start, n - last)  # this call's queries among them
+            if needed and self.in_prompt and mine > 0:
+                wanted.append(Statistic(name, mine, None, "heads"))
+        self.wants = Request(*wanted) if wanted else None
+
+    def after_attention(self, layer: int, cache, seen) -> None:
+        if layer in self.protected or not self.in_prompt:
+            return
+        lc = cache[layer]
+        H_kv, sums = lc.keys.shape[1], self.sums.setdefault(layer, {})
+        for name in seen if self.wants is not None else ():  # this call's share added to the prompt's so far
+            C = getattr(seen, name)
+            sums[name] = C if name not in sums else F.pad(sums[name], (0, C.shape[-1] - sums[name].shape[-1])) + C
+        if self.active and not self.completes:
+            return  # a piece of the prompt: its sums wait for the rest
+        got = {name: reduce_heads(C, H_kv, self.o.reduce) for name, C in self.sums.pop(layer).items()}
+        if self.updates and "column_sums" in got:
+            lc.aux("attention_sum").add_(got["column_sums"])
+        if not (self.active and self.completes):
+            return
+        b = self.budgets[layer]
+        score = {"position": lambda: lc.positions.float(), "cumulative": lambda: lc.aux("attention_sum"),
+                 "window_attention": lambda: window_scores(got["dbudgetkv_window"], lc.held(), self.window, 1, "avg")}
+        score = score[self.o.ranking]()  # (B, H_kv, S), higher = keep
+        if self.rule:  # Alg. 1: prune while the attention norm drops by at most t
+            s = eq1_row(got["dbudgetkv_rows"], lc.positions, self.o.k)  # Eq. 1
+            S = lc.length
+            if self.o.ranking == "position":  # the earliest non-sinks first, the sinks last
+                idx = torch.arange(S, device=lc.positions.device)
+                order = torch.cat([idx[self.o.sinks :], idx[: self.o.sinks]]).expand_as(lc.positions)
+            else:  # least attended first (the window scores +inf)
+                order = score.argsort(dim=-1, stable=True)
+            b = self._budgets[layer] = S - to_prune(s, order, self.o.threshold, min(self.sinks, S), min(self.window, S),
+                                                     self.o.norm_excludes_kept)
+        if lc.length > b:
+            self.evicted[layer] += lc.length - b
+            shrink(lc, score, b, self.sinks, self.window, self.newest)
+
+    def describe(self, lc) -> tuple[str, torch.Tensor | None]:
+        if self.o.ranking == "position":
+            return "the position itself (the later, the more important)", None
+        if self.o.ranking == "cumulative":
+            return "accumulated attention (H2O's score: summed over every query so far)", lc.aux("attention_sum")
+        return super().describe(lc)
+
+
+def build(budget: None, o: Options = Options()) -> DBudgetKV:
     if o.k > 1 and o.ranking == "window_attention":
         raise KvminiError("dbudgetkv: --k above 1 needs --ranking position or cumulative (the window ranking "
                           "takes the attention statistics of the last --window queries)")
-    scorer, compressor = {
-        "position": (Position(), TopK(o.sinks)),
-        "cumulative": (CumulativeAttention(o.reduce), TopK()),
-        "window_attention": (WindowAttention(o.window, kernel=1, reduce=o.reduce), TopK(recent=o.window)),
-    }[o.ranking]
-    if o.fixed_share:
-        return Policy("dbudgetkv", o.fixed_share, scorer, Uniform(), compressor, schedule=PREFILL)
-    rule = FrobeniusStop(o.threshold, o.k, o.ranking, o.sinks, o.reduce, o.protected_layers, o.window,
-                         o.norm_excludes_kept)
-    return Policy("dbudgetkv", None, scorer, rule, compressor, schedule=PREFILL)
+    return DBudgetKV(o)
 
 
 def idle(o: Options) -> dict[str, str]:

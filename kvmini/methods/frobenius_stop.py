@@ -25,10 +25,6 @@ use the authors' code's ratio of head-averaged norms, (mean_h ||A'_h|| - mean_h 
 """
 import torch
 
-from kvmini.statistics import Request, Stats, last_row, window_sums
-from kvmini.cache import LayerCache
-from kvmini.errors import one_of
-from kvmini.parts import Budgeter
 
 
 def frobenius_stop(s: torch.Tensor, order: torch.Tensor, t: float) -> int:
@@ -52,51 +48,22 @@ def frobenius_stop(s: torch.Tensor, order: torch.Tensor, t: float) -> int:
     # END EXERCISE
 
 
-class FrobeniusStop(Budgeter):
-    """The budgeter: in the call that completes the prompt, each layer keeps S - frobenius_stop(...)
-    entries, chosen from its own statistics; `protected` layers are never pruned."""
+def eq1_row(rows: torch.Tensor, positions: torch.Tensor, k: int) -> torch.Tensor:
+    """Eq. 1's s_j, (B, H_kv, S): the sum of the prompt's last k attention rows `rows` over the queries
+    among them that see each key (the prompt ends right after the newest position held)."""
+    if k == 1:
+        return rows  # the last row itself
+    n = int(positions.max()) + 1  # this runs in the call that completes the prompt
+    return rows / (n - positions).clamp(max=k).float()  # queries among the last k that see each key
 
-    per_sequence = True
 
-    def __init__(self, threshold: float = 0.01, k: int = 1, ranking: str = "position", sinks: int = 4,
-                 reduce: str = "mean", protected: tuple = (0, 1), window: int = 8, norm_excludes_kept: bool = False):
-        super().__init__(protected)
-        self.threshold, self.k, self.sinks, self.window = threshold, k, sinks, window
-        self.ranking = one_of("FrobeniusStop ranking", ranking, ("position", "cumulative", "window_attention"))
-        self.excludes_kept = norm_excludes_kept
-        # the last row itself when k = 1 (a window of k queries would merge with a ranking window)
-        self.request = Request(last_row(reduce) if k == 1 else window_sums(k, reduce))
-
-    def plan(self, b: None, L: int, n: int) -> list[int]:
-        return [n] * L  # nothing is pruned until a layer has chosen
-
-    def known(self, layer: int) -> None:
-        return None
-
-    def always_kept(self, S: int) -> tuple[int, int]:
-        """(first, last): how many leading entries (sinks) and trailing ones (the window) are always kept."""
-        return {"position": (min(self.sinks, S), 0), "window_attention": (0, min(self.window, S)),
-                "cumulative": (0, 0)}[self.ranking]
-
-    def decide(self, layer: int, lc: LayerCache, stats: Stats, score: torch.Tensor) -> dict[int, int]:
-        pos = lc.positions  # (B, H_kv, S)
-        S = pos.shape[-1]
-        if self.k == 1:
-            s = stats.last_row  # Eq. (1) with k = 1: (B, H_kv, S)
-        else:  # the window sums of the prompt's last k queries, however many calls the prompt came in
-            n = int(pos.max()) + 1  # the prompt length: this runs in the call that completes the prompt
-            seen_by = (n - pos).clamp(max=self.k).float()  # queries among the last k that see each key
-            s = stats.window_sums / seen_by  # Eq. (1): (B, H_kv, S)
-        first, last = self.always_kept(S)
-        if self.excludes_kept and first + last:  # the authors' code: zero them out of both norms
-            s = s.clone()
-            s[..., :first] = 0
-            s[..., S - last :] = 0
-        if self.ranking == "position":  # earliest non-sinks first, the sinks last
-            idx = torch.arange(S, device=pos.device)
-            order = torch.cat([idx[self.sinks :], idx[: self.sinks]]).expand_as(pos)
-        else:  # by the scorer (window or cumulative attention; the window scores +inf), least attended first
-            order = score.argsort(dim=-1, stable=True)
-        pruned = min(frobenius_stop(s, order, self.threshold), S - first - last)  # the always-kept stay
-        self.budgets[layer] = lc.length - pruned
-        return {layer: self.budgets[layer]}
+def to_prune(s: torch.Tensor, order: torch.Tensor, t: float, first: int, last: int, excludes_kept: bool) -> int:
+    """How many of a layer's entries go (Alg. 1): `frobenius_stop` on s (B, H_kv, S), ranked least important
+    first by `order`, never the `first` leading or `last` trailing ones (the sinks, the window), which the
+    authors' code also zeroes out of both norms (`excludes_kept`)."""
+    S = s.shape[-1]
+    if excludes_kept and first + last:
+        s = s.clone()
+        s[..., :first] = 0
+        s[..., S - last :] = 0
+    return min(frobenius_stop(s, order, t), S - first - last)

@@ -112,10 +112,13 @@ class Method:
         n = self.prompt_end
         b, self.note, advice = plan(self.name, self.budget, self, self, L, n)
         self.planned = True
-        if b is None:  # a prompt no longer than what the method always keeps
+        if b is None and self.budget is not None:  # a prompt no longer than what the method always keeps
             self.unchanged, self.active = [n] * L, False
             return
         self.mean_budget, self.protected, self._budgets = b, self.protected_in(L), self.plan(b, L, n)
+        if b is None:  # the method chooses every layer's budget (DBudgetKV)
+            self.active = True
+            return
         check(self.name, self, dict(enumerate(self._budgets)), self.protected_in(L), advice, mean=b)
         self.active = not is_noop(b, n, self.total_len, self.schedule)
 
