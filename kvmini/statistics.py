@@ -76,6 +76,15 @@ def reduce_heads(C: torch.Tensor, H_kv: int, reduce: str) -> torch.Tensor:
     return C.mean(2) if reduce == "mean" else C.amax(2) if reduce == "max" else C.sum(2)
 
 
+def add_up(sums: dict, key, C: torch.Tensor) -> torch.Tensor:
+    """A prompt fed in several calls: this call's share C (B, H, S) added to the earlier calls' sums under
+    `key` (over fewer keys: zero-padded), kept in `sums` and returned."""
+    if key in sums:
+        C = F.pad(sums[key], (0, C.shape[-1] - sums[key].shape[-1])) + C
+    sums[key] = C
+    return C
+
+
 def column_sums(reduce: str = "mean") -> Statistic:
     """The attention each key received from every new query (H2O's score, D2O's variance)."""
     return Statistic("column_sums", None, None, reduce)

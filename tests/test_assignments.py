@@ -25,7 +25,7 @@ EXERCISES = {  # written out by hand: what the markers in kvmini/methods must ad
     "ema_merging": {"kvmini/methods/ema_merging.py": ["nearest", "ema_threshold", "convex_merge"]},
     "frobenius_stop": {"kvmini/methods/frobenius_stop.py": ["frobenius_stop"]},
     "convex_value_merge": {"kvmini/methods/convex_value_merge.py": ["convex_value_merge"]},
-    "progressive_budgets": {"kvmini/methods/progressive_budgets.py": ["ProgressiveBudgets.decide"]},
+    "progressive_budgets": {"kvmini/methods/progressive_budgets.py": ["reallocate"]},
     "value_norm": {"kvmini/methods/vatp.py": ["VATP.norm"]},
 }
 
@@ -293,7 +293,7 @@ def test_a_hung_or_crashing_submission_is_reported_and_skipped(tmp_path):
     write_student_copy(copy)
     solve(copy, "frobenius_stop")
     for rel, name, body in [("vatp.py", "value_norm", "        while True:\n            pass\n"),
-                            ("progressive_budgets.py", "progressive_budgets", "            import os; os._exit(3)\n"),
+                            ("progressive_budgets.py", "progressive_budgets", "    import os; os._exit(3)\n"),
                             ("convex_value_merge.py", "convex_value_merge", "    return\n")]:
         module = copy / "kvmini" / "methods" / rel
         text = module.read_text()

@@ -198,11 +198,11 @@ def test_algorithm_1_rounding_by_hand():
 
 
 def test_rounding_alg1_is_the_one_the_engine_runs(monkeypatch):
-    from kvmini.methods import progressive_budgets
+    from kvmini.methods import dynamickv
 
     calls = []
-    original = progressive_budgets.alg1_budgets
-    monkeypatch.setattr(progressive_budgets, "alg1_budgets", lambda *a: calls.append(a) or original(*a))
+    original = dynamickv.alg1_budgets
+    monkeypatch.setattr(dynamickv, "alg1_budgets", lambda *a: calls.append(a) or original(*a))
     model = random_model(L=4, H=2, H_kv=2, seed=3)
     cache = model.new_cache(1, 40)
     with torch.no_grad():

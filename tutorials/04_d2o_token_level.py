@@ -42,8 +42,7 @@ keep = keep_top(scores, S_l, sinks=T, recent=M)[0, 0].tolist()
 middle = sorted(range(T, 20 - M), key=lambda j: -scores[0, 0, j].item())[:N]
 assert keep == list(range(T)) + sorted(middle) + list(range(20 - M, 20))
 policy = make_policy("d2o", 12, variant="paper")
-scorer, budgeter, compressor = policy.parts
-assert compressor.sinks == 4 and compressor.recent(12) == 2  # the method's own split
+assert policy.sinks == 4 and policy.recent(12) == 2  # the method's own split
 
 # %% [markdown]
 # ## Nearest neighbour, threshold and merge (Eq. 9-12)
@@ -205,7 +204,7 @@ if solved("ema_merging"):
         with torch.no_grad():
             model(torch.randint(0, 50, (1, 40), generator=torch.Generator().manual_seed(0)), cache, p)
             for t in range(20):
-                taus.append(p.parts[2].merge.tau[1].mean().item())  # layer 1, mean over KV heads
+                taus.append(p.merge.tau[1].mean().item())  # layer 1, mean over KV heads
                 model(torch.tensor([[t % 50]]), cache, p)
         ax.plot(taus, marker=".", label=f"beta = {beta}")
     ax.set_xlabel("decode step")

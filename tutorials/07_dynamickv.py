@@ -16,10 +16,8 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 from kvmini.course.cells import solved  # noqa: E402  (a student copy: skip what needs an exercise not done yet)
-from kvmini.attention import Stats  # noqa: E402
-from kvmini.cache import LayerCache  # noqa: E402
 from kvmini.methods.registry import make_policy  # noqa: E402
-from kvmini.methods.snapkv import WindowAttention  # noqa: E402
+from kvmini.methods.snapkv import window_scores  # noqa: E402
 
 # %% [markdown]
 # ## Window scores with pooling (Eq. 1)
@@ -33,10 +31,8 @@ from kvmini.methods.snapkv import WindowAttention  # noqa: E402
 
 # %%
 window_sums = torch.tensor([[[0.0, 3.0, 0.0, 0.0, 6.0, 0.0, 9.0, 9.0]]])  # 6 prefix keys + a window of 2
-scorer = WindowAttention(window=2, kernel=3)
-lc = LayerCache(1, 1, 1, torch.float32, "cpu")  # the layer scored: one head holding the 8 keys
-lc.append(torch.zeros(1, 1, 8, 1), torch.zeros(1, 1, 8, 1), torch.arange(8)[None])
-pooled = scorer(lc, Stats(window_sums=window_sums))
+held = torch.tensor([[8]])  # the layer scored: one head holding the 8 keys
+pooled = window_scores(window_sums, held, window=2, kernel=3, pooling="avg")  # SnapKV's, as DynamicKV reads it
 literal = [sum(window_sums[0, 0, i].item() for i in (j - 1, j, j + 1) if 0 <= i < 6) / 3 for j in range(6)]
 assert torch.allclose(pooled[0, 0, :6], torch.tensor(literal)) and torch.isinf(pooled[0, 0, 6:]).all()
 assert torch.allclose(pooled[0, 0, :6], F.avg_pool1d(window_sums[:, :, :6], 3, 1, 1)[0])
@@ -149,14 +145,13 @@ for variant in ("paper", "official") if solved("progressive_budgets") else ():
 # %% [markdown]
 # ## Exercises
 #
-# 1. *(assignment: `progressive_budgets`)* Implement Eq. 5–8, the re-allocation region in
-#    `ProgressiveBudgets.decide` (`kvmini/methods/progressive_budgets.py`). The code after the region
-#    reads four names the region must set: `A` (the finished layers' scores side by side), `C` (Eq. 6's
-#    counts per layer), `held` (what each layer holds beyond the window) and `Z` (Eq. 7-8's budgets,
-#    one per finished layer, capped at `held`, integers summing to $\min((w_t - w_s) L, \sum$ `held`$)$,
-#    as in "Progressive re-allocation" above: one top-$k$ over every head of every finished layer).
-#    `self.scores` holds each finished layer's scores $(B, H, n - w_s)$, `self.held` what it holds,
-#    `self.b` is $w_t$ and `self.window` $w_s$. Check it with
+# 1. *(assignment: `progressive_budgets`)* Implement Eq. 5–8, the region of `reallocate`
+#    (`kvmini/methods/progressive_budgets.py`). The function returns two names the region must set:
+#    `C` (Eq. 6's counts per layer) and `Z` (Eq. 7-8's budgets beyond the window, one per finished
+#    layer, capped at what each holds beyond the window, integers summing to
+#    $\min((w_t - w_s) L, \sum$ that$)$, as in "Progressive re-allocation" above: one top-$k$ over every
+#    head of every finished layer). `A_finished` holds each finished layer's scores $(B, H, n - w_s)$,
+#    `held` what each holds, `w_t` the mean budget and `w` the window $w_s$. Check it with
 #    `python -m kvmini.course check progressive_budgets`: the whole method against a literal Alg. 1 on
 #    random models (a prompt and three decode steps; kept tokens and logits) for $L$ from 3 to 5 and $m$
 #    from 2 to 4, $L \bmod m \ne 0$ included, with and without `tail_reallocation`, $r_{max}$ 2 to 10

@@ -30,12 +30,12 @@ Deviation: the authors' code computes A per query head after repeat_kv; kvmini p
 from dataclasses import dataclass
 from typing import Literal
 
-from kvmini.methods.allocators import Uniform
-from kvmini.methods.progressive_budgets import ProgressiveBudgets
-from kvmini.methods.topk import TopK
-from kvmini.methods.snapkv import WindowAttention
-from kvmini.parts import PREFILL
-from kvmini.policy import Policy
+import torch
+
+from kvmini.methods import snapkv
+from kvmini.methods.progressive_budgets import alg1_budgets, first_budgets, floor_budgets, reallocate
+from kvmini.methods.selectors import keep_top, lowest
+from kvmini.methods.snapkv import SnapKV
 
 
 @dataclass(frozen=True)
@@ -66,8 +66,76 @@ def idle(o: Options) -> dict[str, str]:
     return {k: why for k in ("r_max", "interval", "tail_reallocation", "rounding")} if o.layer_budgets == "uniform" else {}
 
 
-def build(budget: float, o: Options = Options()) -> Policy:
-    budgeter = Uniform() if o.layer_budgets == "uniform" else \
-        ProgressiveBudgets(o.window, o.r_max, o.interval, o.tail_reallocation, o.rounding)
-    return Policy("dynamickv", budget, WindowAttention(o.window, o.kernel, o.pooling, o.reduce), budgeter,
-                  TopK(recent=o.window), schedule=PREFILL)
+class DynamicKV(SnapKV):
+    """SnapKV's window scores, layer by layer in the prefill forward; every `interval` layers the finished
+    layers are budgeted again against each other (Alg. 1) and trimmed."""
+
+    per_sequence = True  # each sequence's budgets follow its own scores (kvmini.per_sequence)
+
+    def __init__(self, budget: float, o: Options = Options()):
+        super().__init__(budget, snapkv.Options(o.window, o.kernel, o.pooling, o.reduce), "dynamickv")
+        self.o, self.progressive = o, o.layer_budgets == "progressive"
+
+    def plan(self, b: int, L: int, n: int) -> list[int]:
+        return first_budgets(b, L, self.window, self.o.r_max) if self.progressive else super().plan(b, L, n)
+
+    def holds_more_because(self) -> str:
+        """Why layers may hold more than the mean budget b asks (run.py's report, kvmini.report), or ''."""
+        tail = len(self._budgets or ()) % self.o.interval
+        if not self.progressive or not tail or self.o.tail_reallocation:
+            return ""
+        return (f"the last {tail} layers come after the last re-allocation (every {self.o.interval} layers, "
+                "Alg. 1 line 24) and keep b_s + w_s; --tail-reallocation true re-budgets them")
+
+    def before(self, cache, T: int) -> None:
+        super().before(cache, T)
+        if self.seen - T == self.prompt_start:
+            self.A, self.held, self.scores = [], [], {}  # per finished layer: A_l, what it holds, its score
+
+    def compress(self, layer: int, cache, score: torch.Tensor) -> None:
+        if not self.progressive:  # the ablation: SnapKV with DynamicKV's window
+            return super().compress(layer, cache, score)
+        self.scores[layer] = score
+        for i, b in self.rebudget(layer, cache, score).items():  # this layer, and the finished ones re-budgeted
+            if cache[i].length > b:
+                self.evicted[i] += cache[i].length - b
+                kept = trim(cache[i], self.scores[i], b, self.window, self.newest)
+                self.scores[i] = self.scores[i].gather(2, kept)  # the score follows what is left
+
+    def rebudget(self, layer: int, cache, score: torch.Tensor) -> dict[int, int]:
+        """{layer: its budget} for this layer and every finished layer Eq. 5-8 re-budgets now (Alg. 1)."""
+        n, w, w_t, L, l = score.shape[-1], self.window, self.mean_budget, len(cache), layer + 1
+        self.A.append(score[:, :, : n - w])  # A_l over the non-window keys
+        self.held.append(min(cache[layer].length, self._budgets[layer]))
+        keep = {layer: self._budgets[layer]}
+        if l % self.o.interval == 0 or (l == L and self.o.tail_reallocation):  # Alg. 1 line 24; the tail is kvmini's
+            C, Z = reallocate(self.A, self.held, n, w, w_t, L)
+            if self.o.rounding == "floor":
+                Z = floor_budgets(C, min(int(self.o.r_max * (w_t - w)), n - w), w_t - w, L, n - w, self.A[0].shape[1])
+            elif self.o.rounding == "alg1":
+                Z = alg1_budgets(C, self.o.r_max * (w_t - w), w_t - w, L)  # b_s as Alg. 1 line 3
+            keep.update({i: Z[i] + w for i in range(l) if Z[i] < self.held[i] - w})
+        for i, b in keep.items():
+            self.held[i] = min(self.held[i], b)
+        for i in range(l):
+            self._budgets[i] = min(self._budgets[i], self.held[i])
+        return keep
+
+
+def trim(lc, score: torch.Tensor, b: int, window: int, newest: int) -> torch.Tensor:
+    """`selectors.shrink` down to b entries (the window and the best scores), returning each kept entry's
+    old slot (B, H_kv, b), so that a layer trimmed again keeps its score aligned."""
+    S = lc.length
+    if S == b + 1:  # one entry to drop: the last entry moves into its slot
+        victim = lowest(score, lc.positions, 0, window, newest)  # (B, H_kv)
+        lc.evict_one(victim)
+        slots = torch.arange(S - 1, device=score.device)
+        return torch.where(slots == victim[..., None], S - 1, slots)
+    order = lc.positions.argsort(dim=-1)  # (B, H_kv, S): position order
+    idx = order.gather(2, keep_top(score.gather(2, order), b, 0, window))  # (B, H_kv, b)
+    lc.keep(idx)
+    return idx
+
+
+def build(budget: float, o: Options = Options()) -> DynamicKV:
+    return DynamicKV(budget, o)

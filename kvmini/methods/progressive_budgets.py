@@ -28,73 +28,32 @@ holds some window entries twice (kvmini holds each once).
 """
 import torch
 
-from kvmini.statistics import Stats
-from kvmini.errors import KvminiError, one_of
+from kvmini.errors import KvminiError
 from kvmini.methods.allocators import proportional
-from kvmini.parts import Budgeter
 
 
-class ProgressiveBudgets(Budgeter):
-    """Decides, layer by layer inside the prefill forward, what each layer keeps and which finished
-    layers to trim; the engine's TopK(recent=window) compressor does the keeping."""
+def first_budgets(b: int, L: int, window: int, r_max: float) -> list[int]:
+    """b_s + w_s per layer (Eq. 2): what a layer keeps before any re-allocation (n - w_s caps it by itself)."""
+    if b <= window:
+        raise KvminiError(f"dynamickv: a mean budget of {b} tokens per layer must exceed the window of "
+                          f"{window}; raise --budget or lower --window")
+    return [int(r_max * (b - window)) + window] * L
 
-    per_sequence = True
-    revisits = True
 
-    def __init__(self, window: int = 8, r_max: float = 10, interval: int = 4, tail_reallocation: bool = False,
-                 rounding: str = "exact"):
-        super().__init__()
-        self.window, self.r_max, self.interval, self.tail = window, r_max, interval, tail_reallocation
-        self.rounding = one_of("ProgressiveBudgets rounding", rounding, ("exact", "floor", "alg1"))
-
-    def start(self, b, L, n) -> None:
-        self.scores, self.held = [], []  # per finished layer: A_l over the prefix keys (B, H_kv, n - ws); entries held
-        super().start(b, L, n)
-
-    def plan(self, b: int, L: int, n: int) -> list[int]:
-        """b_s + w_s per layer (Eq. 2): what a layer keeps before any re-allocation (n - w_s caps it by itself)."""
-        if b <= self.window:
-            raise KvminiError(f"dynamickv: a mean budget of {b} tokens per layer must exceed the window of "
-                              f"{self.window}; raise --budget or lower --window")
-        return [int(self.r_max * (b - self.window)) + self.window] * L
-
-    def holds_more_because(self) -> str:
-        """Why layers may hold more than the mean budget b asks (run.py's report, kvmini.report), or ''."""
-        tail = self.L % self.interval
-        if not tail or self.tail:
-            return ""
-        return (f"the last {tail} layers come after the last re-allocation (every {self.interval} layers, "
-                "Alg. 1 line 24) and keep b_s + w_s; --tail-reallocation true re-budgets them")
-
-    def known(self, layer: int) -> None:
-        return None  # every layer is scored, to re-balance the finished ones
-
-    def decide(self, layer: int, lc, stats: Stats, score: torch.Tensor) -> dict[int, int]:
-        """score (B, H_kv, S) of `layer` before it is compressed; S = n, the whole prompt."""
-        n, w, w_t = score.shape[-1], self.window, self.b
-        self.scores.append(score[:, :, : n - w])  # A_l over the non-window keys
-        self.held.append(min(lc.length, self.budgets[layer]))
-        keep = {layer: self.budgets[layer]}
-        L, l = self.L, layer + 1
-        if l % self.interval == 0 or (l == L and self.tail):  # Alg. 1 line 24; the tail is kvmini's option
-            # BEGIN EXERCISE progressive_budgets: tutorials/07_dynamickv.py, "Progressive re-allocation (Eq. 5-8)"
-            A = torch.cat(self.scores, dim=-1)  # (B, H_kv, l * (n - ws)): all finished layers side by side
-            k = min((w_t - w) * A.shape[1] * l, A.shape[-1] * A.shape[1])
-            top = A.flatten(1).topk(k, dim=-1).indices % A.shape[-1] // (n - w)  # Eq. 5: layer of each hit
-            C = torch.bincount(top.flatten(), minlength=l).tolist()  # Eq. 6
-            held = [h - w for h in self.held]
-            Z = proportional(C, (w_t - w) * L, 0, held)  # Eq. 7-8, capped: layers only shrink
-            # END EXERCISE
-            if self.rounding == "floor":
-                Z = floor_budgets(C, min(int(self.r_max * (w_t - w)), n - w), w_t - w, L, n - w, A.shape[1])
-            elif self.rounding == "alg1":
-                Z = alg1_budgets(C, self.r_max * (w_t - w), w_t - w, L)  # b_s as Alg. 1 line 3
-            keep.update({i: Z[i] + w for i in range(l) if Z[i] < held[i]})
-        for i, b in keep.items():
-            self.held[i] = min(self.held[i], b)
-        for i in range(l):
-            self.budgets[i] = min(self.budgets[i], self.held[i])
-        return keep
+def reallocate(A_finished: list[torch.Tensor], held: list[int], n: int, w: int, w_t: int, L: int) -> tuple[list, list]:
+    """Eq. 5-8 over the l finished layers: (C, Z), each layer's count of the global top scores and its new
+    budget beyond the window. A_finished: each layer's A_l over its n - w non-window keys (B, H_kv, n - w);
+    held: what each holds now; w_t the mean budget, L the model's layers."""
+    l = len(A_finished)
+    # BEGIN EXERCISE progressive_budgets: tutorials/07_dynamickv.py, "Progressive re-allocation (Eq. 5-8)"
+    A = torch.cat(A_finished, dim=-1)  # (B, H_kv, l * (n - ws)): all finished layers side by side
+    k = min((w_t - w) * A.shape[1] * l, A.shape[-1] * A.shape[1])
+    top = A.flatten(1).topk(k, dim=-1).indices % A.shape[-1] // (n - w)  # Eq. 5: layer of each hit
+    C = torch.bincount(top.flatten(), minlength=l).tolist()  # Eq. 6
+    held = [h - w for h in held]
+    Z = proportional(C, (w_t - w) * L, 0, held)  # Eq. 7-8, capped: layers only shrink
+    # END EXERCISE
+    return C, Z
 
 
 def floor_budgets(C: list[int], b_s: int, base: int, L: int, cap: int, heads: int) -> list[int]:

@@ -20,7 +20,7 @@ from kvmini.methods.method import Method
 from kvmini.methods.selectors import shrink
 from kvmini.budget import PREFILL
 from kvmini.parts import Scorer
-from kvmini.statistics import Request, Statistic, reduce_heads, window_sums
+from kvmini.statistics import Request, Statistic, add_up, reduce_heads, window_sums
 
 
 def window_scores(C: torch.Tensor, held: torch.Tensor, window: int, kernel: int, pooling: str) -> torch.Tensor:
@@ -67,14 +67,17 @@ class SnapKV(Method):
     def after_attention(self, layer: int, cache, seen) -> None:
         if self.wants is None or layer in self.protected:
             return
-        lc, b, C = cache[layer], self.budgets[layer], seen.window_sums  # C: (B, H, S), 0 at pads
-        if layer in self.C:  # an earlier chunk's rows, over the keys it saw
-            C = C + F.pad(self.C[layer], (0, C.shape[-1] - self.C[layer].shape[-1]))
-        self.C[layer] = C
-        if self.completes and lc.length > b:  # once: the call that completes the prompt
+        C = add_up(self.C, layer, seen.window_sums)  # (B, H, S): the window's rows so far, 0 at pads
+        if self.completes:  # once: the call that completes the prompt
+            lc = cache[layer]
+            self.compress(layer, cache, window_scores(reduce_heads(C, lc.keys.shape[1], self.reduce), lc.held(),
+                                                      self.window, self.kernel, self.pooling))
+
+    def compress(self, layer: int, cache, score: torch.Tensor) -> None:
+        """Layer `layer` down to its budget by `score` (B, H_kv, S)."""
+        lc, b = cache[layer], self.budgets[layer]
+        if lc.length > b:
             self.evicted[layer] += lc.length - b
-            score = window_scores(reduce_heads(self.C.pop(layer), lc.keys.shape[1], self.reduce), lc.held(),
-                                  self.window, self.kernel, self.pooling)
             self.select(layer, lc, score, b)
 
     def select(self, layer: int, lc, score: torch.Tensor, b: int) -> None:
