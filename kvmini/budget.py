@@ -1,5 +1,5 @@
-"""Budgets: what a `--budget` means in tokens, and whether a method's parts can work with it
-(docs/design.md, "Budgets"). Pure functions, asked by kvmini.policy.
+"""Budgets: what a `--budget` means in tokens, and whether a method can work with it
+(docs/design.md, "Budgets"). Pure functions, asked by kvmini.methods.method.
 """
 import math
 from collections.abc import Callable
@@ -8,8 +8,9 @@ from dataclasses import dataclass
 import torch
 
 from kvmini.errors import KvminiError, tokens
+from kvmini.policy import PREFILL
 
-PREFILL = "prefill"  # a schedule (kvmini.parts): once, layer by layer, in the forward call that completes the prompt
+
 
 ADVICE = "; raise --budget, or use fewer sinks or a smaller window"
 
@@ -43,32 +44,32 @@ def chunk_size(budget: float | None, prefill_chunk, schedule: str, prompt_len: i
     return prefill_chunk(b) if callable(prefill_chunk) else prefill_chunk
 
 
-def problems(compressor, budgets: dict[int, int], protected: tuple) -> list[tuple[int, int, str]]:
-    """(layer, budget, why) for the budgets the compressor cannot work with (protected layers never compress)."""
+def problems(method, budgets: dict[int, int], protected: tuple) -> list[tuple[int, int, str]]:
+    """(layer, budget, why) for the budgets the method cannot work with (protected layers never compress)."""
     return [(layer, b, why) for layer, b in budgets.items()
-            if layer not in protected and (why := compressor.problem(b)) is not None]
+            if layer not in protected and (why := method.problem(b)) is not None]
 
 
-def check(name: str, compressor, budgets: dict[int, int], protected: tuple, advice: str = ADVICE,
+def check(name: str, method, budgets: dict[int, int], protected: tuple, advice: str = ADVICE,
           mean: int | None = None) -> None:
-    """Refuse the first budget the compressor cannot work with."""
-    if found := problems(compressor, budgets, protected):
+    """Refuse the first budget the method cannot work with."""
+    if found := problems(method, budgets, protected):
         layer, b, why = found[0]
         source = f", from a mean budget of {tokens(mean)}" if mean not in (None, b) else ""
         raise KvminiError(f"{name}: a budget of {tokens(b)} (layer {layer}{source}) is {why}{advice}")
 
 
-def plan(name: str, budget: float | None, budgeter, compressor, L: int, n: int) -> tuple[int | None, str | None, str]:
+def plan(name: str, budget: float | None, method, L: int, n: int) -> tuple[int | None, str | None, str]:
     """(b, note, advice) for an n-token prompt and L layers: the mean budget b in tokens (None: the
-    budgeter chooses, or, for a budget given, the prompt is too short to compress), a note for the
+    method chooses, or, for a budget given, the prompt is too short to compress), a note for the
     report, and the advice a refusal of b gives. A ratio too small for what the method always keeps
     is raised to the least mean budget that works."""
-    if any(not -L <= layer < L for layer in budgeter.protected_spec):
-        raise KvminiError(f"{name}: protected layers {list(budgeter.protected_spec)} do not all exist; "
+    if any(not -L <= layer < L for layer in method.protected_spec):
+        raise KvminiError(f"{name}: protected layers {list(method.protected_spec)} do not all exist; "
                           f"this model has layers 0 to {L - 1}")
     b, note = None if budget is None else resolve_budget(budget, n), None
-    fits = b is None or _fits(budgeter, compressor, b, L, n)
-    fit = None if fits else next((x for x in range(b + 1, n + 1) if _fits(budgeter, compressor, x, L, n)), None)
+    fits = b is None or _fits(method, b, L, n)
+    fit = None if fits else next((x for x in range(b + 1, n + 1) if _fits(method, x, L, n)), None)
     if isinstance(budget, float) and budget <= 1 and not fits:  # a ratio (resolve_budget)
         if fit is None:
             return None, f"not compressed: the {n}-token prompt is no longer than what {name} always keeps", ""
@@ -78,13 +79,13 @@ def plan(name: str, budget: float | None, budgeter, compressor, L: int, n: int) 
     return b, note, f"; {least}"
 
 
-def _fits(budgeter, compressor, b: int, L: int, n: int) -> bool:
-    """Can the parts work with a mean budget of b tokens per layer? (Asks the budgeter's pure plan.)"""
+def _fits(method, b: int, L: int, n: int) -> bool:
+    """Can the method work with a mean budget of b tokens per layer? (Asks its pure `plan`.)"""
     try:
-        budgets = budgeter.plan(b, L, n)
+        budgets = method.plan(b, L, n)
     except KvminiError:
         return False
-    return not problems(compressor, dict(enumerate(budgets)), budgeter.protected_in(L))
+    return not problems(method, dict(enumerate(budgets)), method.protected_in(L))
 
 
 @dataclass(frozen=True, repr=False)

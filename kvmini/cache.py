@@ -97,7 +97,7 @@ class LayerCache:
         """Per-token statistic `name` of the held entries, (B, H_kv, S, *shape); a name never declared is an error."""
         if name not in self._aux:
             raise KvminiError(f"no aux buffer {name!r} in this cache (declared: {', '.join(self._aux) or 'none'}); "
-                              "a scorer lists the buffers it keeps in its `aux`, and the policy declares them")
+                              "a method lists the buffers it keeps in its `aux`, and declares them at a run's first call")
         return self._aux[name][:, :, : self.length]
 
     def aux_names(self) -> list[str]:

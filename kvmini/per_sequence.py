@@ -11,7 +11,7 @@ import torch
 
 from kvmini.cache import KVCache, LayerCache
 from kvmini.errors import KvminiError
-from kvmini.policy import Policy
+from kvmini.methods.method import Method
 from kvmini.statistics import Request, Stats
 
 
@@ -25,10 +25,10 @@ class PerSequence:
     reports) over a batch: `rows`, one policy per sequence, the first the policy given (`one`, which
     also reads the run's schedule), the others copies of it made at a run's first call."""
 
-    def __init__(self, policy: Policy):
+    def __init__(self, policy: Method):
         self.one = policy
         self.name, self.budget, self.schedule = policy.name, policy.budget, policy.schedule
-        self.rows: list[Policy] = [policy]
+        self.rows: list[Method] = [policy]
         self.views = None  # each row's view of the cache (`sequence`), made by begin
 
     @classmethod
@@ -79,11 +79,6 @@ class PerSequence:
     def after_layers(self, cache: KVCache) -> None:
         for row, view in zip(self.rows, self.views):
             row.after_layers(view)
-
-    @property
-    def parts(self) -> tuple:
-        """(scorer, budgeter, compressor) of the method, as built for one sequence."""
-        return self.one.parts
 
     # what the tools read of the method (kvmini.methods.method): the first sequence's
     protected = property(lambda self: self.one.protected)

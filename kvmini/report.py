@@ -3,7 +3,7 @@ what the cache kept (a compact per-layer bar chart and byte counts)."""
 from kvmini.cache import KVCache
 from kvmini.methods.options import show
 from kvmini.methods.registry import declarations, resolved_options
-from kvmini.parts import PREFILL
+from kvmini.policy import PREFILL
 
 BLOCKS = "▁▂▃▄▅▆▇█"
 ASCII_BLOCKS = " .:-=+*#"  # the bars where the terminal cannot print block characters

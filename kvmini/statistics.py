@@ -1,7 +1,7 @@
-r"""Attention statistics: what a part reads about the attention each cached key received.
+r"""Attention statistics: what a method reads about the attention each cached key received.
 
 Every statistic is a sum over some of a call's queries of a function of their attention rows,
-one number per cached key j, declared once (`Statistic`) beside the part that reads it:
+one number per cached key j, declared once (`Statistic`) beside the method that reads it:
 
     s_j = \mathrm{reduce}_{g} \sum_{i \in Q} f(A_{i\cdot})_j
 
@@ -11,12 +11,12 @@ one number per cached key j, declared once (`Statistic`) beside the part that re
     reduce  how the g query heads sharing a KV head are combined: mean | max | sum -> (B, H_kv, S);
             or "heads": each query head its own row -> (B, H, S), query head h = kv_head * g + i
 
-A sum over queries is computed chunk by chunk (kvmini.attention) and added up over a prompt's calls
-(`Gathering`). A part asks in its `request` and reads stats.column_sums; a new statistic is a
-declaration, no engine change (tutorial 9, part 2).
+A sum over queries is computed chunk by chunk (kvmini.attention); a method adds its shares up over a
+prompt's calls (`add_up`). A method asks in its `wants` and reads seen.column_sums; a new statistic is
+a declaration, no engine change (tutorial 9, part 2).
 """
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -161,38 +161,3 @@ class Stats:
 
     def __contains__(self, name: str) -> bool:
         return name in self._held
-
-
-class Gathering:
-    """A prompt of n tokens fed in several calls: each call computes its share of every statistic per
-    query head (of a window over the last w queries, its queries among those w); the shares are added up
-    per layer (earlier, shorter ones zero-padded), and the call that completes the prompt gets the
-    whole prompt's statistics (docs/design.md, "One forward call")."""
-
-    def __init__(self, wanted: Request, prompt_len: int):
-        self.wanted, self.n = wanted, prompt_len
-        self.sums: dict[int, dict[Sum, torch.Tensor]] = {}  # layer -> the prompt's sums so far, (B, H_kv, g, S)
-
-    def request(self, call_start: int, T: int) -> Request | None:
-        """This call's share, per query head, under the statistics' own names."""
-        end, share = call_start + T, []
-        for s in self.wanted.statistics:
-            mine = T if s.last is None else end - max(call_start, self.n - s.last)  # its queries in this call
-            if mine > 0:
-                share.append(replace(s, last=mine, reduce="heads"))
-        return Request(*share) if share else None
-
-    def add(self, layer: int, stats: Stats, H_kv: int, complete: bool) -> Stats | None:
-        """Add this call's share; the whole prompt's statistics if `complete`, else None."""
-        sums, added = self.sums.setdefault(layer, {}), set()
-        for s in self.wanted.statistics:  # each distinct sum once (column sums reduced two ways are one sum)
-            if s.name not in stats or s.sum in added:
-                continue
-            added.add(s.sum)
-            B, H, S = getattr(stats, s.name).shape
-            new = getattr(stats, s.name).view(B, H_kv, H // H_kv, S)  # (B, H_kv, g, S)
-            old = sums.get(s.sum)
-            sums[s.sum] = new if old is None else F.pad(old, (0, S - old.shape[-1])) + new
-        if not complete:
-            return None
-        return self.wanted.finish(self.sums.pop(layer))

@@ -32,7 +32,7 @@ import torch  # noqa: E402
 from kvmini.cache import KVCache  # noqa: E402
 from kvmini.errors import KvminiError  # noqa: E402
 from kvmini.methods.merged import Merged  # noqa: E402
-from kvmini.parts import PREFILL  # noqa: E402
+from kvmini.policy import PREFILL  # noqa: E402
 
 LAZY_IMPORTS = ("kvmini.chat", "kvmini.generate", "kvmini.loading", "kvmini.methods.registry", "kvmini.report",
                 "kvmini.tokenizer", "kvmini.weights")  # the comparison's work imports these

@@ -195,17 +195,17 @@ def test_evict_one_moves_the_last_entry_into_the_slot():
 
 
 def test_aux_buffers_are_declared_before_use():
-    """A statistic kept in the cache is declared by the part that owns it (Scorer.aux); a name never
+    """A statistic kept in the cache is declared by the method that owns it (its `aux`); a name never
     declared (a typo) is an error, not a silent buffer of zeros."""
     from kvmini.errors import KvminiError
-    from kvmini.methods.average_attention import AverageAttention
-    from kvmini.methods.scorers import CumulativeAttention
+    from kvmini.methods.h2o import H2O
+    from kvmini.methods.weightedkv import WeightedKV
 
     lc = LayerCache(batch=1, kv_heads=1, head_dim=2, dtype=torch.float32, device="cpu")
     lc.append(torch.zeros(1, 1, 3, 2), torch.zeros(1, 1, 3, 2), torch.arange(3)[None])
     with pytest.raises(KvminiError, match="no aux buffer 'attention_sum' in this cache"):
         lc.aux("attention_sum")
-    lc.declare(*CumulativeAttention.aux, *AverageAttention.aux)
+    lc.declare(*H2O.aux, *WeightedKV.aux)
     assert sorted(lc.aux_names()) == ["a", "attention_sum", "n"] and lc.aux("a").tolist() == [[[0.0, 0.0, 0.0]]]
     with pytest.raises(KvminiError, match=r"no aux buffer 'atention_sum' .*declared: attention_sum, a, n"):
         lc.aux("atention_sum")

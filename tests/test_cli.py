@@ -13,7 +13,7 @@ import torch
 
 from kvmini.budget import resolve_budget
 from kvmini.methods.registry import DEFAULT_BUDGET, METHODS, schedule
-from kvmini.parts import PREFILL
+from kvmini.policy import PREFILL
 from tiny import least_budget
 
 ROOT = Path(__file__).resolve().parent.parent

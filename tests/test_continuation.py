@@ -13,7 +13,7 @@ import torch
 from kvmini.errors import KvminiError
 from kvmini.generate import for_batch, fork, generate, prefill
 from kvmini.methods.registry import METHODS, chooses_budget, make_policy
-from kvmini.parts import PREFILL
+from kvmini.policy import PREFILL
 from kvmini.per_sequence import PerSequence
 from reference import group_mean, random_model, simulate, top_positions
 from test_methods_reference import h2o, per_head
@@ -275,7 +275,7 @@ def test_a_batch_with_a_policy_per_sequence_moves_every_policy_to_the_next_promp
     assert [p.prompt_end for p in PerSequence.of(policy).rows] == [20 + 1 + 9] * 2
 
 
-@pytest.mark.parametrize("name", ["snapkv", "d2o", "h2o"])  # a Policy, a PerSequence, an AtOnce
+@pytest.mark.parametrize("name", ["snapkv", "d2o", "h2o"])  # once per prompt, per sequence, every call
 @pytest.mark.parametrize("bad", [0, -3, 2.5, True, None, "30"])
 def test_start_refuses_a_prompt_length_that_is_not_a_whole_number_of_at_least_one(name, bad):
     """start, like next_prompt, is where a prompt's length enters a run: refused there, and the run stays

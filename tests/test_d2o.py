@@ -13,14 +13,8 @@ from kvmini.errors import KvminiError
 from kvmini.methods.ema_merging import EMAMerge, nearest
 from kvmini.methods.registry import make_policy
 from kvmini.generate import prefill
-from kvmini.methods.scorers import CumulativeAttention
-from kvmini.methods.topk import TopK
-from kvmini.methods.snapkv import WindowAttention
 from kvmini.methods.allocators import proportional
-from kvmini.methods.variance_softmax import VarianceSoftmax, layer_weights, split
-from kvmini.budget import Rule
-from kvmini.parts import PREFILL
-from kvmini.policy import Policy
+from kvmini.methods.variance_softmax import layer_weights, split
 from cases import stored
 from reference import group_mean, random_model, simulate
 
@@ -324,8 +318,7 @@ def test_deferred_allocation_completes_with_protected_layers():
     L-2 layers sharing (L-2) * b) and compressed after the last measured layer."""
     model = random_model(L=4, H=4, H_kv=2, seed=3, sharp=2.0)
     ids = torch.randint(0, 61, (1, 40), generator=torch.Generator().manual_seed(2))
-    policy = Policy("d2o-protected", 0.5, CumulativeAttention(), VarianceSoftmax(low=8, protected=(0, 3)),
-                    TopK(4, recent=Rule("(budget - 4) // 4", lambda b: (b - 4) // 4)), schedule=PREFILL)
+    policy = make_policy("d2o", 0.5, variant="paper", allocation="zscore", merge="off", protected_layers="0,3")
     cache = model.new_cache(1)
     prefill(model, ids, cache, policy)
     lengths = cache.lengths()
@@ -337,8 +330,7 @@ def test_variance_softmax_composes_with_snapkv_scoring():
     """A combination no paper ran: D2O's layer allocation with SnapKV's pooled window scores."""
     model = random_model(L=4, H=4, H_kv=2, seed=5, sharp=2.0)
     ids = torch.randint(0, 61, (1, 48), generator=torch.Generator().manual_seed(4))
-    policy = Policy("snapkv+variance", 16, WindowAttention(window=4, kernel=3), VarianceSoftmax(low=8),
-                    TopK(recent=4), schedule=PREFILL)
+    policy = make_policy("snapkv_d2o", 16, window=4, kernel=3)  # its merges change no budget nor kept position
     cache = model.new_cache(1)
     prefill(model, ids, cache, policy)
     want = literal_budgets(literal_variances(model, ids), 16, 48, 8)

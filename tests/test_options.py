@@ -116,12 +116,11 @@ def test_text_and_typed_values_build_the_same_policy():
 
 
 def test_a_rule_prints_itself_and_an_unnamed_function_is_refused():
-    from kvmini.methods.topk import TopK
-
     assert str(registry.method_options("h2o")["recent"]) == "budget // 2"
-    assert TopK(recent=Rule("budget - 4", lambda b: b - 4)).recent(10) == 6 and TopK(recent=3).recent(99) == 3
+    assert Rule.of_(Rule("budget - 4", lambda b: b - 4), "recent")(10) == 6 and Rule.of_(3, "recent")(99) == 3
     with pytest.raises(KvminiError, match="recent must be a whole number or a Rule"):
-        TopK(recent=lambda b: b // 2)
+        from kvmini.methods import h2o
+        h2o.H2O(0.2, h2o.Options(recent=lambda b: b // 2))
 
 
 def test_run_py_flags_come_from_the_declarations():
@@ -142,14 +141,17 @@ def test_run_py_flags_come_from_the_declarations():
 def test_a_new_method_with_a_new_option_needs_its_module_and_one_registry_line(monkeypatch):
     """What tutorial 9 does: a module with its Options and build(), one entry in METHODS; the flag,
     its help, its check (the module's own CHECKS), the spec syntax and the report follow: no shared file."""
-    from kvmini.methods.allocators import Uniform
-    from kvmini.methods.topk import TopK
-    from kvmini.parts import PREFILL, Scorer
-    from kvmini.policy import Policy
+    from kvmini.policy import PREFILL
+    from kvmini.methods.method import Method
+    from kvmini.methods.selectors import shrink
 
-    class ValueNorm(Scorer):
-        def __call__(self, lc, stats):
-            return lc.values.norm(dim=-1)
+    class VNorm(Method):
+        schedule = PREFILL
+
+        def after_attention(self, layer, cache, seen):
+            lc, b = cache[layer], self.budgets[layer]
+            if self.active and self.completes and lc.length > b:
+                shrink(lc, lc.values.norm(dim=-1), b, 0, 0, self.newest)  # the largest values stay
 
     @dataclass(frozen=True)
     class Options:
@@ -158,7 +160,7 @@ def test_a_new_method_with_a_new_option_needs_its_module_and_one_registry_line(m
     mine = types.ModuleType("vnorm", "VNorm: keep the largest values.")
     mine.Options = Options
     mine.CHECKS = {"norm_power": (lambda x: x >= 1, "be >= 1")}
-    mine.build = lambda budget, o=Options(): Policy("vnorm", budget, ValueNorm(), Uniform(), TopK(), schedule=PREFILL)
+    mine.build = lambda budget, o=Options(): VNorm("vnorm", budget)
     monkeypatch.setitem(METHODS, "vnorm", mine)
     registry.declarations.cache_clear()
     try:

@@ -16,11 +16,9 @@ from kvmini.generate import for_batch, generate
 from kvmini.methods.allocators import round_to_total
 from kvmini.methods.pyramidkv import pyramid
 from kvmini.methods.registry import METHODS, chooses_budget, make_policy, method_options
-from kvmini.methods.selectors import keep_top
-from kvmini.methods.topk import TopK
-from kvmini.parts import AFTER_PROMPT, DECODE, EVERY_CALL
+from kvmini.methods.selectors import keep_top, shrink
+from kvmini.policy import AFTER_PROMPT, DECODE, EVERY_CALL
 from kvmini.per_sequence import PerSequence, sequence
-from kvmini.policy import Policy
 from kvmini.report import full_nbytes
 from reference import in_position_order, random_model
 from tiny import budget_for, fitted, least_budget
@@ -359,8 +357,8 @@ def test_lowest_drops_what_keep_top_drops_in_any_buffer_order(S, sinks, recent, 
 @settings(max_examples=60, deadline=None)
 @given(S=st.integers(3, 30), sinks=st.integers(0, 4), recent=st.integers(0, 6), m=st.integers(2, 8),
        seed=st.integers(0, 10**6))
-def test_topk_dropping_m_at_once_keeps_what_keep_top_keeps_in_any_buffer_order(S, sinks, recent, m, seed):
-    """evict_every's batches (e.g. h2o[evict_every=8]): TopK keeps, per head, the entries keep_top
+def test_shrink_dropping_m_at_once_keeps_what_keep_top_keeps_in_any_buffer_order(S, sinks, recent, m, seed):
+    """evict_every's batches (e.g. h2o[evict_every=8]): `shrink` keeps, per head, the entries keep_top
     keeps on the position-ordered scores with many ties, keys with them, whatever the buffer's order."""
     if sinks + recent + m > S:
         return
@@ -373,19 +371,19 @@ def test_topk_dropping_m_at_once_keeps_what_keep_top_keeps_in_any_buffer_order(S
     lc.append(torch.zeros(1, 2, S, 1), torch.zeros(1, 2, S, 1), torch.zeros(1, S, dtype=torch.long))
     lc.positions[0] = positions.gather(1, perm)
     lc.keys[0, :, :, 0] = positions.gather(1, perm).double()  # each key names its position
-    TopK(sinks, recent)((0,), lc, score.gather(1, perm).view(1, 2, S), S - m, int(positions.max()))
+    shrink(lc, score.gather(1, perm).view(1, 2, S), S - m, sinks, recent, int(positions.max()))
     assert lc.positions[0].sort(-1).values.tolist() == want.tolist()
     assert torch.equal(lc.keys[0, :, :, 0], lc.positions[0].double())
 
 
-def test_topk_dropping_two_worked_example():
+def test_shrink_dropping_two_worked_example():
     """score [5, 1, 9, 1, 7, 2] at positions 0..5: with 1 sink and a window of 1, dropping two drops the
     tied 1s; a window of 3 keeps 3, 4, 5 and the best of 0, 1, 2."""
     score = torch.tensor([[[5.0, 1, 9, 1, 7, 2]]])
     for sinks, recent, kept in [(1, 1, [0, 2, 4, 5]), (0, 3, [2, 3, 4, 5])]:
         lc = LayerCache(1, 1, 1, torch.float32, "cpu")
         lc.append(torch.zeros(1, 1, 6, 1), torch.zeros(1, 1, 6, 1), torch.arange(6)[None])
-        TopK(sinks, recent)((0,), lc, score, 4, 5)
+        shrink(lc, score, 4, sinks, recent, 5)
         assert lc.positions.tolist() == [[kept]]
 
 
@@ -404,29 +402,11 @@ def test_a_budgeter_plan_is_pure(name):
     """The engine asks a budgeter's plan (to find the least budget a short prompt can take) without
     starting it: the same arguments give the same budgets, and nothing of the budgeter changes."""
     policy = make_policy(name, 0.5, **fitted(name))
-    budgeter = policy.parts[1] if hasattr(policy, "parts") else policy  # a method in its own module plans itself
+    budgeter = policy  # a method plans itself
     before = dict(vars(budgeter))
     first = budgeter.plan(12, 4, 40)
     assert budgeter.plan(12, 4, 40) == first and len(first) == 4
     assert vars(budgeter).keys() == before.keys() and all(vars(budgeter)[k] is v for k, v in before.items())
-
-
-LOOP = [  # (docs/design.md's after_attention block, Policy.after_attention): the same steps, in one order
-    ("stop if l is protected", "if self.budgeter.skips(layer)"),
-    ("if this call is a piece of a prompt", "if call.gathering"),
-    ("stats = the prompt's statistics so far", "stats = self.gathered.add("),
-    ("stop unless this call completes the prompt", "if not call.completes"),
-    ("scorer.update(lc, stats, start, T)", "self.scorer.update(lc, stats, call.start, call.T)"),
-    ("budgeter.update(l, lc, stats, start, T)", "self.budgeter.update(layer, lc, stats, call.start, call.T)"),
-    ("stop unless the schedule compresses now", "if not call.compress_now or"),
-    ("score = scorer(lc, stats)", "= self.scorer(lc, stats)"),
-    ("budgeter.decide(l, lc, stats, score)", "self.budgeter.decide(layer, lc, stats,"),
-    ("is checked", "check(self.name, self.compressor, decided,"),
-    ("skip layer i unless it holds more than b", "if cache[i].length > b"),
-    ("evicted[i] +=", "self.evicted[i] +="),
-    ("compressor((i,), cache[i], score_i, b, newest)", "self.compressor((i,), cache[i],"),
-    ("score_i follows what was kept", ".gather(2, kept)"),
-]
 
 
 def in_order(text: str, fragments: list[str]) -> bool:
@@ -436,16 +416,6 @@ def in_order(text: str, fragments: list[str]) -> bool:
         if at < 0:
             return False
     return True
-
-
-def test_policy_s_loop_is_design_md_s_loop_step_for_step():
-    """docs/design.md says its after_attention block is the code, step for step: both name these steps in
-    this order (a step added to one, or moved, fails here until the other follows)."""
-    design = (Path(__file__).resolve().parent.parent / "docs/design.md").read_text()
-    block = design.split("`after_attention` (kvmini/policy.py, step for step):")[1].split("```")[1]
-    code = inspect.getsource(Policy.after_attention)
-    assert in_order(block, [d for d, _ in LOOP]) and in_order(code, [c for _, c in LOOP])
-    assert not in_order(code, [c for _, c in LOOP][::-1])  # the check can fail: the steps reversed do not match
 
 
 FORWARD = [  # (docs/design.md's forward call, the model's code): the same calls, in one order

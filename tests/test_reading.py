@@ -22,8 +22,8 @@ def test_a_toy_package_is_read_depth_first_in_the_order_imports_are_written(tmp_
     })
     monkeypatch.setattr(reading, "running", lambda method, root: ["kvmini/cache.py"])
     assert reading.path("toy", tmp_path) == [  # registry is never followed; a file is met once
-        "kvmini/generate.py", "kvmini/model.py", "kvmini/cache.py", "kvmini/errors.py", "kvmini/policy.py",
-        "kvmini/__init__.py", "kvmini/methods/toy.py"]  # `from kvmini import errors` opens the package too
+        "kvmini/generate.py", "kvmini/model.py", "kvmini/cache.py", "kvmini/errors.py", "kvmini/methods/toy.py",
+        "kvmini/policy.py", "kvmini/__init__.py"]  # `from kvmini import errors` opens the package too
     assert reading.lines("kvmini/model.py", tmp_path) == 4  # blank lines only are left out
     assert reading.summary("kvmini/methods/toy.py", tmp_path) == "Toy (Eq. 3): a method."
     table = reading.table(("toy",), tmp_path).splitlines()  # 3 + 4 + 1 + 1 + 1 + 0 + 2 lines
@@ -33,5 +33,5 @@ def test_a_toy_package_is_read_depth_first_in_the_order_imports_are_written(tmp_
 
 def test_the_path_of_a_method_holds_its_module_and_what_make_policy_builds():
     files = reading.path("d2o")
-    assert {"kvmini/methods/d2o.py", "kvmini/policy.py", "kvmini/model.py", "kvmini/cache.py"} <= set(files)
+    assert {"kvmini/methods/d2o.py", "kvmini/methods/method.py", "kvmini/model.py", "kvmini/cache.py"} <= set(files)
     assert "kvmini/methods/registry.py" not in files and "kvmini/methods/h2o.py" not in files

@@ -5,11 +5,6 @@ import pytest
 import torch
 
 from kvmini.methods.registry import make_policy
-from kvmini.methods.topk import TopK
-from kvmini.methods.snapkv import WindowAttention
-from kvmini.methods.variance_softmax import VarianceSoftmax
-from kvmini.parts import PREFILL
-from kvmini.policy import Policy
 from reference import random_model, simulate
 from test_d2o import literal_budgets, literal_variances
 from test_methods_reference import snapkv as literal_snapkv
@@ -45,12 +40,15 @@ def test_budgets_follow_eq5(setting):
     assert policy.budgets == want and cache.lengths() == want
 
 
-def test_without_its_merge_eviction_equals_masking(setting):
-    """The composition's selection alone: logits and kept positions equal SnapKV's literal rule
-    applied with the literal budgets, at every call."""
+def test_without_its_merge_eviction_equals_masking(setting, monkeypatch):
+    """The composition's selection alone (its merge replaced by `selectors.shrink`): logits and kept
+    positions equal SnapKV's literal rule applied with the literal budgets, at every call."""
+    from kvmini.methods import snapkv_d2o
+    from kvmini.methods.selectors import shrink
+
+    monkeypatch.setattr(snapkv_d2o, "shrink_merging", lambda merge, layer, lc, *rest: shrink(lc, *rest) or 0.0)
     model, calls, budgets = setting
-    policy = Policy("snapkv+variance", BUDGET, WindowAttention(WINDOW, KERNEL), VarianceSoftmax(low=WINDOW + 4),
-                    TopK(recent=WINDOW), schedule=PREFILL)
+    policy = make_policy("snapkv_d2o", BUDGET, window=WINDOW, kernel=KERNEL)
     got_logits, got_kept, _ = run(model, calls, policy)
     choose = literal_snapkv(BUDGET, g=2, prefill_calls=1, window=WINDOW, kernel=KERNEL, budgets=budgets)
     want_logits, want_kept = simulate(model, calls, choose)

@@ -5,7 +5,7 @@ import torch
 
 from kvmini.attention import attend
 from kvmini.errors import KvminiError
-from kvmini.statistics import Gathering, Request, Statistic, column_sums, window_sums
+from kvmini.statistics import Request, Statistic, add_up, column_sums, window_sums
 from test_attention import naive, setup
 
 SQUARES = Statistic("test_squared_sums", None, lambda rows: rows * rows, "sum")  # sum_i A_ij^2 (RoCo-like)
@@ -47,25 +47,26 @@ def test_the_threshold_count_by_hand():
 
 
 @pytest.mark.parametrize("cuts", [(5, 4, 3), (11, 1), (1, 1, 10)])
-def test_a_prompt_in_calls_gathers_what_one_call_computes(cuts):
-    """Each call attends over the cache so far; the gathered statistics equal one call's."""
+def test_a_prompt_in_calls_adds_up_to_what_one_call_computes(cuts):
+    """Each call attends over the cache so far; its share of a sum over the prompt's queries, per query head,
+    added up over the calls (`add_up`, as SnapKV and D2O do), equals one call's: every query's and the last 4's."""
     n = sum(cuts)
     q, k, v, _, _, _ = setup(n, 0)
     pos = torch.arange(n).expand(2, n)
-    wanted = Request(SQUARES, HEAVY, window_sums(4), column_sums(), Statistic("test_heads", None, None, "heads"))
-    _, whole = attend(q, k, v, pos, pos[:, None].expand(2, 2, n), wanted)
-    gathering, start, got = Gathering(wanted, n), 0, None
+    every, window = Statistic("test_heads", None, None, "heads"), Statistic("test_window_heads", 4, None, "heads")
+    _, whole = attend(q, k, v, pos, pos[:, None].expand(2, 2, n), Request(every, window))
+    sums, start = {}, 0
     for c in cuts:
         end = start + c
-        request = gathering.request(start, c)
+        mine = end - max(start, n - 4)  # this call's queries among the last 4
+        share = [every] + ([Statistic("test_window_heads", mine, None, "heads")] if mine > 0 else [])
         _, stats = attend(q[:, :, start:end], k[:, :, :end], v[:, :, :end], pos[:, start:end],
-                          pos[:, None, :end].expand(2, 2, end), request)
-        got = gathering.add(0, stats, 2, end == n)
-        assert (got is None) == (end < n)
+                          pos[:, None, :end].expand(2, 2, end), Request(*share))
+        for name in stats:
+            add_up(sums, name, getattr(stats, name))
         start = end
-    assert set(got) == set(whole)
-    for name in whole:
-        torch.testing.assert_close(getattr(got, name), getattr(whole, name), atol=1e-5, rtol=0)
+    for name in ("test_heads", "test_window_heads"):
+        torch.testing.assert_close(sums[name], getattr(whole, name), atol=1e-5, rtol=0)
 
 
 def test_two_parts_asking_for_one_name_defined_differently_is_an_error():

@@ -3,7 +3,6 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kvmini.statistics import Stats
 from kvmini.cache import LayerCache
 from kvmini.generate import prefill
 from kvmini.methods.convex_value_merge import convex_value_merge
@@ -173,13 +172,13 @@ def test_the_newest_token_is_never_merged_even_without_a_recent_window():
 
 def test_counts_of_a_chunk_follow_the_causal_mask():
     """A chunk of 3 queries at positions 5, 6, 7: older keys are seen 3 times, new keys 3, 2 and 1 times."""
-    from kvmini.methods.average_attention import AverageAttention
+    from kvmini.methods.weightedkv import attended
 
     lc = LayerCache(1, 1, 8, torch.float32, "cpu")
     for t in [1, 3, 5, 6, 7]:
         append_token(lc, t)
-    lc.declare(*AverageAttention.aux)
-    AverageAttention().update(lc, Stats(column_sums=torch.tensor([[[0.5, 1.0, 1.5, 0.4, 0.1]]])), start=5, T=3)
+    lc.declare("a", "n")
+    attended(lc, torch.tensor([[[0.5, 1.0, 1.5, 0.4, 0.1]]]), start=5, T=3)
     assert lc.aux("n").tolist() == [[[3, 3, 3, 2, 1]]]
     torch.testing.assert_close(lc.aux("a"), torch.tensor([[[0.5, 1.0, 1.5, 0.4, 0.1]]]))
 

@@ -1,19 +1,22 @@
 """What a generic test needs of a method to run it on the tiny random models (tests/reference.py), derived
-from the registry and the method's own parts, so that adding a method to METHODS is the only line a
+from the registry and the method itself, so that adding a method to METHODS is the only line a
 generic test needs:
 
     fitted(name)                   its options for prompts of a few dozen tokens: a declared `window` or
                                    `recent` longer than WINDOW tokens is cut to WINDOW (SnapKV's 32 would
                                    otherwise be the whole prompt)
-    budget_for(name, b, L, n)      b, or the least mean budget its parts can work with if that is more
-    statistics(name, options)      the attention statistics its scorer and budgeter read
+    budget_for(name, b, L, n)      b, or the least mean budget it can work with if that is more
+    statistics(name, options)      the attention statistics it reads in a prompt's call
     gives_budgets(name)            its budgets are the numbers it was given (not chosen, none protected)
     statistic_cases(names)         each method in each variant, and with each option value that makes it
                                    read other statistics
 """
 import typing
 
+import torch
+
 from kvmini.errors import KvminiError
+from kvmini.generate import prefill
 from kvmini.methods import options as declared
 from kvmini.methods.registry import METHODS, chooses_budget, declarations, make_policy, parse_spec, specs
 from kvmini.statistics import Request
@@ -29,14 +32,14 @@ def fitted(name: str) -> dict:
 
 
 def parts(name: str, options: dict):
-    """The method's policy with these options (its budgets from the parts), the one a batch row runs."""
+    """The method with these options, the one a batch row runs."""
     return make_policy(name, **options) if chooses_budget(name) else make_policy(name, 0.5, **options)
 
 
 def least_budget(name: str, options: dict, L: int, n: int) -> int | None:
     """The least mean budget (tokens per layer) method `name` can work with on an L-layer model and an
-    n-token prompt: the budgeter's plan gives every layer it compresses a budget its compressor accepts
-    (kvmini.policy, "budget raised ... the least ... can keep"). None: it chooses its budgets, or none works."""
+    n-token prompt: its plan gives every layer it compresses a budget it accepts (kvmini.methods.method,
+    "budget raised ... the least ... can keep"). None: it chooses its budgets, or none works."""
     if chooses_budget(name):
         return None
     policy = parts(name, options)
@@ -60,10 +63,17 @@ def budget_for(name: str, budget: int, L: int = 3, n: int = 40) -> int | None:
 
 
 def statistics(name: str, options: dict) -> frozenset:
-    """The attention statistics (name, queries, head reduction, function) the method's scorer and budgeter read."""
-    policy = parts(name, options)
-    asks = [policy.scorer.request, policy.budgeter.request] if hasattr(policy, "scorer") else [policy.wants]
-    wanted = Request.merge(asks)  # a method in its own module that sets `wants` per call: add it here
+    """The attention statistics (name, queries, head reduction, function) the method reads in a prompt's
+    call: what it asks for (`wants`) at each layer of a 40-token prompt on a tiny random model."""
+    from reference import random_model
+
+    policy, asks = parts(name, options), []
+    run = policy.after_attention
+    policy.after_attention = lambda layer, cache, seen: asks.append(policy.wants) or run(layer, cache, seen)
+    ids = torch.randint(0, 61, (1, 40), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        prefill(random_model(L=3), ids, random_model(L=3).new_cache(1), policy)
+    wanted = Request.merge(asks)
     return frozenset((s.name, s.last, s.reduce, getattr(s.f, "__qualname__", None)) for s in wanted.statistics) \
         if wanted else frozenset()
 

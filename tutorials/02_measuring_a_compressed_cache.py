@@ -1,11 +1,12 @@
 # %% [markdown]
 # # 2. Measuring what a compressed cache keeps
 #
-# Every method in kvmini is a *policy* of four parts (`kvmini/parts.py`): a **scorer** (how
-# important is each cached token?), a **budgeter** (how many tokens may each layer keep, and when
-# is that known?), a **compressor** (which ones stay, and what happens to the rest: dropped or
-# merged) and a **schedule** (after the prompt, layer by layer, or every step). This tutorial builds up the parts the baselines
-# need — attention statistics, budgets, StreamingLLM, H2O, SnapKV, PyramidKV — proves that
+# Every method in kvmini is one class in its own module (`kvmini/methods/`, docs/design.md, "The method
+# form") that answers the same questions in its own code: how important is each cached token (its
+# score), how many tokens may each layer keep (its budgets), which ones stay and what happens to the
+# rest (dropped or merged), and when (after the prompt, layer by layer, or every step). This tutorial
+# builds up what the baselines need — attention statistics, budgets, StreamingLLM, H2O, SnapKV,
+# PyramidKV — proves that
 # evicting a token is the same as masking it, and defines the fidelity metrics used to compare
 # methods. Open it as an executed notebook: `python -m kvmini.notebooks 02` (into notebooks/).
 
@@ -188,8 +189,7 @@ show(fig, "02_fidelity")
 #
 # 1. Run H2O with `--recent 0` (no recent window) and with the default `budget // 2`. Predict which
 #    has the lower KL, then check with `python -m kvmini.eval.fidelity --methods h2o "h2o[recent=0]"`.
-# 2. Build a new policy: SnapKV's scores with StreamingLLM's 4 sinks
-#    (`Policy("mine", 128, WindowAttention(32), Uniform(), TopK(sinks=4, recent=32))`, WindowAttention
-#    from kvmini.methods.snapkv).
+# 2. Write a new method: SnapKV's scores with StreamingLLM's 4 sinks (a subclass of
+#    `kvmini.methods.snapkv.SnapKV` whose `select` calls `shrink(lc, score, b, 4, self.window, self.newest)`).
 # 3. Why does TOVA, which keeps no recent window, still never evict the token it has just seen
 #    in most steps? Look at the last row of attention.

@@ -15,9 +15,8 @@ sys.path.insert(0, str(Path.cwd() if Path("kvmini").is_dir() else Path.cwd().par
 import torch  # noqa: E402
 
 from kvmini.course.cells import solved  # noqa: E402  (a student copy: skip what needs an exercise not done yet)
-from kvmini.attention import Stats  # noqa: E402
 from kvmini.cache import LayerCache  # noqa: E402
-from kvmini.methods.average_attention import AverageAttention  # noqa: E402
+from kvmini.methods.weightedkv import attended  # noqa: E402
 from kvmini.methods.convex_value_merge import convex_value_merge  # noqa: E402
 from kvmini.methods.registry import make_policy  # noqa: E402
 
@@ -94,8 +93,8 @@ assert err[0.1] < err[3.0]  # the less the dropped token was attended, the bette
 lc = LayerCache(1, 1, 2, torch.float32, "cpu")
 for t in [1, 3, 5, 6, 7]:  # cached positions; a chunk of 3 queries at positions 5, 6, 7 just arrived
     lc.append(torch.zeros(1, 1, 1, 2), torch.zeros(1, 1, 1, 2), torch.tensor([[t]]))
-lc.declare(*AverageAttention.aux)  # the buffers WeightedKV keeps in the cache: a and n
-AverageAttention().update(lc, Stats(column_sums=torch.tensor([[[0.5, 1.0, 1.5, 0.4, 0.1]]])), start=5, T=3)
+lc.declare("a", "n")  # the buffers WeightedKV keeps in the cache (its `aux`)
+attended(lc, torch.tensor([[[0.5, 1.0, 1.5, 0.4, 0.1]]]), start=5, T=3)  # Alg. 1 lines 4-5, as WeightedKV runs them
 assert lc.aux("n").tolist() == [[[3, 3, 3, 2, 1]]]
 
 # %% [markdown]
@@ -115,7 +114,7 @@ lc = LayerCache(1, 1, 8, torch.float32, "cpu")
 
 def arrive(t, abar):
     lc.append(10 * E[t - 1].view(1, 1, 1, 8), E[t - 1].view(1, 1, 1, 8), torch.tensor([[t]]))
-    lc.declare("a", "n")  # the buffers AverageAttention keeps (its `aux`); a no-op once they exist
+    lc.declare("a", "n")  # the buffers WeightedKV keeps (its `aux`); a no-op once they exist
     lc.aux("a")[:] = torch.tensor(abar).view(1, 1, -1) if abar else 0
     lc.aux("n")[:] = 1.0
     convex_value_merge(lc, capacity=4, sinks=0, recent=1)

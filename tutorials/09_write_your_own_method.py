@@ -454,7 +454,7 @@ show(fig, "09_scissorhands_low_counts")
 # over a prompt fed in several calls like any other statistic.
 
 # %%
-from kvmini.budget import PREFILL  # noqa: E402
+from kvmini.policy import PREFILL  # noqa: E402
 from kvmini.methods.allocators import proportional  # noqa: E402
 from kvmini.methods.method import Method  # noqa: E402
 from kvmini.methods.selectors import keep_top, shrink  # noqa: E402

@@ -15,7 +15,7 @@ import torch
 from kvmini.statistics import Request, column_sums
 from kvmini.generate import prefill
 from kvmini.methods.registry import policy_for
-from kvmini.parts import DECODE
+from kvmini.policy import DECODE
 from kvmini.methods.variance_softmax import attention_variance
 
 ADAPTIVE = ("pyramidkv", "d2o", "d2o[variant=paper]", "dynamickv", "dbudgetkv")

@@ -1,7 +1,7 @@
 """The reading path of a method: the kvmini files a reader opens to follow `run.py --method NAME` from the
 prompt to a kept token, in the order they are met, with their non-blank lines (README's reading-order table).
 
-The path starts at kvmini/generate.py, model.py, policy.py, the method's module and the module of every
+The path starts at kvmini/generate.py, model.py, the method's module and the module of every
 kvmini object `make_policy(NAME, 0.2)` returns (what actually runs); it follows top-level kvmini imports
 depth first, in the order a file writes them, and never the registry (it imports every method).
 """
@@ -10,7 +10,7 @@ import re
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-ENTRY = ("kvmini/generate.py", "kvmini/model.py", "kvmini/policy.py")
+ENTRY = ("kvmini/generate.py", "kvmini/model.py")
 SKIP = {"kvmini/methods/registry.py"}
 
 

@@ -40,11 +40,11 @@ from kvmini.errors import KvminiError
 from kvmini.statistics import Stats
 from kvmini.generate import for_batch, prefill, synchronize
 from kvmini.methods.registry import policy_for
-from kvmini.parts import DECODE
+from kvmini.policy import DECODE
 from kvmini.report import full_nbytes
 
 
-POLICY = "kvmini.policy"  # the profiler label of the policy's hooks (ops_per_step)
+POLICY = "kvmini.method"  # the profiler label of the method's hooks (ops_per_step)
 
 
 class Timed:

@@ -1,4 +1,5 @@
-"""Compression methods: reusable parts (scorers, allocators, selectors) and one module per method.
+"""Compression methods: one module per method (a `Method` subclass, kvmini.methods.method) and the
+mechanisms several share, as functions (selectors, allocators, the papers' equations).
 
 The registry of named methods is `kvmini.methods.registry`.
 """

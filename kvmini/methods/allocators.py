@@ -1,8 +1,5 @@
-"""Allocators: how many tokens may each layer keep? Each returns one budget per layer.
-
-`Uniform` is the static budgeter (kvmini.parts.Budgeter); PyramidKV's pyramid is in its own module.
-"""
-from kvmini.parts import Budgeter
+"""Allocators: a total of tokens shared out over layers by weights, in whole numbers (D2O's Eq. 5,
+DynamicKV's Eq. 7-8); PyramidKV's pyramid is in its own module."""
 
 
 def round_to_total(exact: list[float], total: int) -> list[int]:
@@ -30,7 +27,3 @@ def proportional(weights: list[float], total: int, low: int, high: list[int]) ->
     exact = clamped(hi_lam)
     scale = total / sum(exact) if sum(exact) > 0 else 0.0  # remove the last bisection error before rounding
     return round_to_total([x * scale for x in exact], total)
-
-
-class Uniform(Budgeter):
-    """Every layer keeps the mean budget b, known from the start."""

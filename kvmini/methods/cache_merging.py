@@ -2,7 +2,7 @@ r"""Cache merging (CaM, Zhang et al., ICML 2024, Sec. 3, Eq. 14, Algorithm 1): a
 spread over the m tokens after it, with a probability that keeps the output perturbation small.
 
 One head; A_t the step-t attention row; \bar A = \sum_{k \le t} A_k the attention each entry has
-received so far (H2O's score, kvmini.methods.scorers.CumulativeAttention). When entry i is evicted:
+received so far (H2O's score, kept by kvmini.methods.cam). When entry i is evicted:
 
     p_i = \mathrm{clamp}\big(\bar A_i / \mathrm{avg}(\bar A_{j:j+m}), 0, 1\big)            (Eq. 14)
     M_i \sim \mathrm{Bernoulli}(p_i)                                                   (Alg. 1 line 2)

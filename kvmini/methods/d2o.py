@@ -28,7 +28,7 @@ from kvmini.methods.ema_merging import EMAMerge, shrink_merging
 from kvmini.methods.method import Method
 from kvmini.methods.selectors import shrink
 from kvmini.methods.variance_softmax import HEADS, allocate, column_sums_heads, idle_temperature, layer_variance
-from kvmini.parts import AFTER_PROMPT, DECODE
+from kvmini.policy import AFTER_PROMPT, DECODE
 from kvmini.statistics import Request, column_sums, reduce_heads
 
 

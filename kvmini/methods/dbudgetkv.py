@@ -25,7 +25,7 @@ from typing import Literal
 import torch
 import torch.nn.functional as F
 
-from kvmini.budget import PREFILL
+from kvmini.policy import PREFILL
 from kvmini.errors import KvminiError
 from kvmini.methods.frobenius_stop import eq1_row, to_prune
 from kvmini.methods.method import Method

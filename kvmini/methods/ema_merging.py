@@ -31,8 +31,8 @@ WRITES = ("both", "keys", "values")
 
 
 class EMAMerge:
-    """The merge step of a TopK compressor: called with the indices a layer keeps, before they are
-    gathered. Returns how many evicted tokens were merged (mean over KV heads), a 0-d tensor.
+    """D2O's merge of evicted tokens into kept ones, one layer at a time, and each layer's threshold:
+    called with the indices a layer keeps (or the one it evicts), before the cache evicts them.
     `trace`: None (default, no cost), or a list that each call extends with a `Merged` record."""
 
     at_once = 2**18  # similarities held at once when many keys are evicted (docs/speed.md, "Where D2O's decode step goes")

@@ -110,7 +110,7 @@ class Method:
     def _plan(self, L: int) -> None:
         """This prompt's budgets, for every token the run has seen when it completes (a ratio is of those)."""
         n = self.prompt_end
-        b, self.note, advice = plan(self.name, self.budget, self, self, L, n)
+        b, self.note, advice = plan(self.name, self.budget, self, L, n)
         self.planned = True
         if b is None and self.budget is not None:  # a prompt no longer than what the method always keeps
             self.unchanged, self.active = [n] * L, False

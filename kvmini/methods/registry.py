@@ -1,10 +1,10 @@
 """Named methods: each name maps to a module that declares its options (`Options`, a frozen dataclass
-of plain fields, read by kvmini.methods.options) and builds a Policy from them (`build(budget, options)`).
+of plain fields, read by kvmini.methods.options) and builds the method from them (`build(budget, options)`).
 
 Everything about an option (its flag, type, default, help, check, and its value in each variant)
 is read from the module's declaration; nothing here or in run.py repeats it. A method with
 variants names them as instances of its Options (`VARIANTS`, `DEFAULT_VARIANT`): given options
-override their part of the chosen variant. `make_policy("h2o", 0.2, recent=16)` -> a fresh Policy;
+override their part of the chosen variant. `make_policy("h2o", 0.2, recent=16)` -> a fresh method;
 `make_policy("full")` -> None. Adding a method: its module, one line in METHODS, and its tests.
 """
 import dataclasses
@@ -16,9 +16,9 @@ from kvmini.errors import KvminiError
 from kvmini.methods import (adakv, cam, d2o, dbudgetkv, dynamickv, h2o, knorm, options, pyramidkv, roco,
                             scissorhands, snapkv, snapkv_d2o, streaming_llm, tova, vatp, weightedkv)
 from kvmini.methods.options import Declared
-from kvmini.parts import EVERY_CALL, PREFILL
+from kvmini.policy import EVERY_CALL, PREFILL
 from kvmini.budget import resolve_budget
-from kvmini.policy import Policy
+from kvmini.methods.method import Method
 
 METHODS = {
     "full": None,  # no compression
@@ -42,7 +42,7 @@ METHODS = {
 DEFAULT_BUDGET = 0.2  # used by run.py when --budget is not given
 
 
-EVICT_EVERY = Declared(  # an option of the engine (Policy.evict_every), for every method that evicts while decoding
+EVICT_EVERY = Declared(  # an option of the engine (Method.evict_every), for every method that evicts while decoding
     "evict_every", int, 1, "let each layer hold budget + N - 1 entries and evict N at once every N steps (1: every "
     "step, as the papers do)", lambda x: x >= 1, "be a whole number >= 1", {})
 
@@ -158,7 +158,7 @@ def chosen(name: str, given: dict):
 
 
 def schedule(name: str) -> str:
-    """When method `name` compresses (kvmini.parts), with its default options. A module states it in
+    """When method `name` compresses (kvmini.budget), with its default options. A module states it in
     its `build` only (D2O's depends on the variant: DECODE or AFTER_PROMPT, both while decoding), so
     it is read off a policy built with the defaults, here alone."""
     return METHODS[name].build(DEFAULT_BUDGET).schedule
@@ -217,14 +217,14 @@ def refuse_idle(name: str, given: dict) -> None:
 NO_LIMIT = 2**30  # tokens per layer: a budget no prompt reaches (asks a compressor whether any budget works)
 
 
-def some_budget_works(policy: Policy) -> None:
+def some_budget_works(policy: Method) -> None:
     """Refuse options with which no budget can work (e.g. d2o nm=0:1 with sinks)."""
     if (never := policy.problem(NO_LIMIT)) is not None:
         raise KvminiError(f"{policy.name}: no budget can work with these options: even a budget of {NO_LIMIT:,} "
                           f"tokens is {never}; use fewer sinks or a smaller window")
 
 
-def make_policy(name: str, budget: float | None = None, **given) -> Policy | None:
+def make_policy(name: str, budget: float | None = None, **given) -> Method | None:
     """A fresh policy for method `name`; clear errors for unknown names, options and values.
     Option values are typed (int, float, bool, a tuple for layers or N:M) or text as on the command
     line ("0,1,-1", "3:1", "true"). The policy runs one sequence (a batch with per-sequence budgets is

@@ -72,7 +72,7 @@ def robust_set(sigma: torch.Tensor, positions: torch.Tensor, rho, sinks: int, re
     """(R3) The rho entries of largest sigma, (B, H_kv, S) bool in buffer order; the first `sinks` and the
     last `recent` held entries (by position) count as sigma = +inf. Ties: the later position first if
     `later_first`, else the earlier. rho and recent: ints, or one per row (R, 1, 1). Pads (position PAD,
-    after a shorter layer's entries in kvmini.at_once's stacked rows) are never in it.
+    after a shorter row's entries) are never in it.
     Example: sigma [.3, .1, .2, .0] at positions 0..3, rho 2, sinks 0, recent 1 -> [True, False, False, True].
 
     Ranked by the pair (sigma, position), the set is the rho largest pairs. With a sigma of 32 bits or

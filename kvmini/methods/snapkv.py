@@ -18,9 +18,8 @@ import torch.nn.functional as F
 from kvmini.errors import one_of
 from kvmini.methods.method import Method
 from kvmini.methods.selectors import shrink
-from kvmini.budget import PREFILL
-from kvmini.parts import Scorer
-from kvmini.statistics import Request, Statistic, add_up, reduce_heads, window_sums
+from kvmini.policy import PREFILL
+from kvmini.statistics import Request, Statistic, add_up, reduce_heads
 
 
 def window_scores(C: torch.Tensor, held: torch.Tensor, window: int, kernel: int, pooling: str) -> torch.Tensor:
@@ -83,17 +82,6 @@ class SnapKV(Method):
     def select(self, layer: int, lc, score: torch.Tensor, b: int) -> None:
         """Keep the window and the b - window best pooled scores before it."""
         shrink(lc, score, b, 0, self.window, self.newest)
-
-
-class WindowAttention(Scorer):
-    """SnapKV's `window_scores` as a scorer, for the methods still made of four parts (kvmini.parts)."""
-
-    def __init__(self, window: int = 32, kernel: int = 7, pooling: str = "avg", reduce: str = "mean"):
-        self.window, self.kernel, self.pooling = window, kernel, one_of("WindowAttention pooling", pooling, ("avg", "max"))
-        self.request = Request(window_sums(window, reduce))
-
-    def __call__(self, lc, stats) -> torch.Tensor:
-        return window_scores(stats.window_sums, lc.held(), self.window, self.kernel, self.pooling)
 
 
 def build(budget: float, o: Options = Options()) -> SnapKV:

@@ -13,14 +13,11 @@ so \sum_l S_l = L \rho n. `allocation` turns F_v into shares: paper (softmax(-F_
 Deviation: zscore's F_v is the variance of the column sums per KV head (query heads reduced first).
 Deviation: `clamp` (the default) bounds S_l to [low, n] and redistributes the excess; Eq. 5 does not.
 """
-import sys
-
 import torch
 
-from kvmini.statistics import Request, Stats, Statistic, column_sums
+from kvmini.statistics import Statistic
 from kvmini.errors import one_of
 from kvmini.methods.allocators import proportional
-from kvmini.parts import Budgeter
 
 ALLOCATIONS = ("official", "paper", "zscore", "reciprocal", "uniform")
 HEADS = ("official", "paper")  # the allocations that read each query head's column sums
@@ -39,62 +36,6 @@ def official_variance(column_sums_heads: torch.Tensor) -> float:
         return 0.0
     var = column_sums_heads.var(dim=-1).mean(0)  # (H,)
     return ((var - var.min()) / (var.max() - var.min() + 1e-6)).mean().item()
-
-
-class VarianceSoftmax(Budgeter):
-    """The deferred budgeter: F_v of every layer is measured on the prompt, then every layer is
-    budgeted at once (Eq. 5) and compressed. With `measure_in_prompt` (the authors' code compresses
-    at the first decode step) F_v is taken in the call that completes the prompt and the budgets
-    are applied at the next compressing call. Protected layers are measured, never compressed."""
-
-    per_sequence = True
-
-    def __init__(self, how: str = "zscore", temperature: float = 1.0, low: int = 8, reduce: str = "mean",
-                 protected: tuple = (), parts: tuple = (1, 1), measure_in_prompt: bool = False, clamp: bool = True):
-        super().__init__(protected)
-        self.how = one_of("VarianceSoftmax allocation", how, ALLOCATIONS)
-        self.temperature, self.low, self.parts, self.clamp = temperature, low, parts, clamp
-        heads = (column_sums_heads(),) if how in HEADS else ()  # (B, H, S)
-        self.request = Request(column_sums(reduce), *heads)
-        self.accumulates = measure_in_prompt  # F_v is recorded by update() during the prompt
-
-    def start(self, b, L, n) -> None:
-        super().start(b, L, n)
-        self.F_v: dict[int, float] = {}  # layer -> F_v, measured on the prompt
-        self.waiting: list[int] = []  # measured, not yet compressed
-        self.allocated = False
-
-    def skips(self, layer: int) -> bool:
-        return False  # a protected layer is still measured (the official softmax counts it)
-
-    def known(self, layer: int) -> int | None:
-        if not self.allocated:
-            return None
-        return sys.maxsize if layer in self.protected else self.budgets[layer]
-
-    def update(self, layer: int, lc, stats: Stats, start: int, T: int) -> None:
-        if start + T == self.n:  # the call that completes the prompt
-            self.F_v[layer] = self.measure(stats)
-
-    def measure(self, stats: Stats) -> float:
-        return layer_variance(self.how, stats.column_sums, stats.column_sums_heads if self.how in HEADS else None)
-
-    def decide(self, layer: int, lc, stats: Stats, score) -> dict[int, int]:
-        if not self.allocated:
-            if not self.accumulates:
-                self.F_v[layer] = self.measure(stats)
-            self.waiting.append(layer)
-            if len(self.F_v) < self.L:
-                return {}  # compressed once every layer is measured
-            self.allocate_all(lc.length)
-        now, self.waiting = [l for l in self.waiting + [layer] if l not in self.protected], []
-        return {l: self.budgets[l] for l in dict.fromkeys(now)}
-
-    def allocate_all(self, length: int) -> None:
-        """Budgets for every layer from F_v (`allocate`)."""
-        self.budgets = allocate([self.F_v[l] for l in range(self.L)], self.how, self.b, self.n, length, self.protected,
-                                self.parts, self.low, self.temperature, self.clamp)
-        self.allocated = True
 
 
 def layer_variance(how: str, column_sums: torch.Tensor, column_sums_heads: torch.Tensor | None) -> float:

@@ -47,6 +47,13 @@ def idle(o: Options) -> dict[str, str]:
     return {"chunk_merge": "--value-merge off (nothing is merged)"} if o.value_merge == "off" else {}
 
 
+def attended(lc, column_sums: torch.Tensor, start: int, T: int) -> None:
+    """Alg. 1 lines 4-5 after a call of T queries at positions start..start+T-1: a_j += the attention token j
+    received, n_j += the queries that could see it (from max(p_j, start) on), (B, H_kv, S) each."""
+    lc.aux("a").add_(column_sums)  # line 4
+    lc.aux("n").add_(T - (lc.positions - start).clamp(min=0))  # line 5
+
+
 class WeightedKV(Method):
     aux = ("a", "n")  # Alg. 1 lines 4-5, per cached token: the attention it received, and from how many queries
     prefill_chunk = CHUNK
@@ -69,8 +76,7 @@ class WeightedKV(Method):
     def after_attention(self, layer: int, cache, seen) -> None:
         lc, b, start = cache[layer], self.budgets[layer], self.seen - self.T
         if self.updates:
-            lc.aux("a").add_(seen.column_sums)  # line 4, (B, H_kv, S)
-            lc.aux("n").add_(self.T - (lc.positions - start).clamp(min=0))  # line 5: seen from max(p, start) on
+            attended(lc, seen.column_sums, start, self.T)  # lines 4-5
         if not self.active or lc.length <= b + self.slack:  # every call: a prefill chunk, or one decode step
             return
         self.evicted[layer] += lc.length - b
