@@ -85,7 +85,7 @@ w_2 = 1 - w_c
 print(f"tau_0 = {tau_0:.4f}, w_c = {w_c:.5f}, w_2 = {w_2:.5f}")
 if solved("ema_merging"):
     merge = EMAMerge(beta=0.7)
-    merge((0,), lc, torch.tensor([[[0, 1]]]))
+    merge(0, lc, torch.tensor([[[0, 1]]]))  # layer 0 keeps entries 0 and 1
     assert abs(merge.tau[0].item() - tau_0) < 1e-6
     assert torch.allclose(lc.keys[0, 0, 0], w_c * torch.tensor(keys[0]) + w_2 * torch.tensor(keys[2]))
     assert torch.allclose(lc.values[0, 0, 0], w_c * torch.tensor(values[0]) + w_2 * torch.tensor(values[2]))
