@@ -20,7 +20,6 @@ from dataclasses import dataclass
 from typing import Literal
 
 import torch
-import torch.nn.functional as F
 
 from kvmini.budget import Rule, check
 from kvmini.cache import KEY_NORM
@@ -29,7 +28,7 @@ from kvmini.methods.method import Method
 from kvmini.methods.selectors import shrink
 from kvmini.methods.variance_softmax import HEADS, allocate, column_sums_heads, idle_temperature, layer_variance
 from kvmini.policy import AFTER_PROMPT, DECODE
-from kvmini.statistics import Request, column_sums, reduce_heads
+from kvmini.statistics import Request, add_up, column_sums, reduce_heads
 
 
 @dataclass(frozen=True)
@@ -137,10 +136,7 @@ class D2O(Method):
             return None, None
         if not self.pieces:
             return seen.column_sums, seen.column_sums_heads if "column_sums_heads" in seen else None
-        C = seen.column_sums  # (B, H, S): this piece's share, per query head
-        if layer in self.sums:
-            C = F.pad(self.sums[layer], (0, C.shape[-1] - self.sums[layer].shape[-1])) + C
-        self.sums[layer] = C
+        C = add_up(self.sums, layer, seen.column_sums)  # (B, H, S): the prompt's so far, per query head
         if not self.completes:
             return None, None
         del self.sums[layer]

@@ -23,7 +23,6 @@ from dataclasses import dataclass
 from typing import Literal
 
 import torch
-import torch.nn.functional as F
 
 from kvmini.policy import PREFILL
 from kvmini.errors import KvminiError
@@ -31,7 +30,7 @@ from kvmini.methods.frobenius_stop import eq1_row, to_prune
 from kvmini.methods.method import Method
 from kvmini.methods.selectors import shrink
 from kvmini.methods.snapkv import window_scores
-from kvmini.statistics import Request, Statistic, reduce_heads
+from kvmini.statistics import Request, Statistic, add_up, reduce_heads
 
 CHOOSES_BUDGET = True  # the registry rejects --budget for this method
 CHECKS = {"fixed_share": (lambda x: 0 <= x <= 1, "be in [0, 1] (0: the stopping rule chooses)")}
@@ -97,8 +96,7 @@ class DBudgetKV(Method):
         lc = cache[layer]
         H_kv, sums = lc.keys.shape[1], self.sums.setdefault(layer, {})
         for name in seen if self.wants is not None else ():  # this call's share added to the prompt's so far
-            C = getattr(seen, name)
-            sums[name] = C if name not in sums else F.pad(sums[name], (0, C.shape[-1] - sums[name].shape[-1])) + C
+            add_up(sums, name, getattr(seen, name))
         if self.active and not self.completes:
             return  # a piece of the prompt: its sums wait for the rest
         got = {name: reduce_heads(C, H_kv, self.o.reduce) for name, C in self.sums.pop(layer).items()}

@@ -12,14 +12,13 @@ allocation zscore, temperature 1); a layer keeps at least window + 4 tokens.
 from dataclasses import dataclass
 from typing import Literal
 
-import torch.nn.functional as F
 
 from kvmini.budget import check
 from kvmini.methods import snapkv
 from kvmini.methods.ema_merging import EMAMerge, shrink_merging
 from kvmini.methods.snapkv import SnapKV, window_scores
 from kvmini.methods.variance_softmax import allocate, idle_temperature, layer_variance
-from kvmini.statistics import Request, Statistic, reduce_heads
+from kvmini.statistics import Request, Statistic, add_up, reduce_heads
 
 
 @dataclass(frozen=True)
@@ -60,13 +59,9 @@ class SnapKVD2O(SnapKV):
     def after_attention(self, layer: int, cache, seen) -> None:
         if self.wants is None:
             return
-        lc, C = cache[layer], seen.column_sums  # (B, H, S): this call's share
-        if layer in self.columns:
-            C = F.pad(self.columns[layer], (0, C.shape[-1] - self.columns[layer].shape[-1])) + C
-        self.columns[layer] = C
+        lc, C = cache[layer], add_up(self.columns, layer, seen.column_sums)  # (B, H, S): the prompt's so far
         if "window_sums" in seen:
-            W = seen.window_sums
-            self.C[layer] = W if layer not in self.C else F.pad(self.C[layer], (0, W.shape[-1] - self.C[layer].shape[-1])) + W
+            add_up(self.C, layer, seen.window_sums)
         if not self.completes:
             return
         H_kv = lc.keys.shape[1]
