@@ -13,7 +13,6 @@ import torch.nn.functional as F
 from torch import nn
 
 from kvmini.attention import attend
-from kvmini.statistics import Request
 from kvmini.cache import KVCache, LayerCache, wide
 from kvmini.config import ModelConfig
 
@@ -80,8 +79,8 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         return apply_rope(q.transpose(1, 2), cos, sin), apply_rope(k.transpose(1, 2), cos, sin), v
 
-    def forward(self, x, pos, cos, sin, cache: LayerCache, wants: Request | None):
-        """x (B, T, C); pos (B, T) absolute positions -> (B, T, C), the Stats `wants` names (none without it)."""
+    def forward(self, x, pos, cos, sin, cache: LayerCache, wants: dict | None):
+        """x (B, T, C); pos (B, T) absolute positions -> (B, T, C), the statistics `wants` names ({} without it)."""
         B, T, _ = x.shape
         q, k, v = self.project(x, cos, sin)
         cache.append(k, v, pos)

@@ -12,7 +12,6 @@ import torch
 from kvmini.cache import KVCache, LayerCache
 from kvmini.errors import KvminiError
 from kvmini.methods.method import Method
-from kvmini.statistics import Request, Stats
 
 
 def sequence(cache: KVCache, b: int) -> "SequenceCache":
@@ -62,19 +61,24 @@ class PerSequence:
             row.before(view, T)
 
     @property
-    def wants(self) -> Request | None:
+    def wants(self) -> dict | None:
         """What any sequence asks for (one attention pass serves the batch), read once per layer."""
         if len(self.rows) == 1:
             return self.one.wants
-        return Request.merge([row.wants for row in self.rows])
+        wants = {}
+        for name, s in ((n, s) for row in self.rows for n, s in (row.wants or {}).items()):
+            if wants.setdefault(name, s) != s:
+                raise KvminiError(f"two sequences ask for attention statistic {name} defined differently: "
+                                  f"{wants[name]} and {s}")
+        return wants or None
 
-    def after_attention(self, layer: int, cache: KVCache, stats: Stats) -> None:
+    def after_attention(self, layer: int, cache: KVCache, seen: dict) -> None:
         if len(self.rows) == 1:
-            self.one.after_attention(layer, cache, stats)
+            self.one.after_attention(layer, cache, seen)
             return
         for b, (row, view) in enumerate(zip(self.rows, self.views)):  # views of this cache, made by before
             S_b = view[layer].length
-            row.after_attention(layer, view, Stats(**{n: getattr(stats, n)[b : b + 1, :, :S_b] for n in stats}))
+            row.after_attention(layer, view, {n: t[b : b + 1, :, :S_b] for n, t in seen.items()})
 
     def after_layers(self, cache: KVCache) -> None:
         for row, view in zip(self.rows, self.views):

@@ -3,7 +3,19 @@ import pytest
 import torch
 
 from kvmini.attention import attend, explicit_attention, sdpa_attention
-from kvmini.statistics import Request, Statistic, column_sums, last_row, window_sums
+from kvmini.attention import Statistic
+
+
+def column_sums(reduce="mean"):
+    return Statistic(None, None, reduce)
+
+
+def window_sums(w, reduce="mean"):
+    return Statistic(w, None, reduce)
+
+
+def last_row(reduce="mean"):
+    return Statistic(1, None, reduce)
 
 
 def naive(q, k, v, q_pos, k_pos, window):
@@ -50,19 +62,20 @@ def test_sdpa_path_equals_naive(T, S_old, window):
 def test_explicit_path_statistics_equal_naive(reduce, T, S_old, window, chunk):
     q, k, v, q_pos, k_pos, w = setup(T, S_old, window, shuffle=True)
     expected, probs = naive(q, k, v, q_pos, k_pos, w)  # probs (B, H, T, S)
-    req = Request(column_sums(reduce), window_sums(3, reduce), last_row(reduce))
+    req = {"column_sums": column_sums(reduce), "window_sums": window_sums(3, reduce), "last_row": last_row(reduce)}
     out, stats = explicit_attention(q, k, v, q_pos, k_pos, req, w, chunk=chunk)
     torch.testing.assert_close(out, expected, atol=1e-5, rtol=0)
     B, H, _, S = probs.shape
     grouped = probs.view(B, 2, H // 2, T, S)  # (B, H_kv, g, T, S)
     combine = {"mean": lambda t: t.mean(2), "max": lambda t: t.amax(2), "sum": lambda t: t.sum(2)}[reduce]
-    torch.testing.assert_close(stats.column_sums, combine(grouped.sum(3)), atol=1e-5, rtol=0)
-    torch.testing.assert_close(stats.window_sums, combine(grouped[:, :, :, -3:].sum(3)), atol=1e-5, rtol=0)
-    torch.testing.assert_close(stats.last_row, combine(grouped[:, :, :, -1]), atol=1e-5, rtol=0)
+    torch.testing.assert_close(stats["column_sums"], combine(grouped.sum(3)), atol=1e-5, rtol=0)
+    torch.testing.assert_close(stats["window_sums"], combine(grouped[:, :, :, -3:].sum(3)), atol=1e-5, rtol=0)
+    torch.testing.assert_close(stats["last_row"], combine(grouped[:, :, :, -1]), atol=1e-5, rtol=0)
 
 
-@pytest.mark.parametrize("request_", [Request(window_sums(3)), Request(last_row("max")), Request(window_sums(20)),
-                                      Request(column_sums(), window_sums(2)), None])
+@pytest.mark.parametrize("request_", [{"window_sums": window_sums(3)}, {"last_row": last_row("max")},
+                                      {"window_sums": window_sums(20)},
+                                      {"column_sums": column_sums(), "window_sums": window_sums(2)}, None])
 @pytest.mark.parametrize("T,S_old,window", [(7, 5, None), (1, 9, None), (9, 4, 5)])
 def test_attend_equals_naive_on_every_path(request_, T, S_old, window):
     """SDPA for the output plus statistics from the last queries only, or the full explicit pass."""
@@ -74,23 +87,24 @@ def test_attend_equals_naive_on_every_path(request_, T, S_old, window):
     grouped = probs.view(B, 2, H // 2, T, S)  # (B, H_kv, g, T, S)
     combine = {"mean": lambda t: t.mean(2), "max": lambda t: t.amax(2)}
     want = {}
-    for s in request_.statistics if request_ is not None else ():
+    for name, s in (request_ or {}).items():
         red = combine[s.reduce]
-        if s.name == "column_sums":
+        if name == "column_sums":
             want["column_sums"] = red(grouped.sum(3))
-        if s.name == "window_sums":
+        if name == "window_sums":
             want["window_sums"] = red(grouped[:, :, :, -s.last :].sum(3))
-        if s.name == "last_row":
+        if name == "last_row":
             want["last_row"] = red(grouped[:, :, :, -1])
     assert set(stats) == set(want)
     for name in want:
-        torch.testing.assert_close(getattr(stats, name), want[name], atol=1e-5, rtol=0)
+        torch.testing.assert_close(stats[name], want[name], atol=1e-5, rtol=0)
 
 
 def test_statistics_are_only_computed_when_requested():
     q, k, v, q_pos, k_pos, w = setup()
-    _, stats = explicit_attention(q, k, v, q_pos, k_pos, Request(last_row()))
+    _, stats = explicit_attention(q, k, v, q_pos, k_pos, {"last_row": last_row()})
     assert set(stats) == {"last_row"}
+    assert stats["last_row"].shape == (q.shape[0], k.shape[1], k.shape[2])
 
 
 def test_unknown_group_reduction_is_rejected():
@@ -101,7 +115,7 @@ def test_unknown_group_reduction_is_rejected():
 class AskEverything:
     """A do-nothing policy that makes every layer take the explicit (statistics) path."""
 
-    wants = Request(column_sums(), window_sums(4), last_row())
+    wants = {"column_sums": column_sums(), "window_sums": window_sums(4), "last_row": last_row()}
 
     def __init__(self):
         self.seen = []
@@ -110,7 +124,7 @@ class AskEverything:
         pass
 
     def after_attention(self, layer, cache, stats):
-        self.seen.append((layer, stats.column_sums.shape))
+        self.seen.append((layer, stats["column_sums"].shape))
 
     def after_layers(self, cache):
         pass
@@ -129,18 +143,3 @@ def test_model_explicit_path_equals_sdpa_path(tiny):
     torch.testing.assert_close(slow, fast, atol=1e-5, rtol=0)
     H_kv = model.config.num_kv_heads
     assert policy.seen == [(i, (2, H_kv, 21)) for i in range(model.config.num_layers)]
-
-
-def test_a_statistic_not_requested_is_an_error_naming_it():
-    from kvmini.statistics import Stats
-    from kvmini.errors import KvminiError
-
-    q, k, v, q_pos, k_pos, w = setup()
-    _, stats = explicit_attention(q, k, v, q_pos, k_pos, Request(last_row()))
-    assert stats.last_row.shape == (q.shape[0], k.shape[1], k.shape[2])
-    with pytest.raises(KvminiError, match="attention statistic column_sums was not requested .held: last_row"):
-        stats.column_sums
-    with pytest.raises(AttributeError):
-        stats.colum_sums  # a misspelt name is no statistic at all
-    with pytest.raises(TypeError, match="unknown attention statistics"):
-        Stats(column_sum=stats.last_row)

@@ -157,8 +157,9 @@ def test_attention_never_sees_pads():
 def test_heads_with_their_own_counts_attend_and_score_their_own_entries():
     """One sequence whose KV heads hold different counts: each head's output and column sums (a prompt
     chunk and a decode step) equal that head's attention over its held entries alone."""
-    from kvmini.attention import attend
-    from kvmini.statistics import Request, column_sums
+    from kvmini.attention import Statistic, attend
+
+    wants = {"column_sums": Statistic()}
 
     gen = torch.Generator().manual_seed(2)
     lc = LayerCache(1, 2, 8, torch.float32, "cpu")
@@ -170,14 +171,14 @@ def test_heads_with_their_own_counts_attend_and_score_their_own_entries():
         lc.append(torch.randn(1, 2, T, 8, generator=gen), torch.randn(1, 2, T, 8, generator=gen),
                   torch.arange(seen, seen + T)[None])
         q_pos = torch.arange(seen, seen + T)[None]
-        out, stats = attend(q, lc.keys, lc.values, q_pos, lc.positions, Request(column_sums()), padded=lc.padded)
+        out, stats = attend(q, lc.keys, lc.values, q_pos, lc.positions, wants, padded=lc.padded)
         for h in range(2):
             n = int(lc.held()[0, h])
             k, v, p = lc.keys[:, h : h + 1, :n], lc.values[:, h : h + 1, :n], lc.positions[:, h : h + 1, :n]
-            alone, alone_stats = attend(q[:, 2 * h : 2 * h + 2], k, v, q_pos, p, Request(column_sums()), padded=True)
+            alone, alone_stats = attend(q[:, 2 * h : 2 * h + 2], k, v, q_pos, p, wants, padded=True)
             torch.testing.assert_close(out[:, 2 * h : 2 * h + 2], alone, atol=1e-6, rtol=0)
-            torch.testing.assert_close(stats.column_sums[:, h, :n], alone_stats.column_sums[:, 0], atol=1e-6, rtol=0)
-            assert stats.column_sums[:, h, n:].eq(0).all()  # pads get no attention
+            torch.testing.assert_close(stats["column_sums"][:, h, :n], alone_stats["column_sums"][:, 0], atol=1e-6, rtol=0)
+            assert stats["column_sums"][:, h, n:].eq(0).all()  # pads get no attention
 
 
 def test_evict_one_moves_the_last_entry_into_the_slot():

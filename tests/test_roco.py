@@ -13,13 +13,12 @@ from collections import defaultdict
 import pytest
 import torch
 
-from kvmini.attention import attend
+from kvmini.attention import Statistic, attend
 from kvmini.cache import PAD, LayerCache
 from kvmini.errors import KvminiError
 from kvmini.methods.registry import make_policy
 from kvmini.methods.robust_scope import COLUMN_SQUARES, robust_set
 from kvmini.methods.roco import VARIANTS
-from kvmini.statistics import Request, Stats, column_sums
 from reference import engine_run, group_mean, random_model, simulate
 
 PAPER = {"variant": "paper"}
@@ -76,7 +75,7 @@ def run_toy(calls, budget, options, seen=None):
                 w = TOY_ROWS[i][p] / total
                 sums[0, 0, held.index(p)] += w
                 squares[0, 0, held.index(p)] += w * w
-        method.add_up(lc, Stats(column_sums=sums, column_squares=squares))  # R1-R2
+        method.add_up(lc, {"column_sums": sums, "column_squares": squares})  # R1-R2
         if seen is not None:
             seen(c, lc, method)
         if lc.length > budget:
@@ -221,12 +220,12 @@ def test_column_squares_is_the_square_of_the_group_mean_row(T):
     k = torch.randn(B, H_kv, S, D, generator=gen, dtype=torch.float64)
     v = torch.randn(B, H_kv, S, D, generator=gen, dtype=torch.float64)
     q_pos = torch.arange(S - T, S).expand(B, T)
-    _, stats = attend(q, k, v, q_pos, torch.arange(S).expand(B, H_kv, S), Request(column_sums(), COLUMN_SQUARES))
+    _, stats = attend(q, k, v, q_pos, torch.arange(S).expand(B, H_kv, S), {"column_sums": Statistic(), "column_squares": COLUMN_SQUARES})
     scores = (q @ k.repeat_interleave(g, 1).transpose(-1, -2)) / D**0.5  # (B, H, T, S)
     scores = scores.masked_fill(torch.arange(S) > q_pos[:, None, :, None], float("-inf"))
     mean_row = scores.softmax(-1).view(B, H_kv, g, T, S).mean(2)  # (B, H_kv, T, S)
-    torch.testing.assert_close(stats.column_squares, (mean_row**2).sum(2), rtol=1e-12, atol=1e-12)
-    torch.testing.assert_close(stats.column_sums, mean_row.sum(2), rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(stats["column_squares"], (mean_row**2).sum(2), rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(stats["column_sums"], mean_row.sum(2), rtol=1e-12, atol=1e-12)
 
 
 # --------------------------------------------------------------------------- literal references

@@ -19,7 +19,6 @@ from kvmini.errors import KvminiError
 from kvmini.generate import prefill
 from kvmini.methods import options as declared
 from kvmini.methods.registry import METHODS, chooses_budget, declarations, make_policy, parse_spec, specs
-from kvmini.statistics import Request
 
 WINDOW = 3  # tokens: the tiny prompts' observation window and recent window
 
@@ -73,9 +72,8 @@ def statistics(name: str, options: dict) -> frozenset:
     ids = torch.randint(0, 61, (1, 40), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         prefill(random_model(L=3), ids, random_model(L=3).new_cache(1), policy)
-    wanted = Request.merge(asks)
-    return frozenset((s.name, s.last, s.reduce, getattr(s.f, "__qualname__", None)) for s in wanted.statistics) \
-        if wanted else frozenset()
+    return frozenset((name, s.last, s.reduce, getattr(s.f, "__qualname__", None))
+                     for wanted in asks if wanted for name, s in wanted.items())
 
 
 def gives_budgets(name: str) -> bool:

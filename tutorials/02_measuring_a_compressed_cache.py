@@ -20,26 +20,25 @@ sys.path.insert(0, str(Path.cwd() if Path("kvmini").is_dir() else Path.cwd().par
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-from kvmini.attention import explicit_attention  # noqa: E402
+from kvmini.attention import Statistic, explicit_attention  # noqa: E402
 from kvmini.budget import resolve_budget  # noqa: E402
 from kvmini.config import ModelConfig  # noqa: E402
 from kvmini.methods.pyramidkv import pyramid  # noqa: E402
 from kvmini.methods.registry import make_policy  # noqa: E402
 from kvmini.methods.selectors import keep_top  # noqa: E402
 from kvmini.model import Transformer  # noqa: E402
-from kvmini.statistics import Request, column_sums, last_row, window_sums  # noqa: E402
 
 torch.manual_seed(0)
 
 # %% [markdown]
 # ## Attention statistics, per KV head, without an $n \times n$ matrix
 #
-# With $A = \mathrm{softmax}(QK^\top/\sqrt{D} + \text{mask})$ for the $T$ new queries, the scorers ask for
+# With $A = \mathrm{softmax}(QK^\top/\sqrt{D} + \text{mask})$ for the $T$ new queries, the methods ask for
 #
 # $$\text{column sums } s_j = \sum_i A_{ij}, \qquad \text{window sums } \sum_{i > T - w} A_{ij}, \qquad \text{last row } A_{T j}.$$
 #
 # Each is a sum over some of the queries (all, the last $w$, the last one) of the attention rows,
-# declared in `kvmini.statistics`; a part asks for the ones it reads in a `Request`.
+# a `Statistic(last, f, reduce)` (`kvmini.attention`); a method names the ones it reads in its `wants`.
 # `explicit_attention` computes them chunk by chunk of queries in the same pass as the attention
 # output, and combines the $g$ query heads of a KV head (mean by default). The check uses the full
 # matrix, which is fine at this size.
@@ -49,13 +48,14 @@ B, H, H_kv, T, D = 1, 4, 2, 10, 8
 q, k, v = torch.randn(B, H, T, D), torch.randn(B, H_kv, T, D), torch.randn(B, H_kv, T, D)
 pos = torch.arange(T)[None]
 out, stats = explicit_attention(q, k, v, pos, pos.expand(B, H_kv, T)[:, :, :],
-                                Request(column_sums(), window_sums(3), last_row()), chunk=4)
+                                {"column_sums": Statistic(), "window_sums": Statistic(last=3),
+                                 "last_row": Statistic(last=1)}, chunk=4)
 A = F.softmax((q @ k.repeat_interleave(2, 1).transpose(-1, -2)) / math.sqrt(D)
               + torch.full((T, T), float("-inf")).triu(1), dim=-1)  # (B, H, T, T), the full matrix
 A_kv = A.view(B, H_kv, 2, T, T).mean(2)  # mean over the query heads of each KV head
-assert torch.allclose(stats.column_sums, A_kv.sum(2), atol=1e-6)
-assert torch.allclose(stats.window_sums, A_kv[:, :, -3:].sum(2), atol=1e-6)
-assert torch.allclose(stats.last_row, A_kv[:, :, -1], atol=1e-6)
+assert torch.allclose(stats["column_sums"], A_kv.sum(2), atol=1e-6)
+assert torch.allclose(stats["window_sums"], A_kv[:, :, -3:].sum(2), atol=1e-6)
+assert torch.allclose(stats["last_row"], A_kv[:, :, -1], atol=1e-6)
 
 # %% [markdown]
 # ## Budgets
@@ -108,7 +108,7 @@ kept = torch.tensor([0, 3, 4, 7])
 q1 = torch.randn(1, H, 1, D)  # the next query, at position 8
 k8, v8 = torch.randn(1, H_kv, 8, D), torch.randn(1, H_kv, 8, D)
 evicted_out, _ = explicit_attention(q1, k8[:, :, kept], v8[:, :, kept], torch.tensor([[8]]),
-                                    kept.expand(1, H_kv, 4), Request())
+                                    kept.expand(1, H_kv, 4), {})
 mask = torch.full((8,), float("-inf"))
 mask[kept] = 0
 masked_out = F.scaled_dot_product_attention(q1, k8.repeat_interleave(2, 1), v8.repeat_interleave(2, 1),

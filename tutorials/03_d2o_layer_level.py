@@ -16,7 +16,7 @@ sys.path.insert(0, str(Path.cwd() if Path("kvmini").is_dir() else Path.cwd().par
 import torch  # noqa: E402
 
 from kvmini.course.cells import solved  # noqa: E402  (a student copy: skip what needs an exercise not done yet)
-from kvmini.statistics import Request, column_sums  # noqa: E402
+from kvmini.attention import Statistic  # noqa: E402
 from kvmini.methods.allocators import proportional  # noqa: E402
 from kvmini.methods.variance_softmax import attention_variance, layer_weights, split  # noqa: E402
 
@@ -31,7 +31,7 @@ from kvmini.methods.variance_softmax import attention_variance, layer_weights, s
 # $$F_v^{(l)} = \frac{1}{H}\sum_h \mathrm{Var}_j\big(s^{(l,h)}_j\big)$$
 #
 # `attention_variance` takes the column sums that the attention pass returns per KV head
-# (`Request(column_sums())`), shape $(B, H_{kv}, n)$.
+# (`wants = {"column_sums": Statistic()}`), shape $(B, H_{kv}, n)$.
 
 # %%
 even = torch.full((1, 2, 6), 1.0)  # every key got the same attention: variance 0
@@ -39,7 +39,7 @@ peaked = torch.tensor([[[5.0, 0.2, 0.2, 0.2, 0.2, 0.2], [3.0, 1.0, 0.5, 0.5, 0.5
 literal = sum(sum((x - sum(row) / 6) ** 2 for x in row) / 6 for row in peaked[0].tolist()) / 2
 assert attention_variance(even) == 0
 assert abs(attention_variance(peaked) - literal) < 1e-6
-print("column sums requested with", Request(column_sums()))
+print("column sums asked for with", Statistic())
 
 # %% [markdown]
 # ## Inverse variance softmax (Eq. 5)

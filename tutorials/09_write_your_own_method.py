@@ -317,13 +317,12 @@ show(fig, "09_fidelity")
 # *declared* in `kvmini/methods/scissorhands.py`; no engine file changes.
 #
 # **The statistic.** Every attention statistic is a sum over some of a call's queries of a function
-# of their attention rows (`kvmini/statistics.py`). Scissorhands' is the function `below_average`,
+# of their attention rows (`Statistic` in `kvmini/attention.py`). Scissorhands' is the function `below_average`,
 # summed over the last $w$ queries; the attention pass computes it chunk by chunk like any other.
 
 # %%
 from kvmini.attention import attend  # noqa: E402
 from kvmini.methods import scissorhands  # noqa: E402
-from kvmini.statistics import Request  # noqa: E402
 
 print(inspect.getsource(scissorhands.below_average))
 low = scissorhands.Scissorhands(0.2, scissorhands.Options(history=3)).low
@@ -331,11 +330,11 @@ print(low)
 g2 = torch.Generator().manual_seed(0)
 q, k, v = torch.randn(1, 2, 7, 4, generator=g2), torch.randn(1, 1, 7, 4, generator=g2), torch.randn(1, 1, 7, 4, generator=g2)
 pos = torch.arange(7)
-_, stats = attend(q, k, v, pos[None], pos[None, None], Request(low))  # a 7-token prompt, 2 query heads
+_, stats = attend(q, k, v, pos[None], pos[None, None], {"low_counts": low})  # a 7-token prompt, 2 query heads
 A = (q @ k.transpose(-1, -2) / 2 + torch.full((7, 7), float("-inf")).triu(1)).softmax(-1)  # (1, 2, 7, 7) by hand
 by_hand = ((A > 0) & (A * (A > 0).sum(-1, keepdim=True) < 1)).float()[:, :, -3:].sum((1, 2))  # last 3 rows, both heads
-assert torch.equal(stats.low_counts[0, 0], by_hand[0])
-print("low counts over the last 3 queries:", stats.low_counts[0, 0].tolist())
+assert torch.equal(stats["low_counts"][0, 0], by_hand[0])
+print("low counts over the last 3 queries:", stats["low_counts"][0, 0].tolist())
 
 # %% [markdown]
 # **The history.** The method keeps, per cached token, the low counts of the last $w$ steps: an aux
@@ -393,10 +392,10 @@ print("kept sets equal at every call:", [len(kept[0][0][0]) for kept in got_kept
 class LowCounts(ColumnSums):
     """Records every layer's low counts over the last 400 queries of the prompt, compressing nothing."""
 
-    wants = Request(scissorhands.Scissorhands(0.2).low)  # over the last 400 queries
+    wants = {"low_counts": scissorhands.Scissorhands(0.2).low}  # over the last 400 queries
 
     def after_attention(self, layer, cache, stats):
-        self.sums.append(stats.low_counts)
+        self.sums.append(stats["low_counts"])
 
 
 recorder = LowCounts()
@@ -458,7 +457,7 @@ from kvmini.policy import PREFILL  # noqa: E402
 from kvmini.methods.allocators import proportional  # noqa: E402
 from kvmini.methods.method import Method  # noqa: E402
 from kvmini.methods.selectors import keep_top, shrink  # noqa: E402
-from kvmini.statistics import Statistic, column_sums  # noqa: E402
+from kvmini.attention import Statistic  # noqa: E402
 
 W = 4  # the observation window: the prompt's last 4 queries
 
@@ -468,19 +467,19 @@ def saw(rows: torch.Tensor) -> torch.Tensor:
     return (rows > 0).to(rows.dtype)
 
 
-SUMS = Statistic("toy_window_sums", last=W, reduce="heads")  # (B, H, S): sum_i A_ij
-SQUARES = Statistic("toy_window_squares", last=W, f=torch.square, reduce="heads")  # sum_i A_ij^2
-SEEN = Statistic("toy_window_seen", last=W, f=saw, reduce="heads")  # m_j
+WINDOW = {"sums": Statistic(last=W, reduce="heads"),  # (B, H, S): sum_i A_ij
+          "squares": Statistic(last=W, f=torch.square, reduce="heads"),  # sum_i A_ij^2
+          "seen": Statistic(last=W, f=saw, reduce="heads")}  # m_j
 
 
 def window_variance(stats) -> torch.Tensor:
     """Var_j per query head, (B, H, S); 0 for a key no query of the window saw."""
-    m = stats.toy_window_seen.clamp(min=1)
-    mean = stats.toy_window_sums / m
-    return stats.toy_window_squares / m - mean**2
+    m = stats["seen"].clamp(min=1)
+    mean = stats["sums"] / m
+    return stats["squares"] / m - mean**2
 
 
-_, stats = attend(q, k, v, pos[None], pos[None, None], Request(SUMS, SQUARES, SEEN))  # the 7-token example above
+_, stats = attend(q, k, v, pos[None], pos[None, None], WINDOW)  # the 7-token example above
 by_hand = torch.zeros(2, 7)
 for h in range(2):
     for j in range(7):
@@ -488,7 +487,7 @@ for h in range(2):
         by_hand[h, j] = torch.stack(seen_by).var(correction=0)
 print("variance over the window, head 0:", [round(x, 4) for x in window_variance(stats)[0, 0].tolist()])
 assert torch.allclose(window_variance(stats)[0], by_hand, atol=1e-6)
-assert stats.toy_window_seen[0, 0].tolist() == [4, 4, 4, 4, 3, 2, 1]  # key 6 is seen by the last query only
+assert stats["seen"][0, 0].tolist() == [4, 4, 4, 4, 3, 2, 1]  # key 6 is seen by the last query only
 
 # %% [markdown]
 # **A method that waits.** In the call that completes the prompt, its `after_attention` measures each
@@ -503,8 +502,7 @@ assert stats.toy_window_seen[0, 0].tolist() == [4, 4, 4, 4, 3, 2, 1]  # key 6 is
 # Two things a real method of this kind needs that the toy leaves out: `per_sequence = True` on the
 # class, so that each sequence of a batch gets budgets from its own measures (without it a batch shares
 # one plan; a literal reference of a batch then sees pad positions in the kept sets, to strip before
-# comparing); and its `Statistic`s built at module level, since a `Stats` holding a name is accepted
-# only once a `Statistic` of that name exists (a hand-worked test imports the module first).
+# comparing).
 
 # %%
 class WindowVariance(Method):
@@ -520,13 +518,13 @@ class WindowVariance(Method):
     def before(self, cache, T):
         super().before(cache, T)
         self.variance, self.score, self.held = {}, {}, []  # layer -> V_l, and its score
-        self.wants = Request(SUMS, SQUARES, SEEN, column_sums()) if self.active and self.completes else None
+        self.wants = WINDOW | {"column_sums": Statistic()} if self.active and self.completes else None
 
     def after_attention(self, layer, cache, seen):
         if self.wants is None:
             return
-        self.variance[layer] = window_variance(seen)[seen.toy_window_seen > 0].mean().item()  # V_l
-        self.score[layer] = seen.column_sums  # (B, H_kv, S): the attention each key received
+        self.variance[layer] = window_variance(seen)[seen["seen"] > 0].mean().item()  # V_l
+        self.score[layer] = seen["column_sums"]  # (B, H_kv, S): the attention each key received
         self.held.append(cache[layer].length)  # nothing compressed yet
         print(f"layer {layer}: V_l = {self.variance[layer]:.5f}, holds {cache[layer].length} entries")
 

@@ -12,7 +12,7 @@ layer on one prompt, and how the layer-adaptive methods split their budget.
 """
 import torch
 
-from kvmini.statistics import Request, column_sums
+from kvmini.attention import Statistic
 from kvmini.generate import prefill
 from kvmini.methods.registry import policy_for
 from kvmini.policy import DECODE
@@ -24,7 +24,7 @@ ADAPTIVE = ("pyramidkv", "d2o", "d2o[variant=paper]", "dynamickv", "dbudgetkv")
 class ColumnSums:
     """A policy that compresses nothing and records every layer's column sums, (1, H_kv, n) each."""
 
-    wants = Request(column_sums())  # what every layer's attention pass computes
+    wants = {"column_sums": Statistic()}  # what every layer's attention pass computes
 
     def __init__(self):
         self.sums: list[torch.Tensor] = []
@@ -33,7 +33,7 @@ class ColumnSums:
         pass
 
     def after_attention(self, layer, cache, stats):
-        self.sums.append(stats.column_sums)
+        self.sums.append(stats["column_sums"])
 
     def after_layers(self, cache):
         pass

@@ -37,7 +37,6 @@ import torch
 
 from kvmini import cli
 from kvmini.errors import KvminiError
-from kvmini.statistics import Stats
 from kvmini.generate import for_batch, prefill, synchronize
 from kvmini.methods.registry import policy_for
 from kvmini.policy import DECODE
@@ -75,7 +74,7 @@ class Timed:
     def wants(self):
         return self._timed(lambda: self.policy.wants)
 
-    def after_attention(self, layer: int, cache, stats: Stats) -> None:
+    def after_attention(self, layer: int, cache, stats: dict) -> None:
         self._timed(self.policy.after_attention, layer, cache, stats)
 
     def after_layers(self, cache) -> None:

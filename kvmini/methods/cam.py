@@ -56,7 +56,7 @@ import torch
 from kvmini.budget import Rule
 from kvmini.methods.cache_merging import CacheMerge
 from kvmini.methods.method import Method
-from kvmini.statistics import Request, column_sums, last_row
+from kvmini.attention import Statistic
 
 
 @dataclass(frozen=True)
@@ -97,17 +97,17 @@ class CaM(Method):
             self.merge.start(len(cache))
         super().before(cache, T)
         if self.accumulated:
-            self.wants = Request(column_sums(self.reduce)) if self.updates else None  # sum_i A_ij
+            self.wants = {"column_sums": Statistic(reduce=self.reduce)} if self.updates else None  # sum_i A_ij
         else:  # "w.o. Acc. Attention": the current step's row only
-            self.wants = Request(last_row(self.reduce)) if self.active else None
+            self.wants = {"last_row": Statistic(last=1, reduce=self.reduce)} if self.active else None
 
     def after_attention(self, layer: int, cache, seen) -> None:
         lc, b = cache[layer], self.budgets[layer]
         if self.accumulated and self.updates:
-            lc.aux("attention_sum").add_(seen.column_sums)  # 1. \bar A_j (B, H_kv, S)
+            lc.aux("attention_sum").add_(seen["column_sums"])  # 1. \bar A_j (B, H_kv, S)
         if self.active and lc.length > b + self.slack:
             self.evicted[layer] += lc.length - b
-            score = lc.aux("attention_sum") if self.accumulated else seen.last_row
+            score = lc.aux("attention_sum") if self.accumulated else seen["last_row"]
             self.merged[layer] += self.merge(layer, lc, score, b)  # 2. the oldest go, merged (Eq. 14, Alg. 1)
 
     def describe(self, lc) -> tuple[str, torch.Tensor | None]:

@@ -26,9 +26,9 @@ from kvmini.cache import KEY_NORM
 from kvmini.methods.ema_merging import EMAMerge, shrink_merging
 from kvmini.methods.method import Method
 from kvmini.methods.selectors import shrink
-from kvmini.methods.variance_softmax import HEADS, allocate, column_sums_heads, idle_temperature, layer_variance
+from kvmini.methods.variance_softmax import HEADS, allocate, idle_temperature, layer_variance
 from kvmini.policy import AFTER_PROMPT, DECODE
-from kvmini.statistics import Request, add_up, column_sums, reduce_heads
+from kvmini.attention import Statistic, add_up, reduce_heads
 
 
 @dataclass(frozen=True)
@@ -99,12 +99,12 @@ class D2O(Method):
         self.pieces = self.active and self.in_prompt and T < n - self.prompt_start  # a prompt fed in several calls
         self.compresses = self.active and (self.seen > n if self.schedule == DECODE else self.seen >= n)
         measures = self.active and self.in_prompt  # F_v is taken on the prompt's attention
-        wanted = [column_sums(self.o.reduce)] if self.updates or measures else []
+        wanted = {"column_sums": Statistic(reduce=self.o.reduce)} if self.updates or measures else {}
         if measures and self.o.allocation in HEADS:
-            wanted.append(column_sums_heads())
+            wanted["column_sums_heads"] = Statistic(reduce="heads")  # (B, H, S): Eq. 4 per query head
         if self.pieces and wanted:  # each piece's share per query head, added up until the prompt is complete
-            wanted = [column_sums("heads")]
-        self.wants = Request(*wanted) if wanted else None
+            wanted = {"column_sums": Statistic(reduce="heads")}
+        self.wants = wanted or None
         if self.compresses and not self.allocated and len(self.F_v) == len(cache):  # the first decode step
             self.allocate(cache[0].length + T)
 
@@ -135,8 +135,8 @@ class D2O(Method):
         if self.wants is None:
             return None, None
         if not self.pieces:
-            return seen.column_sums, seen.column_sums_heads if "column_sums_heads" in seen else None
-        C = add_up(self.sums, layer, seen.column_sums)  # (B, H, S): the prompt's so far, per query head
+            return seen["column_sums"], seen.get("column_sums_heads")
+        C = add_up(self.sums, layer, seen["column_sums"])  # (B, H, S): the prompt's so far, per query head
         if not self.completes:
             return None, None
         del self.sums[layer]

@@ -30,7 +30,7 @@ from kvmini.methods.frobenius_stop import eq1_row, to_prune
 from kvmini.methods.method import Method
 from kvmini.methods.selectors import shrink
 from kvmini.methods.snapkv import window_scores
-from kvmini.statistics import Request, Statistic, add_up, reduce_heads
+from kvmini.attention import Statistic, add_up, reduce_heads
 
 CHOOSES_BUDGET = True  # the registry rejects --budget for this method
 CHECKS = {"fixed_share": (lambda x: 0 <= x <= 1, "be in [0, 1] (0: the stopping rule chooses)")}
@@ -53,9 +53,6 @@ class Options:
 VARIANTS = {"paper": Options(),
             "official": Options(ranking="window_attention", threshold=0.05, protected_layers=(), norm_excludes_kept=True)}
 DEFAULT_VARIANT = "paper"
-
-
-ROWS = {name: Statistic(name, reduce="heads") for name in ("dbudgetkv_rows", "dbudgetkv_window", "column_sums")}
 
 
 class DBudgetKV(Method):
@@ -81,14 +78,14 @@ class DBudgetKV(Method):
         start, n = self.seen - T, self.prompt_end
         if start == self.prompt_start:
             self.sums = {}  # layer -> name -> this prompt's sums so far, per query head (B, H, S)
-        wanted = []  # this call's share of the last k queries (Eq. 1), of the window's, of all (cumulative)
+        wanted = {}  # this call's share of the last k queries (Eq. 1), of the window's, of all (cumulative)
         for name, last, needed in (("dbudgetkv_rows", self.o.k, self.rule and self.active),
                                    ("dbudgetkv_window", self.window, self.window and self.active),
                                    ("column_sums", n, self.o.ranking == "cumulative" and self.updates)):
             mine = self.seen - max(start, n - last)  # this call's queries among them
             if needed and self.in_prompt and mine > 0:
-                wanted.append(Statistic(name, mine, None, "heads"))
-        self.wants = Request(*wanted) if wanted else None
+                wanted[name] = Statistic(mine, None, "heads")
+        self.wants = wanted or None
 
     def after_attention(self, layer: int, cache, seen) -> None:
         if layer in self.protected or not self.in_prompt:
@@ -96,7 +93,7 @@ class DBudgetKV(Method):
         lc = cache[layer]
         H_kv, sums = lc.keys.shape[1], self.sums.setdefault(layer, {})
         for name in seen if self.wants is not None else ():  # this call's share added to the prompt's so far
-            add_up(sums, name, getattr(seen, name))
+            add_up(sums, name, seen[name])
         if self.active and not self.completes:
             return  # a piece of the prompt: its sums wait for the rest
         got = {name: reduce_heads(C, H_kv, self.o.reduce) for name, C in self.sums.pop(layer).items()}

@@ -14,7 +14,7 @@ import torch
 from kvmini.methods.method import Method
 from kvmini.methods.selectors import shrink
 from kvmini.budget import Rule
-from kvmini.statistics import Request, column_sums
+from kvmini.attention import Statistic
 
 HALF = Rule("budget // 2", lambda b: b // 2)
 
@@ -34,12 +34,12 @@ class H2O(Method):
 
     def before(self, cache, T: int) -> None:
         super().before(cache, T)
-        self.wants = Request(column_sums(self.reduce)) if self.updates else None  # this call's A_ij, summed over i
+        self.wants = {"column_sums": Statistic(reduce=self.reduce)} if self.updates else None  # this call's A_ij, summed over i
 
     def after_attention(self, layer: int, cache, seen) -> None:
         lc, b = cache[layer], self.budgets[layer]
         if self.updates:
-            lc.aux("attention_sum").add_(seen.column_sums)  # s_j += \sum_i A_ij over this call's queries (B, H_kv, S)
+            lc.aux("attention_sum").add_(seen["column_sums"])  # s_j += \sum_i A_ij over this call's queries (B, H_kv, S)
         if self.active and lc.length > b + self.slack:  # every call: a prompt chunk, or one decode step
             self.evicted[layer] += lc.length - b
             shrink(lc, lc.aux("attention_sum"), b, 0, self.recent(b), self.newest)  # the top s_j + the recent window

@@ -27,7 +27,7 @@ The eviction itself is `selectors.shrink`'s (`keep_top`, `lowest`) with every ke
 import torch
 
 from kvmini.cache import PAD, LayerCache
-from kvmini.statistics import Statistic
+from kvmini.attention import Statistic
 
 
 def group_mean_square(rows: torch.Tensor) -> torch.Tensor:
@@ -57,7 +57,7 @@ def last_held(positions: torch.Tensor, k) -> torch.Tensor:
     return latest if isinstance(k, int) else latest & (k > 0)
 
 
-COLUMN_SQUARES = Statistic("column_squares", None, group_mean_square, "mean")  # (B, H_kv, S): sum_i Abar_ij^2
+COLUMN_SQUARES = Statistic(None, group_mean_square, "mean")  # (B, H_kv, S): sum_i Abar_ij^2
 
 
 def deviation(lc: LayerCache) -> torch.Tensor:

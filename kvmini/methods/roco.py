@@ -58,7 +58,7 @@ from kvmini.budget import Rule
 from kvmini.methods.method import Method
 from kvmini.methods.robust_scope import COLUMN_SQUARES, deviation, robust_set
 from kvmini.methods.selectors import shrink
-from kvmini.statistics import Request, column_sums
+from kvmini.attention import Statistic
 
 TENTH = Rule("budget // 10", lambda b: b // 10)  # int(0.1 * b), EasyKV's recent_window
 THREE_TENTHS = Rule("3 * budget // 10", lambda b: 3 * b // 10)  # int(0.3 * b) in decode
@@ -102,7 +102,7 @@ class RoCo(Method):
     def before(self, cache, T: int) -> None:
         super().before(cache, T)
         self.T = T
-        self.wants = Request(column_sums("mean"), COLUMN_SQUARES) if self.updates else None
+        self.wants = {"column_sums": Statistic(), "column_squares": COLUMN_SQUARES} if self.updates else None
 
     def after_attention(self, layer: int, cache, seen) -> None:
         lc, b = cache[layer], self.budgets[layer]
@@ -117,9 +117,9 @@ class RoCo(Method):
         call (paper), or from the first call whose cache overflows the budget (EasyKV, :603 and :620)."""
         if self.o.prompt_statistics == "after_budget" and (self.mean_budget is None or lc.length <= self.mean_budget):
             return
-        lc.aux("a").add_(seen.column_sums)
+        lc.aux("a").add_(seen["column_sums"])
         lc.aux("n").add_(self.T - (lc.positions - (self.seen - self.T)).clamp(min=0))  # seen from max(p, start) on
-        lc.aux("q").add_(seen.column_squares)
+        lc.aux("q").add_(seen["column_squares"])
 
     def evict(self, lc, b: int) -> None:
         """(R3) the robust set R; (R4) the scope, every key but R; (R5) its lowest MAS go, down to b."""

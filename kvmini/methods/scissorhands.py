@@ -43,7 +43,7 @@ from kvmini.budget import Rule
 from kvmini.cache import LayerCache, along
 from kvmini.methods.method import Method
 from kvmini.methods.selectors import shrink
-from kvmini.statistics import Request, Statistic
+from kvmini.attention import Statistic
 
 ENGINE_DEFAULTS = {"evict_every": 16}  # m: drop 16 tokens at once, every 16 decode steps
 
@@ -117,18 +117,18 @@ class Scissorhands(Method):
     def __init__(self, budget: float, o: Options = Options()):
         super().__init__("scissorhands", budget)
         self.w, self.sinks, self.recent = o.history, o.sinks, Rule.of_(o.recent, "recent")
-        self.low = Statistic("low_counts", self.w, below_average, "sum")  # (B, H_kv, S): the last w rows' low flags
+        self.low = Statistic(self.w, below_average, "sum")  # (B, H_kv, S): the last w rows' low flags
         self.aux = (("low_history", torch.int16, (self.w,)), ("low_count", torch.int32))  # I_j's ring, and I_j
 
     def before(self, cache, T: int) -> None:
         super().before(cache, T)
         self.T = T
-        self.wants = Request(self.low) if self.updates else None
+        self.wants = {"low_counts": self.low} if self.updates else None
 
     def after_attention(self, layer: int, cache, seen) -> None:
         lc, b = cache[layer], self.budgets[layer]
         if self.updates:
-            remember(lc, seen.low_counts, self.seen - self.T, self.T, self.w)  # I_j over the last w steps
+            remember(lc, seen["low_counts"], self.seen - self.T, self.T, self.w)  # I_j over the last w steps
         if self.active and lc.length > b + self.slack:  # while decoding: every m = evict_every steps
             self.evicted[layer] += lc.length - b
             drop_lowest(lc, importance_score(lc), b, self.sinks, self.recent(b), self.newest)  # the m largest I_j

@@ -19,7 +19,7 @@ from kvmini.errors import one_of
 from kvmini.methods.method import Method
 from kvmini.methods.selectors import shrink
 from kvmini.policy import PREFILL
-from kvmini.statistics import Request, Statistic, add_up, reduce_heads
+from kvmini.attention import Statistic, add_up, reduce_heads
 
 
 def window_scores(C: torch.Tensor, held: torch.Tensor, window: int, kernel: int, pooling: str) -> torch.Tensor:
@@ -60,13 +60,13 @@ class SnapKV(Method):
         if start == self.prompt_start:
             self.C = {}  # layer -> this prompt's window rows so far, summed per query head (B, H, S)
         mine = self.seen - max(start, self.prompt_end - self.window)  # this call's queries in the window
-        self.wants = (Request(Statistic("window_sums", mine, None, "heads"))
+        self.wants = ({"window_sums": Statistic(mine, None, "heads")}
                       if self.active and self.in_prompt and mine > 0 else None)
 
     def after_attention(self, layer: int, cache, seen) -> None:
         if self.wants is None or layer in self.protected:
             return
-        C = add_up(self.C, layer, seen.window_sums)  # (B, H, S): the window's rows so far, 0 at pads
+        C = add_up(self.C, layer, seen["window_sums"])  # (B, H, S): the window's rows so far, 0 at pads
         if self.completes:  # once: the call that completes the prompt
             lc = cache[layer]
             self.compress(layer, cache, window_scores(reduce_heads(C, lc.keys.shape[1], self.reduce), lc.held(),

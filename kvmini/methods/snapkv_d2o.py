@@ -18,7 +18,7 @@ from kvmini.methods import snapkv
 from kvmini.methods.ema_merging import EMAMerge, shrink_merging
 from kvmini.methods.snapkv import SnapKV, window_scores
 from kvmini.methods.variance_softmax import allocate, idle_temperature, layer_variance
-from kvmini.statistics import Request, Statistic, add_up, reduce_heads
+from kvmini.attention import Statistic, add_up, reduce_heads
 
 
 @dataclass(frozen=True)
@@ -35,7 +35,7 @@ class Options:
 
 
 idle = idle_temperature  # given with allocation other than zscore, softmax_temperature is refused
-COLUMNS = Statistic("column_sums", None, None, "heads")  # every query's attention, per query head: Eq. 4's
+COLUMNS = Statistic(None, None, "heads")  # every query's attention, per query head: Eq. 4's
 
 
 class SnapKVD2O(SnapKV):
@@ -54,14 +54,14 @@ class SnapKVD2O(SnapKV):
         if self.seen - T == self.prompt_start:
             self.columns, self.F_v, self.scores = {}, {}, {}
         if self.active and self.in_prompt:
-            self.wants = Request(COLUMNS, *(self.wants.statistics if self.wants else ()))
+            self.wants = {"column_sums": COLUMNS, **(self.wants or {})}
 
     def after_attention(self, layer: int, cache, seen) -> None:
         if self.wants is None:
             return
-        lc, C = cache[layer], add_up(self.columns, layer, seen.column_sums)  # (B, H, S): the prompt's so far
+        lc, C = cache[layer], add_up(self.columns, layer, seen["column_sums"])  # (B, H, S): the prompt's so far
         if "window_sums" in seen:
-            add_up(self.C, layer, seen.window_sums)
+            add_up(self.C, layer, seen["window_sums"])
         if not self.completes:
             return
         H_kv = lc.keys.shape[1]

@@ -17,7 +17,7 @@ from typing import Literal
 from kvmini.methods.method import Method
 from kvmini.methods.selectors import shrink
 from kvmini.budget import Rule
-from kvmini.statistics import Request, last_row
+from kvmini.attention import Statistic
 
 
 @dataclass(frozen=True)
@@ -34,13 +34,13 @@ class TOVA(Method):
 
     def before(self, cache, T: int) -> None:
         super().before(cache, T)
-        self.wants = Request(last_row(self.reduce)) if self.active else None  # A_tj: the latest query's row
+        self.wants = {"last_row": Statistic(last=1, reduce=self.reduce)} if self.active else None  # A_tj: the latest query's row
 
     def after_attention(self, layer: int, cache, seen) -> None:
         lc, b = cache[layer], self.budgets[layer]
         if self.active and lc.length > b + self.slack:  # every call: a prompt chunk, or one decode step
             self.evicted[layer] += lc.length - b
-            shrink(lc, seen.last_row, b, self.sinks, self.recent(b), self.newest)  # the lowest A_tj goes
+            shrink(lc, seen["last_row"], b, self.sinks, self.recent(b), self.newest)  # the lowest A_tj goes
 
 
 def build(budget: float, o: Options = Options()) -> TOVA:

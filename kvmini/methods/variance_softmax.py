@@ -15,7 +15,6 @@ Deviation: `clamp` (the default) bounds S_l to [low, n] and redistributes the ex
 """
 import torch
 
-from kvmini.statistics import Statistic
 from kvmini.errors import one_of
 from kvmini.methods.allocators import proportional
 
@@ -74,11 +73,6 @@ def split(F_v: list[float], how: str, b: int, n: int, low: int = 8, temperature:
     if not clamp:
         return proportional(share, b * L, 0, [b * L] * L)
     return proportional(share, b * L, min(low, b), [max(n, b)] * L)
-
-
-def column_sums_heads() -> Statistic:
-    """Every query head's own column sums, (B, H, S)."""
-    return Statistic("column_sums_heads", reduce="heads")
 
 
 def idle_temperature(o) -> dict[str, str]:

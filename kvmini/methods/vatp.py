@@ -34,7 +34,7 @@ from kvmini.cache import wide
 from kvmini.methods.h2o import HALF
 from kvmini.methods.method import Method
 from kvmini.methods.selectors import shrink
-from kvmini.statistics import Request, column_sums
+from kvmini.attention import Statistic
 
 
 @dataclass(frozen=True)
@@ -56,12 +56,12 @@ class VATP(Method):
     def before(self, cache, T: int) -> None:
         super().before(cache, T)
         self.T = T
-        self.wants = Request(column_sums(self.reduce)) if self.updates else None  # this call's A_ij, summed over i
+        self.wants = {"column_sums": Statistic(reduce=self.reduce)} if self.updates else None  # this call's A_ij, summed over i
 
     def after_attention(self, layer: int, cache, seen) -> None:
         lc, b = cache[layer], self.budgets[layer]
         if self.updates:
-            lc.aux("attention_sum").add_(seen.column_sums)  # sum_{i <= t} A_ij, as H2O's (B, H_kv, S)
+            lc.aux("attention_sum").add_(seen["column_sums"])  # sum_{i <= t} A_ij, as H2O's (B, H_kv, S)
             if self.p is not None:
                 self.keep_norms(lc, self.T)  # ||v_j||_p of the values this call cached
         if self.active and lc.length > b + self.slack:  # every call: a prompt chunk, or one decode step

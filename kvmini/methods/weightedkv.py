@@ -25,7 +25,7 @@ from kvmini.methods.convex_value_merge import merge_down
 from kvmini.methods.merged import Merged
 from kvmini.methods.method import Method
 from kvmini.methods.selectors import shrink
-from kvmini.statistics import Request, column_sums
+from kvmini.attention import Statistic
 
 HALF_BEYOND_8 = Rule("(budget - 8) // 2", lambda m: max((m - 8) // 2, 0))  # Sec. V-A: 1024 -> 508, 256 -> 124
 CHUNK = Rule("max(budget, 64)", lambda m: max(m, 64))  # the prompt's chunks: the cache holds at most 2m
@@ -71,12 +71,12 @@ class WeightedKV(Method):
             self.trace.clear()  # a new run
         super().before(cache, T)
         self.T = T
-        self.wants = Request(column_sums(self.reduce)) if self.updates else None  # this call's A_ij, summed over i
+        self.wants = {"column_sums": Statistic(reduce=self.reduce)} if self.updates else None  # this call's A_ij, summed over i
 
     def after_attention(self, layer: int, cache, seen) -> None:
         lc, b, start = cache[layer], self.budgets[layer], self.seen - self.T
         if self.updates:
-            attended(lc, seen.column_sums, start, self.T)  # lines 4-5
+            attended(lc, seen["column_sums"], start, self.T)  # lines 4-5
         if not self.active or lc.length <= b + self.slack:  # every call: a prefill chunk, or one decode step
             return
         self.evicted[layer] += lc.length - b
