@@ -8,7 +8,6 @@ from dataclasses import dataclass
 import torch
 
 from kvmini.errors import KvminiError, tokens
-from kvmini.policy import PREFILL
 
 
 
@@ -32,7 +31,7 @@ def resolve_budget(budget: float, prompt_len: int) -> int:
 def is_noop(b: int, prompt_len: int, total_len: int | None, schedule: str) -> bool:
     """A budget >= the longest the cache gets under this schedule (unknown total: never) changes nothing,
     even where a per-layer plan gives some layer less (as PyramidKV's code does): exactly `full`."""
-    longest = prompt_len if schedule == PREFILL else total_len
+    longest = prompt_len if schedule == "prefill" else total_len
     return longest is not None and b >= longest
 
 

@@ -3,7 +3,6 @@ what the cache kept (a compact per-layer bar chart and byte counts)."""
 from kvmini.cache import KVCache
 from kvmini.methods.options import show
 from kvmini.methods.registry import declarations, resolved_options
-from kvmini.policy import PREFILL
 
 BLOCKS = "▁▂▃▄▅▆▇█"
 ASCII_BLOCKS = " .:-=+*#"  # the bars where the terminal cannot print block characters
@@ -132,7 +131,7 @@ def cache_report(cache: KVCache, policy=None, blocks: str = BLOCKS) -> list[str]
     if aux := aux_nbytes(cache):
         lines.append(f"aux       {aux / 2**20:.2f} MiB of per-token statistics the method keeps beside K/V "
                      f"({', '.join(dict.fromkeys(n for lc in cache.layers for n in lc.aux_names()))})")
-    if policy is not None and policy.active and policy.schedule == PREFILL and cache.seen_tokens > policy.prompt_end:
+    if policy is not None and policy.active and policy.schedule == "prefill" and cache.seen_tokens > policy.prompt_end:
         lines.append(f"appended  each layer's last {cache.seen_tokens - policy.prompt_end} entries were appended while "
                      "decoding, after the prompt was compressed (this method compresses the prompt only)")
     if policy is not None:

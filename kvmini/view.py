@@ -32,7 +32,6 @@ import torch  # noqa: E402
 from kvmini.cache import KVCache  # noqa: E402
 from kvmini.errors import KvminiError  # noqa: E402
 from kvmini.methods.merged import Merged  # noqa: E402
-from kvmini.policy import PREFILL  # noqa: E402
 
 LAZY_IMPORTS = ("kvmini.chat", "kvmini.generate", "kvmini.loading", "kvmini.methods.registry", "kvmini.report",
                 "kvmini.tokenizer", "kvmini.weights")  # the comparison's work imports these
@@ -113,7 +112,7 @@ def panel(cache: KVCache, policy=None, trace: list[Merged] | None = None, name: 
         if policy is None or not policy.active or layer in protected:
             windows.append(None)
             continue
-        end = policy.prompt_end if policy.schedule == PREFILL else n
+        end = policy.prompt_end if policy.schedule == "prefill" else n
         windows.append([policy.sinks, end - policy.recent(policy.budgets[layer]), end])
     return {
         "name": name or (policy.name if policy is not None else "full"),

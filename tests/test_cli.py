@@ -13,7 +13,6 @@ import torch
 
 from kvmini.budget import resolve_budget
 from kvmini.methods.registry import DEFAULT_BUDGET, METHODS, schedule
-from kvmini.policy import PREFILL
 from tiny import least_budget
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -234,7 +233,7 @@ def test_a_short_question_works_with_every_method_default(default_model_dir, tmp
     b, least = resolve_budget(DEFAULT_BUDGET, n), least_budget(method, {}, L, n) if METHODS[method] else None
     if least is not None and b < least <= n:
         assert f"note      budget raised from {b} to {least} tokens per layer, the least {method} can keep" in out
-        if schedule(method) == PREFILL:
+        if schedule(method) == "prefill":
             assert "appended  each layer's last 3 entries were appended while decoding" in out
 
 

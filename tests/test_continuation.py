@@ -13,7 +13,6 @@ import torch
 from kvmini.errors import KvminiError
 from kvmini.generate import for_batch, fork, generate, prefill
 from kvmini.methods.registry import METHODS, chooses_budget, make_policy
-from kvmini.policy import PREFILL
 from kvmini.per_sequence import PerSequence
 from reference import group_mean, random_model, simulate, top_positions
 from test_methods_reference import h2o, per_head
@@ -230,7 +229,7 @@ def test_every_method_continues_a_conversation(name, B):
     rows = getattr(PerSequence.of(policy), "rows", [policy])  # per-sequence budgets: generate ran a policy per row
     if gives_budgets(name):
         for b, row in enumerate(rows if len(rows) == B else rows * B):
-            slack = row.evict_every - 1 + (2 if row.schedule == PREFILL else 0)
+            slack = row.evict_every - 1 + (2 if row.schedule == "prefill" else 0)
             for layer, budget in zip(held, row.budgets):
                 counts = [len(h) for h in layer[b]]
                 assert sum(counts) / len(counts) <= budget + slack  # per KV head, on average

@@ -141,12 +141,11 @@ def test_run_py_flags_come_from_the_declarations():
 def test_a_new_method_with_a_new_option_needs_its_module_and_one_registry_line(monkeypatch):
     """What tutorial 9 does: a module with its Options and build(), one entry in METHODS; the flag,
     its help, its check (the module's own CHECKS), the spec syntax and the report follow: no shared file."""
-    from kvmini.policy import PREFILL
     from kvmini.methods.method import Method
     from kvmini.methods.selectors import shrink
 
     class VNorm(Method):
-        schedule = PREFILL
+        schedule = "prefill"
 
         def after_attention(self, layer, cache, seen):
             lc, b = cache[layer], self.budgets[layer]

@@ -17,7 +17,6 @@ from kvmini.methods.allocators import round_to_total
 from kvmini.methods.pyramidkv import pyramid
 from kvmini.methods.registry import METHODS, chooses_budget, make_policy, method_options
 from kvmini.methods.selectors import keep_top, shrink
-from kvmini.policy import AFTER_PROMPT, DECODE, EVERY_CALL
 from kvmini.per_sequence import PerSequence, sequence
 from kvmini.report import full_nbytes
 from reference import in_position_order, random_model
@@ -174,12 +173,12 @@ def test_invariants(name, kv_heads, group, B, n, steps, budget, chunk, seed):
                 if l in base.protected:  # never compressed
                     assert held == seen
                     continue
-                if base.schedule == DECODE:  # D2O's official variant: from the first decode step on
+                if base.schedule == "decode":  # D2O's official variant: from the first decode step on
                     assert held == (seen if seen <= n else min(seen, b_l)), "never above budget"
-                elif base.schedule == EVERY_CALL or (base.schedule == AFTER_PROMPT and seen >= n):
+                elif base.schedule == "every_call" or (base.schedule == "after_prompt" and seen >= n):
                     slack = base.evict_every - 1 if seen > n else 0  # held beyond the budget between evictions
                     assert min(seen, b_l) <= held <= min(seen, b_l + slack), "never above budget"
-                elif base.schedule == AFTER_PROMPT:
+                elif base.schedule == "after_prompt":
                     assert held == seen
                 elif seen <= n:  # prefill-only methods compress when the prompt is complete, then append
                     assert held == (min(n, b_l) if seen == n else seen)
@@ -188,8 +187,8 @@ def test_invariants(name, kv_heads, group, B, n, steps, budget, chunk, seed):
                 sinks = base.sinks if seen > 0 else 0
                 recent = min(base.recent(b_l), seen)
                 want = set(range(min(sinks, seen))) | set(range(seen - recent, seen))
-                if base.schedule == EVERY_CALL or (seen == n and base.schedule != DECODE) or (
-                        base.schedule in (AFTER_PROMPT, DECODE) and seen > n):
+                if base.schedule == "every_call" or (seen == n and base.schedule != "decode") or (
+                        base.schedule in ("after_prompt", "decode") and seen > n):
                     for h in heads:
                         assert want <= set(h), "sinks and recent window kept"
 
@@ -440,3 +439,14 @@ def test_the_model_calls_the_policy_in_design_md_s_order():
     code = forward[:at] + inspect.getsource(Attention.forward) + inspect.getsource(Block.forward) + forward[at:]
     assert in_order(block, [d for d, _ in FORWARD]) and in_order(code, [c for _, c in FORWARD])
     assert not in_order(code, [c for _, c in FORWARD][::-1])
+
+
+def test_every_method_and_variant_names_one_of_the_four_schedules():
+    """`schedule` is a plain name (kvmini.methods.method.Method): a misspelt one would be read by the report,
+    the kept-token page and the budget's no-op rule as a method that never compresses at the prompt."""
+    from kvmini.methods.registry import policy_for, specs
+
+    names = {spec: policy_for(spec, 0.2).schedule for spec in specs()}
+    assert set(names.values()) == {"prefill", "after_prompt", "every_call", "decode"}, names
+    assert names["h2o"] == "every_call" and names["snapkv"] == "prefill"
+    assert {names["d2o"], names["d2o[variant=paper]"]} == {"decode", "after_prompt"}

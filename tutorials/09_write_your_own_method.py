@@ -453,7 +453,6 @@ show(fig, "09_scissorhands_low_counts")
 # over a prompt fed in several calls like any other statistic.
 
 # %%
-from kvmini.policy import PREFILL  # noqa: E402
 from kvmini.methods.allocators import proportional  # noqa: E402
 from kvmini.methods.method import Method  # noqa: E402
 from kvmini.methods.selectors import keep_top, shrink  # noqa: E402
@@ -496,7 +495,7 @@ assert stats["seen"][0, 0].tolist() == [4, 4, 4, 4, 3, 2, 1]  # key 6 is seen by
 # cache, so waiting changes nothing). `after_layers`, called once after the last layer, has every
 # measure: it budgets all layers and compresses each one with the score it held from that layer's own
 # turn. D2O's paper variant waits the same way (`kvmini/methods/d2o.py`). This toy compresses once,
-# when the prompt is complete (`schedule = PREFILL`), and takes the prompt in one call (a real method
+# when the prompt is complete (`schedule = "prefill"`), and takes the prompt in one call (a real method
 # adds up its statistics over a prompt's chunks, as SnapKV's does).
 #
 # Two things a real method of this kind needs that the toy leaves out: `per_sequence = True` on the
@@ -510,7 +509,7 @@ class WindowVariance(Method):
     last W queries of the prompt (a toy in the spirit of CAKE's layer preferences, not CAKE); in each
     layer the recent window and the keys the prompt attended to most."""
 
-    schedule = PREFILL  # once, when the prompt is complete
+    schedule = "prefill"  # once, when the prompt is complete
 
     def recent(self, b):
         return W  # always kept: what the budget must leave room for

@@ -93,14 +93,13 @@ def kvmini_run(model, ids, n: int, policy, chunk_size: int | None = None):
     import torch
 
     from kvmini.generate import prefill
-    from kvmini.policy import PREFILL
 
     total = ids.shape[1]
     cache = model.new_cache(1, capacity=total)
     with torch.inference_mode():
         first = prefill(model, ids[:, :n], cache, policy, chunk_size, total_len=total - 1)
         rest = ids[:, n : total - 1]
-        if policy.schedule != PREFILL:
+        if policy.schedule != "prefill":
             later = [model(rest[:, t : t + 1], cache, policy)[:, -1] for t in range(rest.shape[1])]
             later = torch.cat(later) if later else first[:0]
         else:

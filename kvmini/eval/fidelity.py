@@ -32,7 +32,6 @@ import torch.nn.functional as F  # noqa: E402
 from kvmini.errors import KvminiError
 from kvmini.generate import prefill
 from kvmini.methods.registry import METHODS, chooses_budget, make_policy, parse_spec
-from kvmini.policy import PREFILL
 
 LAZY_IMPORTS = ("kvmini.loading", "kvmini.tokenizer", "kvmini.weights")  # the tools' work imports these
 
@@ -58,7 +57,7 @@ def continuation_logits(model, ids: torch.Tensor, n: int, policy=None):
     first = prefill(model, ids[:, :n], cache, policy, total_len=total - 1)  # (1, V); chunked if the method asks
     kept = cache.lengths()
     rest = ids[:, n : total - 1]  # (1, K - 1): the inputs whose outputs predict tokens N+1..N+K-1
-    if policy is not None and policy.schedule != PREFILL:  # decode-time methods compress at every step
+    if policy is not None and policy.schedule != "prefill":  # decode-time methods compress at every step
         steps = [model(rest[:, t : t + 1], cache, policy)[:, -1] for t in range(rest.shape[1])]
         later = torch.cat(steps) if steps else first[:0]
         kept = cache.lengths()

@@ -15,7 +15,6 @@ import torch
 from kvmini.attention import Statistic
 from kvmini.generate import prefill
 from kvmini.methods.registry import policy_for
-from kvmini.policy import DECODE
 from kvmini.methods.variance_softmax import attention_variance
 
 ADAPTIVE = ("pyramidkv", "d2o", "d2o[variant=paper]", "dynamickv", "dbudgetkv")
@@ -83,7 +82,7 @@ def retention(model, ids: torch.Tensor, budget: float, methods=ADAPTIVE) -> dict
         cache = model.new_cache(1, ids.shape[1] + 1)
         policy = policy_for(name, budget)
         logits = prefill(model, ids, cache, policy, total_len=ids.shape[1] + 1)
-        if policy.schedule == DECODE:
+        if policy.schedule == "decode":
             model(logits.argmax(-1, keepdim=True), cache, policy)
         kept[name] = cache.lengths()
     return kept

@@ -39,7 +39,6 @@ from kvmini import cli
 from kvmini.errors import KvminiError
 from kvmini.generate import for_batch, prefill, synchronize
 from kvmini.methods.registry import policy_for
-from kvmini.policy import DECODE
 from kvmini.report import full_nbytes
 
 
@@ -99,7 +98,7 @@ def _policy(name: str, budget: float):
 @torch.inference_mode()
 def prefill_times(model, ids: torch.Tensor, methods: list[str], budget: float, reps: int = 1, log=print) -> dict:
     """method -> {"seconds": median prefill time, "ratio": / full's, "kept_bytes_ratio"} over `reps` turns.
-    kept_bytes_ratio: after the prompt, or after the first decode step for a DECODE schedule (module docstring)."""
+    kept_bytes_ratio: after the prompt, or after the first decode step for the "decode" schedule (module docstring)."""
     times = {name: [] for name in ["full", *methods]}
     hooks = {name: [] for name in times}
     kept = {}
@@ -113,7 +112,7 @@ def prefill_times(model, ids: torch.Tensor, methods: list[str], budget: float, r
             synchronize(model.device)
             times[name].append(time.perf_counter() - t0)
             hooks[name].append(0.0 if policy is None else policy.seconds)
-            if policy is not None and policy.schedule == DECODE:  # it compresses at the first decode step: take it
+            if policy is not None and policy.schedule == "decode":  # it compresses at the first decode step: take it
                 model(logits.argmax(-1, keepdim=True), cache, policy)
             kept[name] = cache.nbytes() / full_nbytes(cache)
             log(f"prefill {ids.shape[1]} tokens, round {rep + 1}/{reps}, {name}: {times[name][-1]:.2f} s")

@@ -27,7 +27,6 @@ from kvmini.methods.ema_merging import EMAMerge, shrink_merging
 from kvmini.methods.method import Method
 from kvmini.methods.selectors import shrink
 from kvmini.methods.variance_softmax import HEADS, allocate, idle_temperature, layer_variance
-from kvmini.policy import AFTER_PROMPT, DECODE
 from kvmini.attention import Statistic, add_up, reduce_heads
 
 
@@ -80,7 +79,7 @@ class D2O(Method):
             self.recent = Rule(f"(budget - {o.sinks}) * {M} // {N + M}", lambda S_l: (S_l - o.sinks) * M // (N + M))
         else:  # the official code: N:M of S_l, the sinks inside the heavy part
             self.recent = Rule(f"budget * {M} // {N + M}", lambda S_l: S_l * M // (N + M))
-        self.schedule = DECODE if o.start == "first_decode" else AFTER_PROMPT
+        self.schedule = "decode" if o.start == "first_decode" else "after_prompt"
         self.merge = None if o.merge == "off" else EMAMerge(o.beta, weights=o.merge, tau=o.tau, writes=o.merge_writes)
         self.aux = ("attention_sum",) + ((KEY_NORM,) if self.merge else ())  # Eq. 9 divides by the kept keys' norms
 
@@ -97,7 +96,7 @@ class D2O(Method):
         if start == self.prompt_start:
             self.F_v, self.allocated, self.sums = {}, False, {}  # this prompt's Eq. 4, and its pieces' sums
         self.pieces = self.active and self.in_prompt and T < n - self.prompt_start  # a prompt fed in several calls
-        self.compresses = self.active and (self.seen > n if self.schedule == DECODE else self.seen >= n)
+        self.compresses = self.active and (self.seen > n if self.schedule == "decode" else self.seen >= n)
         measures = self.active and self.in_prompt  # F_v is taken on the prompt's attention
         wanted = {"column_sums": Statistic(reduce=self.o.reduce)} if self.updates or measures else {}
         if measures and self.o.allocation in HEADS:

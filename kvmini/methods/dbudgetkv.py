@@ -24,7 +24,6 @@ from typing import Literal
 
 import torch
 
-from kvmini.policy import PREFILL
 from kvmini.errors import KvminiError
 from kvmini.methods.frobenius_stop import eq1_row, to_prune
 from kvmini.methods.method import Method
@@ -56,7 +55,7 @@ DEFAULT_VARIANT = "paper"
 
 
 class DBudgetKV(Method):
-    schedule = PREFILL
+    schedule = "prefill"
     per_sequence = True  # each sequence's budgets follow its own attention (kvmini.per_sequence)
 
     def __init__(self, o: Options = Options()):

@@ -22,7 +22,12 @@ def prompt_length(name: str, call: str, n) -> int:
 
 class Method:
     """One method and one run's state. A subclass sets `sinks`, `recent` (a function of the budget),
-    `protected` layers and `schedule` (when it compresses, for the tools that report it)."""
+    `protected` layers and `schedule`: when its own code compresses, named for the tools that report it
+    and for the budget rules (a budget is a no-op if no call ever exceeds it), one of
+        "prefill"       once, layer by layer, in the forward call that completes the prompt
+        "after_prompt"  in the call that completes the prompt, then after every later call
+        "every_call"    after every forward call (each prefill chunk, each decode step)
+        "decode"        after every call past the prompt: the first compression at the first decode step"""
 
     schedule = "every_call"
     per_sequence = False  # budgets follow each sequence's statistics (kvmini.per_sequence)

@@ -16,7 +16,6 @@ from kvmini.errors import KvminiError
 from kvmini.methods import (adakv, cam, d2o, dbudgetkv, dynamickv, h2o, knorm, options, pyramidkv, roco,
                             scissorhands, snapkv, snapkv_d2o, streaming_llm, tova, vatp, weightedkv)
 from kvmini.methods.options import Declared
-from kvmini.policy import EVERY_CALL, PREFILL
 from kvmini.budget import resolve_budget
 from kvmini.methods.method import Method
 
@@ -159,7 +158,7 @@ def chosen(name: str, given: dict):
 
 def schedule(name: str) -> str:
     """When method `name` compresses (kvmini.budget), with its default options. A module states it in
-    its `build` only (D2O's depends on the variant: DECODE or AFTER_PROMPT, both while decoding), so
+    its `build` only (D2O's depends on the variant: "decode" or "after_prompt", both while decoding), so
     it is read off a policy built with the defaults, here alone."""
     return METHODS[name].build(DEFAULT_BUDGET).schedule
 
@@ -167,7 +166,7 @@ def schedule(name: str) -> str:
 def compress_every_call() -> list[str]:
     """Methods that compress after every forward call by design, so a prefill's chunk size changes
     what they keep; every other method keeps, from a prompt in chunks, what one call keeps."""
-    return [name for name, module in METHODS.items() if module is not None and schedule(name) == EVERY_CALL]
+    return [name for name, module in METHODS.items() if module is not None and schedule(name) == "every_call"]
 
 
 def chooses_budget(name: str) -> bool:
@@ -177,7 +176,7 @@ def chooses_budget(name: str) -> bool:
 
 def evicts_while_decoding(name: str) -> bool:
     """Does the method evict during decoding (the engine option evict_every applies), or only the prompt?"""
-    return METHODS[name] is not None and schedule(name) != PREFILL
+    return METHODS[name] is not None and schedule(name) != "prefill"
 
 
 def check(name: str, given: dict) -> dict:

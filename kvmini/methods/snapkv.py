@@ -18,7 +18,6 @@ import torch.nn.functional as F
 from kvmini.errors import one_of
 from kvmini.methods.method import Method
 from kvmini.methods.selectors import shrink
-from kvmini.policy import PREFILL
 from kvmini.attention import Statistic, add_up, reduce_heads
 
 
@@ -44,7 +43,7 @@ class Options:
 
 
 class SnapKV(Method):
-    schedule = PREFILL
+    schedule = "prefill"
 
     def __init__(self, budget: float, o: Options = Options(), name: str = "snapkv"):
         super().__init__(name, budget)
