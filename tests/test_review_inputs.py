@@ -139,3 +139,20 @@ def test_chat_drops_a_byte_order_mark_as_prompt_files_do(monkeypatch):
 
     monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO("\ufeffHi\n\ufeffthere\n".encode())))
     assert list(run.stdin_lines()) == ["Hi\n", "\ufeffthere\n"]  # only the stream's first bytes are a BOM
+
+
+@pytest.mark.parametrize("argv,fragment", [
+    (["--n", "abc", "--peak", "h2o"], "argument --n: must be a whole number, got 'abc'"),
+    (["--n", "0", "--step", "h2o"], "argument --n: must be >= 1, got 0"),
+    (["--n", "64", "--step", "h2o", "--steps", "0"], "argument --steps: must be >= 1, got 0"),
+    (["--n", "64"], "one of the arguments --peak --first-step --step is required"),
+    (["--n", "64", "--peak", "h2o", "--bogus"], "unrecognized arguments: --bogus"),
+    ([], "the following arguments are required"),
+])
+def test_the_speed_tool_refuses_its_usage_errors_in_one_line(capsys, argv, fragment):
+    """`python -m kvmini.eval.speed` with a bad command line: one line, exit 2, before any work (issue 71)."""
+    from kvmini.eval import speed
+
+    with pytest.raises(SystemExit) as e:
+        speed.main(argv)
+    assert_one_line(e.value.code, capsys.readouterr().err, fragment)

@@ -24,7 +24,6 @@ Times on a shared machine are noisy: read the ratios, not the seconds.
     python -m kvmini.eval.speed --first-step METHOD --n N          (where the first decode step's time goes)
     python -m kvmini.eval.speed --step METHOD --n N [--after 16 --steps 4]   (where later decode steps' time goes)
 """
-import argparse
 import json
 import os
 import re
@@ -312,21 +311,19 @@ def step_profile(method: str, n: int, budget: float, model_folder: str | None, a
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = cli.OneLineParser(description=__doc__.splitlines()[0])
     job = p.add_mutually_exclusive_group(required=True)
     job.add_argument("--peak", metavar="METHOD", help="method whose prefill peak memory to measure (JSON on stdout)")
     job.add_argument("--first-step", metavar="METHOD", help="method whose first decode step to profile")
     job.add_argument("--step", metavar="METHOD", help="method whose decode steps to profile (after --after steps)")
-    p.add_argument("--n", type=int, required=True)
-    p.add_argument("--budget", type=float, default=0.2)
-    p.add_argument("--after", type=int, default=16, help="--step: untimed decode steps before the profiled ones")
-    p.add_argument("--steps", type=int, default=4, help="--step: decode steps profiled")
+    p.add_argument("--n", type=cli.at_least(1), required=True, help="prompt tokens")
+    p.add_argument("--budget", type=cli.budget, default=0.2)
+    p.add_argument("--after", type=cli.at_least(0), default=16, help="--step: untimed decode steps before the profiled ones")
+    p.add_argument("--steps", type=cli.at_least(1), default=4, help="--step: decode steps profiled")
     p.add_argument("--model")
     a = p.parse_args(argv)
 
     def work() -> int:
-        if a.n < 1 or a.after < 0 or a.steps < 1:
-            raise KvminiError(f"need --n >= 1, --after >= 0 and --steps >= 1, got {a.n}, {a.after}, {a.steps}")
         if a.peak:
             print(json.dumps(_peak_child(a.peak, a.n, a.budget, a.model)))
         elif a.first_step:
