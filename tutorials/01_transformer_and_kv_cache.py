@@ -19,9 +19,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path.cwd() if Path("kvmini").is_dir() else Path.cwd().parent))  # find kvmini from root or tutorials/
 
 import torch  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
 
-from kvmini.attention import sdpa_attention  # noqa: E402
+from kvmini.attention import explicit_attention, sdpa_attention  # noqa: E402
 from kvmini.cache import PAD, KVCache, LayerCache  # noqa: E402
 from kvmini.config import ModelConfig  # noqa: E402
 from kvmini.model import RMSNorm, Transformer, apply_rope, rope_frequencies  # noqa: E402
@@ -61,7 +60,9 @@ assert torch.allclose(norm(x), literal, atol=1e-6)
 
 # %%
 D = 8
-config = ModelConfig("llama", 50, 32, 64, 2, 4, 2, D, rope_theta=10000.0)
+TINY = dict(model_type="llama", vocab_size=50, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4,
+            num_kv_heads=2, head_dim=D)  # C = H * D = 32; two query heads share each KV head
+config = ModelConfig(**TINY, rope_theta=10000.0)
 theta = rope_frequencies(config)  # (D/2,)
 assert torch.allclose(theta, torch.tensor([10000 ** (-2 * i / D) for i in range(D // 2)]))
 
@@ -98,16 +99,24 @@ assert torch.allclose(logit(rope_half_split, 7, 3), logit(rope_half_split, 14, 1
 #
 # With $H$ query heads and $H_{kv}$ key/value heads, the $g = H / H_{kv}$ query heads of a group
 # share one key and one value head. SmolLM2 has $H = 9$, $H_{kv} = 3$: the cache is 3x smaller than
-# with one KV head per query head. kvmini never copies K/V to the query heads; the check below
-# compares with the literal "repeat each KV head g times" version.
+# with one KV head per query head. kvmini never copies K/V to the query heads: query head $h$ reads
+# KV head $\lfloor h / g \rfloor$. The check below runs kvmini's three attention paths (a prompt
+# through SDPA, one decode query through two grouped matmuls, the explicit chunked pass that also
+# computes statistics) against the literal "repeat each KV head g times" softmax, written out here.
 
 # %%
 B, H, H_kv, T = 1, 6, 2, 5
 g = H // H_kv
 qh, kh, vh = torch.randn(B, H, T, D), torch.randn(B, H_kv, T, D), torch.randn(B, H_kv, T, D)
-grouped = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, enable_gqa=True)
-repeated = F.scaled_dot_product_attention(qh, kh.repeat_interleave(g, 1), vh.repeat_interleave(g, 1), is_causal=True)
-assert torch.allclose(grouped, repeated, atol=1e-6)
+pos = torch.arange(T)
+k_rep, v_rep = kh.repeat_interleave(g, 1), vh.repeat_interleave(g, 1)  # (B, H, T, D): KV head h // g per query head
+scores = qh @ k_rep.transpose(-1, -2) / math.sqrt(D) + torch.full((T, T), float("-inf")).triu(1)  # causal
+literal = scores.softmax(-1) @ v_rep  # (B, H, T, D)
+prompt = sdpa_attention(qh, kh, vh, pos[None], pos.expand(B, H_kv, T))  # the prompt: SDPA, grouped
+one = sdpa_attention(qh[:, :, -1:], kh, vh, pos[None, -1:], pos.expand(B, H_kv, T))  # a decode step's query
+chunked, _ = explicit_attention(qh, kh, vh, pos[None], pos.expand(B, H_kv, T), {}, chunk=2)
+assert torch.allclose(prompt, literal, atol=1e-5) and torch.allclose(chunked, literal, atol=1e-5)
+assert torch.allclose(one, literal[:, :, -1:], atol=1e-5)
 
 # %% [markdown]
 # ## Why a cache: prefill, then decode
@@ -119,7 +128,7 @@ assert torch.allclose(grouped, repeated, atol=1e-6)
 # give — without the quadratic re-computation.
 
 # %%
-model = Transformer(ModelConfig("llama", 50, 32, 64, 2, 4, 2, 8, rope_theta=1000.0)).eval()
+model = Transformer(ModelConfig(**TINY, rope_theta=1000.0)).eval()
 ids = torch.randint(0, 50, (1, 12))
 with torch.no_grad():
     everything = model(ids, all_logits=True)  # (1, 12, V): no cache reuse

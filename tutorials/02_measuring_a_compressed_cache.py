@@ -126,7 +126,9 @@ assert torch.allclose(evicted_out, masked_out, atol=1e-6)
 # entries through prefill and decode:
 
 # %%
-model = Transformer(ModelConfig("llama", 50, 32, 64, 3, 4, 2, 8, rope_theta=1000.0)).eval()
+config = ModelConfig(model_type="llama", vocab_size=50, hidden_size=32, intermediate_size=64, num_layers=3,
+                     num_heads=4, num_kv_heads=2, head_dim=8, rope_theta=1000.0)
+model = Transformer(config).eval()
 policy = make_policy("h2o", 8)
 cache = model.new_cache()
 ids = torch.randint(0, 50, (1, 20))

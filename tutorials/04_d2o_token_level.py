@@ -105,7 +105,9 @@ if solved("ema_merging"):
 from kvmini.config import ModelConfig  # noqa: E402
 from kvmini.model import Transformer  # noqa: E402
 
-model = Transformer(ModelConfig("llama", 50, 32, 64, 3, 4, 2, 8, rope_theta=1000.0)).eval()
+config = ModelConfig(model_type="llama", vocab_size=50, hidden_size=32, intermediate_size=64, num_layers=3,
+                     num_heads=4, num_kv_heads=2, head_dim=8, rope_theta=1000.0)
+model = Transformer(config).eval()
 if solved("ema_merging"):
     policy = make_policy("d2o", 0.5, variant="paper", allocation="zscore")
     cache = model.new_cache()

@@ -194,7 +194,9 @@ class Letters:
 
 if solved("convex_value_merge"):  # a student copy: every WeightedKV step runs the exercise
     torch.manual_seed(0)
-    model = Transformer(ModelConfig("llama", 50, 32, 64, 3, 4, 2, 8, rope_theta=1000.0)).eval()
+    config = ModelConfig(model_type="llama", vocab_size=50, hidden_size=32, intermediate_size=64, num_layers=3,
+                         num_heads=4, num_kv_heads=2, head_dim=8, rope_theta=1000.0)
+    model = Transformer(config).eval()
     policy = make_policy("weightedkv", 16)
     trace = record_merges(policy)
     prompt = torch.randint(0, 50, (1, 48))
