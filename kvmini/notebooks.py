@@ -5,9 +5,12 @@
 
 Needs jupytext, nbclient and ipykernel (requirements-dev.txt); the notebooks are written to
 notebooks/ (git-ignored). In a notebook, `show(fig, name)` displays a figure inline; run as a
-script, it saves it to results/tutorials/<name>.png instead (no display needed). `show_page(path)` shows
-a kvmini.view page inline (in an iframe); as a script it prints where the page is.
+script, it saves it to results/figures/<name>.png instead (git-ignored: a reader's run leaves the
+checkout clean). The committed figures the README shows, results/tutorials/, are drawn again by naming
+that folder: `KVMINI_FIGURES=results/tutorials python tutorials/03_d2o_layer_level.py`.
+`show_page(path)` shows a kvmini.view page inline (in an iframe); as a script it prints where the page is.
 """
+import os
 import sys
 from pathlib import Path
 
@@ -15,24 +18,30 @@ from kvmini import cli
 from kvmini.errors import KvminiError
 
 ROOT = Path(__file__).resolve().parent.parent
-FIGURES = ROOT / "results" / "tutorials"
+FIGURES = ROOT / "results" / "tutorials"  # the committed figures (the README's)
 
 
 def in_notebook() -> bool:
     return "ipykernel" in sys.modules
 
 
+def figures() -> Path:
+    """Where a script's figures go: $KVMINI_FIGURES if set, else results/figures (git-ignored)."""
+    return Path(os.environ.get("KVMINI_FIGURES") or ROOT / "results" / "figures")
+
+
 def show(fig, name: str) -> None:
-    """Inline in a notebook; saved as results/tutorials/<name>.png when run as a script."""
+    """Inline in a notebook; saved as <figures()>/<name>.png when run as a script."""
     import matplotlib.pyplot as plt
 
     if in_notebook():
         plt.show()
         return
-    FIGURES.mkdir(parents=True, exist_ok=True)
-    fig.savefig(FIGURES / f"{name}.png", dpi=110, bbox_inches="tight")
+    out = figures() / f"{name}.png"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=110, bbox_inches="tight")
     plt.close(fig)
-    print(f"(figure saved to {(FIGURES / f'{name}.png').relative_to(ROOT)})")
+    print(f"(figure saved to {out})")
 
 
 def show_page(path: Path, height: int = 560) -> None:

@@ -1,6 +1,7 @@
 """Every tutorial runs top to bottom as a notebook (its own asserts are the checks) and shows its
 figures inline; one also runs as a plain script, which saves its figure to a file instead. Every
 tutorial also runs to the end in a fresh student copy, where every exercise is still open."""
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -34,18 +35,26 @@ def test_tutorial_runs_as_a_notebook_and_shows_its_figures(path, default_model_d
 
 
 @pytest.mark.slow
-def test_a_tutorial_runs_as_a_script_and_saves_its_figure(default_model_dir):
-    target = FIGURES / "01_cache_memory.png"
-    committed = target.read_bytes() if target.exists() else None  # the README shows the committed ones
-    target.unlink(missing_ok=True)
-    try:
-        proc = subprocess.run([sys.executable, str(ROOT / "tutorials" / "01_transformer_and_kv_cache.py")], cwd=ROOT,
-                              capture_output=True, text=True, timeout=600)
-        assert proc.returncode == 0, proc.stderr[-3000:]
-        assert target.exists() and target.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    finally:
-        if committed is not None:
-            target.write_bytes(committed)
+def test_a_tutorial_runs_as_a_script_and_saves_its_figure_outside_the_committed_ones(default_model_dir, tmp_path):
+    """A script run writes its figure where KVMINI_FIGURES says (by default results/figures, git-ignored),
+    never over the committed figures the README shows (results/tutorials)."""
+    committed = FIGURES / "01_cache_memory.png"
+    before = committed.read_bytes()
+    proc = subprocess.run([sys.executable, str(ROOT / "tutorials" / "01_transformer_and_kv_cache.py")], cwd=ROOT,
+                          capture_output=True, text=True, timeout=600,
+                          env=dict(os.environ, KVMINI_FIGURES=str(tmp_path)))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert (tmp_path / "01_cache_memory.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert committed.read_bytes() == before
+
+
+def test_script_figures_default_to_a_git_ignored_folder(monkeypatch):
+    from kvmini.notebooks import ROOT as root, figures
+
+    monkeypatch.delenv("KVMINI_FIGURES", raising=False)
+    assert figures() == root / "results" / "figures"
+    ignored = subprocess.run(["git", "check-ignore", "-q", "results/figures/x.png"], cwd=root)
+    assert ignored.returncode == 0 or not (root / ".git").exists()
 
 
 @pytest.fixture(scope="module")
