@@ -329,8 +329,8 @@ show(fig, "04_d2o_vs_cam_merges")
 #
 # On the default model D2O does worse than H2O at the same budget, though it keeps more of the cache
 # (its protected layers keep the whole prompt), and the ablation at the end of this section finds the
-# cause: its merge, and above all its merge of keys. Eq. 9 merges an evicted key into its most similar kept key when their cosine
-# clears the threshold $\tau$ (Eq. 10). A cosine that high sounds like "nearly the same
+# cause: its merge, and above all its merge of keys. Eq. 9 merges an evicted key into its most
+# similar kept key when their cosine clears the threshold $\tau$ (Eq. 10). A cosine that high sounds like "nearly the same
 # key", but attention does not read all of a key. Split each key of a head into the head's mean key
 # and the rest, $k = \mu + r$: the logit $q \cdot k / \sqrt{D}$ is $q \cdot \mu / \sqrt{D}$, the same
 # for every key of that query, which the softmax ignores, plus $q \cdot r / \sqrt{D}$, which ranks the
