@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 
 from kvmini.cache import LayerCache
 from kvmini.errors import KvminiError
-from kvmini.methods.ema_merging import EMAMerge, nearest
+from kvmini.methods.ema_merging import EMAMerge, convex_merge, ema_threshold, nearest
 from kvmini.methods.registry import make_policy
 from kvmini.generate import prefill
 from kvmini.methods.allocators import proportional
@@ -119,6 +119,45 @@ def toy_cache(keys, values):
 
 
 @pytest.mark.exercise("ema_merging")
+def test_eq9_nearest_alone():
+    """Eq. 9 (`nearest`) by itself: evicted k2 = (1, 0.1) and k3 = (-1, 0) against kept k0 = (1, 0), k1 = (0, 1).
+    k2's nearest is k0 at 1/sqrt(1.01); k3's is k1 at 0 (k0 is at -1)."""
+    kept = torch.tensor([[1.0, 0.0], [0.0, 1.0]]).view(1, 1, 2, 2)
+    best, j = nearest(torch.tensor([[1.0, 0.1], [-1.0, 0.0]]).view(1, 1, 2, 2), kept)
+    assert j[0, 0].tolist() == [0, 1], f"Eq. 9 (`nearest`): the nearest kept key of each evicted key, got {j[0, 0].tolist()}"
+    torch.testing.assert_close(best[0, 0], torch.tensor([1 / math.sqrt(1.01), 0.0]),
+                               msg=lambda m: f"Eq. 9 (`nearest`): the cosine of each evicted key to its nearest. {m}")
+
+
+@pytest.mark.exercise("ema_merging")
+@pytest.mark.parametrize("beta", [0.0, 0.7, 1.0])
+def test_eq10_ema_threshold_alone(beta):
+    """Eq. 10 (`ema_threshold`) by itself: tau_0 is the given mean (no earlier threshold), then
+    tau_t = beta * new + (1 - beta) * tau_{t-1}."""
+    new, old = torch.tensor([[0.9]]), torch.tensor([[0.5]])
+    assert torch.equal(ema_threshold(None, new, beta), new), "Eq. 10 (`ema_threshold`): tau_0 must be `new` itself"
+    want = beta * 0.9 + (1 - beta) * 0.5
+    assert ema_threshold(old, new, beta).item() == pytest.approx(want), \
+        f"Eq. 10 (`ema_threshold`): tau_t for beta {beta}, want {want:.3f}, got {ema_threshold(old, new, beta).item():.3f}"
+
+
+@pytest.mark.exercise("ema_merging")
+def test_eq11_12_convex_merge_alone():
+    """Eq. 11-12 (`convex_merge`) by itself: kept x0 = (1, 0), x1 = (0, 1); evicted x2 = (1, 0.1) and x3 = (1, -0.1)
+    both chose x0 with u = 0.9 and merge; x4 = (5, 5) chose x1 with u = 0.2 but is not marked (below tau), so x1
+    stays. x0 <- (e x0 + e^0.9 (x2 + x3)) / (e + 2 e^0.9) = (1, 0): weights that sum to 1."""
+    keep = torch.tensor([[1.0, 0.0], [0.0, 1.0]]).view(1, 1, 2, 2)
+    evict = torch.tensor([[1.0, 0.1], [1.0, -0.1], [5.0, 5.0]]).view(1, 1, 3, 2)
+    j_star, best = torch.tensor([[[0, 0, 1]]]), torch.tensor([[[0.9, 0.9, 0.2]]])
+    got = convex_merge(keep, evict, j_star, best, torch.tensor([[[True, True, False]]]))
+    torch.testing.assert_close(got[0, 0, 0], torch.tensor([1.0, 0.0]), msg=lambda m: (
+        "Eq. 11-12 (`convex_merge`): kept token 0, into which two evicted tokens merge (softmax weights over "
+        f"itself, e^1, and each one's own e^u, summing to 1). {m}"))
+    torch.testing.assert_close(got[0, 0, 1], torch.tensor([0.0, 1.0]), msg=lambda m: (
+        f"Eq. 11-12 (`convex_merge`): kept token 1, chosen only by a token not marked to merge, must stay. {m}"))
+
+
+@pytest.mark.exercise("ema_merging")
 def test_d2o_merge_by_hand():
     """Keep k0 = (1, 0) and k1 = (0, 1); evict k2 = (1, 0.1) and k3 = (-1, 0).
     cos(k2, k0) = 1/sqrt(1.01) = 0.995 (its nearest), cos(k3, .) = -1, 0 (nearest k1, similarity 0).
@@ -212,9 +251,13 @@ def test_beta_extremes(beta):
     merge = EMAMerge(beta)
     merge(0, lc, torch.tensor([[[0, 1, 4]]]))  # prefill: evict k2, k3
     tau_0 = merge.tau[0].item()
+    torch.testing.assert_close(lc.keys[0, 0, 1], torch.tensor([0.0, 1.0]), msg=lambda m: (
+        "Eq. 11-12 (`convex_merge`): kept k1, chosen only by k3 (similarity 0, below tau_0), must stay as it was; "
+        f"the threshold judgment is the merge's `merge` mask. {m}"))
     lc.keep(torch.tensor([[[0, 1, 4]]]))
     merge(0, lc, torch.tensor([[[0, 2]]]))  # a decode step evicts k1 = (0, 1): nearest (1, 1), cos 0.707
-    assert merge.tau[0].item() == pytest.approx(tau_0 if beta == 0 else 1 / math.sqrt(2))
+    assert merge.tau[0].item() == pytest.approx(tau_0 if beta == 0 else 1 / math.sqrt(2)), \
+        f"Eq. 10 (`ema_threshold`): tau after a decode step with beta {beta}"
 
 
 # --- the whole method, and a new composition ----------------------------------------------------

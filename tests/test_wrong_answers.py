@@ -27,6 +27,8 @@ def test_a_wrong_answer_fails_a_check_of_its_exercise(name):
     failed = set(re.findall(r"^FAILED (tests/\S+?\.py::\w+)", run.stdout, re.M))
     assert run.returncode == 1 and failed, f"{name} ({w.misreading}) passes every check of {w.exercise}"
     assert failed <= set(exercises(ROOT)[w.exercise].tests)  # the exercise's own checks, nothing else
+    if w.caught_by:  # the check of the one function it gets wrong fails too, naming its equation
+        assert any(f.endswith(f"::{w.caught_by}") for f in failed), f"{name}: {w.caught_by} passes; failed: {sorted(failed)}"
 
 
 def test_every_exercise_has_wrong_answers_each_named_once():

@@ -26,6 +26,7 @@ class Wrong:
     module: str  # the module holding the exercise's region
     old: str  # a line (or part of one) of the reference solution ...
     new: str  # ... and what the student wrote instead
+    caught_by: str = ""  # the check, named after the equation and function it checks, that must fail first
 
 
 WRONG = [
@@ -33,18 +34,21 @@ WRONG = [
           "token merged into the same kept one, so two merges into one token are not convex",
           "kvmini.methods.ema_merging",
           "num.scatter_add_(2, j_star[..., None].expand_as(x_evict), weight[..., None] * x_evict)",
-          "num.scatter_add_(2, j_star[..., None].expand_as(x_evict), (den - math.e).gather(2, j_star)[..., None] * x_evict)"),
+          "num.scatter_add_(2, j_star[..., None].expand_as(x_evict), (den - math.e).gather(2, j_star)[..., None] * x_evict)",
+          "test_eq11_12_convex_merge_alone"),
     Wrong("threshold_ignored", "ema_merging", "Eq. 10's threshold ignored: every evicted token merges into its nearest",
           "kvmini.methods.ema_merging", "weight = torch.where(merge, best.exp(), torch.zeros_like(best))",
-          "weight = best.exp()"),
+          "weight = best.exp()", "test_eq11_12_convex_merge_alone"),
     Wrong("own_weight_one", "ema_merging", "Eq. 12's weight of the kept token itself taken as 1, not e^1 (its "
-          "similarity to itself is 1)", "kvmini.methods.ema_merging", "num = math.e * x_keep", "num = 1.0 * x_keep"),
+          "similarity to itself is 1)", "kvmini.methods.ema_merging", "num = math.e * x_keep", "num = 1.0 * x_keep",
+          "test_eq11_12_convex_merge_alone"),
     Wrong("ema_reversed", "ema_merging", "Eq. 10's EMA the other way round: beta weighs the old threshold",
-          "kvmini.methods.ema_merging", "beta * new + (1 - beta) * tau_prev", "(1 - beta) * new + beta * tau_prev"),
+          "kvmini.methods.ema_merging", "beta * new + (1 - beta) * tau_prev", "(1 - beta) * new + beta * tau_prev",
+          "test_eq10_ema_threshold_alone"),
     Wrong("dot_not_cosine", "ema_merging", "Eq. 9's similarity as a dot product, not a cosine",
           "kvmini.methods.ema_merging",
           "u = F.normalize(k_evict, dim=-1, eps=eps) @ keys.transpose(-1, -2) / norms.clamp_min(eps)[..., None, :]",
-          "u = k_evict @ keys.transpose(-1, -2)"),
+          "u = k_evict @ keys.transpose(-1, -2)", "test_eq9_nearest_alone"),
     Wrong("softmax_sign", "variance_softmax", "Eq. 5's exponent without its minus: the flattest layers get the least",
           "kvmini.methods.variance_softmax", "return torch.softmax(-F, dim=0).tolist()",
           "return torch.softmax(F, dim=0).tolist()"),

@@ -485,7 +485,9 @@ if solved("ema_merging"):
 #    and 1 included); `convex_merge` gives each kept $x_j$ the weights $e^{u_{ij}}$ of the evicted
 #    tokens that chose it *and* are marked in `merge` (the others weigh 0) and $e^1$ for itself,
 #    normalized to sum to 1, shape $(B, H_{kv}, b, D)$; a kept token nobody chose stays as it is. Check
-#    them with `python -m kvmini.course check ema_merging`: the by-hand example of this tutorial, then
+#    them with `python -m kvmini.course check ema_merging`: each function first on its own (a failure
+#    names its equation and function, e.g. "Eq. 11-12 (`convex_merge`): kept token 0 ..."), then the
+#    by-hand example of this tutorial, then
 #    loop-based versions over several decode steps, several KV heads, the authors' merge (which uses
 #    your `nearest` and `ema_threshold`) and torch's own cosine against your `nearest`.
 # 2. What happens with $\beta = 0$ and $\beta = 1$? Predict, then check `test_beta_extremes`.
