@@ -26,10 +26,9 @@ def test_six_token_cut_by_hand():
     # token 4: .25, 4.65%; token 5: .16, 23.7%.
     drops = [1 - math.sqrt(x / 0.275) for x in (0.2725, 0.2625, 0.26, 0.25, 0.16)]
     assert [round(d * 100, 2) for d in drops] == [0.46, 2.3, 2.77, 4.65, 23.72]
-    assert frobenius_stop(ROW, BY_POSITION_ONE_SINK, 0.01) == 1
-    assert frobenius_stop(ROW, BY_POSITION_ONE_SINK, 0.03) == 3
-    assert frobenius_stop(ROW, BY_POSITION_ONE_SINK, 0.05) == 4
-    assert frobenius_stop(ROW, BY_POSITION_ONE_SINK, 0.0) == 0  # threshold 0 prunes nothing
+    for t, want in [(0.01, 1), (0.03, 3), (0.05, 4), (0.0, 0)]:  # threshold 0 prunes nothing
+        got = frobenius_stop(ROW, BY_POSITION_ONE_SINK, t)
+        assert got == want, f"Eq. 2 (`frobenius_stop`): tokens pruned from the six-token row at threshold {t}: want {want}, got {got}"
 
 
 @pytest.mark.exercise("frobenius_stop")

@@ -26,7 +26,8 @@ def test_value_weighting_by_hand():
         lc.aux("attention_sum").add_(torch.tensor([[[0.5, 0.3, 0.2]]]))  # one call of 3 queries
         if method.p is not None:
             method.keep_norms(lc, 3)
-        assert method.score(lc).flatten().tolist() == pytest.approx(want)
+        got = method.score(lc).flatten().tolist()
+        assert got == pytest.approx(want), f"VATP's score (`value_norm`, norm {norm}): accumulated attention times the values' norm, got {got}"
 
 
 def test_a_norm_is_kept_from_the_call_that_cached_the_value():
