@@ -547,3 +547,34 @@ def test_the_guides_class_timing_is_the_committed_grade():
     assert data["jobs"] == data["cores"] == 2 and data["seconds"] < 15 * 60
     assert f"in {data['seconds'] / 60:.1f} minutes on this project's 2-core machine" in " ".join(DOC.split())
     assert f"load average {data['load_at_start']} at its start; commit {data['commit'][:7]}" in " ".join(DOC.split())
+
+
+@pytest.mark.slow
+def test_the_guides_setup_pasted_in_order_gives_a_copy_that_checks_an_exercise(tmp_path, default_model_dir):
+    """docs/course.md as a newcomer runs it: in a repository holding the default model, the first `new` line
+    and the `ln -s` line of "Hand out", then "Work on one exercise"'s `cd` and `check ema_merging`, pasted
+    into one shell in that order. The copy finds the model through the link (no download) and the check
+    runs the exercise's tests, which fail on its open holes."""
+    hand_out = DOC.split("## Hand out", 1)[1].split("```bash", 1)[1].split("```", 1)[0].splitlines()
+    work = DOC.split("## Work on one exercise", 1)[1].split("```bash", 1)[1].split("```", 1)[0].splitlines()
+    lines = [next(l for l in hand_out if l.startswith("python -m kvmini.course new ../kvmini-student ")),
+             next(l for l in hand_out if l.startswith("ln -s ")),
+             next(l for l in work if l.startswith("cd ")),
+             next(l for l in work if l.startswith("python -m kvmini.course check ema_merging"))]
+    commands = [line.split("#")[0].strip() for line in lines]
+    repo = tmp_path / "repo"  # this repository's tracked files, as a git checkout of its own
+    tracked = subprocess.run(["git", "ls-files"], cwd=ROOT, capture_output=True, text=True, check=True).stdout.split()
+    for name in tracked:
+        (repo / name).parent.mkdir(parents=True, exist_ok=True)
+        (repo / name).write_bytes((ROOT / name).read_bytes())
+    subprocess.run(["git", "init", "-q"], cwd=repo, check=True)
+    subprocess.run(["git", "add", "-A"], cwd=repo, check=True)
+    (repo / "weights" / default_model_dir.name).symlink_to(default_model_dir)  # the repository has the model
+    env = dict(os.environ, PATH=f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}",
+               HF_HUB_OFFLINE="1")
+    run = subprocess.run(["bash", "-c", "\n".join(commands)], cwd=repo, capture_output=True, text=True, env=env,
+                         timeout=900)
+    copy = tmp_path / "kvmini-student"
+    assert (copy / "weights" / default_model_dir.name / "config.json").is_file(), run.stdout + run.stderr
+    assert re.search(r"^ema_merging: 0 of \d+ tests pass", run.stdout, re.M), run.stdout[-3000:] + run.stderr[-3000:]
+    assert "NotImplementedError: exercise ema_merging" in run.stdout and "download" not in run.stdout + run.stderr
