@@ -132,7 +132,7 @@ def prefill(model: Transformer, ids: torch.Tensor, cache: KVCache, policy=None, 
     method_chunk = policy.chunk_for(before + T, total_len) if policy is not None else None  # e.g. WeightedKV's
     step = chunk_size or method_chunk or T
     if policy is not None:
-        policy.start(T, total_len) if before == 0 else policy.next_prompt(T, total_len)
+        policy.start(T, total_len, model) if before == 0 else policy.next_prompt(T, total_len)
     for start in range(0, T, step):
         c = min(step, T - start)
         on_layer = None if on_progress is None else (lambda i, start=start, c=c: on_progress(start + c * (i + 1) / L))

@@ -41,8 +41,8 @@ class PerSequence:
             found = policy.batch = cls(policy)
         return found
 
-    def start(self, prompt_len: int, total_len: int | None = None) -> None:
-        self.one.start(prompt_len, total_len)
+    def start(self, prompt_len: int, total_len: int | None = None, model=None) -> None:
+        self.one.start(prompt_len, total_len, model)
         self.rows = [self.one]  # the copies are made by the run's first call, when the batch size is known
 
     def next_prompt(self, prompt_len: int, total_len: int | None = None) -> None:

@@ -450,3 +450,19 @@ def test_every_method_and_variant_names_one_of_the_four_schedules():
     assert set(names.values()) == {"prefill", "after_prompt", "every_call", "decode"}, names
     assert names["h2o"] == "every_call" and names["snapkv"] == "prefill"
     assert {names["d2o"], names["d2o[variant=paper]"]} == {"decode", "after_prompt"}
+
+
+def test_a_method_finds_the_model_of_its_run_and_a_fork_shares_it():
+    """prefill hands the model to `start` (a method may read its weights: tutorial 9, part 4); it is held
+    weakly, so `fork` copies the method's state but not the model."""
+    from kvmini.generate import fork, prefill
+
+    model, policy = random_model(L=2), make_policy("h2o", 0.5)
+    assert policy.model is None
+    cache = model.new_cache(1)
+    prefill(model, torch.randint(0, 61, (1, 12), generator=torch.Generator().manual_seed(0)), cache, policy)
+    assert policy.model is model
+    _, copied = fork(cache, policy)
+    assert copied.model is model and copied is not policy
+    policy.start(5)
+    assert policy.model is None  # a new run started without a model has none

@@ -23,7 +23,8 @@
 # generic tests over every method — follows from those. Then two commands put it beside the others:
 # its behaviour recorded (`tests/test_engine_regression.py --record vatp`) and its measurements added to
 # the committed results (the checklist at the end). This tutorial walks through each step; part 2 adds a
-# method that needs a new attention statistic (Scissorhands), part 3 a method that waits for every layer.
+# method that needs a new attention statistic (Scissorhands), part 3 a method that waits for every layer,
+# part 4 a head-wise method that reads the model's weights (each head's W_o).
 # Open it as an executed notebook: `python -m kvmini.notebooks 09` (into notebooks/).
 
 # %%
@@ -570,6 +571,92 @@ print("budgets", policy.budgets, "from V_l", [round(policy.variance[l], 5) for l
 # `kvmini/methods/adakv.py` (Ada-KV) is such a method: SnapKV with its own selection, `across_heads`,
 # which counts the layer's best scores per head. The generic tests then hold the mean count per head
 # to the budget.
+
+# %% [markdown]
+# ## Part 4: a method that reads the model's weights (head-wise)
+#
+# Some scores need more than the attention: CriticalKV (Feng et al., "Identify Critical KV Cache in LLM
+# Inference from an Output Perturbation Perspective", arXiv 2502.03805) weighs each token's attention by
+# what its value adds to the layer's output, the norm of $v_j$ through the head's slice of the output
+# projection, $\|W_o^{h} v_j\|$ ($W_o^{h}$: the $D$ columns of `o_proj.weight` that read query head $h$).
+# A method finds the model of its run in `self.model` (`kvmini.generate.prefill` hands it to `start`),
+# so reading a weight needs no change outside the method. The toy below keeps, once when the prompt is
+# complete, the recent window and the tokens of highest
+#
+# $$\mathrm{score}_j = \frac{1}{g} \sum_{h \in \text{KV head}} \Big(\sum_i A^{h}_{ij}\Big)\, \big\|W_o^{h} v_j\big\|_2,$$
+#
+# per KV head: the attention of each query head times its own output norm, then averaged over the
+# $g$ query heads that share the KV head (a statistic with `reduce="heads"` keeps them apart). It is a
+# toy in CriticalKV's spirit, not CriticalKV (one stage, one budget per layer), and like the toy of
+# part 3 it takes the prompt in one call.
+
+# %%
+from kvmini.attention import reduce_heads  # noqa: E402
+from kvmini.generate import prefill  # noqa: E402
+
+
+class OutputAware(Method):
+    """Heavy hitters by attention times ||W_o^h v_j|| (per query head, then the mean over a KV head's
+    query heads) plus the recent window, once when the prompt is complete."""
+
+    schedule = "prefill"
+
+    def recent(self, b):
+        return W
+
+    def before(self, cache, T):
+        super().before(cache, T)
+        wanted = self.active and self.completes
+        self.wants = {"columns": Statistic(reduce="heads")} if wanted else None  # (B, H, S): sum_i A^h_ij
+
+    def after_attention(self, layer, cache, seen):
+        if self.wants is None:
+            return
+        lc, attn = cache[layer], self.model.model.layers[layer].self_attn  # this layer's attention module
+        H, H_kv, D = attn.H, attn.H_kv, attn.D
+        W_o = attn.o_proj.weight.view(-1, H, D)  # (C, H, D): W_o^h is W_o[:, h]
+        v = lc.values.repeat_interleave(H // H_kv, dim=1)  # (B, H, S, D): the values each query head reads
+        through = torch.einsum("bhsd,chd->bhsc", v, W_o).norm(dim=-1)  # (B, H, S): ||W_o^h v_j||
+        score = reduce_heads(seen["columns"] * through, H_kv, "mean")  # (B, H_kv, S)
+        b = self.budgets[layer]
+        self.evicted[layer] += lc.length - b
+        shrink(lc, score, b, 0, W, self.newest)
+
+
+policy = OutputAware("output_aware", 12)
+cache = model.new_cache(1)
+saved = []  # each layer's queries, keys and values when its attention is done, before the method acts
+hooks = [layer.self_attn.register_forward_hook(
+    lambda attn, args, out: saved.append((attn.project(args[0], args[2], args[3])[0], args[4].keys.clone(),
+                                          args[4].values.clone()))) for layer in model.model.layers]
+with torch.no_grad():
+    prefill(model, ids, cache, policy)  # the 30-token prompt, in one call
+for h in hooks:
+    h.remove()
+
+# %% [markdown]
+# The same rule in loops, from the queries, keys and values the hooks saved and the weights themselves:
+# each query head's attention row by row, each value through its head's columns of $W_o$ one at a time.
+
+# %%
+for layer, (q, K, V) in enumerate(saved):
+    W_o = model.model.layers[layer].self_attn.o_proj.weight.detach()  # (C, H * D)
+    H, H_kv, n, D = q.shape[1], K.shape[1], K.shape[2], K.shape[3]
+    g = H // H_kv
+    for kv in range(H_kv):
+        score = []
+        for j in range(n):
+            total = 0.0
+            for h in range(kv * g, (kv + 1) * g):
+                rows = [(q[0, h, i] @ K[0, kv, : i + 1].T / math.sqrt(D)).softmax(-1) for i in range(j, n)]
+                attention = sum(float(r[j]) for r in rows)  # sum_i A^h_ij over the queries that see j
+                total += attention * float((W_o[:, h * D : (h + 1) * D] @ V[0, kv, j]).norm())
+            score.append(total / g)
+        b = policy.budgets[layer]
+        heavy = sorted(range(n - W), key=lambda j: -score[j])[: b - W]
+        want = sorted(heavy) + list(range(n - W, n))
+        assert sorted(cache[layer].positions[0, kv].tolist()) == want, (layer, kv)
+print("kept per layer:", cache.lengths(), "(budget 12, of which the recent", W, ")")
 
 # %% [markdown]
 # ## A checklist for your own method

@@ -8,7 +8,10 @@ whose three hooks the model's forward pass calls (docs/design.md, "The method fo
 `wants` is read before each layer's attention: the statistics that pass computes (None: none).
 `Method.before` does the bookkeeping a subclass's own `before` starts with: where the prompt ends,
 what the budget is in tokens per layer (`budgets`), whether compressing does anything (`active`).
+A method that reads the model's weights (each head's W_o, say) finds the model of the run in `model`.
 """
+import weakref
+
 from kvmini.budget import check, chunk_size, is_noop, plan
 from kvmini.errors import KvminiError, tokens
 
@@ -49,16 +52,24 @@ class Method:
 
     # --- a run: its prompts, and each call against them --------------------------------------------
 
-    def start(self, prompt_len: int, total_len: int | None = None) -> None:
-        """A new run whose first prompt has prompt_len tokens; total_len (if given) promises it ends there."""
+    def start(self, prompt_len: int, total_len: int | None = None, model=None) -> None:
+        """A new run whose first prompt has prompt_len tokens; total_len (if given) promises it ends there;
+        model: the Transformer it runs in (kvmini.generate.prefill passes it), held weakly, so that a
+        `fork` of the run copies the method's state, not the model."""
         self._new_run(prompt_length(self.name, "start", prompt_len), total_len)
+        self._model = None if model is None else weakref.ref(model)
+
+    @property
+    def model(self):
+        """The model of this run (None when `start` was not given one)."""
+        return None if self._model is None else self._model()
 
     def _new_run(self, prompt_len, total_len) -> None:
         self.prompt_start, self.prompt_end, self.total_len = 0, prompt_len, total_len
         self.started, self.evicted, self.active, self.note = False, [], False, None
         self.seen, self.skipped, self.merged = 0, False, []
         self.planned, self.unchanged, self._budgets = False, None, None
-        self.mean_budget, self.protected = None, ()
+        self.mean_budget, self.protected, self._model = None, (), None
 
     def next_prompt(self, prompt_len: int, total_len: int | None = None) -> None:
         """The run's next prompt_len tokens are a new prompt (docs/design.md, "A cache that lives on")."""
