@@ -20,7 +20,7 @@ from kvmini.errors import KvminiError
 
 ROOT = Path(__file__).resolve().parent.parent
 EXERCISES = {  # written out by hand: what the markers in kvmini/methods must add up to
-    "variance_softmax": {"kvmini/methods/variance_softmax.py": ["layer_weights"]},
+    "variance_softmax": {"kvmini/methods/variance_softmax.py": ["attention_variance", "layer_weights"]},
     "reciprocal_allocation": {"kvmini/methods/variance_softmax.py": ["layer_weights"]},
     "ema_merging": {"kvmini/methods/ema_merging.py": ["nearest", "ema_threshold", "convex_merge"]},
     "frobenius_stop": {"kvmini/methods/frobenius_stop.py": ["frobenius_stop"]},

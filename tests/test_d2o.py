@@ -14,7 +14,7 @@ from kvmini.methods.ema_merging import EMAMerge, convex_merge, ema_threshold, ne
 from kvmini.methods.registry import make_policy
 from kvmini.generate import prefill
 from kvmini.methods.allocators import proportional
-from kvmini.methods.variance_softmax import layer_weights, split
+from kvmini.methods.variance_softmax import attention_variance, layer_weights, split
 from cases import stored
 from reference import group_mean, random_model, simulate
 
@@ -28,6 +28,29 @@ def test_zscore_weights_by_hand():
     assert layer_weights([1, 2, 3], "zscore") == pytest.approx(softmax)
     assert layer_weights([1, 2, 3], "zscore") == pytest.approx([0.7245, 0.2129, 0.0626], abs=1e-4)
     assert layer_weights([5, 5, 5], "zscore") == pytest.approx([1 / 3] * 3)  # no spread (sigma = 0): uniform
+
+
+@pytest.mark.exercise("variance_softmax")
+def test_eq4_attention_variance_by_hand():
+    """Eq. 4 (`attention_variance`): per head, the variance of the column sums over the key positions
+    (divided by n; by n - correction when asked), then the mean over the heads and the batch."""
+    def literal(rows, correction=0):  # rows: each head's column sums
+        out = []
+        for row in rows:
+            mean = sum(row) / len(row)
+            out.append(sum((x - mean) ** 2 for x in row) / (len(row) - correction))
+        return sum(out) / len(out)
+
+    peaked = [[5.0, 0.2, 0.2, 0.2, 0.2, 0.2], [3.0, 1.0, 0.5, 0.5, 0.5, 0.5]]  # two heads, six keys
+    got = attention_variance(torch.tensor([peaked]))
+    assert got == pytest.approx(literal(peaked)), \
+        f"Eq. 4 (`attention_variance`): F_v of two heads' column sums, want {literal(peaked):.4f}, got {got:.4f}"
+    got = attention_variance(torch.tensor([peaked]), correction=1)
+    assert got == pytest.approx(literal(peaked, 1)), f"Eq. 4 (`attention_variance`) with correction=1: got {got:.4f}"
+    assert attention_variance(torch.full((1, 2, 6), 1.0)) == 0, "Eq. 4 (`attention_variance`): even attention has variance 0"
+    batch = [[[1.0, 2.0, 3.0]], [[0.0, 0.0, 3.0]]]  # two sequences of one head: the mean of their variances
+    got = attention_variance(torch.tensor(batch))
+    assert got == pytest.approx(literal([batch[0][0], batch[1][0]])), f"Eq. 4 (`attention_variance`) over a batch: got {got:.4f}"
 
 
 @pytest.mark.exercise("reciprocal_allocation")

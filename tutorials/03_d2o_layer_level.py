@@ -37,9 +37,11 @@ from kvmini.methods.variance_softmax import allocate, attention_variance, layer_
 even = torch.full((1, 2, 6), 1.0)  # every key got the same attention: variance 0
 peaked = torch.tensor([[[5.0, 0.2, 0.2, 0.2, 0.2, 0.2], [3.0, 1.0, 0.5, 0.5, 0.5, 0.5]]])
 literal = sum(sum((x - sum(row) / 6) ** 2 for x in row) / 6 for row in peaked[0].tolist()) / 2
-assert attention_variance(even) == 0
-assert abs(attention_variance(peaked) - literal) < 1e-6
 print("column sums asked for with", Statistic())
+if solved("variance_softmax"):  # Eq. 4 is part of exercise 1
+    assert attention_variance(even) == 0
+    assert abs(attention_variance(peaked) - literal) < 1e-6
+    print("F_v:", round(attention_variance(peaked), 4))
 
 # %% [markdown]
 # ## Inverse variance softmax (Eq. 5)
@@ -180,14 +182,16 @@ model = load_model(folder, "cpu", "float32")
 ids = torch.tensor([load_tokenizer(folder).encode(pydoc_text())[:512]])
 
 # %%
-policy = make_policy("d2o", 0.2, variant="paper", allocation="zscore", merge="off")  # kvmini's reading of Eq. 5
-policy.start(512)  # the policy is told where the prompt ends (kvmini.generate.prefill does this)
-with torch.no_grad():
-    model(ids, model.new_cache(), policy)
-print("F_v per layer:", [round(v, 2) for v in policy.F_v.values()])  # Eq. 4, measured on the prompt
-print("S_l per layer:", policy.budgets)
-assert sum(policy.budgets) == 30 * round(0.2 * 512)
-assert max(policy.budgets[:3]) > 2 * 102 and min(policy.budgets) < 102 / 2  # early layers rich, some starved
+measured = solved("variance_softmax")  # F_v is Eq. 4
+if measured:
+    policy = make_policy("d2o", 0.2, variant="paper", allocation="zscore", merge="off")  # kvmini's reading of Eq. 5
+    policy.start(512)  # the policy is told where the prompt ends (kvmini.generate.prefill does this)
+    with torch.no_grad():
+        model(ids, model.new_cache(), policy)
+    print("F_v per layer:", [round(v, 2) for v in policy.F_v.values()])  # Eq. 4, measured on the prompt
+    print("S_l per layer:", policy.budgets)
+    assert sum(policy.budgets) == 30 * round(0.2 * 512)
+    assert max(policy.budgets[:3]) > 2 * 102 and min(policy.budgets) < 102 / 2  # early layers rich, some starved
 
 # %% [markdown]
 # Shallow layers spread their attention, deep ones concentrate it: the attention maps of the first
@@ -206,15 +210,15 @@ for ax, layer in zip(axes[:2], (0, 29)):
     ax.set_xlabel("key block")
     ax.set_ylabel("query block")
     fig.colorbar(im, ax=ax, shrink=0.8)
-F = list(policy.F_v.values())  # the budgets of the cell above
-axes[2].bar(range(30), F, color="tab:gray", label="F_v (left)")
-axes[2].set_yscale("log")
-axes[2].set_xlabel("layer")
-axes[2].set_ylabel("F_v")
-right = axes[2].twinx()
-right.plot(range(30), policy.budgets, "o-", color="tab:red", markersize=3, label="S_l, zscore (right)")
-right.set_ylabel("S_l (tokens)")
-axes[2].set_title("variance and budget per layer")
+if measured:  # the F_v and budgets of the cell above
+    axes[2].bar(range(30), list(policy.F_v.values()), color="tab:gray", label="F_v (left)")
+    axes[2].set_yscale("log")
+    axes[2].set_xlabel("layer")
+    axes[2].set_ylabel("F_v")
+    right = axes[2].twinx()
+    right.plot(range(30), policy.budgets, "o-", color="tab:red", markersize=3, label="S_l, zscore (right)")
+    right.set_ylabel("S_l (tokens)")
+    axes[2].set_title("variance and budget per layer")
 fig.tight_layout()
 show(fig, "03_density_and_budgets")
 
@@ -235,7 +239,7 @@ show(fig, "03_density_and_budgets")
 # (tests/test_docs.py holds this sentence to the committed numbers).
 
 # %%
-for how in ("paper", "zscore", "official", "uniform") if solved("variance_softmax") else ("zscore", "official", "uniform"):
+for how in ("paper", "zscore", "official", "uniform") if solved("variance_softmax") else ("official",):  # Eq. 4: exercise 1
     p = make_policy("d2o", 0.2, variant="paper", allocation=how, merge="off")
     cache = model.new_cache()
     p.start(512)
@@ -252,9 +256,13 @@ for how in ("paper", "zscore", "official", "uniform") if solved("variance_softma
 # %% [markdown]
 # ## Exercises
 #
-# 1. *(assignment: `variance_softmax`)* Implement Eq. 5 as printed, the `how == "paper"` branch of
-#    `layer_weights` in `kvmini/methods/variance_softmax.py`: the shares $\mathrm{softmax}(-F_v)$ over the
-#    layers, as a list of floats summing to 1. What the tests check: $F_v = [1, 2, 3]$ gives
+# 1. *(assignment: `variance_softmax`)* Implement Eq. 4 and Eq. 5 as printed in
+#    `kvmini/methods/variance_softmax.py`: `attention_variance`, the variance of each head's column sums
+#    over the key positions (divided by $n$, or $n$ minus `correction`), averaged over the heads and the
+#    batch, as a float; and the `how == "paper"` branch of `layer_weights`: the shares
+#    $\mathrm{softmax}(-F_v)$ over the layers, as a list of floats summing to 1. What the tests check:
+#    Eq. 4 on the two heads of this tutorial's example (and with `correction=1`, on even attention, on a
+#    batch of two), each failure naming `attention_variance`; $F_v = [1, 2, 3]$ gives
 #    $e^{-f} / \sum e^{-f}$ exactly (to 1e-6), on the raw variances (no standardizing; the
 #    `temperature` argument is not used by this branch); `split(F_v, "paper", b, n)`
 #    turns the shares into $S_l$, a split of $L b$ (unclamped: $[20, 7, 3]$ for $F_v = [0, 1, 2]$,

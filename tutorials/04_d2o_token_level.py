@@ -146,31 +146,32 @@ from kvmini.model import Transformer  # noqa: E402
 config = ModelConfig(model_type="llama", vocab_size=50, hidden_size=32, intermediate_size=64, num_layers=3,
                      num_heads=4, num_kv_heads=2, head_dim=8, rope_theta=1000.0)
 model = Transformer(config).eval()
-seen_q = []  # layer 0's queries of every call, (1, H, T, D)
-hook = model.model.layers[0].self_attn.register_forward_pre_hook(
-    lambda attn, args: seen_q.append(attn.project(args[0], args[2], args[3])[0]))
-policy = make_policy("d2o", 60, variant="paper", allocation="zscore", merge="off")  # 60 > 42 tokens: nothing evicted
-policy.start(40)
-cache = model.new_cache()
-with torch.no_grad():
-    model(torch.randint(0, 50, (1, 40)), cache, policy)
-    model(torch.tensor([[1]]), cache, policy)
-    model(torch.tensor([[2]]), cache, policy)
-hook.remove()
-K = cache[0].keys[0]  # (H_kv, 42, D): every key layer 0 holds, after RoPE
-score = torch.zeros(2, 42)
-first = 0  # the position of the call's first query
-for q in seen_q:  # one call: its queries' attention rows, each over the keys before it
-    T = q.shape[2]
-    for h in range(4):  # query head h reads KV head h // 2
-        logits = q[0, h] @ K[h // 2, : first + T].T / math.sqrt(8)  # (T, first + T)
-        logits += torch.full((T, first + T), float("-inf")).triu(first + 1)  # causal: query i sees keys <= first + i
-        score[h // 2, : first + T] += logits.softmax(-1).sum(0) / 2  # sum over the queries; mean over the 2 heads
-    first += T
-assert torch.allclose(cache[0].aux("attention_sum")[0], score, atol=1e-5)
+if solved("variance_softmax"):  # the zscore budgets read F_v (Eq. 4)
+    seen_q = []  # layer 0's queries of every call, (1, H, T, D)
+    hook = model.model.layers[0].self_attn.register_forward_pre_hook(
+        lambda attn, args: seen_q.append(attn.project(args[0], args[2], args[3])[0]))
+    policy = make_policy("d2o", 60, variant="paper", allocation="zscore", merge="off")  # 60 > 42 tokens: nothing evicted
+    policy.start(40)
+    cache = model.new_cache()
+    with torch.no_grad():
+        model(torch.randint(0, 50, (1, 40)), cache, policy)
+        model(torch.tensor([[1]]), cache, policy)
+        model(torch.tensor([[2]]), cache, policy)
+    hook.remove()
+    K = cache[0].keys[0]  # (H_kv, 42, D): every key layer 0 holds, after RoPE
+    score = torch.zeros(2, 42)
+    first = 0  # the position of the call's first query
+    for q in seen_q:  # one call: its queries' attention rows, each over the keys before it
+        T = q.shape[2]
+        for h in range(4):  # query head h reads KV head h // 2
+            logits = q[0, h] @ K[h // 2, : first + T].T / math.sqrt(8)  # (T, first + T)
+            logits += torch.full((T, first + T), float("-inf")).triu(first + 1)  # causal: query i sees keys <= first + i
+            score[h // 2, : first + T] += logits.softmax(-1).sum(0) / 2  # sum over the queries; mean over the 2 heads
+        first += T
+    assert torch.allclose(cache[0].aux("attention_sum")[0], score, atol=1e-5)
 
 # %%
-if solved("ema_merging"):
+if solved("ema_merging", "variance_softmax"):  # zscore and uniform budgets read F_v (Eq. 4)
     policy = make_policy("d2o", 0.5, variant="paper", allocation="zscore")
     cache = model.new_cache()
     policy.start(40, 46)
@@ -206,7 +207,7 @@ class Letters:
         return chr(ord("a") + i % 26).encode() + (b" " if i % 3 == 0 else b"")
 
 
-if solved("ema_merging"):
+if solved("ema_merging", "variance_softmax"):  # zscore and uniform budgets read F_v (Eq. 4)
     policy = make_policy("d2o", 0.5, variant="paper", allocation="zscore")
     trace = record_merges(policy)
     prompt = torch.randint(0, 50, (1, 40))
@@ -259,7 +260,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 
 from kvmini.notebooks import show  # noqa: E402
 
-if solved("ema_merging"):
+if solved("ema_merging", "variance_softmax"):  # zscore and uniform budgets read F_v (Eq. 4)
     fig, ax = plt.subplots(figsize=(6, 3))
     for beta in (0.3, 0.7, 1.0):
         p = make_policy("d2o", 0.5, variant="paper", allocation="uniform", beta=beta)
@@ -294,7 +295,7 @@ from kvmini.methods.registry import policy_for  # noqa: E402
 
 prompt = torch.randint(0, 50, (1, 40), generator=torch.Generator().manual_seed(1))
 merges = {}
-for spec in ("d2o[variant=paper,allocation=uniform]", "cam[merge_mask=expectation]") if solved("ema_merging") else ():
+for spec in ("d2o[variant=paper,allocation=uniform]", "cam[merge_mask=expectation]") if solved("ema_merging", "variance_softmax") else ():
     policy = policy_for(spec, 20)
     trace = record_merges(policy)
     policy.start(40, 46)

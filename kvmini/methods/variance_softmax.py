@@ -24,7 +24,9 @@ HEADS = ("official", "paper")  # the allocations that read each query head's col
 
 def attention_variance(column_sums: torch.Tensor, correction: int = 0) -> float:
     """F_v (Eq. 4): column_sums (B, heads, n) -> variance over key positions, averaged over heads."""
+    # BEGIN EXERCISE variance_softmax: tutorials/03_d2o_layer_level.py, "Attention density per layer (Eq. 4)"
     return column_sums.var(dim=-1, correction=correction).mean().item()
+    # END EXERCISE
 
 
 def official_variance(column_sums_heads: torch.Tensor) -> float:
