@@ -56,7 +56,9 @@ def test_eq4_attention_variance_by_hand():
 @pytest.mark.exercise("reciprocal_allocation")
 def test_reciprocal_allocation_by_hand():
     """Exercise `reciprocal_allocation` (tutorial 3, Table 4)."""
-    assert layer_weights([1, 2, 3], "reciprocal") == pytest.approx([6 / 11, 3 / 11, 2 / 11])
+    got = layer_weights([1, 2, 3], "reciprocal")
+    assert got == pytest.approx([6 / 11, 3 / 11, 2 / 11]), \
+        f"Table 4's reciprocal allocation (`layer_weights`, how='reciprocal'): want [6/11, 3/11, 2/11], got {got}"
 
 
 @pytest.mark.exercise("variance_softmax")
@@ -65,7 +67,8 @@ def test_paper_and_uniform_weights_by_hand():
     softmax(-F_v), no standardizing, no temperature; uniform: 1/3 each; a low temperature
     sharpens towards the lowest variance; standardized weights do not depend on the variances' scale."""
     e = [math.exp(-f) for f in (1, 2, 3)]
-    assert layer_weights([1, 2, 3], "paper") == pytest.approx([x / sum(e) for x in e])  # Eq. 5 on raw variances
+    got = layer_weights([1, 2, 3], "paper")
+    assert got == pytest.approx([x / sum(e) for x in e]), f"Eq. 5 as printed (`layer_weights`, how='paper'): got {got}"
     assert layer_weights([1, 2, 3], "uniform") == pytest.approx([1 / 3] * 3)
     hot = layer_weights([1, 2, 3], temperature=0.1)
     assert hot[0] > 0.99  # a low temperature sharpens toward the lowest-variance layer

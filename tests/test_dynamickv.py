@@ -103,10 +103,11 @@ def test_engine_equals_literal_algorithm_1(L, m, w_t, r_max, tail):
         got = [model(ids, cache, policy)[:, -1] for ids in calls]
     want, entering, history = dynamickv_reference(model, calls, n, w_t, ws, kernel, r_max, m, L, 2, tail)
     updates = [l for l in range(1, L + 1) if l % m == 0 or (l == L and tail)]
-    assert len(history) == len(updates)  # every m layers, and the tail (L % m != 0 included) unless official
+    assert len(history) == len(updates), "Eq. 5-8 (`reallocate`): one re-allocation every m layers (and the tail)"
     if tail:
         assert sum(history[-1]) == (w_t - ws) * L  # totals: (w_t - w_s) L + w_s L in all
-        assert policy.budgets == [z + ws for z in history[-1]]
+        assert policy.budgets == [z + ws for z in history[-1]], \
+            f"Eq. 5-8 (`reallocate`): the last re-allocation's budgets, want {[z + ws for z in history[-1]]}, got {policy.budgets}"
         assert sum(policy.budgets) == w_t * L
     else:  # the last L % m layers keep b_s + w_s, the finished ones their share of the whole total
         bs = min(int(r_max * (w_t - ws)), n - ws)
@@ -115,7 +116,8 @@ def test_engine_equals_literal_algorithm_1(L, m, w_t, r_max, tail):
     for a, b in zip(got, want):  # evict == mask, through prefill and 3 decode steps
         torch.testing.assert_close(a, b, atol=1e-5, rtol=0)
     for l, lc in enumerate(cache.layers):
-        assert lc.positions.sort(dim=-1).values[:, :, :-1].tolist() == entering[-1][l]
+        assert lc.positions.sort(dim=-1).values[:, :, :-1].tolist() == entering[-1][l], \
+            f"Eq. 5-8 (`reallocate`, then the cut to each layer's budget): the tokens layer {l} keeps"
 
 
 def test_budget_must_exceed_the_window():

@@ -39,15 +39,18 @@ def test_fig3_toy_run_with_cache_size_4():
         set_average_attention(lc, abar)
         convex_value_merge(lc, capacity=4, sinks=0, recent=1)  # Alg. 1: j < m, the newest never merges
         if t == 5:
-            assert lc.positions.flatten().tolist() == [1, 3, 4, 5]
-            torch.testing.assert_close(lc.values[0, 0, 1], E[1] / 6 + 5 * E[2] / 6)
+            assert lc.positions.flatten().tolist() == [1, 3, 4, 5], \
+                f"Alg. 1 (`convex_value_merge`): the positions kept after step 5, got {lc.positions.flatten().tolist()}"
+            torch.testing.assert_close(lc.values[0, 0, 1], E[1] / 6 + 5 * E[2] / 6, msg=lambda m: (
+                f"Alg. 1 line 9 (`convex_value_merge`): v3's value after v2 merges into it, v2/6 + 5 v3/6. {m}"))
     v = lc.values[0, 0]
-    assert lc.positions.flatten().tolist() == [3, 6, 7, 8]
+    assert lc.positions.flatten().tolist() == [3, 6, 7, 8], \
+        f"Alg. 1 (`convex_value_merge`): the positions kept after step 8, got {lc.positions.flatten().tolist()}"
     v3 = 2 / 7 * E[0] + 5 / 7 * (E[1] / 6 + 5 * E[2] / 6)  # step 6: v1 (0.2) into v3' (0.5)
     v5 = 0.4 * E[3] + 0.6 * E[4]  # step 7: v4 (0.2) into v5 (0.3)
     v6 = 0.2 * v5 + 0.8 * E[5]  # step 8: v5' (0.1) into v6 (0.4)
-    for got, want in zip(v, [v3, v6, E[6], E[7]]):
-        torch.testing.assert_close(got, want)
+    for pos, got, want in zip((3, 6, 7, 8), v, [v3, v6, E[6], E[7]]):
+        torch.testing.assert_close(got, want, msg=lambda m, pos=pos: f"Alg. 1 line 9 (`convex_value_merge`): v{pos}'s value. {m}")
         assert abs(got.sum().item() - 1) < 1e-6  # convex: weights sum to 1
     torch.testing.assert_close(lc.keys[0, 0], 10 * E[[2, 5, 6, 7]])  # keys are never merged, only dropped
 
