@@ -137,6 +137,12 @@ def test_allocation_regression_rounding_near_the_cap():
 
 # --- EMA-threshold merging -------------------------------------------------------------------
 
+# What a failure of the checks below names: the threshold is Eq. 10's, the keys and values Eq. 9's choice and
+# Eq. 11-12's merge (each function's own check, `test_eq*_alone`, says which of them is wrong)
+TAU = "Eq. 10 (`ema_threshold`, fed by Eq. 9's similarities): the threshold after this step"
+KEYS = lambda m: f"Eq. 9 and 11-12 (`nearest` chooses, `convex_merge` writes): the kept keys. {m}"  # noqa: E731
+VALUES = lambda m: f"Eq. 11-12 (`convex_merge`, on Eq. 9's choices): the kept values. {m}"  # noqa: E731
+
 def toy_cache(keys, values):
     lc = LayerCache(1, 1, 2, torch.float32, "cpu", capacity=8)
     for t, (k, v) in enumerate(zip(keys, values)):
@@ -193,13 +199,13 @@ def test_d2o_merge_by_hand():
     merge = EMAMerge(beta=0.7)
     merged = merge(0, lc, torch.tensor([[[0, 1]]]))
     u = 1 / math.sqrt(1.01)
-    assert merge.tau[0].item() == pytest.approx(u / 2)
+    assert merge.tau[0].item() == pytest.approx(u / 2), TAU
     w_c, w_2 = math.e / (math.e + math.exp(u)), math.exp(u) / (math.e + math.exp(u))
     assert (w_c, w_2) == pytest.approx((0.50124, 0.49876), abs=1e-5)
-    torch.testing.assert_close(lc.keys[0, 0, 0], torch.tensor([w_c + w_2, 0.1 * w_2]))
-    torch.testing.assert_close(lc.values[0, 0, 0], torch.tensor([w_c * 1 + w_2 * 3, w_c * 2 + w_2 * 4]))
+    torch.testing.assert_close(lc.keys[0, 0, 0], torch.tensor([w_c + w_2, 0.1 * w_2]), msg=KEYS)
+    torch.testing.assert_close(lc.values[0, 0, 0], torch.tensor([w_c * 1 + w_2 * 3, w_c * 2 + w_2 * 4]), msg=VALUES)
     torch.testing.assert_close(lc.keys[0, 0, 1], torch.tensor([0.0, 1.0]))  # k3 was not similar enough
-    torch.testing.assert_close(lc.values[0, 0, 1], torch.tensor([5.0, 6.0]))
+    torch.testing.assert_close(lc.values[0, 0, 1], torch.tensor([5.0, 6.0]), msg=VALUES)
     assert merged.item() == 1.0  # tokens merged (k2), mean over heads
 
 
@@ -217,7 +223,7 @@ def test_two_evicted_tokens_merge_into_one_kept_token_convexly():
     w_c, w_i = math.e / den, math.exp(u) / den
     assert w_c + 2 * w_i == pytest.approx(1.0) and merged.item() == 2.0
     torch.testing.assert_close(lc.keys[0, 0, 0], torch.tensor([1.0, 0.0]))  # 0.1 w_2 - 0.1 w_3 = 0
-    torch.testing.assert_close(lc.values[0, 0, 0], torch.tensor([w_c * 1 + w_i * (3 + 5), w_c * 2 + w_i * (4 + 8)]))
+    torch.testing.assert_close(lc.values[0, 0, 0], torch.tensor([w_c * 1 + w_i * (3 + 5), w_c * 2 + w_i * (4 + 8)]), msg=VALUES)
 
 
 @stored
@@ -260,9 +266,9 @@ def test_merge_equals_literal_loops_over_several_steps(seed):
         merge(0, lc, torch.tensor([[keep]]))
         lc.keep(torch.tensor([[keep]]))
         tau = threshold if tau is None else beta * sims[0] + (1 - beta) * tau
-        assert merge.tau[0].item() == pytest.approx(tau, abs=1e-6)
-        torch.testing.assert_close(lc.keys[0, 0], torch.stack([new_k[j] for j in keep]), atol=1e-5, rtol=0)
-        torch.testing.assert_close(lc.values[0, 0], torch.stack([new_v[j] for j in keep]), atol=1e-5, rtol=0)
+        assert merge.tau[0].item() == pytest.approx(tau, abs=1e-6), TAU
+        torch.testing.assert_close(lc.keys[0, 0], torch.stack([new_k[j] for j in keep]), atol=1e-5, rtol=0, msg=KEYS)
+        torch.testing.assert_close(lc.values[0, 0], torch.stack([new_v[j] for j in keep]), atol=1e-5, rtol=0, msg=VALUES)
         if step < 4:
             t = 10 + step
             k, v = torch.randn(D, generator=gen), torch.randn(D, generator=gen)
@@ -538,9 +544,9 @@ def test_official_merge_equals_literal_loops_over_several_heads_and_steps(seed):
         want_k, want_v, tau = literal_official_merge(keys, values, keep, tau, beta)
         merge(0, lc, torch.tensor([keep]))
         lc.keep(torch.tensor([keep]))
-        assert merge.tau[0].item() == pytest.approx(tau, abs=1e-6)
-        torch.testing.assert_close(lc.keys[0], want_k, atol=1e-5, rtol=0)
-        torch.testing.assert_close(lc.values[0], want_v, atol=1e-5, rtol=0)
+        assert merge.tau[0].item() == pytest.approx(tau, abs=1e-6), TAU
+        torch.testing.assert_close(lc.keys[0], want_k, atol=1e-5, rtol=0, msg=KEYS)
+        torch.testing.assert_close(lc.values[0], want_v, atol=1e-5, rtol=0, msg=VALUES)
         lc.append(torch.randn(1, H, 1, D, generator=gen), torch.randn(1, H, 1, D, generator=gen),
                   torch.tensor([[10 + step]]))
 
@@ -561,8 +567,8 @@ def test_paper_merge_over_several_kv_heads_equals_loops_per_head():
     for h in range(H):
         sims = literal_merge(keys[h], values[h], keep[h], float("inf"))[2]
         new_k, new_v, _ = literal_merge(keys[h], values[h], keep[h], sum(sims) / len(sims))
-        assert merge.tau[0][0, h].item() == pytest.approx(sum(sims) / len(sims), abs=1e-6)
-        torch.testing.assert_close(lc.keys[0, h, keep[h]], torch.stack([new_k[j] for j in keep[h]]), atol=1e-5, rtol=0)
+        assert merge.tau[0][0, h].item() == pytest.approx(sum(sims) / len(sims), abs=1e-6), TAU
+        torch.testing.assert_close(lc.keys[0, h, keep[h]], torch.stack([new_k[j] for j in keep[h]]), atol=1e-5, rtol=0, msg=KEYS)
         torch.testing.assert_close(lc.values[0, h, keep[h]], torch.stack([new_v[j] for j in keep[h]]), atol=1e-5,
                                    rtol=0)
 
@@ -593,11 +599,11 @@ def test_one_eviction_merge_equals_literal_loops_paper(seed):
         new_k, new_v, _ = literal_merge(cur_k, cur_v, keep, tau)
         merge.one(0, lc, torch.tensor([[victim]]), 7 + step)
         lc.evict_one(torch.tensor([[victim]]))
-        assert merge.tau[0].item() == pytest.approx(tau, abs=1e-6)
+        assert merge.tau[0].item() == pytest.approx(tau, abs=1e-6), TAU
         want_k = after_evict_one([new_k.get(j, cur_k[j]) for j in range(S)], victim)
         want_v = after_evict_one([new_v.get(j, cur_v[j]) for j in range(S)], victim)
-        torch.testing.assert_close(lc.keys[0, 0], torch.stack(want_k), atol=1e-5, rtol=0)
-        torch.testing.assert_close(lc.values[0, 0], torch.stack(want_v), atol=1e-5, rtol=0)
+        torch.testing.assert_close(lc.keys[0, 0], torch.stack(want_k), atol=1e-5, rtol=0, msg=KEYS)
+        torch.testing.assert_close(lc.values[0, 0], torch.stack(want_v), atol=1e-5, rtol=0, msg=VALUES)
         lc.append(torch.randn(1, 1, 1, D, generator=gen), torch.randn(1, 1, 1, D, generator=gen),
                   torch.tensor([[8 + step]]))
 
@@ -619,12 +625,12 @@ def test_one_eviction_merge_equals_literal_loops_official(seed):
         want_k, want_v, tau = literal_official_merge(keys, values, keep, tau, beta)  # (H, S-1, D) in keep order
         merge.one(0, lc, torch.tensor([victims]), 7 + step)
         lc.evict_one(torch.tensor([victims]))
-        assert merge.tau[0].item() == pytest.approx(tau, abs=1e-6)
+        assert merge.tau[0].item() == pytest.approx(tau, abs=1e-6), TAU
         for h in range(H):
             by_index = dict(zip(keep[h], range(S - 1)))  # buffer index -> row of want
             order = after_evict_one(list(range(S)), victims[h])
-            torch.testing.assert_close(lc.keys[0, h], want_k[h, [by_index[j] for j in order]], atol=1e-5, rtol=0)
-            torch.testing.assert_close(lc.values[0, h], want_v[h, [by_index[j] for j in order]], atol=1e-5, rtol=0)
+            torch.testing.assert_close(lc.keys[0, h], want_k[h, [by_index[j] for j in order]], atol=1e-5, rtol=0, msg=KEYS)
+            torch.testing.assert_close(lc.values[0, h], want_v[h, [by_index[j] for j in order]], atol=1e-5, rtol=0, msg=VALUES)
         lc.append(torch.randn(1, H, 1, D, generator=gen), torch.randn(1, H, 1, D, generator=gen),
                   torch.tensor([[8 + step]]))
 
