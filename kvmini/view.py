@@ -230,7 +230,7 @@ def main(argv=None) -> int:
 def compare(args) -> int:
     from kvmini.chat import load_chat_format
     from kvmini.loading import load_model
-    from kvmini.methods.registry import DEFAULT_BUDGET, engine_option, make_policy, parse_spec, resolved_options
+    from kvmini.methods.registry import DEFAULT_BUDGET, as_run, make_policy, parse_spec
     from kvmini.report import cache_summary
     from kvmini.tokenizer import load_tokenizer
     from kvmini.weights import DEFAULT_MODEL_DIR, ensure_default_model
@@ -238,8 +238,7 @@ def compare(args) -> int:
     seen = {}
     for spec in args.methods:  # unknown names, options and budgets fail before the model loads
         name, given = ("full", {}) if spec == "full" else parse_spec(spec)
-        key = ("full",) if name == "full" else (  # by value: every option as it will run, the defaults too
-            name, repr(sorted(resolved_options(name, given).items())), given.get("evict_every", engine_option(name).default))
+        key = as_run(spec)  # by value: `adakv` and `adakv[alpha=0.2]` are one method
         if key in seen:
             raise KvminiError(f"--methods names one method twice ({seen[key]}, {spec}): each gets one text on the page")
         seen[key] = spec

@@ -88,8 +88,12 @@ def test_fidelity_tool_on_the_default_model(default_model_dir):
 
 
 @pytest.mark.parametrize("argv,line", [
-    (["--methods", "h2o", "snapkv", "h2o"], "error: the methods name h2o twice; give each method spec once (each is one row)"),
-    (["--methods", "d2o[nm=1:1]", "d2o[nm=1:1]"], "error: the methods name d2o[nm=1:1] twice"),
+    (["--methods", "h2o", "snapkv", "h2o"],
+     "error: the methods name one method twice (h2o, h2o); give each method spec once (each is one row)"),
+    (["--methods", "d2o[nm=1:1]", "d2o[nm=1:1]"], "error: the methods name one method twice (d2o[nm=1:1], d2o[nm=1:1])"),
+    (["--methods", "adakv", "snapkv", "adakv[alpha=0.2]"],  # by value: 0.2 is adakv's default alpha
+     "error: the methods name one method twice (adakv, adakv[alpha=0.2])"),
+    (["--methods", "h2o[recent=2]", "h2o[recent=+2]"], "error: the methods name one method twice"),
     (["--budgets", "0.2", "64", "0.20"], "error: the budgets name one budget twice (0.2 64 0.2); give each once"),
     (["--n", "100", "--budgets", "0.2", "128"], "error: budget 128 is more tokens than the 100-token prompt, which it "
                                                 "would keep whole; give a budget of at most 100 tokens or a ratio in (0, 1]"),

@@ -31,7 +31,7 @@ import torch.nn.functional as F  # noqa: E402
 
 from kvmini.errors import KvminiError
 from kvmini.generate import prefill
-from kvmini.methods.registry import METHODS, chooses_budget, make_policy, parse_spec
+from kvmini.methods.registry import METHODS, as_run, chooses_budget, make_policy, parse_spec
 
 LAZY_IMPORTS = ("kvmini.loading", "kvmini.tokenizer", "kvmini.weights")  # the tools' work imports these
 
@@ -117,10 +117,12 @@ def check_arguments(ids, n, methods, budgets) -> None:
 
 def check_lists(n: int, methods: list[str], budgets: list[float]) -> None:
     """One row per method spec and budget: none named twice, no budget that keeps the whole prompt."""
-    specs = [parse_spec(spec) for spec in methods]
-    twice = next((m for i, m in enumerate(methods) if specs[i] in specs[:i]), None)
+    specs = [as_run(spec) for spec in methods]  # by value: `adakv` and `adakv[alpha=0.2]` are one row
+    twice = next((i for i in range(len(specs)) if specs[i] in specs[:i]), None)
     if twice is not None:
-        raise KvminiError(f"the methods name {twice} twice; give each method spec once (each is one row)")
+        first = methods[specs.index(specs[twice])]
+        raise KvminiError(f"the methods name one method twice ({first}, {methods[twice]}); "
+                          "give each method spec once (each is one row)")
     if len(set(budgets)) < len(budgets):
         raise KvminiError(f"the budgets name one budget twice ({' '.join(f'{b:g}' for b in budgets)}); give each once")
     over = next((b for b in budgets if isinstance(b, (int, float)) and b > max(1, n)), None)

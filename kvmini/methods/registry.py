@@ -148,6 +148,15 @@ def resolved_options(name: str, given: dict) -> dict[str, object]:
     return head | {f.name: getattr(o, f.name) for f in dataclasses.fields(o)}
 
 
+def as_run(spec: str) -> tuple:
+    """A spec by value: every option as it will run, the defaults too, so `adakv` and
+    `adakv[alpha=0.2]` (its default) give one key and a tool can refuse one method named twice."""
+    if spec == "full":
+        return ("full",)
+    name, given = parse_spec(spec)
+    return name, repr(sorted(resolved_options(name, given).items())), given.get("evict_every", engine_option(name).default)
+
+
 def chosen(name: str, given: dict):
     """The method's Options: the chosen variant (or the declared defaults) with the given options."""
     module = METHODS[name]
