@@ -69,11 +69,13 @@ def test_paper_and_uniform_weights_by_hand():
     e = [math.exp(-f) for f in (1, 2, 3)]
     got = layer_weights([1, 2, 3], "paper")
     assert got == pytest.approx([x / sum(e) for x in e]), f"Eq. 5 as printed (`layer_weights`, how='paper'): got {got}"
-    assert layer_weights([1, 2, 3], "uniform") == pytest.approx([1 / 3] * 3)
+    got = layer_weights([1, 2, 3], "uniform")
+    assert got == pytest.approx([1 / 3] * 3), f"the uniform allocation (`layer_weights`, how='uniform'): got {got}"
     hot = layer_weights([1, 2, 3], temperature=0.1)
-    assert hot[0] > 0.99  # a low temperature sharpens toward the lowest-variance layer
+    assert hot[0] > 0.99, f"Eq. 5 with temperature 0.1 (`layer_weights`): the lowest-variance layer's weight, got {hot[0]}"
     # standardizing makes the weights independent of the variances' scale (they grow with n)
-    assert layer_weights([1e6, 2e6, 3e6]) == pytest.approx(layer_weights([1, 2, 3]))
+    got, want = layer_weights([1e6, 2e6, 3e6]), layer_weights([1, 2, 3])
+    assert got == pytest.approx(want), f"Eq. 5 on z-scored variances (`layer_weights`): [1e6, 2e6, 3e6] gives {got}, [1, 2, 3] {want}"
 
 
 def test_allocation_clamps_and_redistributes_by_hand():
@@ -90,8 +92,9 @@ def test_unclamped_allocation_is_eq5_as_written():
     """clamp_budgets=false: S_l = softmax(-F_v)_l * L * b, rounded to the total, no bounds.
     F_v = [0, 1, 2], b = 10, L = 3: 30 * [1, e^-1, e^-2] / 1.5032 = [19.96, 7.34, 2.70] -> [20, 7, 3];
     clamped to [8, 12] the first layer stops at 12, the third at 8, the second takes the rest."""
-    assert split([0.0, 1.0, 2.0], "paper", 10, 12, low=8, clamp=False) == [20, 7, 3]
-    assert split([0.0, 1.0, 2.0], "paper", 10, 12, low=8, clamp=True) == [12, 10, 8]
+    for clamp, want in [(False, [20, 7, 3]), (True, [12, 10, 8])]:
+        got = split([0.0, 1.0, 2.0], "paper", 10, 12, low=8, clamp=clamp)
+        assert got == want, f"Eq. 5 as written (`split`, clamp={clamp}): want {want}, got {got}"
 
 
 def test_unclamped_eq5_that_starves_a_layer_is_a_clear_error():
@@ -201,12 +204,12 @@ def test_d2o_merge_by_hand():
     u = 1 / math.sqrt(1.01)
     assert merge.tau[0].item() == pytest.approx(u / 2), TAU
     w_c, w_2 = math.e / (math.e + math.exp(u)), math.exp(u) / (math.e + math.exp(u))
-    assert (w_c, w_2) == pytest.approx((0.50124, 0.49876), abs=1e-5)
+    assert (w_c, w_2) == pytest.approx((0.50124, 0.49876), abs=1e-5)  # the hand computation itself
     torch.testing.assert_close(lc.keys[0, 0, 0], torch.tensor([w_c + w_2, 0.1 * w_2]), msg=KEYS)
     torch.testing.assert_close(lc.values[0, 0, 0], torch.tensor([w_c * 1 + w_2 * 3, w_c * 2 + w_2 * 4]), msg=VALUES)
-    torch.testing.assert_close(lc.keys[0, 0, 1], torch.tensor([0.0, 1.0]))  # k3 was not similar enough
+    torch.testing.assert_close(lc.keys[0, 0, 1], torch.tensor([0.0, 1.0]), msg=KEYS)  # k3 was not similar enough
     torch.testing.assert_close(lc.values[0, 0, 1], torch.tensor([5.0, 6.0]), msg=VALUES)
-    assert merged.item() == 1.0  # tokens merged (k2), mean over heads
+    assert merged.item() == 1.0, f"Eq. 10 (`ema_threshold`): tokens merged (k2 only), got {merged.item()}"
 
 
 @pytest.mark.exercise("ema_merging")
@@ -221,8 +224,10 @@ def test_two_evicted_tokens_merge_into_one_kept_token_convexly():
     u = 1 / math.sqrt(1.01)
     den = math.e + 2 * math.exp(u)
     w_c, w_i = math.e / den, math.exp(u) / den
-    assert w_c + 2 * w_i == pytest.approx(1.0) and merged.item() == 2.0
-    torch.testing.assert_close(lc.keys[0, 0, 0], torch.tensor([1.0, 0.0]))  # 0.1 w_2 - 0.1 w_3 = 0
+    assert w_c + 2 * w_i == pytest.approx(1.0)  # the hand computation itself
+    assert merged.item() == 2.0, f"Eq. 10 (`ema_threshold`): tokens merged (k2 and k3), got {merged.item()}"
+    torch.testing.assert_close(lc.keys[0, 0, 0], torch.tensor([1.0, 0.0]), msg=lambda m: (  # 0.1 w_2 - 0.1 w_3 = 0
+        f"Eq. 11-12 (`convex_merge`): kept token 0's key after two tokens merge into it (convex: (1, 0)). {m}"))
     torch.testing.assert_close(lc.values[0, 0, 0], torch.tensor([w_c * 1 + w_i * (3 + 5), w_c * 2 + w_i * (4 + 8)]), msg=VALUES)
 
 
@@ -363,7 +368,8 @@ def test_paper_variant_budgets_follow_eq5_as_printed():
     cache = model.new_cache(1, 4)
     with torch.no_grad():
         prefill(model, ids, cache, policy)
-    assert policy.budgets == literal_budgets(literal_variances(model, ids), 20, 40, 8, "paper")
+    want = literal_budgets(literal_variances(model, ids), 20, 40, 8, "paper")
+    assert policy.budgets == want, f"Eq. 4-5 as printed (`attention_variance`, `layer_weights`): want {want}, got {policy.budgets}"
 
 
 def test_d2o_allocation_alternatives_and_short_prompts():
@@ -570,7 +576,7 @@ def test_paper_merge_over_several_kv_heads_equals_loops_per_head():
         assert merge.tau[0][0, h].item() == pytest.approx(sum(sims) / len(sims), abs=1e-6), TAU
         torch.testing.assert_close(lc.keys[0, h, keep[h]], torch.stack([new_k[j] for j in keep[h]]), atol=1e-5, rtol=0, msg=KEYS)
         torch.testing.assert_close(lc.values[0, h, keep[h]], torch.stack([new_v[j] for j in keep[h]]), atol=1e-5,
-                                   rtol=0)
+                                   rtol=0, msg=VALUES)
 
 
 def after_evict_one(items: list, victim: int) -> list:
@@ -648,12 +654,15 @@ def test_nearest_reads_given_norms_and_never_chooses_an_excluded_pair():
         tol = dict(rtol=0, atol=8 * torch.finfo(dtype).eps)
         for norms in (None, keys.norm(dim=-1)):
             best, j = nearest(k_evict, keys, norms)
-            assert torch.equal(j, order.indices[..., 0])
-            torch.testing.assert_close(best, order.values[..., 0], **tol)
+            given = "given" if norms is not None else "computed"
+            assert torch.equal(j, order.indices[..., 0]), f"Eq. 9 (`nearest`, norms {given}, {dtype}): the nearest kept key j*"
+            torch.testing.assert_close(best, order.values[..., 0], **tol, msg=lambda m, g=given, d=dtype: (
+                f"Eq. 9 (`nearest`, norms {g}, {d}): the similarity u to j*. {m}"))
         first = torch.zeros_like(u, dtype=torch.bool).scatter_(3, order.indices[..., :1], True)
         best, j = nearest(k_evict, keys, exclude=first)
-        assert torch.equal(j, order.indices[..., 1])
-        torch.testing.assert_close(best, order.values[..., 1], **tol)
+        assert torch.equal(j, order.indices[..., 1]), f"Eq. 9 (`nearest`, each nearest excluded, {dtype}): j*"
+        torch.testing.assert_close(best, order.values[..., 1], **tol, msg=lambda m, d=dtype: (
+            f"Eq. 9 (`nearest`, each nearest excluded, {d}): the similarity u to j*. {m}"))
 
 
 @pytest.mark.parametrize("options", [{}, {"variant": "paper"}, {"protected_layers": ""}], ids=str)

@@ -37,12 +37,15 @@ def test_edge_cases_by_hand():
     row loses nothing whatever goes: S - 1 (not -1, which made a budget of S + 1); the norms of a batch
     and of its heads are averaged alike: rows [1, 0] and [0, 1] (order 0, 1) lose 50% on average by
     removing token 0."""
-    assert frobenius_stop(ROW, BY_POSITION_ONE_SINK, 1.0) == 5
-    assert frobenius_stop(torch.zeros(1, 2, 5), torch.arange(5).expand(1, 2, 5), 0.01) == 4
     rows, order = torch.tensor([[1.0, 0.0], [0.0, 1.0]]), torch.tensor([0, 1]).expand(2, 2)
-    assert frobenius_stop(rows.view(2, 1, 2), order.view(2, 1, 2), 0.49) == 0  # as a batch of two
-    assert frobenius_stop(rows.view(1, 2, 2), order.view(1, 2, 2), 0.49) == 0  # as two heads
-    assert frobenius_stop(rows.view(2, 1, 2), order.view(2, 1, 2), 0.5) == 1
+    for what, args, want in [
+            ("the six-token row at t = 1 (the most important token stays)", (ROW, BY_POSITION_ONE_SINK, 1.0), 5),
+            ("an all-zero row of five tokens", (torch.zeros(1, 2, 5), torch.arange(5).expand(1, 2, 5), 0.01), 4),
+            ("rows [1, 0], [0, 1] as a batch of two at t = 0.49", (rows.view(2, 1, 2), order.view(2, 1, 2), 0.49), 0),
+            ("rows [1, 0], [0, 1] as two heads at t = 0.49", (rows.view(1, 2, 2), order.view(1, 2, 2), 0.49), 0),
+            ("rows [1, 0], [0, 1] as a batch of two at t = 0.5", (rows.view(2, 1, 2), order.view(2, 1, 2), 0.5), 1)]:
+        got = frobenius_stop(*args)
+        assert got == want, f"Eq. 2 (`frobenius_stop`): tokens pruned from {what}: want {want}, got {got}"
 
 
 @stored
@@ -79,7 +82,9 @@ def test_vectorized_cut_equals_the_sequential_loop(H, S, t, seed, shared_order):
         order = torch.randperm(S, generator=gen).expand(1, H, S)
     else:
         order = torch.stack([torch.randperm(S, generator=gen) for _ in range(H)])[None]
-    assert frobenius_stop(s, order, t) == sequential_prune(s, order, t)
+    got, want = frobenius_stop(s, order, t), sequential_prune(s, order, t)
+    assert got == want, (f"Eq. 2 (`frobenius_stop`): tokens pruned from {H} random rows of {S} at threshold {t}: "
+                         f"removing them one at a time prunes {want}, got {got}")
 
 
 def dbudgetkv_literal(g, threshold, k, sinks, protected, ranking, window=8, excludes_kept=False):
@@ -152,11 +157,13 @@ def test_whole_model_equals_the_literal_rule(options):
         model, calls, 2, options.get("threshold", 0.05 if official else 0.01), options.get("k", 1),
         options.get("sinks", 4), protected, options.get("ranking", "window_attention" if official else "position"),
         options.get("window", 8), options.get("norm_excludes_kept", official))
-    for a, b in zip(got, want):
-        torch.testing.assert_close(a, b, atol=1e-5, rtol=0)
-    assert policy.budgets == [len(layer[0][0]) for layer in entering[1]]
+    budgets = [len(layer[0][0]) for layer in entering[1]]
+    assert policy.budgets == budgets, f"Eq. 2 (`frobenius_stop`): each layer's budget, want {budgets}, got {policy.budgets}"
     for l, lc in enumerate(cache.layers):
-        assert lc.positions.sort(dim=-1).values[:, :, :-1].tolist() == entering[-1][l], f"layer {l}"
+        assert lc.positions.sort(dim=-1).values[:, :, :-1].tolist() == entering[-1][l], \
+            f"Eq. 2 (`frobenius_stop`, then the cut): the tokens layer {l} keeps"
+    for c, (a, b) in enumerate(zip(got, want)):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=0, msg=lambda m, c=c: f"the logits of call {c} over the kept cache. {m}")
     assert any(b < 24 for b in policy.budgets)  # something was pruned
 
 

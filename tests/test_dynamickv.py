@@ -105,19 +105,22 @@ def test_engine_equals_literal_algorithm_1(L, m, w_t, r_max, tail):
     updates = [l for l in range(1, L + 1) if l % m == 0 or (l == L and tail)]
     assert len(history) == len(updates), "Eq. 5-8 (`reallocate`): one re-allocation every m layers (and the tail)"
     if tail:
-        assert sum(history[-1]) == (w_t - ws) * L  # totals: (w_t - w_s) L + w_s L in all
+        assert sum(history[-1]) == (w_t - ws) * L, \
+            f"Eq. 5-8 (`reallocate`): the last re-allocation hands out (w_t - w_s) L = {(w_t - ws) * L}, got {sum(history[-1])}"
         assert policy.budgets == [z + ws for z in history[-1]], \
             f"Eq. 5-8 (`reallocate`): the last re-allocation's budgets, want {[z + ws for z in history[-1]]}, got {policy.budgets}"
-        assert sum(policy.budgets) == w_t * L
+        assert sum(policy.budgets) == w_t * L, f"Eq. 5-8 (`reallocate`): the budgets sum to {sum(policy.budgets)}, not w_t L"
     else:  # the last L % m layers keep b_s + w_s, the finished ones their share of the whole total
-        bs = min(int(r_max * (w_t - ws)), n - ws)
-        assert policy.budgets[len(history[-1]):] == [bs + ws] * (L - len(history[-1]))
-        assert policy.budgets[: len(history[-1])] == [z + ws for z in history[-1]]
-    for a, b in zip(got, want):  # evict == mask, through prefill and 3 decode steps
-        torch.testing.assert_close(a, b, atol=1e-5, rtol=0)
+        bs, done = min(int(r_max * (w_t - ws)), n - ws), len(history[-1])
+        assert policy.budgets[done:] == [bs + ws] * (L - done), \
+            f"Eq. 5-8 (`reallocate`): the {L - done} unfinished layers keep b_s + w_s = {bs + ws}, got {policy.budgets[done:]}"
+        assert policy.budgets[:done] == [z + ws for z in history[-1]], \
+            f"Eq. 5-8 (`reallocate`): the finished layers' budgets, want {[z + ws for z in history[-1]]}, got {policy.budgets[:done]}"
     for l, lc in enumerate(cache.layers):
         assert lc.positions.sort(dim=-1).values[:, :, :-1].tolist() == entering[-1][l], \
             f"Eq. 5-8 (`reallocate`, then the cut to each layer's budget): the tokens layer {l} keeps"
+    for c, (a, b) in enumerate(zip(got, want)):  # evict == mask, through prefill and 3 decode steps
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=0, msg=lambda m, c=c: f"the logits of call {c} over the kept cache. {m}")
 
 
 def test_budget_must_exceed_the_window():
@@ -185,7 +188,10 @@ def test_rounding_floor_keeps_what_the_authors_code_keeps(L, m, w_t, r_max):
     policy = make_policy("dynamickv", w_t, variant="official", window=ws, kernel=kernel, r_max=r_max, interval=m)
     cache = model.new_cache(1, n)
     prefill(model, ids, cache, policy)
-    assert [lc.positions[0].sort(-1).values.tolist() for lc in cache.layers] == want
+    for l, lc in enumerate(cache.layers):
+        got = lc.positions[0].sort(-1).values.tolist()
+        assert got == want[l], (f"Eq. 5-8, the authors' rounding (`reallocate`, variant official): the tokens layer {l} keeps, "
+                                f"want {want[l]}, got {got}")
 
 
 def test_algorithm_1_rounding_by_hand():

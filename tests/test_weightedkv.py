@@ -51,8 +51,9 @@ def test_fig3_toy_run_with_cache_size_4():
     v6 = 0.2 * v5 + 0.8 * E[5]  # step 8: v5' (0.1) into v6 (0.4)
     for pos, got, want in zip((3, 6, 7, 8), v, [v3, v6, E[6], E[7]]):
         torch.testing.assert_close(got, want, msg=lambda m, pos=pos: f"Alg. 1 line 9 (`convex_value_merge`): v{pos}'s value. {m}")
-        assert abs(got.sum().item() - 1) < 1e-6  # convex: weights sum to 1
-    torch.testing.assert_close(lc.keys[0, 0], 10 * E[[2, 5, 6, 7]])  # keys are never merged, only dropped
+        assert abs(got.sum().item() - 1) < 1e-6, f"Alg. 1 line 9 (`convex_value_merge`): v{pos}'s weights sum to {got.sum().item()}, not 1"
+    torch.testing.assert_close(lc.keys[0, 0], 10 * E[[2, 5, 6, 7]], msg=lambda m: (  # keys are never merged, only dropped
+        f"Alg. 1 (`convex_value_merge`): the kept keys, which are only dropped, never merged. {m}"))
 
 
 @pytest.mark.exercise("convex_value_merge")
@@ -66,10 +67,13 @@ def test_sinks_and_recent_window_are_never_merged_away():
     set_average_attention(lc, [0.01, 0.02, 0.9, 0.8, 0.7, 0.03, 0.04])  # sinks and recent are the weakest
     convex_value_merge(lc, capacity=5, sinks=2, recent=2)
     # mergeable: tokens 3, 4, 5. First 5 (0.7) merges into 6; then 4 (0.8) merges into 6.
-    assert (lc.positions + 1).flatten().tolist() == [1, 2, 3, 6, 7]
+    got = (lc.positions + 1).flatten().tolist()
+    assert got == [1, 2, 3, 6, 7], f"Alg. 1 line 8 (`convex_value_merge`): the tokens kept, want [1, 2, 3, 6, 7], got {got}"
     v6 = (0.7 * E[4] + 0.03 * E[5]) / 0.73
-    torch.testing.assert_close(lc.values[0, 0, 3], (0.8 * E[3] + 0.03 * v6) / 0.83)
-    torch.testing.assert_close(lc.values[0, 0, [0, 1, 2, 4]], E[[0, 1, 2, 6]])
+    torch.testing.assert_close(lc.values[0, 0, 3], (0.8 * E[3] + 0.03 * v6) / 0.83, msg=lambda m: (
+        f"Alg. 1 line 9 (`convex_value_merge`): token 6's value after 5, then 4, merge into it. {m}"))
+    torch.testing.assert_close(lc.values[0, 0, [0, 1, 2, 4]], E[[0, 1, 2, 6]], msg=lambda m: (
+        f"Alg. 1 line 8 (`convex_value_merge`): the values of the sinks and of the recent token 7, untouched. {m}"))
 
 
 @stored
@@ -169,8 +173,10 @@ def test_the_newest_token_is_never_merged_even_without_a_recent_window():
         append_token(lc, t)
     set_average_attention(lc, [0.5, 0.4, 0.1])  # the newest token is the weakest
     convex_value_merge(lc, capacity=2, sinks=0, recent=0)  # Alg. 1 line 8: j in 0..m-1
-    assert lc.positions.flatten().tolist() == [1, 3]
-    torch.testing.assert_close(lc.values[0, 0, 1], (0.4 * E[1] + 0.1 * E[2]) / 0.5)
+    got = lc.positions.flatten().tolist()
+    assert got == [1, 3], f"Alg. 1 line 8 (`convex_value_merge`): the tokens kept (the newest stays), want [1, 3], got {got}"
+    torch.testing.assert_close(lc.values[0, 0, 1], (0.4 * E[1] + 0.1 * E[2]) / 0.5, msg=lambda m: (
+        f"Alg. 1 line 9 (`convex_value_merge`): the newest token's value after token 2 merges into it. {m}"))
 
 
 def test_counts_of_a_chunk_follow_the_causal_mask():
@@ -220,10 +226,13 @@ def test_a_decode_steps_merge_is_the_same_in_any_buffer_order(seed):
         mixed.aux("n")[:] = 1.0
         convex_value_merge(ordered, ordered.length - 1, sinks=1, recent=2)
         convex_value_merge(mixed, mixed.length - 1, sinks=1, recent=2, newest=t, keep_order=False)
-        assert ordered.positions.flatten().tolist() == sorted(ordered.positions.flatten().tolist())  # kept in order
+        got = ordered.positions.flatten().tolist()
+        assert got == sorted(got), f"Alg. 1 (`convex_value_merge`): the buffer in position order after step {t}, got {got}"
         p, _, v = in_position_order(mixed)
-        assert p.tolist() == ordered.positions.tolist()
-        torch.testing.assert_close(v, ordered.values)
+        assert p.tolist() == ordered.positions.tolist(), \
+            f"Alg. 1 (`convex_value_merge`, keep_order=False): the positions kept after step {t} in a scrambled buffer"
+        torch.testing.assert_close(v, ordered.values, msg=lambda m, t=t: (
+            f"Alg. 1 line 9 (`convex_value_merge`, keep_order=False): the values after step {t} in a scrambled buffer. {m}"))
 
 
 def test_merge_runs_by_hand():
@@ -260,8 +269,10 @@ def test_merge_runs_equals_algorithm_1_when_no_two_deleted_entries_touch():
         caches.append(lc)
     convex_value_merge(caches[0], capacity=5, sinks=1, recent=1)
     merge_runs(caches[1], capacity=5, sinks=1, recent=1)
-    assert caches[1].positions.tolist() == caches[0].positions.tolist() == [[[1, 3, 5, 7, 8]]]
-    torch.testing.assert_close(caches[1].values, caches[0].values)
+    got = [c.positions.flatten().tolist() for c in caches]
+    assert got == [[1, 3, 5, 7, 8]] * 2, f"Alg. 1 (`convex_value_merge`, then `merge_runs`): the tokens kept, got {got}"
+    torch.testing.assert_close(caches[1].values, caches[0].values, msg=lambda m: (
+        f"Alg. 1 line 9: `merge_runs`' values against `convex_value_merge`'s, one merge at a time. {m}"))
 
 
 @pytest.mark.exercise("convex_value_merge")
@@ -287,7 +298,9 @@ def test_how_far_chunked_run_merging_moves_from_algorithm_1():
     kl = {name: F.kl_div(next_tokens(None, chunk_merge=name), literal, log_target=True, reduction="sum").item() / 8
           for name in ("runs", "sequential")}
     print("KL(Alg. 1 token by token || one chunk), mean over 8 steps:", {k: round(v, 4) for k, v in kl.items()})
-    assert 0 < kl["sequential"] < 0.0065 and 0 < kl["runs"] < min(0.0065, 1.1 * kl["sequential"])
+    assert 0 < kl["sequential"] < 0.0065 and 0 < kl["runs"] < min(0.0065, 1.1 * kl["sequential"]), (
+        f"Alg. 1 (`convex_value_merge` token by token) against one chunk: KL {kl} outside (0, 0.0065), "
+        "the runs' within 1.1x of the sequential merge's")
 
 
 def test_merge_off_drops_the_same_tokens_and_merges_no_value():
