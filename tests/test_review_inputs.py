@@ -145,9 +145,11 @@ def test_chat_drops_a_byte_order_mark_as_prompt_files_do(monkeypatch):
     (["--n", "abc", "--peak", "h2o"], "argument --n: must be a whole number, got 'abc'"),
     (["--n", "0", "--step", "h2o"], "argument --n: must be >= 1, got 0"),
     (["--n", "64", "--step", "h2o", "--steps", "0"], "argument --steps: must be >= 1, got 0"),
-    (["--n", "64"], "one of the arguments --peak --first-step --step is required"),
+    (["--n", "64"], "one of the arguments --peak --first-step --step --ops is required"),
     (["--n", "64", "--peak", "h2o", "--bogus"], "unrecognized arguments: --bogus"),
-    ([], "the following arguments are required"),
+    ([], "one of the arguments --peak --first-step --step --ops is required"),
+    (["--peak", "h2o"], "the following arguments are required: --n"),
+    (["--ops", "h2o", "nosuch"], "--ops: unknown method 'nosuch'"),
 ])
 def test_the_speed_tool_refuses_its_usage_errors_in_one_line(capsys, argv, fragment):
     """`python -m kvmini.eval.speed` with a bad command line: one line, exit 2, before any work (issue 71)."""

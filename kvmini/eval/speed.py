@@ -23,6 +23,11 @@ Times on a shared machine are noisy: read the ratios, not the seconds.
     python -m kvmini.eval.speed --peak METHOD --n N --budget B    (one child measurement; JSON on stdout)
     python -m kvmini.eval.speed --first-step METHOD --n N          (where the first decode step's time goes)
     python -m kvmini.eval.speed --step METHOD --n N [--after 16 --steps 4]   (where later decode steps' time goes)
+    python -m kvmini.eval.speed --ops [METHOD ...]   (ops of one steady-state decode step, batch 1 and 8)
+
+Why the op count: on a GPU a decode step is bound by the kernels it launches, not the bytes it reads,
+and on a CPU each small op costs microseconds too; the count is exact on any machine (docs/speed.md,
+"Ops per decode step").
 """
 import json
 import os
@@ -34,10 +39,14 @@ import time
 
 import torch
 
+from torch.utils._python_dispatch import TorchDispatchMode
+
 from kvmini import cli
+from kvmini.config import ModelConfig
 from kvmini.errors import KvminiError
 from kvmini.generate import for_batch, prefill, synchronize
-from kvmini.methods.registry import policy_for
+from kvmini.methods.registry import METHODS, evicts_while_decoding, policy_for
+from kvmini.model import Transformer
 from kvmini.report import full_nbytes
 
 
@@ -87,6 +96,59 @@ def ops_per_step(model, nxt: torch.Tensor, cache, policy: Timed) -> int:
         model(nxt, cache, policy)
     policy.marked = False
     return sum(1 for e in prof.events() if e.name.startswith("aten::") and e.cpu_parent is not None and e.cpu_parent.name == POLICY)
+
+
+class OpCount(TorchDispatchMode):
+    """Counts every aten op dispatched while active (views included): what a step launches, exactly."""
+
+    def __init__(self):
+        super().__init__()
+        self.n = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.n += 1
+        return func(*args, **(kwargs or {}))
+
+
+# SmolLM2-135M's shape (weights/SmolLM2-135M-Instruct/config.json): what `step_ops` counts on
+SMOLLM2 = ModelConfig("llama", 49152, 576, 1536, 30, 9, 3, 64, rms_norm_eps=1e-5, rope_theta=100000.0,
+                      max_position_embeddings=8192, tie_word_embeddings=True)
+MERGING = ("d2o", "cam", "weightedkv", "snapkv_d2o")  # methods that merge while decoding
+OPS_LIMIT = {"evicts": 1.3, "merges": 1.6}  # issue 77's limits: a step's ops / the full cache's
+
+
+@torch.inference_mode()
+def step_ops(model, method: str, batch: int, n: int = 512, budget: float = 0.2, warm: int = 3) -> int:
+    """The aten ops of one steady-state decode step (the model, the cache and the method): a batch of
+    `batch` different random prompts of n tokens, `warm` decode steps, then the step counted."""
+    ids = torch.randint(0, model.config.vocab_size, (batch, n), generator=torch.Generator().manual_seed(batch))
+    policy = for_batch(policy_for(method, budget), batch)
+    cache = model.new_cache(batch, n + warm + 1)
+    nxt = prefill(model, ids, cache, policy).argmax(-1)[:, None]  # (B, 1)
+    for _ in range(warm):
+        nxt = model(nxt, cache, policy)[:, -1].argmax(-1, keepdim=True)
+    with OpCount() as count:
+        model(nxt, cache, policy)
+    return count.n
+
+
+def ops_table(methods: list[str], batches=(1, 8), n: int = 512, budget: float = 0.2, log=print) -> dict:
+    """method -> {batch: (ops, ops / the full cache's)} on a random-weight model of SmolLM2's shape."""
+    torch.manual_seed(0)
+    model = Transformer(SMOLLM2).eval()
+    out = {}
+    for name in ["full", *[m for m in methods if m != "full"]]:
+        out[name] = {}
+        for B in batches:
+            ops = step_ops(model, name, B, n, budget)
+            out[name][B] = (ops, ops / (out["full"][B][0] if name != "full" else ops))
+        log(f"{name:<14}" + "".join(f"{ops:>9,} {ratio:>6.2f}x" for ops, ratio in out[name].values()))
+    return out
+
+
+def ops_limit(method: str) -> float:
+    """The most a step of `method` may cost, in full-cache steps (OPS_LIMIT)."""
+    return OPS_LIMIT["merges" if method in MERGING else "evicts"]
 
 
 def _policy(name: str, budget: float):
@@ -316,16 +378,28 @@ def main(argv=None) -> int:
     job.add_argument("--peak", metavar="METHOD", help="method whose prefill peak memory to measure (JSON on stdout)")
     job.add_argument("--first-step", metavar="METHOD", help="method whose first decode step to profile")
     job.add_argument("--step", metavar="METHOD", help="method whose decode steps to profile (after --after steps)")
-    p.add_argument("--n", type=cli.at_least(1), required=True, help="prompt tokens")
+    job.add_argument("--ops", metavar="METHOD", nargs="*", help="ops of one steady-state decode step, batch 1 and 8, "
+                     "per method (none named: every method)")
+    p.add_argument("--n", type=cli.at_least(1), help="prompt tokens (--ops: 512)")
     p.add_argument("--budget", type=cli.budget, default=0.2)
     p.add_argument("--after", type=cli.at_least(0), default=16, help="--step: untimed decode steps before the profiled ones")
     p.add_argument("--steps", type=cli.at_least(1), default=4, help="--step: decode steps profiled")
     p.add_argument("--model")
     a = p.parse_args(argv)
+    if a.n is None and a.ops is None:
+        p.error("the following arguments are required: --n")
 
     def work() -> int:
         if a.peak:
             print(json.dumps(_peak_child(a.peak, a.n, a.budget, a.model)))
+        elif a.ops is not None:
+            unknown = [m for m in a.ops if m not in METHODS]
+            if unknown:
+                raise KvminiError(f"--ops: unknown method {unknown[0]!r}; choose from {', '.join(METHODS)}")
+            n = a.n or 512
+            print(f"ops of one steady-state decode step, SmolLM2's shape (random weights), {n}-token prompts, "
+                  f"budget {a.budget:g}; batch 1 and batch 8, each / the full cache's")
+            ops_table(a.ops or [m for m in METHODS if m != "full"], n=n, budget=a.budget)
         elif a.first_step:
             print(step_profile(a.first_step, a.n, a.budget, a.model))
         else:
