@@ -388,14 +388,13 @@ def main(argv=None) -> int:
     a = p.parse_args(argv)
     if a.n is None and a.ops is None:
         p.error("the following arguments are required: --n")
+    if unknown := [m for m in a.ops or [] if m not in METHODS]:
+        p.error(f"--ops: unknown method {unknown[0]!r}; choose from {', '.join(METHODS)}")
 
     def work() -> int:
         if a.peak:
             print(json.dumps(_peak_child(a.peak, a.n, a.budget, a.model)))
         elif a.ops is not None:
-            unknown = [m for m in a.ops if m not in METHODS]
-            if unknown:
-                raise KvminiError(f"--ops: unknown method {unknown[0]!r}; choose from {', '.join(METHODS)}")
             n = a.n or 512
             print(f"ops of one steady-state decode step, SmolLM2's shape (random weights), {n}-token prompts, "
                   f"budget {a.budget:g}; batch 1 and batch 8, each / the full cache's")
