@@ -68,9 +68,15 @@ def add_up(sums: dict, key, C: torch.Tensor) -> torch.Tensor:
 
 
 def finish(wants: dict, sums: dict) -> dict:
-    """Each query head's sums, (B, H_kv, g, S) per (last, f), -> each statistic `wants` names."""
-    return {name: reduce_heads(sums[s.last, s.f].flatten(1, 2), sums[s.last, s.f].shape[1], s.reduce)
-            for name, s in wants.items()}
+    """Each query head's sums, (B, H_kv, g, S) per (last, f), -> each statistic `wants` names (`reduce_heads`)."""
+    return {name: pool(sums[s.last, s.f], s.reduce) for name, s in wants.items()}
+
+
+def pool(C: torch.Tensor, reduce: str) -> torch.Tensor:
+    """`reduce_heads` of sums kept per KV head, (B, H_kv, g, S) -> (B, H_kv, S) ("heads": (B, H, S))."""
+    if reduce == "heads":
+        return C.flatten(1, 2)
+    return C.mean(2) if reduce == "mean" else C.amax(2) if reduce == "max" else C.sum(2)
 
 
 def visible(q_pos: torch.Tensor, k_pos: torch.Tensor, window: int | None) -> torch.Tensor:

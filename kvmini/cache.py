@@ -36,7 +36,7 @@ def key_norm(k: torch.Tensor) -> torch.Tensor:
 def along(idx: torch.Tensor, buf: torch.Tensor) -> torch.Tensor:
     """Entry indices idx (B, H_kv, s) for gather/scatter on a per-entry buffer (B, H_kv, cap, *rest)."""
     rest = buf.shape[3:]
-    return idx.view(*idx.shape, *(1,) * len(rest)).expand(*idx.shape, *rest)
+    return idx if not rest else idx.view(*idx.shape, *(1,) * len(rest)).expand(*idx.shape, *rest)
 
 
 def entry_buffer(lead: tuple, cap: int, rest: tuple, dtype, device) -> torch.Tensor:
@@ -56,6 +56,7 @@ class LayerCache:
         self._aux: dict[str, torch.Tensor] = {}  # name -> (B, H_kv, cap, *shape)
         self.length = 0  # S: entries held (by the longest row)
         self.counts: torch.Tensor | None = None  # (B, H_kv) entries each row holds when rows differ, else None
+        self.rows = (torch.arange(batch, device=device)[:, None], torch.arange(kv_heads, device=device))  # index every row
 
     @property
     def keys(self) -> torch.Tensor:
@@ -116,7 +117,7 @@ class LayerCache:
         self._v[:, :, self.length : end] = v
         self._pos[:, :, self.length : end] = pos[:, None, :]
         for buf in self._aux.values():
-            buf[:, :, self.length : end] = 0
+            buf.narrow(2, self.length, T).zero_()
         if KEY_NORM in self._aux:
             self._aux[KEY_NORM][:, :, self.length : end] = key_norm(k)
         self.length = end
@@ -157,23 +158,27 @@ class LayerCache:
         self.counts = None if counts is None or bool((counts == self.length).all()) else counts
         self._shrink()
 
-    def evict_one(self, slot: torch.Tensor) -> None:
-        """Evict entry `slot` (B, H_kv) of every row in O(D): the row's last entry moves into that slot and
-        the place it leaves becomes a pad (a decode step's `keep`, moving one entry instead of S).
-        Attention masks by position, so order does not matter."""
-        at = self._slot(slot)[..., None]  # (B, H_kv, 1)
+    def evict_one(self, slot) -> None:
+        """`evict` for a caller outside a method's step: `slot` is checked first (`_slot`)."""
+        self.evict(self._slot(slot))
+
+    def evict(self, slot: torch.Tensor) -> None:
+        """Evict entry `slot` (B, H_kv) of every row in O(D): the row's last entry (a decode step's new one)
+        takes that slot and the place it leaves becomes a pad (a decode step's `keep`, moving one entry
+        instead of S). Attention masks by position, so order does not matter. Two ops a buffer."""
+        b, h = self.rows  # (B, 1), (H_kv,): with slot (B, H_kv), one index per row
+        bufs = (self._k, self._v, self._pos, *self._aux.values())  # (B, H_kv, cap, ...)
+        last = slot.new_full((1,), self.length - 1) if self.counts is None else self.counts - 1  # (1,) or (B, H_kv)
         if self.counts is None:  # every row's last entry is at length - 1; places past length are never read
-            last = self.length - 1
-            for buf in (self._k, self._v, self._pos, *self._aux.values()):  # (B, H_kv, cap, ...)
-                buf.scatter_(2, along(at, buf), buf[:, :, last : last + 1].clone())  # a copy: the two may overlap
-            self.length = last
+            for buf in bufs:
+                buf.index_put_((b, h, slot), buf[b, h, last])  # read by index: a copy, so the two may be one entry
+            self.length -= 1
             return
-        last = self.counts[..., None] - 1  # (B, H_kv, 1)
-        for buf in (self._k, self._v, self._pos, *self._aux.values()):
-            buf.scatter_(2, along(at, buf), buf.gather(2, along(last, buf)))
-            buf.scatter_(2, along(last, buf), PAD if buf is self._pos else 0)
+        for buf in bufs:
+            buf.index_put_((b, h, slot), buf[b, h, last])
+            buf[b, h, last] = PAD if buf is self._pos else 0
         self.length -= 1  # every row held one more: the longest is one shorter (no device sync)
-        self.counts = self.counts - 1
+        self.counts = last
 
     def _slot(self, slot) -> torch.Tensor:
         """`evict_one`'s argument as a (B, H_kv) tensor of held slots (an int: that slot in every head);

@@ -195,7 +195,7 @@ class SequenceView:
         every[self.b, :, : idx.shape[2]] = idx[0]
         self.lc.keep(every, counts)
 
-    def evict_one(self, slot: torch.Tensor) -> None:
+    def evict(self, slot: torch.Tensor) -> None:
         """Evict entry `slot` (1, H_kv): this row keeps the others in order (`keep`)."""
         S = self.length
         rest = torch.arange(S - 1, device=slot.device).expand(*slot.shape, S - 1)  # (1, H_kv, S-1)

@@ -91,7 +91,7 @@ def merge_oldest(lc: LayerCache, score: torch.Tensor, E: int, cm: CacheMerge, la
     """Algorithm 1 for the E oldest entries after the sinks (positions below `sinks`), oldest first (the
     cascade: a later one may carry earlier merges), each into the m held entries with the next positions
     (pads, at position PAD, never). Found by position, so the buffer may be out of order: a decode step
-    (E = 1) costs O(S) to find them and O(m D) to merge, then `evict_one`; more go by `keep`.
+    (E = 1) costs O(S) to find them and O(m D) to merge, then `evict`; more go by `keep`.
     Returns M (R, H_kv, E)."""
     pos, m = lc.positions, cm.m  # (R, H_kv, S)
     t_pos, slots = pos.masked_fill(pos < cm.sinks, PAD).topk(min(E + m, pos.shape[-1]), largest=False)  # (R, H_kv, E + m')
@@ -110,7 +110,7 @@ def merge_oldest(lc: LayerCache, score: torch.Tensor, E: int, cm: CacheMerge, la
         merged[:, :, e + 1 : e + 1 + m] += w[:, :, e, None, None] * merged[:, :, e : e + 1]
     lc.values.scatter_(2, at, torch.where(real[..., None], merged, v).to(lc.values.dtype))
     if E == 1:
-        lc.evict_one(slots[..., 0])
+        lc.evict(slots[..., 0])
     else:
         gone = torch.zeros_like(pos, dtype=torch.int8).scatter_(2, slots[..., :E], 1)
         lc.keep(gone.argsort(dim=-1, stable=True)[..., : pos.shape[-1] - E])  # the others, in buffer order

@@ -12,7 +12,7 @@ Keys are only ever dropped; values are merged convexly into the right neighbour,
 value vanishes outright. The paper protects no token in Alg. 1 except the newest one (j < m);
 its experiments (Sec. V-A) keep 4 initial tokens and (m - 8) // 2 recent ones, our defaults.
 Lines 6-10 run as written in `convex_value_merge`: one merge at a time, entries found by position, so
-in any buffer order (a decode step deletes j in O(D) with `LayerCache.evict_one`, which moves the last
+in any buffer order (a decode step deletes j in O(D) with `LayerCache.evict`, which moves the last
 entry into its slot). `merge_runs` does the many merges after a prefill chunk at once (the deviation
 below); `merge_down` picks one of them.
 Deviation: for a prompt, Alg. 1 runs after each chunk of the prefill (chunk size 1 is Alg. 1
@@ -43,7 +43,7 @@ def convex_value_merge(lc: LayerCache, capacity: int, sinks: int, recent, newest
     entries neither a sink (position < `sinks`) nor in the recent window (the max(recent, 1) newest
     positions, up to `newest`, default the newest held; `recent` an int or one per row), ties to the
     earliest; its right neighbour is the held entry with the next position (it may be a recent one).
-    Deleting j: `keep_order` keeps the others in their order (O(S D)), else `LayerCache.evict_one`
+    Deleting j: `keep_order` keeps the others in their order (O(S D)), else `LayerCache.evict`
     moves the last entry into j's slot (O(D), a decode step). `note(evicted, into, weight)`, if given,
     hears the positions of j and its neighbour and the weight of v_j, each (B, H_kv, 1), per merge.
     """
@@ -71,7 +71,7 @@ def convex_value_merge(lc: LayerCache, capacity: int, sinks: int, recent, newest
             rest = torch.arange(lc.length - 1, device=j.device).expand(*j.shape[:2], -1)  # (B, H_kv, S - 1)
             lc.keep(rest + (rest >= j).long())
         else:
-            lc.evict_one(j[..., 0])
+            lc.evict(j[..., 0])
     # END EXERCISE
 
 

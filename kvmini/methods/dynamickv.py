@@ -128,7 +128,7 @@ def trim(lc, score: torch.Tensor, b: int, window: int, newest: int) -> torch.Ten
     S = lc.length
     if S == b + 1:  # one entry to drop: the last entry moves into its slot
         victim = lowest(score, lc.positions, 0, window, newest)  # (B, H_kv)
-        lc.evict_one(victim)
+        lc.evict(victim)
         slots = torch.arange(S - 1, device=score.device)
         return torch.where(slots == victim[..., None], S - 1, slots)
     order = lc.positions.argsort(dim=-1)  # (B, H_kv, S): position order

@@ -129,7 +129,7 @@ def shrink_merging(merge: EMAMerge, layer: int, lc: LayerCache, score: torch.Ten
     if lc.length == b + 1:
         victim = lowest(score, lc.positions, sinks, recent, newest)  # (B, H_kv)
         merged = merge.one(layer, lc, victim, newest)
-        lc.evict_one(victim)
+        lc.evict(victim)
         return float(merged.sum())
     order = lc.positions.argsort(dim=-1)  # (B, H_kv, S): position order
     keep = order.gather(2, keep_top(score.gather(2, order), b, sinks, recent))  # (B, H_kv, b)

@@ -38,11 +38,12 @@ class H2O(Method):
 
     def after_attention(self, layer: int, cache, seen) -> None:
         lc, b = cache[layer], self.budgets[layer]
+        s = lc.aux("attention_sum")  # s_j, (B, H_kv, S)
         if self.updates:
-            lc.aux("attention_sum").add_(seen["column_sums"])  # s_j += \sum_i A_ij over this call's queries (B, H_kv, S)
+            s.add_(seen["column_sums"])  # s_j += \sum_i A_ij over this call's queries
         if self.active and lc.length > b + self.slack:  # every call: a prompt chunk, or one decode step
             self.evicted[layer] += lc.length - b
-            shrink(lc, lc.aux("attention_sum"), b, 0, self.recent(b), self.newest)  # the top s_j + the recent window
+            shrink(lc, s, b, 0, self.recent(b), self.newest)  # the top s_j + the recent window
 
     def describe(self, lc) -> tuple[str, torch.Tensor | None]:
         return "accumulated attention (H2O's score: summed over every query so far)", lc.aux("attention_sum")

@@ -26,18 +26,18 @@ def lowest(score: torch.Tensor, positions: torch.Tensor, sinks: int, recent, new
     free = positions <= newest - recent  # not in the window
     if sinks:
         free &= positions >= sinks  # nor a sink
-    masked = torch.where(free, score, float("inf"))
-    low = free & (masked == masked.amin(-1, keepdim=True))  # the lowest free entries (ties)
+    masked = torch.where(free, score, float("inf"))  # a free entry's score is finite: a budget leaves one
+    low = masked == masked.amin(-1, keepdim=True)  # the lowest free entries (ties)
     return torch.where(low, positions, -1).argmax(-1)  # (B, H_kv): the latest of them
 
 
 def shrink(lc, score: torch.Tensor, b: int, sinks: int, recent: int, newest: int) -> None:
     """Shrink every row of one layer's cache to b entries: the first `sinks`, the last `recent` and the
     best `score`s between them (`keep_top`). One entry over (a decode step) evicts the `lowest` in O(D)
-    (`evict_one`); more sorts and gathers (`keep`, O(S·D)): the same result either way.
+    (`evict`); more sorts and gathers (`keep`, O(S·D)): the same result either way.
     score (B, H_kv, S) in buffer order; newest: the position of the call's newest token."""
     if lc.length == b + 1:  # one entry to drop
-        lc.evict_one(lowest(score, lc.positions, sinks, recent, newest))
+        lc.evict(lowest(score, lc.positions, sinks, recent, newest))
         return
     order = lc.positions.argsort(dim=-1)  # (B, H_kv, S): position order (earlier steps may have mixed the buffer)
     lc.keep(order.gather(2, keep_top(score.gather(2, order), b, sinks, recent)))  # (B, H_kv, b) kept
