@@ -116,10 +116,11 @@ class LayerCache:
         self._k[:, :, self.length : end] = k
         self._v[:, :, self.length : end] = v
         self._pos[:, :, self.length : end] = pos[:, None, :]
-        for buf in self._aux.values():
-            buf.narrow(2, self.length, T).zero_()
-        if KEY_NORM in self._aux:
-            self._aux[KEY_NORM][:, :, self.length : end] = key_norm(k)
+        for name, buf in self._aux.items():
+            if name == KEY_NORM:
+                buf.narrow(2, self.length, T).copy_(key_norm(k))
+            else:
+                buf.narrow(2, self.length, T).zero_()
         self.length = end
 
     def _append_ragged(self, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor, end: int) -> None:
@@ -138,11 +139,17 @@ class LayerCache:
 
     def set_keys(self, idx: torch.Tensor, k: torch.Tensor) -> None:
         """Overwrite held keys in place (a merge, D2O's Eq. 11): entries idx (B, H_kv, s) get k (B, H_kv, s, D),
-        and their norms in KEY_NORM when it is declared."""
-        k = k.to(self.keys.dtype)
-        self.keys.scatter_(2, idx[..., None].expand_as(k), k)
-        if KEY_NORM in self.aux_names():
-            self.aux(KEY_NORM).scatter_(2, idx, key_norm(k))
+        and their norms in KEY_NORM when it is declared; idx (B, H_kv) and k (B, H_kv, D): one entry a row."""
+        keys, norms = self.keys, self.aux(KEY_NORM) if KEY_NORM in self.aux_names() else None
+        k = k.to(keys.dtype)
+        if idx.dim() == 2:  # one entry a row (a decode step): by index
+            keys.index_put_((*self.rows, idx), k)
+            if norms is not None:
+                norms.index_put_((*self.rows, idx), key_norm(k))
+            return
+        keys.scatter_(2, idx[..., None].expand_as(k), k)
+        if norms is not None:
+            norms.scatter_(2, idx, key_norm(k))
 
     def keep(self, idx: torch.Tensor, counts: torch.Tensor | None = None) -> None:
         """Keep only entries `idx` (B, H_kv, S') of every row, in that order: the bulk eviction, O(S·D); the
