@@ -51,11 +51,8 @@ class Statistic:
 
 def reduce_heads(C: torch.Tensor, H_kv: int, reduce: str) -> torch.Tensor:
     """(B, H, S) per query head -> (B, H_kv, S): the g query heads of each KV head combined ("heads": C)."""
-    if reduce == "heads":
-        return C
     B, H, S = C.shape
-    C = C.view(B, H_kv, H // H_kv, S)
-    return C.mean(2) if reduce == "mean" else C.amax(2) if reduce == "max" else C.sum(2)
+    return pool(C.view(B, H_kv, H // H_kv, S), reduce)
 
 
 def add_up(sums: dict, key, C: torch.Tensor) -> torch.Tensor:

@@ -56,7 +56,8 @@ class LayerCache:
         self._aux: dict[str, torch.Tensor] = {}  # name -> (B, H_kv, cap, *shape)
         self.length = 0  # S: entries held (by the longest row)
         self.counts: torch.Tensor | None = None  # (B, H_kv) entries each row holds when rows differ, else None
-        self.rows = (torch.arange(batch, device=device)[:, None], torch.arange(kv_heads, device=device))  # index every row
+        b, h = torch.arange(batch, device=device), torch.arange(kv_heads, device=device)
+        self.rows, self.entries = (b[:, None], h), (b[:, None, None], h[:, None])  # index slots (B, H_kv), (B, H_kv, s)
 
     @property
     def keys(self) -> torch.Tensor:
@@ -116,11 +117,9 @@ class LayerCache:
         self._k[:, :, self.length : end] = k
         self._v[:, :, self.length : end] = v
         self._pos[:, :, self.length : end] = pos[:, None, :]
-        for name, buf in self._aux.items():
-            if name == KEY_NORM:
-                buf.narrow(2, self.length, T).copy_(key_norm(k))
-            else:
-                buf.narrow(2, self.length, T).zero_()
+        for name, buf in self._aux.items():  # a new entry's statistics start at 0; KEY_NORM holds its key's norm
+            fresh = buf.narrow(2, self.length, T)
+            fresh.copy_(key_norm(k)) if name == KEY_NORM else fresh.zero_()
         self.length = end
 
     def _append_ragged(self, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor, end: int) -> None:
@@ -139,17 +138,11 @@ class LayerCache:
 
     def set_keys(self, idx: torch.Tensor, k: torch.Tensor) -> None:
         """Overwrite held keys in place (a merge, D2O's Eq. 11): entries idx (B, H_kv, s) get k (B, H_kv, s, D),
-        and their norms in KEY_NORM when it is declared; idx (B, H_kv) and k (B, H_kv, D): one entry a row."""
-        keys, norms = self.keys, self.aux(KEY_NORM) if KEY_NORM in self.aux_names() else None
-        k = k.to(keys.dtype)
-        if idx.dim() == 2:  # one entry a row (a decode step): by index
-            keys.index_put_((*self.rows, idx), k)
-            if norms is not None:
-                norms.index_put_((*self.rows, idx), key_norm(k))
-            return
-        keys.scatter_(2, idx[..., None].expand_as(k), k)
-        if norms is not None:
-            norms.scatter_(2, idx, key_norm(k))
+        and their norms in KEY_NORM when it is declared; or one entry a row, idx (B, H_kv), k (B, H_kv, D)."""
+        at, keys = (*(self.rows if idx.dim() == 2 else self.entries), idx), self.keys
+        keys.index_put_(at, k.to(keys.dtype))
+        if KEY_NORM in self.aux_names():
+            self.aux(KEY_NORM).index_put_(at, key_norm(k))
 
     def keep(self, idx: torch.Tensor, counts: torch.Tensor | None = None) -> None:
         """Keep only entries `idx` (B, H_kv, S') of every row, in that order: the bulk eviction, O(S·D); the
@@ -166,26 +159,20 @@ class LayerCache:
         self._shrink()
 
     def evict_one(self, slot) -> None:
-        """`evict` for a caller outside a method's step: `slot` is checked first (`_slot`)."""
+        """`evict`, `slot` checked first (an int: that slot in every row): for a caller outside a method's step."""
         self.evict(self._slot(slot))
 
     def evict(self, slot: torch.Tensor) -> None:
-        """Evict entry `slot` (B, H_kv) of every row in O(D): the row's last entry (a decode step's new one)
-        takes that slot and the place it leaves becomes a pad (a decode step's `keep`, moving one entry
-        instead of S). Attention masks by position, so order does not matter. Two ops a buffer."""
+        """Evict entry `slot` (B, H_kv) of every row in O(D), two ops a buffer: the row's last entry (a decode step's
+        new one) takes that slot, the place it leaves becomes a pad. Attention masks by position: order means nothing."""
         b, h = self.rows  # (B, 1), (H_kv,): with slot (B, H_kv), one index per row
-        bufs = (self._k, self._v, self._pos, *self._aux.values())  # (B, H_kv, cap, ...)
         last = slot.new_full((1,), self.length - 1) if self.counts is None else self.counts - 1  # (1,) or (B, H_kv)
-        if self.counts is None:  # every row's last entry is at length - 1; places past length are never read
-            for buf in bufs:
-                buf.index_put_((b, h, slot), buf[b, h, last])  # read by index: a copy, so the two may be one entry
-            self.length -= 1
-            return
-        for buf in bufs:
-            buf.index_put_((b, h, slot), buf[b, h, last])
-            buf[b, h, last] = PAD if buf is self._pos else 0
+        for buf in (self._k, self._v, self._pos, *self._aux.values()):  # (B, H_kv, cap, ...)
+            buf.index_put_((b, h, slot), buf[b, h, last])  # read by index: a copy, so the two may be one entry
+            if self.counts is not None:  # the place left: a pad (without counts it is past length, never read)
+                buf[b, h, last] = PAD if buf is self._pos else 0
         self.length -= 1  # every row held one more: the longest is one shorter (no device sync)
-        self.counts = last
+        self.counts = None if self.counts is None else last
 
     def _slot(self, slot) -> torch.Tensor:
         """`evict_one`'s argument as a (B, H_kv) tensor of held slots (an int: that slot in every head);

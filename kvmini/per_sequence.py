@@ -151,7 +151,7 @@ class SequenceView:
 
     def __init__(self, lc: LayerCache, b: int):
         self.lc, self.b = lc, b
-        self.rows = (lc.rows[0][:1], lc.rows[1])  # one index per row of this batch-1 view
+        self.rows, self.entries = (lc.rows[0][:1], lc.rows[1]), (lc.entries[0][:1], lc.entries[1])  # this batch-1 view's
 
     @property
     def length(self) -> int:

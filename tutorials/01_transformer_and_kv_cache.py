@@ -190,7 +190,8 @@ b = sdpa_attention(q, layer.keys.gather(2, ordered), layer.values.gather(2, orde
 torch.testing.assert_close(a, b)  # attention cannot tell the two buffers apart
 
 # %% [markdown]
-# A method picks between the two with `selectors.shrink`: `evict_one` when exactly one entry must
+# A method picks between the two with `selectors.shrink`: `evict` (what `evict_one` does, without
+# checking the slot: the method chose it) when exactly one entry must
 # go (finding it with `selectors.lowest`, a masked minimum instead of a sort) and `keep` otherwise
 # (sorting by position first). Both keep the same tokens; tests/test_policy.py checks it.
 #

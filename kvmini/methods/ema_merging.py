@@ -67,32 +67,14 @@ class EMAMerge:
         return self.merge(layer, lc, evict, keep, j_star, best)
 
     def one(self, layer: int, lc: LayerCache, victim: torch.Tensor, newest: int) -> torch.Tensor:
-        """A decode step: the one entry each head evicts, `victim` (B, H_kv), is compared with every other
-        entry (Eq. 9) and, if similar enough, merged into its nearest (Eq. 10-12). The same result as
-        `__call__` with every other entry kept, but only the nearest entry's key and value are read and
-        written. Returns the merges per row (B,), mean over heads. The candidates are the entries at
-        positions up to `newest` (a shorter row's pads: never)."""
-        b, h = lc.rows  # (B, 1), (H_kv,): one index per row
-        keys, values, pos = lc.keys, lc.values, lc.positions  # (B, H_kv, S, D) x2, (B, H_kv, S)
-        k_i, v_i = keys[b, h, victim], values[b, h, victim]  # (B, H_kv, D): the victim's
-        exclude = pos == pos[b, h, victim][..., None]  # (B, H_kv, S): the victim itself
-        if lc.padded:
-            exclude |= pos > newest  # a shorter row's pads
-        norms = lc.aux(KEY_NORM) if KEY_NORM in lc.aux_names() else None  # (B, H_kv, S), if the cache keeps them
-        best, j = nearest(wide(k_i)[:, :, None], wide(keys), norms, exclude[:, :, None])  # (B, H_kv, 1), Eq. 9
-        merge = self.decide(layer, best)  # (B, H_kv, 1), Eq. 10
-        j = j[..., 0]  # (B, H_kv): the nearest entry, the one written
-        if self.trace is not None:
-            self.record(layer, pos, victim[..., None], j[..., None], best, merge)
-        combine = convex_merge if self.weights == "paper" else scatter_mean_merge
-        x_j, x_i = (wide(torch.cat(kv, -1))[:, :, None] for kv in ((keys[b, h, j], values[b, h, j]), (k_i, v_i)))
-        merged = combine(x_j, x_i, torch.zeros_like(j)[..., None], best, merge)[:, :, 0]  # (B, H_kv, 2D): [k | v], Eq. 11-12
-        D = keys.shape[-1]
-        if self.keys:
-            lc.set_keys(j, merged[..., :D])
-        if self.values:
-            values.index_put_((b, h, j), merged[..., D:].to(values.dtype))
-        return merge.float().mean(1).sum(-1)  # (B,): tokens merged, mean over heads
+        """A decode step: `__call__` with every entry but `victim` (B, H_kv) kept, only the nearest entry's key
+        and value written (candidates: positions up to `newest`, never a shorter row's pads)."""
+        (b, h), pos, keys = lc.rows, lc.positions, lc.keys  # (B, 1), (H_kv,): one index per row; (B, H_kv, S, D)
+        exclude = pos == pos[b, h, victim][..., None]  # (B, H_kv, S): the victim itself, and a shorter row's pads
+        norms = lc.aux(KEY_NORM) if KEY_NORM in lc.aux_names() else None  # (B, H_kv, S), kept by the cache
+        best, j_star = nearest(wide(keys[b, h, victim])[:, :, None], wide(keys), norms,
+                               (exclude | (pos > newest) if lc.padded else exclude)[:, :, None])  # (B, H_kv, 1), Eq. 9
+        return self.merge(layer, lc, victim[..., None], j_star, torch.zeros_like(j_star), best)  # into j_star itself
 
     def merge(self, layer: int, lc: LayerCache, evict, targets, j_star, best) -> torch.Tensor:
         """Eq. 10-12 for the evicted entries `evict` (B, H_kv, E), each nearest to `targets[j_star]` with
@@ -102,15 +84,15 @@ class EMAMerge:
         merge = self.decide(layer, best)  # (B, H_kv, E)
         if self.trace is not None:
             self.record(layer, lc.positions, evict, targets.gather(2, j_star), best, merge)
-        D = lc.keys.shape[-1]
-        at = lambda idx: idx[..., None].expand(-1, -1, -1, D)  # noqa: E731
-        kv = lambda idx: wide(torch.cat([lc.keys.gather(2, at(idx)), lc.values.gather(2, at(idx))], -1))  # noqa: E731
+        (b, h), keys, values = lc.entries, lc.keys, lc.values  # (B, 1, 1), (H_kv, 1): index entries (B, H_kv, s)
+        kv = lambda idx: wide(torch.cat([keys[b, h, idx], values[b, h, idx]], -1))  # noqa: E731
         combine = convex_merge if self.weights == "paper" else scatter_mean_merge
         merged = combine(kv(targets), kv(evict), j_star, best, merge)  # (B, H_kv, T, 2D): [k | v], the same weights
+        D = keys.shape[-1]
         if self.keys:
             lc.set_keys(targets, merged[..., :D])
         if self.values:
-            lc.values.scatter_(2, at(targets), merged[..., D:].to(lc.values.dtype))
+            values.index_put_((b, h, targets), merged[..., D:].to(values.dtype))
         return merge.float().mean(1).sum(-1)  # (B,): tokens merged, mean over heads
 
     def record(self, layer: int, pos, evict, into, best, merge) -> None:

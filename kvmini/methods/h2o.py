@@ -37,8 +37,7 @@ class H2O(Method):
         self.wants = {"column_sums": Statistic(reduce=self.reduce)} if self.updates else None  # this call's A_ij, summed over i
 
     def after_attention(self, layer: int, cache, seen) -> None:
-        lc, b = cache[layer], self.budgets[layer]
-        s = lc.aux("attention_sum")  # s_j, (B, H_kv, S)
+        lc, b, s = cache[layer], self.budgets[layer], cache[layer].aux("attention_sum")  # s: s_j, (B, H_kv, S)
         if self.updates:
             s.add_(seen["column_sums"])  # s_j += \sum_i A_ij over this call's queries
         if self.active and lc.length > b + self.slack:  # every call: a prompt chunk, or one decode step
