@@ -11,6 +11,7 @@ import torch
 
 from kvmini.cache import KVCache
 from kvmini.errors import KvminiError
+from kvmini.methods.method import run_length
 from kvmini.model import Transformer
 
 
@@ -122,10 +123,13 @@ def prefill(model: Transformer, ids: torch.Tensor, cache: KVCache, policy=None, 
     tokens, ids are the run's next prompt (docs/design.md, "A cache that lives on"). total_len (the run's
     length, if known) lets a policy skip statistics its budget never needs. on_progress(done) hears the
     tokens done after every layer (c/L per layer for a chunk of c)."""
+    if not isinstance(model, Transformer):
+        raise KvminiError(f"model must be a kvmini Transformer (kvmini.loading.load_model), got {type(model).__name__}")
     ids = token_ids(ids, model.config.vocab_size)
     if chunk_size is not None and (not is_whole(chunk_size) or chunk_size < 1):
         raise KvminiError(f"chunk_size must be None or a whole number >= 1, got {chunk_size!r}")
     T, L, before = ids.shape[1], model.config.num_layers, cache.seen_tokens
+    run_length("prefill", total_len, before + T)
     if ids.shape[0] != cache[0].positions.shape[0]:
         raise KvminiError(f"ids hold {ids.shape[0]} sequences but the cache {cache[0].positions.shape[0]}")
     policy = for_batch(policy, ids.shape[0])

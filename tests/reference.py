@@ -94,7 +94,7 @@ def engine_run(model: Transformer, calls: list[torch.Tensor], policy, n: int):
     B, L, H_kv = calls[0].shape[0], model.config.num_layers, model.config.num_kv_heads
     cache = model.new_cache(B, 4)
     policy = for_batch(policy, B)  # the model is called directly: per-sequence budgets get a policy per row
-    policy.start(n, sum(ids.shape[1] for ids in calls))
+    policy.start(n, sum(ids.shape[1] for ids in calls), model)
     logits, kept = [], []
     for ids in calls:
         kept.append([[[sorted(cache[l].positions[b, h].tolist()) for h in range(H_kv)] for b in range(B)]

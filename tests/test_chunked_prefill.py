@@ -40,7 +40,7 @@ def run(model, ids, name, budget, options, sizes):
     Returns (per layer: (positions, keys, values) in position order, budgets, last logits)."""
     policy = for_batch(make_policy(name, budget, **options), B)  # the model is called directly
     cache = model.new_cache(B, N + STEPS)
-    policy.start(N, N + STEPS)
+    policy.start(N, N + STEPS, model)
     start = 0
     for size in sizes:
         model(ids[:, start : start + size], cache, policy)

@@ -284,3 +284,44 @@ def test_start_refuses_a_prompt_length_that_is_not_a_whole_number_of_at_least_on
         policy.start(bad)
     with torch.no_grad(), pytest.raises(KvminiError, match=r"call policy.start\(prompt_len\) before the first call"):
         model(turns(sizes=(10,))[0], model.new_cache(1, 4), policy)
+
+
+@pytest.mark.parametrize("bad", [10, 59, -5, 2.5, "70", True])
+def test_prefill_refuses_a_total_len_short_of_the_prompts_end(bad):
+    """total_len promises where a run ends; a promise short of the prompt (here 60 tokens) made h2o at 0.3
+    keep all 60 (the budget read as one the run never exceeds), "70" raised a raw TypeError. Refused; the
+    prompt's end itself is a valid promise and keeps round(0.3 * 60) = 18 tokens per head."""
+    model, ids = random_model(L=3), turns(sizes=(60,))[0]
+    with torch.no_grad(), pytest.raises(KvminiError, match=rf"prefill: total_len must be None or a whole number >= "
+                                                           rf"the prompt's end \(60\), got {bad!r}$"):
+        prefill(model, ids, model.new_cache(1), make_policy("h2o", 0.3), total_len=bad)
+    cache = model.new_cache(1)
+    with torch.no_grad():
+        prefill(model, ids, cache, make_policy("h2o", 0.3), total_len=60)
+    assert cache[0].length == 18
+
+
+def test_a_next_prompts_total_len_counts_the_tokens_before_it():
+    """On a cache holding 20 tokens, a next prompt of 12 ends at 32: total_len 31 is short of it."""
+    model, (first, second) = random_model(L=3), turns(sizes=(20, 12))
+    cache, policy = model.new_cache(1), make_policy("snapkv", 0.5)
+    with torch.no_grad():
+        prefill(model, first, cache, policy)
+        with pytest.raises(KvminiError, match=r"total_len must be None or a whole number >= the prompt's end \(32\), got 31"):
+            prefill(model, second, cache, policy, total_len=31)
+
+
+@pytest.mark.parametrize("model,total_len,fragment", [
+    ("x", None, "start takes the run's model, a kvmini Transformer, got str"),
+    (None, 19, r"total_len must be None or a whole number >= the prompt's end \(20\), got 19"),
+    (None, "30", r"total_len must be None or a whole number >= the prompt's end \(20\), got '30'"),
+])
+def test_start_refuses_a_model_or_total_len_it_cannot_use(model, total_len, fragment):
+    """Method.start(n, model="x") raised a raw TypeError (cannot create weak reference); now one line."""
+    with pytest.raises(KvminiError, match=f"h2o: {fragment}$"):
+        make_policy("h2o", 0.3).start(20, total_len, model)
+
+
+def test_prefill_refuses_a_model_that_is_not_a_transformer():
+    with pytest.raises(KvminiError, match=r"model must be a kvmini Transformer \(kvmini.loading.load_model\), got dict$"):
+        prefill({}, torch.tensor([[1, 2, 3]]), random_model(L=3).new_cache(1))

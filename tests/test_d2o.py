@@ -16,6 +16,7 @@ from kvmini.generate import prefill
 from kvmini.methods.allocators import proportional
 from kvmini.methods.variance_softmax import attention_variance, layer_weights, split
 from cases import stored
+from checks import assert_equal
 from reference import group_mean, random_model, simulate
 
 
@@ -46,7 +47,12 @@ def test_eq4_attention_variance_by_hand():
     assert got == pytest.approx(literal(peaked)), \
         f"Eq. 4 (`attention_variance`): F_v of two heads' column sums, want {literal(peaked):.4f}, got {got:.4f}"
     got = attention_variance(torch.tensor([peaked]), correction=1)
-    assert got == pytest.approx(literal(peaked, 1)), f"Eq. 4 (`attention_variance`) with correction=1: got {got:.4f}"
+    assert got == pytest.approx(literal(peaked, 1)), \
+        f"Eq. 4 (`attention_variance`) with correction=1: want {literal(peaked, 1):.4f}, got {got:.4f}"
+    apart = [[1.0, 2.0, 3.0], [4.0, 5.0, 6.0]]  # heads with different means: each has variance 2/3
+    got = attention_variance(torch.tensor([apart]))
+    assert got == pytest.approx(2 / 3), (f"Eq. 4 (`attention_variance`): heads whose column sums have different "
+                                         f"means, each head's variance (2/3) then their mean: want 0.6667, got {got:.4f}")
     assert attention_variance(torch.full((1, 2, 6), 1.0)) == 0, "Eq. 4 (`attention_variance`): even attention has variance 0"
     batch = [[[1.0, 2.0, 3.0]], [[0.0, 0.0, 3.0]]]  # two sequences of one head: the mean of their variances
     got = attention_variance(torch.tensor(batch))
@@ -155,13 +161,37 @@ def toy_cache(keys, values):
 
 @pytest.mark.exercise("ema_merging")
 def test_eq9_nearest_alone():
-    """Eq. 9 (`nearest`) by itself: evicted k2 = (1, 0.1) and k3 = (-1, 0) against kept k0 = (1, 0), k1 = (0, 1).
-    k2's nearest is k0 at 1/sqrt(1.01); k3's is k1 at 0 (k0 is at -1)."""
-    kept = torch.tensor([[1.0, 0.0], [0.0, 1.0]]).view(1, 1, 2, 2)
-    best, j = nearest(torch.tensor([[1.0, 0.1], [-1.0, 0.0]]).view(1, 1, 2, 2), kept)
-    assert j[0, 0].tolist() == [0, 1], f"Eq. 9 (`nearest`): the nearest kept key of each evicted key, got {j[0, 0].tolist()}"
-    torch.testing.assert_close(best[0, 0], torch.tensor([1 / math.sqrt(1.01), 0.0]),
+    """Eq. 9 (`nearest`) by itself: evicted k3 = (1, 0.5) and k4 = (-1, 0) against kept k0 = (1, 0), k1 = (0, 3).
+    k3's cosines are 1/sqrt(1.25) = 2/sqrt(5) to k0 and 1.5/(3 sqrt(1.25)) = 1/sqrt(5) to k1: its nearest is k0
+    (k1's norm 3 divided out: without it, k1 would win at 3/sqrt(5)); k4's are -1 and 0: k1 at 0."""
+    kept = torch.tensor([[1.0, 0.0], [0.0, 3.0]]).view(1, 1, 2, 2)
+    best, j = nearest(torch.tensor([[1.0, 0.5], [-1.0, 0.0]]).view(1, 1, 2, 2), kept)
+    assert_equal(j[0, 0].tolist(), [0, 1], "Eq. 9 (`nearest`): the nearest kept key of each evicted key, "
+                 "by cosine (each kept key's norm divided out)")
+    torch.testing.assert_close(best[0, 0], torch.tensor([2 / math.sqrt(5), 0.0]),
                                msg=lambda m: f"Eq. 9 (`nearest`): the cosine of each evicted key to its nearest. {m}")
+
+
+@pytest.mark.exercise("ema_merging")
+def test_eq9_nearest_takes_the_earlier_key_on_a_tie():
+    """Eq. 9's argmax on a tie (tutorial 4: the earlier key): kept k0 = (0, 1), k1 = (1, 0), k2 = (0, 1).
+    Evicted (1, 1) is at 1/sqrt(2) from all three, (0, 2) at 1 from k0 and k2: both choose k0."""
+    kept = torch.tensor([[0.0, 1.0], [1.0, 0.0], [0.0, 1.0]]).view(1, 1, 3, 2)
+    best, j = nearest(torch.tensor([[1.0, 1.0], [0.0, 2.0]]).view(1, 1, 2, 2), kept)
+    assert_equal(j[0, 0].tolist(), [0, 0], "Eq. 9 (`nearest`): on a tie, the earlier kept key")
+    torch.testing.assert_close(best[0, 0], torch.tensor([1 / math.sqrt(2), 1.0]),
+                               msg=lambda m: f"Eq. 9 (`nearest`): the cosine of each evicted key to its nearest. {m}")
+
+
+@pytest.mark.exercise("ema_merging")
+def test_eq9_nearest_never_chooses_an_excluded_key():
+    """Eq. 9 with `exclude` (a decode step: the victim may not choose itself): evicted (1, 0.1) against
+    k0 = (1, 0), k1 = (0, 1), k0 excluded: its nearest is k1 at 0.1/sqrt(1.01), not k0 at 1/sqrt(1.01)."""
+    kept = torch.tensor([[1.0, 0.0], [0.0, 1.0]]).view(1, 1, 2, 2)
+    best, j = nearest(torch.tensor([[1.0, 0.1]]).view(1, 1, 1, 2), kept, exclude=torch.tensor([[[[True, False]]]]))
+    assert_equal(j[0, 0].tolist(), [1], "Eq. 9 (`nearest`, k0 excluded): the nearest key allowed")
+    torch.testing.assert_close(best[0, 0], torch.tensor([0.1 / math.sqrt(1.01)]), msg=lambda m: (
+        f"Eq. 9 (`nearest`, k0 excluded): the cosine to the nearest key allowed. {m}"))
 
 
 @pytest.mark.exercise("ema_merging")
@@ -170,7 +200,7 @@ def test_eq10_ema_threshold_alone(beta):
     """Eq. 10 (`ema_threshold`) by itself: tau_0 is the given mean (no earlier threshold), then
     tau_t = beta * new + (1 - beta) * tau_{t-1}."""
     new, old = torch.tensor([[0.9]]), torch.tensor([[0.5]])
-    assert torch.equal(ema_threshold(None, new, beta), new), "Eq. 10 (`ema_threshold`): tau_0 must be `new` itself"
+    assert_equal(ema_threshold(None, new, beta), new, "Eq. 10 (`ema_threshold`): tau_0, `new` itself")
     want = beta * 0.9 + (1 - beta) * 0.5
     assert ema_threshold(old, new, beta).item() == pytest.approx(want), \
         f"Eq. 10 (`ema_threshold`): tau_t for beta {beta}, want {want:.3f}, got {ema_threshold(old, new, beta).item():.3f}"
@@ -190,6 +220,21 @@ def test_eq11_12_convex_merge_alone():
         f"itself, e^1, and each one's own e^u, summing to 1). {m}"))
     torch.testing.assert_close(got[0, 0, 1], torch.tensor([0.0, 1.0]), msg=lambda m: (
         f"Eq. 11-12 (`convex_merge`): kept token 1, chosen only by a token not marked to merge, must stay. {m}"))
+
+
+@pytest.mark.exercise("ema_merging")
+def test_eq11_12_convex_merge_at_a_low_similarity():
+    """Eq. 11-12 (`convex_merge`) at a similarity far from 1: kept x0 = (1, 0); evicted x1 = (0, 1) chose it with
+    u = 0.5 and merges. Softmax weights over {x0 (similarity 1), x1}: w_c = e / (e + e^0.5) = 0.62246,
+    w_1 = e^0.5 / (e + e^0.5) = 0.37754, so x0 <- (0.62246, 0.37754). Linear weights u / (u + 1) would give
+    (0.667, 0.333); a merge that drops the kept token (the mean of the merged ones) (0, 1)."""
+    w_c, w_1 = math.e / (math.e + math.exp(0.5)), math.exp(0.5) / (math.e + math.exp(0.5))
+    assert (w_c, w_1) == pytest.approx((0.62246, 0.37754), abs=1e-5)  # the hand computation itself
+    got = convex_merge(torch.tensor([[[[1.0, 0.0]]]]), torch.tensor([[[[0.0, 1.0]]]]), torch.tensor([[[0]]]),
+                       torch.tensor([[[0.5]]]), torch.tensor([[[True]]]))
+    torch.testing.assert_close(got[0, 0, 0], torch.tensor([w_c, w_1]), msg=lambda m: (
+        "Eq. 11-12 (`convex_merge`): kept token 0 after one token merges into it at u = 0.5: want "
+        f"(e, e^0.5) / (e + e^0.5) = ({w_c:.5f}, {w_1:.5f}), got {got[0, 0, 0].tolist()}. {m}"))
 
 
 @pytest.mark.exercise("ema_merging")
@@ -655,12 +700,12 @@ def test_nearest_reads_given_norms_and_never_chooses_an_excluded_pair():
         for norms in (None, keys.norm(dim=-1)):
             best, j = nearest(k_evict, keys, norms)
             given = "given" if norms is not None else "computed"
-            assert torch.equal(j, order.indices[..., 0]), f"Eq. 9 (`nearest`, norms {given}, {dtype}): the nearest kept key j*"
+            assert_equal(j, order.indices[..., 0], f"Eq. 9 (`nearest`, norms {given}, {dtype}): the nearest kept key j*")
             torch.testing.assert_close(best, order.values[..., 0], **tol, msg=lambda m, g=given, d=dtype: (
                 f"Eq. 9 (`nearest`, norms {g}, {d}): the similarity u to j*. {m}"))
         first = torch.zeros_like(u, dtype=torch.bool).scatter_(3, order.indices[..., :1], True)
         best, j = nearest(k_evict, keys, exclude=first)
-        assert torch.equal(j, order.indices[..., 1]), f"Eq. 9 (`nearest`, each nearest excluded, {dtype}): j*"
+        assert_equal(j, order.indices[..., 1], f"Eq. 9 (`nearest`, each nearest excluded, {dtype}): j*")
         torch.testing.assert_close(best, order.values[..., 1], **tol, msg=lambda m, d=dtype: (
             f"Eq. 9 (`nearest`, each nearest excluded, {d}): the similarity u to j*. {m}"))
 

@@ -11,6 +11,7 @@ from kvmini.errors import KvminiError
 from kvmini.methods.frobenius_stop import frobenius_stop
 from kvmini.methods.registry import make_policy
 from cases import stored
+from checks import assert_equal
 from reference import group_mean, random_model, simulate
 
 ROW = torch.tensor([0.4, 0.05, 0.1, 0.05, 0.1, 0.3]).view(1, 1, 6)
@@ -160,8 +161,8 @@ def test_whole_model_equals_the_literal_rule(options):
     budgets = [len(layer[0][0]) for layer in entering[1]]
     assert policy.budgets == budgets, f"Eq. 2 (`frobenius_stop`): each layer's budget, want {budgets}, got {policy.budgets}"
     for l, lc in enumerate(cache.layers):
-        assert lc.positions.sort(dim=-1).values[:, :, :-1].tolist() == entering[-1][l], \
-            f"Eq. 2 (`frobenius_stop`, then the cut): the tokens layer {l} keeps"
+        assert_equal(lc.positions.sort(dim=-1).values[:, :, :-1].tolist(), entering[-1][l],
+                     f"Eq. 2 (`frobenius_stop`, then the cut): the tokens layer {l} keeps")
     for c, (a, b) in enumerate(zip(got, want)):
         torch.testing.assert_close(a, b, atol=1e-5, rtol=0, msg=lambda m, c=c: f"the logits of call {c} over the kept cache. {m}")
     assert any(b < 24 for b in policy.budgets)  # something was pruned

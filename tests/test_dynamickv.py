@@ -6,6 +6,7 @@ from kvmini.errors import KvminiError
 from kvmini.generate import prefill
 from kvmini.methods.registry import make_policy
 from cases import stored
+from checks import assert_equal
 from reference import group_mean, random_model, simulate
 
 # BEGIN REFERENCE
@@ -103,7 +104,7 @@ def test_engine_equals_literal_algorithm_1(L, m, w_t, r_max, tail):
         got = [model(ids, cache, policy)[:, -1] for ids in calls]
     want, entering, history = dynamickv_reference(model, calls, n, w_t, ws, kernel, r_max, m, L, 2, tail)
     updates = [l for l in range(1, L + 1) if l % m == 0 or (l == L and tail)]
-    assert len(history) == len(updates), "Eq. 5-8 (`reallocate`): one re-allocation every m layers (and the tail)"
+    assert_equal(len(history), len(updates), "Eq. 5-8 (`reallocate`): re-allocations, one every m layers (and the tail)")
     if tail:
         assert sum(history[-1]) == (w_t - ws) * L, \
             f"Eq. 5-8 (`reallocate`): the last re-allocation hands out (w_t - w_s) L = {(w_t - ws) * L}, got {sum(history[-1])}"
@@ -117,8 +118,8 @@ def test_engine_equals_literal_algorithm_1(L, m, w_t, r_max, tail):
         assert policy.budgets[:done] == [z + ws for z in history[-1]], \
             f"Eq. 5-8 (`reallocate`): the finished layers' budgets, want {[z + ws for z in history[-1]]}, got {policy.budgets[:done]}"
     for l, lc in enumerate(cache.layers):
-        assert lc.positions.sort(dim=-1).values[:, :, :-1].tolist() == entering[-1][l], \
-            f"Eq. 5-8 (`reallocate`, then the cut to each layer's budget): the tokens layer {l} keeps"
+        assert_equal(lc.positions.sort(dim=-1).values[:, :, :-1].tolist(), entering[-1][l],
+                     f"Eq. 5-8 (`reallocate`, then the cut to each layer's budget): the tokens layer {l} keeps")
     for c, (a, b) in enumerate(zip(got, want)):  # evict == mask, through prefill and 3 decode steps
         torch.testing.assert_close(a, b, atol=1e-5, rtol=0, msg=lambda m, c=c: f"the logits of call {c} over the kept cache. {m}")
 

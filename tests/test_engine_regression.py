@@ -151,7 +151,7 @@ def run(model, calls, name, budget, options, prompt_len):
     policy = for_batch(make_policy(name, budget, **options), calls[0].shape[0])  # the model is called directly
     cache = model.new_cache(calls[0].shape[0], 4)
     if policy is not None:
-        policy.start(prompt_len, prompt_len + len(calls) - 1)
+        policy.start(prompt_len, prompt_len + len(calls) - 1, model)
     out = {}
     for c, ids in enumerate(calls):
         out[f"logits.{c}"] = model(ids, cache, policy)[:, -1].contiguous()

@@ -8,6 +8,7 @@ from kvmini.generate import prefill
 from kvmini.methods.convex_value_merge import convex_value_merge
 from kvmini.methods.registry import make_policy
 from cases import stored
+from checks import assert_equal
 from reference import group_mean, in_position_order, random_model
 
 E = torch.eye(8)  # v_t = e_t, so a merged value shows its mixing weights directly
@@ -229,8 +230,8 @@ def test_a_decode_steps_merge_is_the_same_in_any_buffer_order(seed):
         got = ordered.positions.flatten().tolist()
         assert got == sorted(got), f"Alg. 1 (`convex_value_merge`): the buffer in position order after step {t}, got {got}"
         p, _, v = in_position_order(mixed)
-        assert p.tolist() == ordered.positions.tolist(), \
-            f"Alg. 1 (`convex_value_merge`, keep_order=False): the positions kept after step {t} in a scrambled buffer"
+        assert_equal(p.tolist(), ordered.positions.tolist(),
+                     f"Alg. 1 (`convex_value_merge`, keep_order=False): the positions kept after step {t} in a scrambled buffer")
         torch.testing.assert_close(v, ordered.values, msg=lambda m, t=t: (
             f"Alg. 1 line 9 (`convex_value_merge`, keep_order=False): the values after step {t} in a scrambled buffer. {m}"))
 

@@ -49,6 +49,27 @@ WRONG = [
           "kvmini.methods.ema_merging",
           "u = F.normalize(k_evict, dim=-1, eps=eps) @ keys.transpose(-1, -2) / norms.clamp_min(eps)[..., None, :]",
           "u = k_evict @ keys.transpose(-1, -2)", "test_eq9_nearest_alone"),
+    Wrong("ties_to_later", "ema_merging", "Eq. 9's argmax taking the later kept key on a tie (the tutorial: the earlier)",
+          "kvmini.methods.ema_merging", "return u.max(-1)",
+          "return u.max(-1).values, u.shape[-1] - 1 - u.flip(-1).argmax(-1)",
+          "test_eq9_nearest_takes_the_earlier_key_on_a_tie"),
+    Wrong("kept_norms_not_divided", "ema_merging", "Eq. 9's cosine without the kept keys' norms divided out",
+          "kvmini.methods.ema_merging", " / norms.clamp_min(eps)[..., None, :]", "", "test_eq9_nearest_alone"),
+    Wrong("exclude_ignored", "ema_merging", "Eq. 9's `exclude` ignored: an excluded key (a victim itself) may be chosen",
+          "kvmini.methods.ema_merging", 'u = u.masked_fill(exclude, float("-inf"))', "pass",
+          "test_eq9_nearest_never_chooses_an_excluded_key"),
+    Wrong("linear_weights", "ema_merging", "Eq. 12's weights linear in u, u_i / (sum u + 1), not e^u_i / (sum e^u + e) "
+          "(close to them where u is near 1)", "kvmini.methods.ema_merging",
+          "weight = torch.where(merge, best.exp(), torch.zeros_like(best))",
+          "weight = torch.where(merge, math.e * best, torch.zeros_like(best))",  # e u / (e + e sum u): the same
+          "test_eq11_12_convex_merge_at_a_low_similarity"),
+    Wrong("kept_token_dropped", "ema_merging", "Eq. 11 without the kept token's own term: a kept token that others merge "
+          "into becomes their weighted mean", "kvmini.methods.ema_merging", "return num / den[..., None]",
+          "return torch.where((den > math.e)[..., None], (num - math.e * x_keep) / (den - math.e)[..., None], x_keep)",
+          "test_eq11_12_convex_merge_at_a_low_similarity"),
+    Wrong("variance_pooled", "variance_softmax", "Eq. 4's variance pooled over the column sums of all heads at once, "
+          "not per head then averaged", "kvmini.methods.variance_softmax", "column_sums.var(dim=-1, correction=correction)",
+          "column_sums.flatten(1).var(dim=-1, correction=correction)", "test_eq4_attention_variance_by_hand"),
     Wrong("variance_over_heads", "variance_softmax", "Eq. 4's variance taken across the heads, not over the key positions",
           "kvmini.methods.variance_softmax", "column_sums.var(dim=-1, correction=correction)",
           "column_sums.var(dim=1, correction=correction)", "test_eq4_attention_variance_by_hand"),

@@ -26,7 +26,9 @@ from kvmini.methods.variance_softmax import allocate, attention_variance, layer_
 # For the prompt's attention matrix $A^{(l)}$ of layer $l$, the column sum
 # $s_j = \sum_i A^{(l)}_{ij}$ is the attention key $j$ received from all queries. If a layer
 # attends evenly, all $s_j$ are similar; if it concentrates on a few tokens, a few $s_j$ are large.
-# D2O measures this with the variance over key positions, computed per head and averaged over heads:
+# D2O's Eq. 4 measures this with the variance of the layer's column sums over the key positions; it
+# has no heads (the per-head variance is App. A.9's Eq. 20). kvmini takes the variance per head and
+# averages it over the heads, its own choice (the module says so):
 #
 # $$F_v^{(l)} = \frac{1}{H}\sum_h \mathrm{Var}_j\big(s^{(l,h)}_j\big)$$
 #
@@ -164,11 +166,16 @@ if solved("reciprocal_allocation"):
 # %% [markdown]
 # ## On the real model
 #
-# `python run.py --method d2o --budget 0.2 --prompt doc.txt` prints the per-layer allocation. On
-# SmolLM2 the standardized softmax gives the first layers several times the mean and starves some
-# deep layers (the cells below print and check it); docs/methods.md's D2O ablations show that this
-# costs fidelity on this small model, where uniform budgets do much better. The token-level merge
-# (tutorial 4) is turned off here: it does not change the budgets.
+# `python run.py --method d2o --budget 0.2 --prompt doc.txt` prints the per-layer allocation of what
+# `d2o` runs by default, the `official` variant: the authors' min-max allocation (section above), which on
+# this section's 512-token prompt keeps every layer between 81 and 125 tokens (the last cell prints it),
+# and never compresses layers 0, 1 and 29. The standardized softmax of the `zscore` allocation (kvmini's
+# reading of Eq. 5, run below as `make_policy("d2o", 0.2, variant="paper", allocation="zscore")`, on the
+# command line `--method "d2o[variant=paper,allocation=zscore]"`) is another matter: on SmolLM2 it gives
+# the first layers several times the mean and starves some deep layers (the cells below print and check
+# it); docs/methods.md's D2O ablations show that this costs fidelity on this small model, where uniform
+# budgets do much better. The token-level merge (tutorial 4) is turned off here: it does not change the
+# budgets.
 
 # %%
 from kvmini.loading import load_model  # noqa: E402

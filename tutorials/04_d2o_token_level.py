@@ -69,8 +69,12 @@ assert policy.sinks == 4 and policy.recent(12) == 2  # the method's own split
 # $$\tau_0 = \frac{1}{|E|}\sum_{i \in E} \max_j u_{ij} \ \text{(prompt)}, \qquad
 #   \tau_t = \beta \max_j u_{tj} + (1 - \beta)\,\tau_{t-1} \ \text{(decode step } t\text{)}, \quad \beta = 0.7.$$
 #
-# With one evicted token per step, comparing with $\tau_t$ or with $\tau_{t-1}$ decides the same:
-# $u \ge \beta u + (1-\beta)\tau_{t-1} \iff u \ge \tau_{t-1}$.
+# kvmini compares with $\tau_t$, the threshold already updated with this step's similarity (the paper
+# writes "less than $\tau$" without saying which). With one evicted token per step and $\beta < 1$ this
+# decides as comparing with $\tau_{t-1}$ would: $u \ge \beta u + (1-\beta)\tau_{t-1} \iff u \ge \tau_{t-1}$.
+# At $\beta = 1$ it does not: $\tau_t = u$, so every evicted token merges. With $\tau_0 = 0.995$, a decode
+# eviction of similarity $u = 0.05$ merges at $\beta = 1$, but not at $\beta = 0.7$, where
+# $\tau_t = 0.7 \cdot 0.05 + 0.3 \cdot 0.995 = 0.334$ (exercise 2 asks for this case).
 #
 # **The merge (Eq. 11–12), `convex_merge`.** Each kept token $j$ absorbs the set $E_j$ of evicted
 # tokens that chose it, with softmax weights over "$j$ itself, similarity 1" and its matches:
@@ -126,8 +130,12 @@ if solved("ema_merging"):
 
 # %% [markdown]
 # The kept token's accumulated attention score is left as it was; the merge only changes its key
-# and value. The official D2O code merges with raw cosine weights and a scatter-mean instead of this
-# convex softmax; kvmini follows the paper (a `Deviation:` line in the module).
+# and value. This convex softmax is the `paper` variant's merge (`d2o[variant=paper]`, or `merge=paper`),
+# kvmini's reading of Eq. 12. What `d2o` runs by default, the `official` variant, merges as the authors'
+# code does: raw cosine weights and a scatter-mean, $x_j \leftarrow (x_j + \sum_{i \in E_j} u_{ij} x_i) /
+# (1 + |E_j|)$ (`scatter_mean_merge`, `merge=official`), with one threshold per layer and $\beta = 0.5$
+# (docs/methods.md, "D2O", lists every difference). The module's `Deviation:` line is about something
+# else: kvmini merges per KV head, the authors' cache per query head.
 #
 # ## The whole method on a random model
 #
@@ -478,14 +486,16 @@ if solved("ema_merging"):
 #    `kvmini/methods/ema_merging.py`: `nearest` (Eq. 9), `ema_threshold` (Eq. 10) and
 #    `convex_merge` (Eq. 11–12); `EMAMerge.__call__` is given. What the tests check: `nearest` returns,
 #    per evicted key, the largest cosine similarity to the given keys *of its own KV head* and its index
-#    among them, each $(B, H_{kv}, E)$ (on a tie, the earlier key), the same when the keys' `norms` are
+#    among them, each $(B, H_{kv}, E)$ (on a tie, the earlier key; kept keys of different norms, which
+#    a cosine divides out), the same when the keys' `norms` are
 #    given (use them, do not compute them), and never a pair that `exclude` marks (a decode step
 #    excludes the evicted entry itself); `ema_threshold` returns
 #    `new` itself when `tau_prev` is `None` (the prompt: $\tau_0$, the mean of the evicted keys' best
 #    similarities, which the caller computes), else $\beta$ `new` $+ (1 - \beta)$ `tau_prev` ($\beta$ = 0
 #    and 1 included); `convex_merge` gives each kept $x_j$ the weights $e^{u_{ij}}$ of the evicted
 #    tokens that chose it *and* are marked in `merge` (the others weigh 0) and $e^1$ for itself,
-#    normalized to sum to 1, shape $(B, H_{kv}, b, D)$; a kept token nobody chose stays as it is. Check
+#    normalized to sum to 1, shape $(B, H_{kv}, b, D)$ (checked at $u = 0.5$ too, where $e^u$ and a weight
+#    linear in $u$ differ); a kept token nobody chose stays as it is. Check
 #    them with `python -m kvmini.course check ema_merging`: each function first on its own (a failure
 #    names its equation and function, e.g. "Eq. 11-12 (`convex_merge`): kept token 0 ..."), then the
 #    by-hand example of this tutorial, then

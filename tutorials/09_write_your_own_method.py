@@ -141,7 +141,8 @@ assert registry.METHODS["vatp"] is vatp
 #
 # - `tests/test_policy.py`: a budget of the whole sequence keeps exactly everything; with a huge budget
 #   the generated tokens equal the full cache's; invariants (held counts, no position twice, sinks and
-#   window kept) over random shapes, chunkings and batches; a batch of two equals two single runs;
+#   window kept) over random shapes, chunkings and batches, for every registered method on every run; a
+#   batch of two equals two single runs;
 #   back-to-back prompts equal fresh runs;
 # - `tests/test_continuation.py`: three prompts on one cache, and budgets respected where they are given;
 # - `tests/test_chunked_prefill.py` (a method that compresses once the prompt is complete): a prompt in
@@ -657,6 +658,30 @@ for layer, (q, K, V) in enumerate(saved):
         want = sorted(heavy) + list(range(n - W, n))
         assert sorted(cache[layer].positions[0, kv].tolist()) == want, (layer, kv)
 print("kept per layer:", cache.lengths(), "(budget 12, of which the recent", W, ")")
+
+# %% [markdown]
+# ### Reading the residual stream
+#
+# Some methods read the hidden states, which the model hands no method: SqueezeAttention (Wang et al.,
+# "SqueezeAttention: 2D Management of KV-Cache in LLM Inference via Layer-wise Optimal Budget", arXiv
+# 2404.04793) sizes each layer's budget by the cosine similarity of the residual stream before and after
+# the layer's attention. Torch's forward pre-hooks on `self.model`'s norms give it, with no edit of the
+# model, the attention, the cache or `Method`: each block normalizes the stream before its attention
+# (`input_layernorm`) and after it (`post_attention_layernorm`), so those norms' first argument is the
+# stream, $(B, T, C)$. Hook them in `before` and remove the hooks in `after_layers`, so that every call
+# leaves the model as it found it. `tests/reads_model.py` does this (and keeps what H2O keeps); its test
+# registers it and runs it everywhere the generic tests start a run, each of which hands `start` the model
+# as `prefill` does, so a method that reads the model gets those tests for free too.
+
+# %%
+import reads_model  # noqa: E402  (tests/reads_model.py)
+
+print(inspect.getsource(reads_model.ReadsModel))
+policy = reads_model.ReadsModel(12)
+with torch.no_grad():
+    prefill(model, ids, model.new_cache(1), policy)
+assert torch.equal(policy.streams[0], model.model.embed_tokens(ids))  # layer 0's stream before attention: the embeddings
+print("cosine of the stream before and after each layer's attention:", [round(c, 3) for c in policy.cosines])
 
 # %% [markdown]
 # ## A checklist for your own method

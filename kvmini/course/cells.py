@@ -36,7 +36,7 @@ def usable(name: str, **options) -> bool:
     # 8 layers and 48 tokens: more than any method protects or waits for (DynamicKV re-allocates every 4)
     model = Transformer(ModelConfig("llama", 50, 32, 64, 8, 4, 2, 8, rope_theta=1000.0)).eval()
     policy, cache = make_policy(name, None if chooses_budget(name) else 0.5, **options), model.new_cache()
-    policy.start(48, 51)
+    policy.start(48, 51, model)
     try:
         with torch.no_grad():
             for chunk in (torch.arange(48)[None] % 50, *torch.arange(3)[:, None, None]):

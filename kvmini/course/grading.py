@@ -65,12 +65,15 @@ def known(folder: Path) -> dict[str, Exercise]:
 
 
 def check(folder: Path, name: str, limit: float) -> int:
-    """One exercise: every test, its time, and on failure its docstring and error. "all": a table."""
+    """One exercise: every test, its time, and on failure its docstring and error. "all": a table of the
+    exercises handed out, whose tests run for those attempted (a region written), as a grade runs them."""
     found = known(folder)
     if name != "all" and name not in found:
         raise KvminiError(f"no exercise {name!r}; the exercises are {', '.join(found)}")
-    listed = handed_out_in(folder, found)  # "all": the exercises handed out in this copy (`new --only`)
+    listed = handed_out_in(folder, found)  # "all": the exercises handed out in this copy (`new --only`) ...
     chosen = [ex for ex in found.values() if ex.name in listed] if name == "all" else [found[name]]
+    skipped = [ex.name for ex in chosen if ex.open] if name == "all" else []  # ... and attempted (as grade runs them)
+    chosen = [ex for ex in chosen if ex.name not in skipped]
     unparsable = unparsable_tests(folder)
     for line in unparsable:  # its declarations cannot be read: its exercises' tests cannot be found
         print(f"{line}: the exercises whose tests it holds cannot be checked until it does")
@@ -87,10 +90,16 @@ def check(folder: Path, name: str, limit: float) -> int:
             if ex.name not in listed:
                 print(f"{ex.name:<24}{'':>6}{'':>8}  {'-':<20}{'':>8}  (not handed out in this copy)")
                 continue
+            if ex.name in skipped:
+                print(f"{ex.name:<24}{'':>6}{'':>8}  {NOT_ATTEMPTED:<20}{'':>8}  (not run)")
+                continue
             mine = of(ex, results)
             print(f"{ex.name:<24}{len(mine):>6}{sum(r.ok for r in mine):>8}  {status(ex, results):<20}"
                   f"{sum(r.seconds for r in mine):>6.1f} s")
         print("".join(f"{why}\n" for why in not_run(results)), end="")
+        if skipped:
+            print(f"not run, not attempted (every region still the stub): {', '.join(skipped)}; "
+                  "check NAME runs one exercise's tests all the same")
         print(f"({seconds:.1f} s in all; one exercise's tests in detail: python -m kvmini.course check NAME)")
     else:
         ex = chosen[0]
@@ -103,7 +112,7 @@ def check(folder: Path, name: str, limit: float) -> int:
                 doc = ex.tests.get(r.test.split("[")[0], "")
                 print("".join(f"        {line}\n" for line in [*doc.splitlines(), *r.message.splitlines()] if line), end="")
         print(f"{ex.name}: {sum(r.ok for r in results)} of {len(results)} tests pass ({seconds:.1f} s)")
-    return 0 if all(r.ok for r in results) and not untested and not unparsable else 1
+    return 0 if all(r.ok for r in results) and not (untested or unparsable or skipped) else 1
 
 
 def problems(folder: Path, handed_out: dict[str, str] | None = None) -> list[str]:

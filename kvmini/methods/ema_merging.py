@@ -1,5 +1,7 @@
 r"""EMA-threshold merging (D2O, Eq. 9-12): evicted tokens that closely resemble a kept one are
 merged into it instead of being dropped.
+The default `d2o` (its `official` variant, the authors' code) merges by `scatter_mean_merge`; `convex_merge`
+is the `paper` variant's Eq. 12.
 
     u_{ij} = \frac{k_i \cdot k_j}{\|k_i\| \|k_j\|},   j^*_i = \arg\max_j u_{ij}  over kept j   (Eq. 9)
     \tau_0 = \mathrm{mean}_{i \in \text{evicted}} u_{i j^*_i}   at prefill                          (Eq. 10)

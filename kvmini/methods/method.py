@@ -14,6 +14,7 @@ import weakref
 
 from kvmini.budget import check, chunk_size, is_noop, plan
 from kvmini.errors import KvminiError, tokens
+from kvmini.model import Transformer
 
 
 def prompt_length(name: str, call: str, n) -> int:
@@ -21,6 +22,14 @@ def prompt_length(name: str, call: str, n) -> int:
     if isinstance(n, bool) or not isinstance(n, int) or n < 1:
         raise KvminiError(f"{name}: {call} takes the prompt's length in tokens, a whole number >= 1, got {n!r}")
     return n
+
+
+def run_length(name: str, total_len, end: int):
+    """total_len, the length a run promises to end at (None: no promise), or a KvminiError: a promise short of
+    the prompt's `end` would read the budget as one the run never exceeds, and compress nothing."""
+    if total_len is not None and (isinstance(total_len, bool) or not isinstance(total_len, int) or total_len < end):
+        raise KvminiError(f"{name}: total_len must be None or a whole number >= the prompt's end ({end}), got {total_len!r}")
+    return total_len
 
 
 class Method:
@@ -56,7 +65,9 @@ class Method:
         """A new run whose first prompt has prompt_len tokens; total_len (if given) promises it ends there;
         model: the Transformer it runs in (kvmini.generate.prefill passes it), held weakly, so that a
         `fork` of the run copies the method's state, not the model."""
-        self._new_run(prompt_length(self.name, "start", prompt_len), total_len)
+        if model is not None and not isinstance(model, Transformer):
+            raise KvminiError(f"{self.name}: start takes the run's model, a kvmini Transformer, got {type(model).__name__}")
+        self._new_run(prompt_length(self.name, "start", prompt_len), run_length(self.name, total_len, prompt_len))
         self._model = None if model is None else weakref.ref(model)
 
     @property

@@ -2,6 +2,8 @@ r"""Variance-softmax layer allocation (D2O, Eq. 4-5, App. A.2; Table 4 for the a
 
 A layer whose attention is spread out (column sums of low variance) needs more of the cache;
 one that concentrates on a few tokens needs less.
+The default `d2o` (its `official` variant) runs `official`, not Eq. 5 as printed: raw variances grow with n,
+so softmax(-F_v) is one-hot on real prompts.
 
     s^{(l,h)}_j = \sum_i A^{(l,h)}_{ij}          attention key j received in the prompt, head h
     F_v^{(l)} = \mathrm{mean}_h \mathrm{Var}_j(s^{(l,h)}_j)   (Eq. 4 omits heads; Var per head is App. A.9's Eq. 20)
