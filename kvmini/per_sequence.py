@@ -76,6 +76,8 @@ class PerSequence:
         if len(self.rows) == 1:
             self.one.after_attention(layer, cache, seen)
             return
+        if self.schedule == "prefill" and not self.one.in_prompt:
+            return  # a method that compresses only the prompt does nothing past it
         for b, (row, view) in enumerate(zip(self.rows, self.views)):  # views of this cache, made by before
             S_b = view[layer].length
             row.after_attention(layer, view, {n: t[b : b + 1, :, :S_b] for n, t in seen.items()})
@@ -151,7 +153,9 @@ class SequenceView:
 
     def __init__(self, lc: LayerCache, b: int):
         self.lc, self.b = lc, b
-        self.rows, self.entries = (lc.rows[0][:1], lc.rows[1]), (lc.entries[0][:1], lc.entries[1])  # this batch-1 view's
+
+    rows = property(lambda self: (self.lc.rows[0][:1], self.lc.rows[1]))  # index this batch-1 view's slots
+    entries = property(lambda self: (self.lc.entries[0][:1], self.lc.entries[1]))
 
     @property
     def length(self) -> int:

@@ -35,6 +35,7 @@ REGION = re.compile(r"<!-- generated: (\S+)[^\n]*-->\n(.*?)<!-- end generated --
 
 TESTS = test_run.OUT  # the last recorded run of the test suite
 HF = "results/hf/bench.json"  # kvmini against HF transformers (kvmini.eval.bench_hf --out)
+OPS = "results/ops/decode_ops.json"  # ops per decode step (kvmini.eval.speed --ops --out), as kvmini.eval.speed.OPS
 AUTHORS = {stem: f"results/authors/{stem}.json" for stem in authors.RESULTS}  # python -m kvmini.eval.authors METHOD
 PROFILES_SOURCE = "kvmini/eval/suite.py"  # not a results file: the profiles' sizes, read from the module
 AUTHORS_SOURCE = "kvmini/eval/authors.py"  # not a results file: the authors' code that cannot run, and why
@@ -66,6 +67,7 @@ TABLES = {
     "queryaware-verdict": ((QUICK,), tables.queryaware_verdict),
     "test-run": ((TESTS,), test_run.summary),
     "hf": ((HF,), bench_hf.table),
+    "decode-ops": ((OPS,), lambda res: ops_markdown(res)),
     "tutorial-times": ((TESTS,), test_run.tutorials),
     **{f"authors-{m}": ((path,), authors.table) for m, path in AUTHORS.items()},
 }
@@ -77,7 +79,14 @@ MEASURE = {QUICK: "python -m kvmini.eval.suite --only {experiment} --out results
 # the command that records each file read by a region but not made by the suite
 RECORD = {**{path: authors.command(stem) for stem, path in AUTHORS.items()},
           TESTS: "python -m kvmini.eval.test_run",
-          HF: "python -m kvmini.eval.bench_hf --out results/hf/bench.json`, then with `--dtype bfloat16"}
+          HF: "python -m kvmini.eval.bench_hf --out results/hf/bench.json`, then with `--dtype bfloat16",
+          OPS: "python -m kvmini.eval.speed --ops --out results/ops/decode_ops.json"}
+
+
+def ops_markdown(res: dict) -> str:
+    from kvmini.eval.speed import ops_markdown as table  # imports torch: only when this region is written
+
+    return table(res)
 
 
 def profiles() -> str:

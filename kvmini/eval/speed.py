@@ -151,6 +151,36 @@ def ops_limit(method: str) -> float:
     return OPS_LIMIT["merges" if method in MERGING else "evicts"]
 
 
+OPS = "results/ops/decode_ops.json"  # what `--ops --out` records; docs/speed.md's table is written from it
+
+
+def record_ops(table: dict, n: int, budget: float, argv: list[str], path: str) -> None:
+    """Write `ops_table`'s counts to `path` with the command and the commit that made them."""
+    from kvmini.eval import provenance
+
+    out = {"command": " ".join(["python", "-m", "kvmini.eval.speed", *argv]), "commit": provenance.commit(),
+           "date": provenance.now(), "n": n, "budget": budget,
+           "ops": {name: {str(B): ops for B, (ops, _) in row.items()} for name, row in table.items()}}
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    with open(path, "w") as f:
+        json.dump(out, f, indent=1)
+        f.write("\n")
+
+
+def ops_markdown(res: dict) -> str:
+    """docs/speed.md's table of ops per steady-state decode step (a results file of `record_ops`)."""
+    full = res["ops"]["full"]
+    rows = ["| method | batch 1 | / full | batch 8 | / full | limit |", "|---|---|---|---|---|---|"]
+    for name, ops in res["ops"].items():
+        cells = []
+        for B in ("1", "8"):
+            r = ops[B] / full[B]
+            cells += [f"{ops[B]:,}", f"**{r:.2f}×**" if name != "full" and r > ops_limit(name) else f"{r:.2f}×"]
+        rows.append("| " + " | ".join([name, *cells, "" if name == "full" else f"{ops_limit(name):.1f}×"]) + " |")
+    return "\n".join([*rows, "", f"{res['n']}-token prompts, budget {res['budget']:g}; bold: above the limit. "
+                       f"Recorded by `{res['command']}` at {res['commit']} ({res['date']})."])
+
+
 def _policy(name: str, budget: float):
     policy = policy_for(name, budget)
     return None if policy is None else Timed(policy)
@@ -385,6 +415,7 @@ def main(argv=None) -> int:
     p.add_argument("--after", type=cli.at_least(0), default=16, help="--step: untimed decode steps before the profiled ones")
     p.add_argument("--steps", type=cli.at_least(1), default=4, help="--step: decode steps profiled")
     p.add_argument("--model")
+    p.add_argument("--out", help=f"--ops: also record the counts in this JSON file (docs/speed.md's: {OPS})")
     a = p.parse_args(argv)
     if a.n is None and a.ops is None:
         p.error("the following arguments are required: --n")
@@ -398,7 +429,9 @@ def main(argv=None) -> int:
             n = a.n or 512
             print(f"ops of one steady-state decode step, SmolLM2's shape (random weights), {n}-token prompts, "
                   f"budget {a.budget:g}; batch 1 and batch 8, each / the full cache's")
-            ops_table(a.ops or [m for m in METHODS if m != "full"], n=n, budget=a.budget)
+            table = ops_table(a.ops or [m for m in METHODS if m != "full"], n=n, budget=a.budget)
+            if a.out:
+                record_ops(table, n, a.budget, sys.argv[1:] if argv is None else argv, a.out)
         elif a.first_step:
             print(step_profile(a.first_step, a.n, a.budget, a.model))
         else:
