@@ -169,13 +169,14 @@ def record_ops(table: dict, n: int, budget: float, argv: list[str], path: str) -
 
 def ops_markdown(res: dict) -> str:
     """docs/speed.md's table of ops per steady-state decode step (a results file of `record_ops`)."""
-    full = res["ops"]["full"]
-    rows = ["| method | batch 1 | / full | batch 8 | / full | limit |", "|---|---|---|---|---|---|"]
+    full, L = res["ops"]["full"], SMOLLM2.num_layers
+    rows = ["| method | batch 1 | / full | more per layer | batch 8 | / full | limit |", "|---|---|---|---|---|---|---|"]
     for name, ops in res["ops"].items():
         cells = []
         for B in ("1", "8"):
             r = ops[B] / full[B]
             cells += [f"{ops[B]:,}", f"**{r:.2f}×**" if name != "full" and r > ops_limit(name) else f"{r:.2f}×"]
+            cells += [f"{(ops[B] - full[B]) / L:.0f}"] if B == "1" else []
         rows.append("| " + " | ".join([name, *cells, "" if name == "full" else f"{ops_limit(name):.1f}×"]) + " |")
     return "\n".join([*rows, "", f"{res['n']}-token prompts, budget {res['budget']:g}; bold: above the limit. "
                        f"Recorded by `{res['command']}` at {res['commit']} ({res['date']})."])
