@@ -105,25 +105,11 @@ class PerSequence:
     def holds_more_because(self) -> str:
         return self.one.holds_more_because()
 
-    @property
-    def evict_every(self) -> int:
-        return self.one.evict_every
-
-    @property
-    def active(self) -> bool:
-        return self.one.active
-
-    @property
-    def note(self) -> str | None:
-        return self.one.note
-
-    @property
-    def unchanged(self) -> list[int] | None:
-        return self.one.unchanged
-
-    @property
-    def prompt_end(self) -> int | None:
-        return self.one.prompt_end
+    evict_every = property(lambda self: self.one.evict_every)
+    active = property(lambda self: self.one.active)
+    note = property(lambda self: self.one.note)
+    unchanged = property(lambda self: self.one.unchanged)
+    prompt_end = property(lambda self: self.one.prompt_end)
 
     @property
     def budgets(self) -> list[int] | None:

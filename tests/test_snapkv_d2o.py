@@ -46,7 +46,7 @@ def test_without_its_merge_eviction_equals_masking(setting, monkeypatch):
     from kvmini.methods import snapkv_d2o
     from kvmini.methods.selectors import shrink
 
-    monkeypatch.setattr(snapkv_d2o, "shrink_merging", lambda merge, layer, lc, *rest: shrink(lc, *rest) or 0.0)
+    monkeypatch.setattr(snapkv_d2o, "shrink_merging", lambda merge, layer, lc, *rest: shrink(lc, *rest) or torch.zeros(()))
     model, calls, budgets = setting
     policy = make_policy("snapkv_d2o", BUDGET, window=WINDOW, kernel=KERNEL)
     got_logits, got_kept, _ = run(model, calls, policy)

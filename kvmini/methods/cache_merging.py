@@ -80,11 +80,11 @@ class CacheMerge:
     def divisor(self, count: torch.Tensor) -> torch.Tensor | int:
         return self.m if self.divide == "fixed" else count.clamp(min=1)
 
-    def __call__(self, layer: int, lc: LayerCache, score: torch.Tensor, b: int) -> float:
+    def __call__(self, layer: int, lc: LayerCache, score: torch.Tensor, b: int) -> torch.Tensor:
         """Layer `layer` down to b entries; returns the tokens merged (summed over rows, each a mean over heads)."""
         note = None if self.trace is None else lambda *record: self.trace.append(Merged(layer, *record))
         M = merge_oldest(lc, score, lc.length - b, self, layer, note)
-        return float(M.mean(1).sum(-1).sum())
+        return M.mean(1).sum(-1).sum()
 
 
 def merge_oldest(lc: LayerCache, score: torch.Tensor, E: int, cm: CacheMerge, layer: int, note=None) -> torch.Tensor:

@@ -108,7 +108,7 @@ class CaM(Method):
         if self.active and lc.length > b + self.slack:
             self.evicted[layer] += lc.length - b
             score = lc.aux("attention_sum") if self.accumulated else seen["last_row"]
-            self.merged[layer] += self.merge(layer, lc, score, b)  # 2. the oldest go, merged (Eq. 14, Alg. 1)
+            self._merged[layer] += self.merge(layer, lc, score, b)  # 2. the oldest go, merged (Eq. 14, Alg. 1)
 
     def describe(self, lc) -> tuple[str, torch.Tensor | None]:
         if not self.accumulated:

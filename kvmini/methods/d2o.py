@@ -160,7 +160,7 @@ class D2O(Method):
         if self.merge is None:
             shrink(lc, score, b, self.sinks, self.recent(b), self.newest)
         else:
-            self.merged[layer] += shrink_merging(self.merge, layer, lc, score, b, self.sinks, self.recent(b), self.newest)
+            self._merged[layer] += shrink_merging(self.merge, layer, lc, score, b, self.sinks, self.recent(b), self.newest)
 
     def describe(self, lc) -> tuple[str, torch.Tensor | None]:
         return "accumulated attention (H2O's score: summed over every query so far)", lc.aux("attention_sum")

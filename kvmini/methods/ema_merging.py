@@ -121,7 +121,7 @@ class EMAMerge:
 
 
 def shrink_merging(merge: EMAMerge, layer: int, lc: LayerCache, score: torch.Tensor, b: int, sinks: int, recent: int,
-                   newest: int) -> float:
+                   newest: int) -> torch.Tensor:
     """`selectors.shrink` with the evicted tokens merged first (Eq. 9-12): one entry over (a decode step)
     compared with every other (`EMAMerge.one`), more against the kept ones. Returns the tokens merged
     (summed over the rows, each a mean over its heads)."""
@@ -129,12 +129,12 @@ def shrink_merging(merge: EMAMerge, layer: int, lc: LayerCache, score: torch.Ten
         victim = lowest(score, lc.positions, sinks, recent, newest)  # (B, H_kv)
         merged = merge.one(layer, lc, victim, newest)
         lc.evict(victim)
-        return float(merged.sum())
+        return merged.sum()
     order = lc.positions.argsort(dim=-1)  # (B, H_kv, S): position order
     keep = order.gather(2, keep_top(score.gather(2, order), b, sinks, recent))  # (B, H_kv, b)
     merged = merge(layer, lc, keep)
     lc.keep(keep)
-    return float(merged.sum())
+    return merged.sum()
 
 
 def nearest(k_evict: torch.Tensor, keys: torch.Tensor, norms: torch.Tensor | None = None,

@@ -78,7 +78,7 @@ class Method:
     def _new_run(self, prompt_len, total_len) -> None:
         self.prompt_start, self.prompt_end, self.total_len = 0, prompt_len, total_len
         self.started, self.evicted, self.active, self.note = False, [], False, None
-        self.seen, self.skipped, self.merged = 0, False, []
+        self.seen, self.skipped, self._merged = 0, False, []
         self.planned, self.unchanged, self._budgets = False, None, None
         self.mean_budget, self.protected, self._model = None, (), None
 
@@ -112,7 +112,7 @@ class Method:
                               "or wrap the policy: kvmini.per_sequence.PerSequence.of(policy)")
         self._check_call(start, end)
         if not self.started:
-            self.started, self.evicted, self.merged = True, [0] * len(cache), [0.0] * len(cache)
+            self.started, self.evicted, self._merged = True, [0] * len(cache), [0.0] * len(cache)
             for layer in range(len(cache)):
                 if layer not in self.protected_in(len(cache)):
                     cache[layer].declare(*self.aux)
@@ -176,6 +176,12 @@ class Method:
     # --- what the tools read (the report, the kept-token page) -------------------------------------
 
     merger = None  # what records the method's merges in its `trace` list (kvmini.view), if it merges
+
+    @property
+    def merged(self) -> list[float]:
+        """Tokens merged per layer (a mean over heads, summed over rows): tensors until read, so that a step
+        never waits for the device to count them."""
+        return [float(m) for m in self._merged]
 
     def describe(self, lc) -> tuple:
         """What the method's score is and its values for lc's entries (B, H_kv, S), or (why none, None)."""

@@ -80,7 +80,7 @@ class SnapKVD2O(SnapKV):
             lc, b = cache[layer], self._budgets[layer]
             if lc.length > b:  # 3.
                 self.evicted[layer] += lc.length - b
-                self.merged[layer] += shrink_merging(self.merge, layer, lc, self.scores[layer], b, 0, self.window,
+                self._merged[layer] += shrink_merging(self.merge, layer, lc, self.scores[layer], b, 0, self.window,
                                                      self.newest)
 
 

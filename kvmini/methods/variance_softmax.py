@@ -20,7 +20,6 @@ import torch
 from kvmini.errors import one_of
 from kvmini.methods.allocators import proportional
 
-ALLOCATIONS = ("official", "paper", "zscore", "reciprocal", "uniform")
 HEADS = ("official", "paper")  # the allocations that read each query head's column sums
 
 

@@ -83,7 +83,7 @@ class WeightedKV(Method):
         if not self.merges:  # the ablation: the weakest tokens dropped, key and value
             shrink(lc, lc.aux("a") / lc.aux("n"), b, self.sinks, self.recent(b), self.newest)
             return
-        self.merged[layer] += lc.length - b
+        self._merged[layer] += lc.length - b
         note = None if self.trace is None else lambda *record: self.trace.append(Merged(layer, *record))
         merge_down(lc, b, self.sinks, self.recent(b), self.newest, self.sequential, note)  # lines 6-10
 
