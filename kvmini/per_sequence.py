@@ -9,7 +9,7 @@ import copy
 
 import torch
 
-from kvmini.cache import KVCache, LayerCache
+from kvmini.cache import PAD, KVCache, LayerCache
 from kvmini.errors import KvminiError
 from kvmini.methods.method import Method
 
@@ -187,10 +187,18 @@ class SequenceView:
         self.lc.keep(every, counts)
 
     def evict(self, slot: torch.Tensor) -> None:
-        """Evict entry `slot` (1, H_kv): this row keeps the others in order (`keep`)."""
-        S = self.length
-        rest = torch.arange(S - 1, device=slot.device).expand(*slot.shape, S - 1)  # (1, H_kv, S-1)
-        self.keep(rest + (rest >= slot[..., None]).long())
+        """`LayerCache.evict` on this row alone, O(D): its last entry takes `slot` (1, H_kv), its place a pad;
+        the cache's rows differ until every row has evicted as many."""
+        lc, (b, h) = self.lc, self.rows
+        counts = lc.held().clone()  # (B, H_kv)
+        last = counts[self.b : self.b + 1] - 1  # (1, H_kv)
+        for buf in (lc._k, lc._v, lc._pos, *lc._aux.values()):
+            row = buf[self.b : self.b + 1]  # (1, H_kv, cap, ...)
+            row.index_put_((b, h, slot), row[b, h, last])
+            row[b, h, last] = PAD if buf is lc._pos else 0
+        counts[self.b] = last[0]
+        lc.length = int(counts.max())
+        lc.counts = None if bool((counts == lc.length).all()) else counts
 
 
 class SequenceCache:
