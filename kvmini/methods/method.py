@@ -179,8 +179,7 @@ class Method:
 
     @property
     def merged(self) -> list[float]:
-        """Tokens merged per layer (a mean over heads, summed over rows): tensors until read, so that a step
-        never waits for the device to count them."""
+        """Tokens merged per layer (mean over heads, sum over rows), tensors until read: no step waits to count."""
         return [float(m) for m in self._merged]
 
     def describe(self, lc) -> tuple:
