@@ -322,6 +322,19 @@ def test_start_refuses_a_model_or_total_len_it_cannot_use(model, total_len, frag
         make_policy("h2o", 0.3).start(20, total_len, model)
 
 
+def test_next_prompt_refuses_a_total_len_short_of_its_end():
+    """Method.next_prompt is an entry too (a run continued without prefill): on 20 tokens fed, a next prompt
+    of 12 ends at 32."""
+    model, (first, _) = random_model(L=3), turns(sizes=(20, 12))
+    policy = make_policy("h2o", 0.5)
+    with torch.no_grad():
+        prefill(model, first, model.new_cache(1), policy)
+    with pytest.raises(KvminiError, match=r"h2o: total_len must be None or a whole number >= the prompt's end \(32\), got 31$"):
+        policy.next_prompt(12, 31)
+    policy.next_prompt(12, 32)
+    assert policy.prompt_end == 32
+
+
 def test_prefill_refuses_a_model_that_is_not_a_transformer():
     with pytest.raises(KvminiError, match=r"model must be a kvmini Transformer \(kvmini.loading.load_model\), got dict$"):
         prefill({}, torch.tensor([[1, 2, 3]]), random_model(L=3).new_cache(1))

@@ -9,6 +9,8 @@ Zhongwei Wan et al., ICLR 2025, arXiv 2406.13035.
        into its nearest kept one when similar enough (Eq. 9-12: ema_merging)
 Steps 2-3 run when the prompt is complete (paper) or at the first decode step (official); step 3 then
 after every decode step.
+The default run (`official`) allocates by the authors' min-max variances, not Eq. 5 as printed (a one-hot
+on real prompts: raw variances grow with n), and merges by their scatter-mean, not Eq. 12.
 
 Variants `paper` (the equations) and `official` (AIoT-MLSys-Lab/D2O): docs/methods.md, "D2O".
 Deviation: one cache per KV head (the g query heads reduced by mean); the authors' code keeps one per query head.

@@ -94,7 +94,8 @@ class Method:
             raise KvminiError(f"{self.name}: this run was started to end at {self.total_len} tokens (total_len), so it kept "
                               "no attention statistics while its budget was not reached; to continue a run, start it "
                               "without total_len (generate(..., more_prompts=True))")
-        self.prompt_start, self.prompt_end, self.total_len = self.seen, self.seen + prompt_len, total_len
+        end = self.seen + prompt_len
+        self.prompt_start, self.prompt_end, self.total_len = self.seen, end, run_length(self.name, total_len, end)
         self.planned, self.unchanged = False, None
 
     def chunk_for(self, prompt_len: int, total_len: int | None) -> int | None:
