@@ -183,6 +183,9 @@ def test_of_snapkv_pairs_the_rounds():
     assert of_snapkv_cell({"rounds_s": [1.25, 2.0, 1.1]}, {"rounds_s": [1.0, 2.0, 1.0]}) == "0.91 (0.80–1.00)"
     assert of_snapkv_cell({"rounds_s": [1.25]}, {"rounds_s": [1.0]}) == "0.80"
     assert of_snapkv_cell({"ratio": 1.2}, {"ratio": 1.5}) == "0.80"
+    # a method measured alone in a later run: its rounds are not SnapKV's rounds' pairs (issue 78)
+    later = {"rounds_s": [4.0, 4.0], "ratio": 1.2, "run": "2"}
+    assert of_snapkv_cell(later, {"rounds_s": [1.0, 1.0], "ratio": 1.5, "run": "1"}) == "0.80"
 
 
 def test_parts_table_adds_one_part_per_rung():

@@ -224,6 +224,7 @@ def decode_speed(model, ids: torch.Tensor, methods: list[str], budget: float, st
     alike. A run's round is the sum of its `steps` step times; each run keeps its median round, and
     "rounds_s" records every round. The policy's time and share are of the same rounds."""
     total = decode_length(ids.shape[1], steps, rounds)
+    run_id = f"{time.time():.0f}-{os.getpid()}"  # rows of one run pair their rounds (kvmini.eval.tables.paired)
     runs = {}
     for name in ["full", *methods]:
         policy = _policy(name, budget)
@@ -260,7 +261,7 @@ def decode_speed(model, ids: torch.Tensor, methods: list[str], budget: float, st
                           "ops_per_step": 0 if run["policy"] is None else ops_per_step(model, run["next"], run["cache"], run["policy"])}
     out = {}
     for name in ["full", *methods]:
-        out[name] = dict(measured[name], first_step_s=runs[name]["first_step_s"])
+        out[name] = dict(measured[name], first_step_s=runs[name]["first_step_s"], run=run_id)
         log(f"decode after {ids.shape[1]} tokens, {name}: {out[name]['tokens_per_s']:.1f} tokens/s "
             f"(first step {out[name]['first_step_s']:.2f} s; policy {out[name]['policy_share']:.1%} of a step, "
             f"{out[name]['ops_per_step']} ops)")

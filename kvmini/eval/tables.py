@@ -128,8 +128,9 @@ def _speed_table(fs: dict) -> str:
 
 def paired(dec: dict, snapkv: dict) -> list[float]:
     """SnapKV's round time over the method's, round by round (each pair from the same interleaved round);
-    older results without rounds: one value, the ratio of the ratios to the full cache."""
-    if "rounds_s" in dec and "rounds_s" in snapkv:
+    rows of two runs (a method measured alone later: `run` differs) or without rounds: one value, the ratio
+    of their ratios, each to its own run's full cache."""
+    if "rounds_s" in dec and "rounds_s" in snapkv and dec.get("run") == snapkv.get("run"):
         return [s / m for s, m in zip(snapkv["rounds_s"], dec["rounds_s"])]
     return [dec["ratio"] / snapkv["ratio"]]
 
