@@ -706,7 +706,10 @@ print("cosine of the stream before and after each layer's attention:", [round(c,
 #    results folder (results/quick, results/full, results/full-speed), with the command that measures it
 #    there: `python -m kvmini.eval.suite ... --methods <name>`, with that folder's profile and `--out`
 #    (the method alone, in every experiment that measures every method; its rows are merged into the
-#    folder's results). Run each command it prints.
+#    folder's results). Run each command it prints. Two experiments are not merged method by method
+#    (`kvmini.eval.suite.BY_METHOD` lacks them): `--only streaming` and `--only layers` re-run every
+#    method of the experiment (streaming is the slowest of all), record a new provenance for it, and
+#    may move another method's row in its last digit, as any re-measurement does; commit those rows too.
 # 8. Regenerate the documents from the results: `python -m kvmini.eval.docs` (`--check` is tested). Then
 #    its rows in the README's and docs/methods.md's method tables.
 #

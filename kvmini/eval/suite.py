@@ -222,7 +222,8 @@ def main(argv=None) -> int:
     p.add_argument("--device", default="cpu")
     p.add_argument("--methods", nargs="+", choices=[m for m in registry.METHODS if m != "full"], metavar="NAME",
                    help="measure only these methods (every variant) and merge their rows into --out's results.json "
-                        "(a method added or changed: tests/test_results_current.py prints the command)")
+                        "(a method added or changed: tests/test_results_current.py prints the command); an "
+                        "experiment not in BY_METHOD (streaming, layers) is re-run whole, every method")
     argv = sys.argv[1:] if argv is None else list(argv)
     p.set_defaults(argv=argv)  # recorded in each experiment's provenance
     return cli.run(lambda: evaluate(p.parse_args(argv)), imports=(*fidelity.LAZY_IMPORTS, "kvmini.chat"))
