@@ -99,14 +99,16 @@ def ops_per_step(model, nxt: torch.Tensor, cache, policy: Timed) -> int:
 
 
 class OpCount(TorchDispatchMode):
-    """Counts every aten op dispatched while active (views included): what a step launches, exactly."""
+    """Counts every aten op dispatched while active (`n`, views included, as issue 77 counts them) and those
+    that compute (`kernels`: not a view, what a GPU launches a kernel for): what a step dispatches, exactly."""
 
     def __init__(self):
         super().__init__()
-        self.n = 0
+        self.n = self.kernels = 0
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         self.n += 1
+        self.kernels += not func.is_view and func.overloadpacket.__name__ != "lift_fresh"
         return func(*args, **(kwargs or {}))
 
 
@@ -118,7 +120,7 @@ OPS_LIMIT = {"evicts": 1.3, "merges": 1.6}  # issue 77's limits: a step's ops / 
 
 
 @torch.inference_mode()
-def step_ops(model, method: str, batch: int, n: int = 512, budget: float = 0.2, warm: int = 3) -> int:
+def step_ops(model, method: str, batch: int, n: int = 512, budget: float = 0.2, warm: int = 3) -> OpCount:
     """The aten ops of one steady-state decode step (the model, the cache and the method): a batch of
     `batch` different random prompts of n tokens, `warm` decode steps, then the step counted."""
     ids = torch.randint(0, model.config.vocab_size, (batch, n), generator=torch.Generator().manual_seed(batch))
@@ -129,20 +131,18 @@ def step_ops(model, method: str, batch: int, n: int = 512, budget: float = 0.2, 
         nxt = model(nxt, cache, policy)[:, -1].argmax(-1, keepdim=True)
     with OpCount() as count:
         model(nxt, cache, policy)
-    return count.n
+    return count
 
 
 def ops_table(methods: list[str], batches=(1, 8), n: int = 512, budget: float = 0.2, log=print) -> dict:
-    """method -> {batch: (ops, ops / the full cache's)} on a random-weight model of SmolLM2's shape."""
+    """method -> {batch: (ops, kernels)} on a random-weight model of SmolLM2's shape (`OpCount`)."""
     torch.manual_seed(0)
     model = Transformer(SMOLLM2).eval()
     out = {}
     for name in ["full", *[m for m in methods if m != "full"]]:
-        out[name] = {}
-        for B in batches:
-            ops = step_ops(model, name, B, n, budget)
-            out[name][B] = (ops, ops / (out["full"][B][0] if name != "full" else ops))
-        log(f"{name:<14}" + "".join(f"{ops:>9,} {ratio:>6.2f}x" for ops, ratio in out[name].values()))
+        out[name] = {B: (c.n, c.kernels) for B in batches for c in [step_ops(model, name, B, n, budget)]}
+        log(f"{name:<14}" + "".join(f"{ops:>9,} {ops / out['full'][B][0]:>6.2f}x  ({k / out['full'][B][1]:.2f}x kernels)"
+                                    for B, (ops, k) in out[name].items()))
     return out
 
 
@@ -160,7 +160,8 @@ def record_ops(table: dict, n: int, budget: float, argv: list[str], path: str) -
 
     out = {"command": " ".join(["python", "-m", "kvmini.eval.speed", *argv]), "commit": provenance.commit(),
            "date": provenance.now(), "n": n, "budget": budget,
-           "ops": {name: {str(B): ops for B, (ops, _) in row.items()} for name, row in table.items()}}
+           "ops": {name: {str(B): ops for B, (ops, _) in row.items()} for name, row in table.items()},
+           "kernels": {name: {str(B): k for B, (_, k) in row.items()} for name, row in table.items()}}
     os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
     with open(path, "w") as f:
         json.dump(out, f, indent=1)
@@ -169,16 +170,19 @@ def record_ops(table: dict, n: int, budget: float, argv: list[str], path: str) -
 
 def ops_markdown(res: dict) -> str:
     """docs/speed.md's table of ops per steady-state decode step (a results file of `record_ops`)."""
-    full, L = res["ops"]["full"], SMOLLM2.num_layers
-    rows = ["| method | batch 1 | / full | more per layer | batch 8 | / full | limit |", "|---|---|---|---|---|---|---|"]
+    full, kernels, L = res["ops"]["full"], res["kernels"], SMOLLM2.num_layers
+    rows = ["| method | batch 1 | / full | more per layer | kernels / full | batch 8 | / full | kernels / full | limit |",
+            "|---|---|---|---|---|---|---|---|---|"]
     for name, ops in res["ops"].items():
         cells = []
         for B in ("1", "8"):
             r = ops[B] / full[B]
             cells += [f"{ops[B]:,}", f"**{r:.2f}×**" if name != "full" and r > ops_limit(name) else f"{r:.2f}×"]
             cells += [f"{(ops[B] - full[B]) / L:.0f}"] if B == "1" else []
+            cells += [f"{kernels[name][B] / kernels['full'][B]:.2f}×"]
         rows.append("| " + " | ".join([name, *cells, "" if name == "full" else f"{ops_limit(name):.1f}×"]) + " |")
-    return "\n".join([*rows, "", f"{res['n']}-token prompts, budget {res['budget']:g}; bold: above the limit. "
+    return "\n".join([*rows, "", f"{res['n']}-token prompts, budget {res['budget']:g}; bold: above the limit (on "
+                       "every op, views included); kernels: the ops that are not views. "
                        f"Recorded by `{res['command']}` at {res['commit']} ({res['date']})."])
 
 
