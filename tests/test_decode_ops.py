@@ -1,15 +1,15 @@
-"""The ops of one steady-state decode step (kvmini.eval.speed.step_ops: every aten op the model, the cache
+"""The ops of one steady-state decode step (kvmini.eval.ops.step_ops: every aten op the model, the cache
 and the method dispatch), per method, at batch 1 and 8, against the full cache's: a step's cost on a GPU is
 its op count (docs/speed.md, "Ops per decode step"), so a change that adds a loop over rows or layers, or
 a dozen ops per layer, fails here. Counts are exact; the prompt is short (128 tokens) to keep this fast.
 
-Every method is held to issue 77's limit (kvmini.eval.speed.OPS_LIMIT) except where `NOT_YET` names the
+Every method is held to issue 77's limit (kvmini.eval.ops.OPS_LIMIT) except where `NOT_YET` names the
 ratio it is held under instead, measured when the entry was written: issue 77 is open for them.
 """
 import pytest
 import torch
 
-from kvmini.eval.speed import SMOLLM2, ops_limit, step_ops
+from kvmini.eval.ops import SMOLLM2, ops_limit, step_ops
 from kvmini.methods.registry import METHODS
 from kvmini.model import Transformer
 
@@ -36,7 +36,7 @@ def test_a_decode_step_costs_at_most_its_limit_in_ops(counted, name):
 
 def test_the_count_sees_a_loop_over_rows():
     """The counter can fail: a step that repeats an op per row counts each."""
-    from kvmini.eval.speed import OpCount
+    from kvmini.eval.ops import OpCount
 
     x = torch.zeros(8, 4)
     with OpCount() as once:

@@ -35,7 +35,7 @@ REGION = re.compile(r"<!-- generated: (\S+)[^\n]*-->\n(.*?)<!-- end generated --
 
 TESTS = test_run.OUT  # the last recorded run of the test suite
 HF = "results/hf/bench.json"  # kvmini against HF transformers (kvmini.eval.bench_hf --out)
-OPS = "results/ops/decode_ops.json"  # ops per decode step (kvmini.eval.speed --ops --out), as kvmini.eval.speed.OPS
+OPS = "results/ops/decode_ops.json"  # ops per decode step (kvmini.eval.speed --ops --out), as kvmini.eval.ops.OPS
 AUTHORS = {stem: f"results/authors/{stem}.json" for stem in authors.RESULTS}  # python -m kvmini.eval.authors METHOD
 PROFILES_SOURCE = "kvmini/eval/suite.py"  # not a results file: the profiles' sizes, read from the module
 AUTHORS_SOURCE = "kvmini/eval/authors.py"  # not a results file: the authors' code that cannot run, and why
@@ -84,7 +84,7 @@ RECORD = {**{path: authors.command(stem) for stem, path in AUTHORS.items()},
 
 
 def ops_markdown(res: dict) -> str:
-    from kvmini.eval.speed import ops_markdown as table  # imports torch: only when this region is written
+    from kvmini.eval.ops import ops_markdown as table  # imports torch: only when this region is written
 
     return table(res)
 
