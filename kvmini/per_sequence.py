@@ -177,7 +177,7 @@ class SequenceView:
 
     set_keys = LayerCache.set_keys  # on this row's entries
 
-    def keep(self, idx: torch.Tensor) -> None:
+    def keep(self, idx: torch.Tensor, counts=None) -> None:
         """This sequence keeps only its entries `idx` (1, H_kv, s), in that order, the others all of theirs:
         `LayerCache.keep` with each row's count (places past a row's count become pads). O(B·S·D)."""
         counts = self.lc.held().clone()  # (B, H_kv)

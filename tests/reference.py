@@ -7,6 +7,7 @@ engine (which physically evicts) is right, its logits and kept positions equal t
 """
 import torch
 
+from kvmini.cache import PAD
 from kvmini.config import ModelConfig
 from kvmini.generate import for_batch
 from kvmini.model import Transformer, apply_rope
@@ -117,9 +118,14 @@ def top_positions(candidates: list[int], score: dict, count: int) -> list[int]:
     return sorted(sorted(candidates, key=lambda p: (-score[p], p))[:count])
 
 
-def in_position_order(lc):
+def in_position_order(lc, b: int | None = None):
     """A layer cache's positions, keys and values with every head's entries sorted by position
-    (per-step eviction leaves a buffer in any order; attention does not depend on it)."""
-    order = lc.positions.argsort(dim=-1)  # (B, H_kv, S)
+    (per-step eviction leaves a buffer in any order; attention does not depend on it); b: sequence b's
+    held entries alone (1, H_kv, S_b), its pads left out."""
+    order = lc.positions.argsort(dim=-1)  # (B, H_kv, S): pads last
     at = order[..., None].expand_as(lc.keys)
-    return lc.positions.gather(2, order), lc.keys.gather(2, at), lc.values.gather(2, at)
+    pos, keys, values = lc.positions.gather(2, order), lc.keys.gather(2, at), lc.values.gather(2, at)
+    if b is None:
+        return pos, keys, values
+    S_b = int((pos[b] != PAD).sum(-1).max())
+    return pos[b : b + 1, :, :S_b], keys[b : b + 1, :, :S_b], values[b : b + 1, :, :S_b]

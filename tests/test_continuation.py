@@ -13,10 +13,9 @@ import torch
 from kvmini.errors import KvminiError
 from kvmini.generate import for_batch, fork, generate, prefill
 from kvmini.methods.registry import METHODS, chooses_budget, make_policy
-from kvmini.per_sequence import PerSequence
 from reference import group_mean, random_model, simulate, top_positions
 from test_methods_reference import h2o, per_head
-from tiny import fitted, gives_budgets
+from tiny import budget_of, fitted, gives_budgets
 
 
 def turns(B=1, sizes=(20, 1, 1, 1, 12, 1, 1), seed=7):
@@ -226,14 +225,14 @@ def test_every_method_continues_a_conversation(name, B):
     assert cache.seen_tokens == seen
     held = [[[[p for p in head if p < seen] for head in row] for row in lc.positions.tolist()] for lc in cache]
     assert all(len(set(h)) == len(h) for layer in held for row in layer for h in row)
-    rows = getattr(PerSequence.of(policy), "rows", [policy])  # per-sequence budgets: generate ran a policy per row
     if gives_budgets(name):
-        for b, row in enumerate(rows if len(rows) == B else rows * B):
-            slack = row.evict_every - 1 + (2 if row.schedule == "prefill" else 0)
-            for layer, budget in zip(held, row.budgets):
+        slack = policy.evict_every - 1 + (2 if policy.schedule == "prefill" else 0)
+        for b in range(B):
+            for l, layer in enumerate(held):
+                budget = budget_of(policy, l, b)
                 counts = [len(h) for h in layer[b]]
                 assert sum(counts) / len(counts) <= budget + slack  # per KV head, on average
-                assert row.own_counts or max(counts) <= budget + slack
+                assert policy.own_counts or max(counts) <= budget + slack
 
 
 
@@ -267,11 +266,11 @@ def test_a_next_prompt_of_another_batch_or_a_cache_that_is_not_one_is_refused():
         generate(model, turns(sizes=(5,))[0], 2, policy=policy, cache=[])
 
 
-def test_a_batch_with_a_policy_per_sequence_moves_every_policy_to_the_next_prompt():
+def test_a_batch_with_budgets_per_sequence_moves_to_the_next_prompt():
     model, policy = random_model(L=3), make_policy("d2o", 0.5, variant="paper")
     first = generate(model, turns(B=2, sizes=(20,))[0], 2, policy=policy, more_prompts=True)
     generate(model, turns(B=2, sizes=(9,))[0], 2, policy=policy, cache=first.cache)
-    assert [p.prompt_end for p in PerSequence.of(policy).rows] == [20 + 1 + 9] * 2
+    assert policy.prompt_end == 20 + 1 + 9 and len(policy.row_budgets[0]) == 2  # one policy, a budget per sequence
 
 
 @pytest.mark.parametrize("name", ["snapkv", "d2o", "h2o"])  # once per prompt, per sequence, every call

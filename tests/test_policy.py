@@ -20,14 +20,14 @@ from kvmini.methods.selectors import keep_top, shrink
 from kvmini.per_sequence import PerSequence, sequence
 from kvmini.report import full_nbytes
 from reference import in_position_order, random_model
-from tiny import budget_for, fitted, least_budget
+from tiny import budget_for, budget_of, fitted, least_budget
 
 COMPRESSING = [m for m in METHODS if m != "full" and not chooses_budget(m)]
 
 
-def held_positions(lc) -> list[list[int]]:
-    """The positions each KV head of a batch-1 layer holds, ascending, pads excluded."""
-    return [sorted(p for p in h if p != PAD) for h in lc.positions[0].tolist()]
+def held_positions(lc, b: int = 0) -> list[list[int]]:
+    """The positions each KV head of sequence b of a layer holds, ascending, pads excluded."""
+    return [sorted(p for p in h if p != PAD) for h in lc.positions[b].tolist()]
 
 
 def own_counts(policy) -> bool:
@@ -157,16 +157,15 @@ def test_invariants(name, kv_heads, group, B, n, steps, budget, chunk, seed):
             assert torch.isfinite(logits).all()
             seen = cache.seen_tokens
             for b, l in itertools.product(range(B), range(len(cache))):
-                row = policy.rows[b] if getattr(policy, "rows", None) else base  # per-sequence: a policy per row
-                heads = held_positions(sequence(cache, b)[l])  # each KV head's positions, pads excluded
+                heads = held_positions(cache[l], b)  # each KV head's positions, pads excluded
                 assert all(p < q for h in heads for p, q in zip(h, h[1:])), "positions unique"
                 assert all(p < seen for h in heads for p in h)
                 counts = [len(h) for h in heads]
                 held = Fraction(sum(counts), len(counts))  # per KV head, on average (exact)
                 assert own_counts(base) or len(set(counts)) == 1, "a layer's heads hold the same count"
-                b_l = row.budgets[l] if base.active else seen  # inactive: budget >= the sequence
-                if own_counts(base) and l in row.kept:  # each head's budget, as the method gave it
-                    gave = row.kept[l][b].tolist()
+                b_l = budget_of(base, l, b) if base.active else seen  # inactive: budget >= the sequence
+                if own_counts(base) and l in base.kept:  # each head's budget, as the method gave it
+                    gave = base.kept[l][b].tolist()
                     assert sum(gave) / len(gave) <= b_l + 0.5, "never above budget (each head's count rounded)"
                     assert seen < n or counts == [g + seen - n for g in gave], "each head holds what it was given"
                     b_l = Fraction(sum(gave), len(gave))
@@ -197,13 +196,18 @@ def test_invariants(name, kv_heads, group, B, n, steps, budget, chunk, seed):
 
 PER_SEQUENCE = {  # settings where the two sequences keep different counts in some layer
     "d2o": dict(seed=1, budget=12, options={"variant": "paper", "allocation": "zscore"}),
+    "d2o[official]": dict(seed=1, budget=12, options={"protected_layers": ()}),  # at the first decode step, one at a time
+    "snapkv_d2o": dict(seed=1, budget=12, options={"window": 3, "kernel": 3}),
     "dynamickv": dict(seed=5, budget=8, options={"window": 2, "kernel": 3, "interval": 1}),
     "dbudgetkv": dict(seed=5, budget=None)}
 
 
-@pytest.mark.parametrize("name", COMPRESSING + ["dbudgetkv"])
+@pytest.mark.parametrize("name", COMPRESSING + ["dbudgetkv", "d2o[official]"])
 def test_batch_of_two_equals_two_single_runs(name):
-    setting = PER_SEQUENCE.get(name, dict(seed=5, budget=budget_for(name, 8, n=24)))
+    """Each sequence of a batch keeps what it keeps alone: its kept positions, keys, values and logits (where its
+    budgets follow its own statistics, the batch's rows hold different counts, and one policy runs them all)."""
+    setting = PER_SEQUENCE.get(name) or dict(seed=5, budget=budget_for(name, 8, n=24))
+    name = name.split("[")[0]
     model = random_model(seed=setting["seed"])
     n, steps = 24, 5
     calls = make_calls(2, n, steps, seed=2)
@@ -215,14 +219,14 @@ def test_batch_of_two_equals_two_single_runs(name):
         alone, cache1 = run_calls(model, [c[b : b + 1] for c in calls], make_policy(name, setting["budget"], **options), n)
         for x, y in zip(both, alone):
             torch.testing.assert_close(x[b : b + 1], y, atol=1e-5, rtol=0)
-        for l2, l1 in zip(sequence(cache2, b).layers, cache1.layers):
-            (p2, k2, v2), (p1, k1, v1) = in_position_order(l2), in_position_order(l1)
+        for l2, l1 in zip(cache2.layers, cache1.layers):
+            (p2, k2, v2), (p1, k1, v1) = in_position_order(l2, b), in_position_order(l1)
             assert torch.equal(p2, p1)
             torch.testing.assert_close(k2, k1, atol=1e-5, rtol=0)
             torch.testing.assert_close(v2, v1, atol=1e-5, rtol=0)
 
 
-@pytest.mark.parametrize("name", ["d2o", "dynamickv", "dbudgetkv"])
+@pytest.mark.parametrize("name", ["dynamickv", "dbudgetkv"])
 def test_a_batch_with_per_sequence_budgets_is_the_batch_s_concern(name):
     """make_policy gives the policy of one sequence; generate gives a batch a policy per sequence; a
     batch fed to the model directly with that policy is refused, naming the two ways to run it."""

@@ -272,8 +272,8 @@ class Decisions:
             me.evicted(layer, before, score, lc.positions)
             return out
 
-        def merge_(self, layer, lc, keep):
-            return me.merged(self, lambda: merge(self, layer, lc, keep), lc, keep)
+        def merge_(self, layer, lc, keep, counts=None):
+            return me.merged(self, lambda: merge(self, layer, lc, keep, counts), lc, keep)
 
         def one_(self, layer, lc, victim, newest):
             return me.merged(self, lambda: one(self, layer, lc, victim, newest), lc, None)

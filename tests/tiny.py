@@ -107,3 +107,9 @@ def statistic_cases(names) -> list[tuple[str, dict]]:
                     seen.add(read)
                     out.append((name, variant | {d.name: value}))
     return out
+
+
+def budget_of(policy, layer: int, b: int) -> int:
+    """Layer `layer`'s budget for sequence b: its own where each sequence's budgets follow its statistics."""
+    rows = getattr(policy, "row_budgets", None)
+    return policy.budgets[layer] if rows is None else rows[layer][b]

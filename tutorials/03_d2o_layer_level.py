@@ -195,7 +195,7 @@ if measured:
     policy.start(512)  # the policy is told where the prompt ends (kvmini.generate.prefill does this)
     with torch.no_grad():
         model(ids, model.new_cache(), policy)
-    print("F_v per layer:", [round(v, 2) for v in policy.F_v.values()])  # Eq. 4, measured on the prompt
+    print("F_v per layer:", [round(v, 2) for v, in policy.F_v.values()])  # Eq. 4 on the prompt, one per sequence
     print("S_l per layer:", policy.budgets)
     assert sum(policy.budgets) == 30 * round(0.2 * 512)
     assert max(policy.budgets[:3]) > 2 * 102 and min(policy.budgets) < 102 / 2  # early layers rich, some starved
@@ -218,7 +218,7 @@ for ax, layer in zip(axes[:2], (0, 29)):
     ax.set_ylabel("query block")
     fig.colorbar(im, ax=ax, shrink=0.8)
 if measured:  # the F_v and budgets of the cell above
-    axes[2].bar(range(30), list(policy.F_v.values()), color="tab:gray", label="F_v (left)")
+    axes[2].bar(range(30), [v for v, in policy.F_v.values()], color="tab:gray", label="F_v (left)")
     axes[2].set_yscale("log")
     axes[2].set_xlabel("layer")
     axes[2].set_ylabel("F_v")

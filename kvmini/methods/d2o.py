@@ -71,8 +71,6 @@ def idle(o: Options) -> dict[str, str]:
 
 
 class D2O(Method):
-    per_sequence = True  # each sequence's budgets follow its own variances (kvmini.per_sequence)
-
     def __init__(self, budget: float, o: Options = Options()):
         super().__init__("d2o", budget)
         N, M = self.nm = o.nm
@@ -95,8 +93,9 @@ class D2O(Method):
                 self.merge.reset()
         super().before(cache, T)
         start, n = self.seen - T, self.prompt_end
-        if start == self.prompt_start:
-            self.F_v, self.allocated, self.sums = {}, False, {}  # this prompt's Eq. 4, and its pieces' sums
+        if start == self.prompt_start:  # this prompt's Eq. 4 (per layer, one per sequence), and its pieces' sums
+            self.F_v, self.allocated, self.sums, self.held = {}, False, {}, [rows_held(lc) for lc in cache.layers]
+        self.held = [[h + T for h in rows] for rows in self.held]  # what each row of a layer holds in this call
         self.pieces = self.active and self.in_prompt and T < n - self.prompt_start  # a prompt fed in several calls
         self.compresses = self.active and (self.seen > n if self.schedule == "decode" else self.seen >= n)
         measures = self.active and self.in_prompt  # F_v is taken on the prompt's attention
@@ -107,7 +106,7 @@ class D2O(Method):
             wanted = {"column_sums": Statistic(reduce="heads")}
         self.wants = wanted or None
         if self.compresses and not self.allocated and len(self.F_v) == len(cache):  # the first decode step
-            self.allocate(cache[0].length + T)
+            self.allocate(cache[0].length + T, cache[0].positions.device)
 
     def after_attention(self, layer: int, cache, seen) -> None:
         lc = cache[layer]
@@ -116,8 +115,9 @@ class D2O(Method):
             return  # nothing asked, or a piece of the prompt: its sums wait for the rest
         if self.updates:
             lc.aux("attention_sum").add_(column)  # 1. s_j += sum_i A_ij, (B, H_kv, S)
-        if self.completes and self.active:
-            self.F_v[layer] = layer_variance(self.o.allocation, column, heads)  # 2. Eq. 4 on the whole prompt
+        if self.completes and self.active:  # 2. Eq. 4 on the whole prompt, each sequence's own
+            self.F_v[layer] = [layer_variance(self.o.allocation, column[r : r + 1, :, :S], None if heads is None else
+                                              heads[r : r + 1, :, :S]) for r, S in enumerate(self.held[layer])]
         if self.allocated and layer not in self.protected:
             self.compress(layer, lc)
 
@@ -125,7 +125,7 @@ class D2O(Method):
         """The prompt's call (paper: compressed when the prompt is complete): every layer measured, budgeted
         (Eq. 5) and compressed, in layer order."""
         if self.compresses and not self.allocated and len(self.F_v) == len(cache):
-            self.allocate(cache[len(cache) - 1].length)
+            self.allocate(cache[len(cache) - 1].length, cache[0].positions.device)
             for layer in range(len(cache)):
                 if layer not in self.protected:
                     self.compress(layer, cache[layer])
@@ -143,26 +143,36 @@ class D2O(Method):
         del self.sums[layer]
         return reduce_heads(C, lc.keys.shape[1], self.o.reduce), C if self.o.allocation in HEADS else None
 
-    def allocate(self, length: int) -> None:
-        """2. S_l of every layer from F_v (Eq. 5; `length`: what a layer holds now), checked once."""
-        L = len(self.F_v)
-        self._budgets = allocate([self.F_v[l] for l in range(L)], self.o.allocation, self.mean_budget, self.prompt_end,
-                                 length, self.protected, self.nm, self.o.sinks + 4, self.o.softmax_temperature,
-                                 self.o.clamp_budgets)
+    def allocate(self, length: int, device) -> None:
+        """2. S_l of every layer from F_v (Eq. 5; `length`: what a layer holds now), each sequence's own, checked
+        once; `budgets` reports their mean."""
+        L, B = len(self.F_v), len(self.F_v[0])
+        rows = [allocate([self.F_v[l][r] for l in range(L)], self.o.allocation, self.mean_budget, self.prompt_end,
+                         length, self.protected, self.nm, self.o.sinks + 4, self.o.softmax_temperature,
+                         self.o.clamp_budgets) for r in range(B)]
+        for row in rows:
+            check(self.name, self, dict(enumerate(row)), self.protected)
+        self.row_budgets = [list(b) for b in zip(*rows)]  # layer -> each sequence's S_l
+        self._budgets = [round(sum(b) / B) for b in self.row_budgets]
+        self.recents = [torch.tensor([self.recent(x) for x in b], device=device)[:, None, None] for b in self.row_budgets]
         self.allocated = True
-        check(self.name, self, dict(enumerate(self._budgets)), self.protected)
 
     def compress(self, layer: int, lc) -> None:
-        """3. Keep T sinks + N heavy hitters + M recent tokens (Eq. 6-8), the evicted merged first (Eq. 9-12)."""
-        b = self._budgets[layer]
-        if lc.length <= b + self.slack:
+        """3. Keep T sinks + N heavy hitters + M recent tokens (Eq. 6-8), the evicted merged first (Eq. 9-12);
+        each sequence to its own budget, all at once (rows that keep different counts: kvmini.cache)."""
+        held, b = self.held[layer], self.row_budgets[layer]  # per sequence (held: kept here, no wait for the device)
+        keep = [x if h > x + self.slack else h for h, x in zip(held, b)]
+        if keep == held:
             return
-        self.evicted[layer] += lc.length - b
+        self.evicted[layer] += sum(held) - sum(keep)
+        self.held[layer] = keep
         score = lc.aux("attention_sum")  # (B, H_kv, S): s_j
+        rows = len(set(keep)) > 1 or len(set(held)) > 1  # sequences of their own: each row's budget and window
+        b, held, recent = (keep, held, self.recents[layer]) if rows else (keep[0], None, self.recent(keep[0]))
         if self.merge is None:
-            shrink(lc, score, b, self.sinks, self.recent(b), self.newest)
+            shrink(lc, score, b, self.sinks, recent, self.newest, held)
         else:
-            self._merged[layer] += shrink_merging(self.merge, layer, lc, score, b, self.sinks, self.recent(b), self.newest)
+            self._merged[layer] += shrink_merging(self.merge, layer, lc, score, b, self.sinks, recent, self.newest, held)
 
     def describe(self, lc) -> tuple[str, torch.Tensor | None]:
         return "accumulated attention (H2O's score: summed over every query so far)", lc.aux("attention_sum")
@@ -170,3 +180,8 @@ class D2O(Method):
 
 def build(budget: float, o: Options = Options()) -> D2O:
     return D2O(budget, o)
+
+
+def rows_held(lc) -> list[int]:
+    """What each sequence of a layer holds (its first KV head's count): read once per prompt."""
+    return [lc.length] * lc.positions.shape[0] if lc.counts is None else lc.counts[:, 0].tolist()

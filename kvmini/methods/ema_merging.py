@@ -22,10 +22,10 @@ import math
 import torch
 import torch.nn.functional as F
 
-from kvmini.cache import KEY_NORM, LayerCache, wide
+from kvmini.cache import KEY_NORM, PAD, LayerCache, wide
 from kvmini.errors import one_of
 from kvmini.methods.merged import Merged
-from kvmini.methods.selectors import keep_top, lowest
+from kvmini.methods.selectors import kept, lowest, one_over
 
 WEIGHTS = ("paper", "official")
 TAUS = ("per_head", "per_layer")
@@ -50,23 +50,29 @@ class EMAMerge:
     def reset(self) -> None:
         """A new run: no layer has a threshold yet."""
         self.tau: dict[int, torch.Tensor] = {}  # layer -> its threshold (Eq. 10), (B, H_kv), or (B, 1) per layer
+        self.partial: set[int] = set()  # layers where rows evicted different counts: some may have no threshold (NaN)
         if self.trace is not None:
             self.trace.clear()
 
-    def __call__(self, layer: int, lc: LayerCache, keep: torch.Tensor) -> torch.Tensor:
+    def __call__(self, layer: int, lc: LayerCache, keep: torch.Tensor, counts: torch.Tensor | None = None) -> torch.Tensor:
         """Every entry of layer `layer` not in `keep` (B, H_kv, b) against the kept ones (Eq. 9-12), before
-        they are gathered. Returns the merges per row (B,), mean over heads."""
-        B, H_kv, S = lc.positions.shape
-        evicted = torch.ones(B, H_kv, S, dtype=torch.int8, device=keep.device).scatter_(2, keep, 0)  # 1: evicted
-        evict = evicted.argsort(dim=-1, descending=True, stable=True)[..., : S - keep.shape[2]]  # (B, H_kv, E) asc.
+        they are gathered; `counts` (B, H_kv): each row keeps only its first counts[r] of `keep` (its pads
+        neither kept nor merged). Returns the merges per row (B,), mean over heads."""
+        pos = lc.positions  # (B, H_kv, S)
+        mine = None if counts is None else torch.arange(keep.shape[2], device=keep.device) < counts[..., None]
+        kept = torch.zeros_like(pos, dtype=torch.bool).scatter_(2, keep, True if mine is None else mine)
+        evicted = ~kept if counts is None else ~kept & (pos != PAD)  # (B, H_kv, S)
+        E = pos.shape[2] - keep.shape[2] if counts is None else int(evicted.sum(-1).max())
+        evict = evicted.to(torch.int8).argsort(dim=-1, descending=True, stable=True)[..., :E]  # (B, H_kv, E) asc.
         D = lc.keys.shape[-1]
         k_keep = wide(lc.keys.gather(2, keep[..., None].expand(-1, -1, -1, D)))  # (B, H_kv, b, D)
         k_evict = wide(lc.keys.gather(2, evict[..., None].expand(-1, -1, -1, D)))  # (B, H_kv, E, D)
         unit = F.normalize(k_keep, dim=-1)  # the kept keys normalized once for every chunk: their norms are 1
         rows = max(1, self.at_once // max(1, k_keep.shape[:-1].numel()))  # evicted keys per chunk
-        found = [nearest(chunk, unit, unit.new_ones(unit.shape[:-1])) for chunk in k_evict.split(rows, dim=2)]  # Eq. 9
-        best, j_star = (torch.cat(t, -1) for t in zip(*found))  # (B, H_kv, E) each
-        return self.merge(layer, lc, evict, keep, j_star, best)
+        others = None if mine is None else ~mine[:, :, None]  # (B, H_kv, 1, b): a row's places past its count
+        found = [nearest(chunk, unit, unit.new_ones(unit.shape[:-1]), others) for chunk in k_evict.split(rows, dim=2)]
+        best, j_star = (torch.cat(t, -1) for t in zip(*found))  # (B, H_kv, E) each: Eq. 9
+        return self.merge(layer, lc, evict, keep, j_star, best, None if mine is None else evicted.gather(2, evict))
 
     def one(self, layer: int, lc: LayerCache, victim: torch.Tensor, newest: int) -> torch.Tensor:
         """A decode step: `__call__` with every entry but `victim` (B, H_kv) kept, only the nearest entry's key
@@ -78,12 +84,13 @@ class EMAMerge:
                                (exclude | (pos > newest) if lc.padded else exclude)[:, :, None])  # (B, H_kv, 1), Eq. 9
         return self.merge(layer, lc, victim[..., None], j_star, torch.zeros_like(j_star), best)  # into j_star itself
 
-    def merge(self, layer: int, lc: LayerCache, evict, targets, j_star, best) -> torch.Tensor:
+    def merge(self, layer: int, lc: LayerCache, evict, targets, j_star, best, real=None) -> torch.Tensor:
         """Eq. 10-12 for the evicted entries `evict` (B, H_kv, E), each nearest to `targets[j_star]` with
-        similarity `best` (targets (B, H_kv, T) and evict: indices into the cache; j_star, best (B, H_kv, E)):
-        the threshold decides which merge, and each target's key and value become their mix (only the
-        targets are written). Returns the merges per row (B,), mean over heads."""
-        merge = self.decide(layer, best)  # (B, H_kv, E)
+        similarity `best` (targets (B, H_kv, T) and evict: indices into the cache; j_star, best (B, H_kv, E);
+        `real` (B, H_kv, E): which are evicted, where rows evict different counts): the threshold decides which
+        merge, and each target's key and value become their mix (only the targets are written). Returns the
+        merges per row (B,), mean over heads."""
+        merge = self.decide(layer, best, real)  # (B, H_kv, E)
         if self.trace is not None:
             self.record(layer, lc.positions, evict, targets.gather(2, j_star), best, merge)
         (b, h), keys, values = lc.entries, lc.keys, lc.values  # (B, 1, 1), (H_kv, 1): index entries (B, H_kv, s)
@@ -111,29 +118,36 @@ class EMAMerge:
         self.trace.append(Merged(layer, pos.gather(2, evict), torch.where(merge, pos.gather(2, into), -1),
                                  mass / den.gather(2, into)))
 
-    def decide(self, layer: int, best: torch.Tensor) -> torch.Tensor:
+    def decide(self, layer: int, best: torch.Tensor, real: torch.Tensor | None = None) -> torch.Tensor:
         """Eq. 10: update layer `layer`'s threshold with the evicted tokens' best similarities `best`
-        (B, H_kv, E) and say which of them merge, (B, H_kv, E) bool."""
+        (B, H_kv, E) and say which of them merge, (B, H_kv, E) bool. `real` (B, H_kv, E): the entries truly
+        evicted, where rows evict different counts; a row that evicts none keeps its threshold (NaN: none yet)."""
         sim = best.mean(1, keepdim=True) if self.per_layer else best  # official: one threshold per layer,
-        new = sim.mean(-1)  # (B, H_kv) or (B, 1)                    # similarities averaged over heads
-        tau = self.tau[layer] = ema_threshold(self.tau.get(layer), new, self.beta)  # tau_0 if it has none yet
-        return (sim >= tau[..., None]).expand_as(best)
+        real_sim = None if real is None else real[:, :1] if self.per_layer else real  # similarities averaged over heads
+        new = sim.mean(-1) if real is None else torch.where(real_sim, sim, 0).sum(-1) / real_sim.sum(-1)  # (B, H_kv) or (B, 1)
+        prev = self.tau.get(layer)
+        tau = ema_threshold(prev, new, self.beta)  # tau_0 if it has none yet
+        if prev is not None and (real is not None or layer in self.partial):  # per row: tau_0, or no change
+            tau = torch.where(prev.isnan(), new, torch.where(new.isnan(), prev, tau))
+        self.tau[layer] = tau
+        (self.partial.add if real is not None else self.partial.discard)(layer)  # some rows may have none yet
+        merge = (sim >= tau[..., None]).expand_as(best)
+        return merge if real is None else merge & real
 
 
-def shrink_merging(merge: EMAMerge, layer: int, lc: LayerCache, score: torch.Tensor, b: int, sinks: int, recent: int,
-                   newest: int) -> torch.Tensor:
+def shrink_merging(merge: EMAMerge, layer: int, lc: LayerCache, score: torch.Tensor, b, sinks: int, recent,
+                   newest: int, held: list[int] | None = None) -> torch.Tensor:
     """`selectors.shrink` with the evicted tokens merged first (Eq. 9-12): one entry over (a decode step)
     compared with every other (`EMAMerge.one`), more against the kept ones. Returns the tokens merged
     (summed over the rows, each a mean over its heads)."""
-    if lc.length == b + 1:
+    if one_over(lc, b, held):
         victim = lowest(score, lc.positions, sinks, recent, newest)  # (B, H_kv)
         merged = merge.one(layer, lc, victim, newest)
         lc.evict(victim)
         return merged.sum()
-    order = lc.positions.argsort(dim=-1)  # (B, H_kv, S): position order
-    keep = order.gather(2, keep_top(score.gather(2, order), b, sinks, recent))  # (B, H_kv, b)
-    merged = merge(layer, lc, keep)
-    lc.keep(keep)
+    keep, counts = kept(lc, score, b, sinks, recent, held)  # (B, H_kv, b), None or (B, H_kv)
+    merged = merge(layer, lc, keep, counts)
+    lc.keep(keep, counts)
     return merged.sum()
 
 

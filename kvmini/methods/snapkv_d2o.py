@@ -15,6 +15,7 @@ from typing import Literal
 
 from kvmini.budget import check
 from kvmini.methods import snapkv
+from kvmini.methods.d2o import rows_held
 from kvmini.methods.ema_merging import EMAMerge, shrink_merging
 from kvmini.methods.snapkv import SnapKV, window_scores
 from kvmini.methods.variance_softmax import allocate, idle_temperature, layer_variance
@@ -39,8 +40,6 @@ COLUMNS = Statistic(None, None, "heads")  # every query's attention, per query h
 
 
 class SnapKVD2O(SnapKV):
-    per_sequence = True  # each sequence's budgets follow its own variances (kvmini.per_sequence)
-
     def __init__(self, budget: float, o: Options = Options()):
         super().__init__(budget, snapkv.Options(o.window, o.kernel, o.pooling, o.reduce), "snapkv_d2o")
         self.allocation, self.temperature, self.merge = o.allocation, o.softmax_temperature, EMAMerge(o.beta)
@@ -64,24 +63,30 @@ class SnapKVD2O(SnapKV):
             add_up(self.C, layer, seen["window_sums"])
         if not self.completes:
             return
-        H_kv = lc.keys.shape[1]
-        self.F_v[layer] = layer_variance(self.allocation, reduce_heads(C, H_kv, self.reduce), C)  # 2. Eq. 4
+        H_kv, held = lc.keys.shape[1], rows_held(lc)
+        self.F_v[layer] = [layer_variance(self.allocation, reduce_heads(C[r : r + 1, :, :S], H_kv, self.reduce),
+                                          C[r : r + 1, :, :S]) for r, S in enumerate(held)]  # 2. Eq. 4, per sequence
         self.scores[layer] = window_scores(reduce_heads(self.C.pop(layer), H_kv, self.reduce), lc.held(), self.window,
                                            self.kernel, self.pooling)  # 1.
 
     def after_layers(self, cache) -> None:
         if not (self.active and self.completes):
             return
-        L = len(cache)
-        self._budgets = allocate([self.F_v[l] for l in range(L)], self.allocation, self.mean_budget, self.prompt_end,
-                                 cache[L - 1].length, (), (1, 1), self.window + 4, self.temperature)  # 2. Eq. 5
-        check(self.name, self, dict(enumerate(self._budgets)), ())
+        L, B = len(cache), len(self.F_v[0])
+        rows = [allocate([self.F_v[l][r] for l in range(L)], self.allocation, self.mean_budget, self.prompt_end,
+                         cache[L - 1].length, (), (1, 1), self.window + 4, self.temperature) for r in range(B)]  # 2. Eq. 5
+        for row in rows:
+            check(self.name, self, dict(enumerate(row)), ())
+        self.row_budgets = [list(b) for b in zip(*rows)]  # layer -> each sequence's S_l; `budgets`: their mean
+        self._budgets = [round(sum(b) / B) for b in self.row_budgets]
         for layer in range(L):
-            lc, b = cache[layer], self._budgets[layer]
-            if lc.length > b:  # 3.
-                self.evicted[layer] += lc.length - b
+            lc, held = cache[layer], rows_held(cache[layer])
+            keep = [min(h, b) for h, b in zip(held, self.row_budgets[layer])]
+            if keep != held:  # 3.
+                self.evicted[layer] += sum(held) - sum(keep)
+                b, held = (keep, held) if len(set(keep)) > 1 or len(set(held)) > 1 else (keep[0], None)
                 self._merged[layer] += shrink_merging(self.merge, layer, lc, self.scores[layer], b, 0, self.window,
-                                                     self.newest)
+                                                     self.newest, held)
 
 
 def build(budget: float, o: Options = Options()) -> SnapKVD2O:
