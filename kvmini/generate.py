@@ -106,16 +106,6 @@ def synchronize(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def for_batch(policy, B: int):
-    """The policy a batch of B sequences runs: for budgets that follow each sequence, a policy per
-    sequence (kvmini.per_sequence, the batch's concern, which a single sequence never reads)."""
-    if B == 1 or policy is None:
-        return policy
-    from kvmini.per_sequence import PerSequence
-
-    return PerSequence.of(policy)
-
-
 @torch.inference_mode()
 def prefill(model: Transformer, ids: torch.Tensor, cache: KVCache, policy=None, chunk_size: int | None = None,
             total_len: int | None = None, on_progress: Callable[[float], None] | None = None):
@@ -132,7 +122,6 @@ def prefill(model: Transformer, ids: torch.Tensor, cache: KVCache, policy=None, 
     run_length("prefill", total_len, before + T)
     if ids.shape[0] != cache[0].positions.shape[0]:
         raise KvminiError(f"ids hold {ids.shape[0]} sequences but the cache {cache[0].positions.shape[0]}")
-    policy = for_batch(policy, ids.shape[0])
     method_chunk = policy.chunk_for(before + T, total_len) if policy is not None else None  # e.g. WeightedKV's
     step = chunk_size or method_chunk or T
     if policy is not None:
@@ -173,7 +162,6 @@ def generate(
     if not isinstance(sampling, Sampling):
         raise KvminiError(f"sampling must be a Sampling(...), got {type(sampling).__name__}")
     B, T = ids.shape
-    policy = for_batch(policy, B)
     device = model.device
     ids = ids.to(device)
     generator = None

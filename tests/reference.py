@@ -9,7 +9,6 @@ import torch
 
 from kvmini.cache import PAD
 from kvmini.config import ModelConfig
-from kvmini.generate import for_batch
 from kvmini.model import Transformer, apply_rope
 
 
@@ -94,7 +93,6 @@ def engine_run(model: Transformer, calls: list[torch.Tensor], policy, n: int):
     entering each call: kept[c][layer][b][h] = sorted list), as `simulate` does."""
     B, L, H_kv = calls[0].shape[0], model.config.num_layers, model.config.num_kv_heads
     cache = model.new_cache(B, 4)
-    policy = for_batch(policy, B)  # the model is called directly: per-sequence budgets get a policy per row
     policy.start(n, sum(ids.shape[1] for ids in calls), model)
     logits, kept = [], []
     for ids in calls:

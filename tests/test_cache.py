@@ -5,7 +5,6 @@ import torch
 from kvmini.cache import PAD, KVCache, LayerCache
 from kvmini.generate import prefill
 from kvmini.loading import load_model
-from kvmini.per_sequence import SequenceView
 from kvmini.report import allocated_nbytes, cache_summary, full_nbytes, layer_bars
 
 
@@ -97,13 +96,22 @@ def test_prefill_compression_releases_memory():
     assert allocated_nbytes(cache) < full_nbytes(cache) / 4
 
 
+def keep_row(lc: LayerCache, b: int, idx: torch.Tensor) -> None:
+    """Sequence b keeps only its entries idx (H_kv, s), the others all theirs: `keep` with each row's count."""
+    counts = lc.held().clone()  # (B, H_kv)
+    counts[b] = idx.shape[-1]
+    every = torch.arange(int(counts.max())).repeat(*counts.shape, 1)  # (B, H_kv, S'): rows keep their places
+    every[b, :, : idx.shape[-1]] = idx
+    lc.keep(every, counts)
+
+
 def test_rows_of_different_lengths_are_padded_at_their_end():
     c = LayerCache(batch=2, kv_heads=1, head_dim=1, dtype=torch.float32, device="cpu", capacity=2)
     k = torch.arange(8.0).view(2, 1, 4, 1)  # row 0: 0 1 2 3, row 1: 4 5 6 7
     c.append(k, k, torch.arange(4).expand(2, 4))
     c.declare("score")
     c.aux("score")[:] = k[..., 0]
-    SequenceView(c, 1).keep(torch.tensor([[[0, 3]]]))  # row 1 keeps positions 0 and 3
+    keep_row(c, 1, torch.tensor([[0, 3]]))  # row 1 keeps positions 0 and 3
     assert c.padded and c.held().tolist() == [[4], [2]] and c.length == 4
     assert c.positions[1, 0].tolist() == [0, 3, PAD, PAD]
     assert c.keys[1, 0, :, 0].tolist() == [4.0, 7.0, 0.0, 0.0] and c.aux("score")[1, 0].tolist() == [4.0, 7.0, 0, 0]
@@ -111,14 +119,10 @@ def test_rows_of_different_lengths_are_padded_at_their_end():
     assert c.held().tolist() == [[5], [3]] and c.length == 5  # each row's new entry follows its own entries
     assert c.positions[:, 0].tolist() == [[0, 1, 2, 3, 4], [0, 3, 4, PAD, PAD]]
     assert c.keys[:, 0, :, 0].tolist() == [[0, 1, 2, 3, 8], [4, 7, 9, 0, 0]]
-    view = SequenceView(c, 1)  # batch-1 views of row 1's entries: in-place writes reach the cache
-    assert view.length == 3 and view.positions.tolist() == [[[0, 3, 4]]]
-    view.aux("score").add_(1)
-    assert c.aux("score")[1, 0].tolist() == [5.0, 8.0, 1.0, 0, 0]
     assert c.nbytes() == 2 * (5 + 3) * 4  # pads are not counted
     c.evict_one(torch.tensor([[0], [1]]))  # each row's own last entry moves into its slot
     assert c.positions[:, 0].tolist() == [[4, 1, 2, 3], [0, 4, PAD, PAD]] and c.held().tolist() == [[4], [2]]
-    SequenceView(c, 0).keep(torch.tensor([[[1, 3]]]))  # rows equal again: no pads
+    keep_row(c, 0, torch.tensor([[1, 3]]))  # rows equal again: no pads
     assert not c.padded and c.length == 2 and c.positions[:, 0].tolist() == [[1, 3], [0, 4]]
 
 
@@ -226,7 +230,7 @@ def test_aux_buffers_keep_their_dtype_through_every_eviction_and_count_in_bytes(
     lc.evict_one(torch.tensor([[1], [4]]))  # row 0 drops entry 1 (entry 4 moves in), row 1 the newest
     assert lc.aux("seen").tolist() == [[[True, True, True, False]], [[True, False, True, False]]]
     assert lc.aux("count").tolist() == [[[0, 40, 20, 30]], [[0, 10, 20, 30]]]
-    SequenceView(lc, 0).keep(torch.tensor([[[0, 2]]]))  # row 0 keeps its entries 0 and 2: positions 0, 2
+    keep_row(lc, 0, torch.tensor([[0, 2]]))  # row 0 keeps its entries 0 and 2: positions 0, 2
     assert lc.held().tolist() == [[2], [4]] and lc.aux("seen").dtype == torch.bool and lc.aux("count").dtype == torch.int32
     assert lc.aux("count")[0, 0, :2].tolist() == [0, 20] and lc.aux("seen")[0, 0, 2:].tolist() == [False, False]
     assert lc.aux_nbytes() == 9 * (2 + 4)
@@ -280,7 +284,7 @@ def test_key_norms_are_kept_by_the_cache_through_appends_evictions_joins_and_set
     lc.evict_one(torch.tensor([[1, 2, 3], [0, 6, 7]]))
     lc.set_keys(torch.tensor([[[0], [1], [2]], [[3], [4], [5]]]), 3 * torch.randn(2, 3, 1, 4, generator=gen))
     check(lc)
-    SequenceView(lc, 1).keep(torch.arange(4).expand(1, 3, 4))  # row 1 shorter: padded rows
+    keep_row(lc, 1, torch.arange(4).expand(3, 4))  # row 1 shorter: padded rows
     lc.append(*kv(1), torch.tensor([[8], [8]]))
     check(lc)
     assert lc.aux(KEY_NORM)[1, :, 5:].eq(0).all()  # pads

@@ -16,7 +16,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvmini.generate import for_batch, generate, prefill
+from kvmini.generate import generate, prefill
 from kvmini.methods.registry import METHODS, compress_every_call, make_policy
 from reference import random_model
 from tiny import WINDOW, budget_for, statistic_cases
@@ -38,7 +38,7 @@ def model_and_prompt(seed: int = 0):
 def run(model, ids, name, budget, options, sizes):
     """Prefill ids[:, :N] in calls of the given sizes, decode the next STEPS tokens (teacher-forced).
     Returns (per layer: (positions, keys, values) in position order, budgets, last logits)."""
-    policy = for_batch(make_policy(name, budget, **options), B)  # the model is called directly
+    policy = make_policy(name, budget, **options)
     cache = model.new_cache(B, N + STEPS)
     policy.start(N, N + STEPS, model)
     start = 0

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from kvmini.errors import KvminiError
-from kvmini.generate import for_batch, fork, generate, prefill
+from kvmini.generate import fork, generate, prefill
 from kvmini.methods.registry import METHODS, chooses_budget, make_policy
 from reference import group_mean, random_model, simulate, top_positions
 from test_methods_reference import h2o, per_head
@@ -29,7 +29,6 @@ def engine_turns(model, calls, policy, prompts: dict[int, int], total_len=None):
     Returns (last logits per call, kept positions entering each call and after the last)."""
     B, L, H_kv = calls[0].shape[0], model.config.num_layers, model.config.num_kv_heads
     cache = model.new_cache(B, 4)
-    policy = for_batch(policy, B)  # the model is called directly: per-sequence budgets get a policy per row
     logits, kept = [], []
     for c, ids in enumerate(calls):
         if c in prompts:

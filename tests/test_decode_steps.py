@@ -7,7 +7,6 @@ import pytest
 import torch
 
 from kvmini.cache import PAD, LayerCache
-from kvmini.generate import for_batch
 from kvmini.methods.ema_merging import EMAMerge
 from kvmini.methods.registry import make_policy
 from kvmini.methods.selectors import lowest
@@ -19,7 +18,7 @@ def run(model, name, budget, options, batch: int = 1, steps: int = 8, seed: int 
     gen = torch.Generator().manual_seed(seed)
     calls = [torch.randint(0, 61, (batch, 40), generator=gen)]
     calls += [torch.randint(0, 61, (batch, 1), generator=gen) for _ in range(steps)]
-    policy = for_batch(make_policy(name, budget, **options), batch)  # a batch's copies are made at its first call
+    policy = make_policy(name, budget, **options)
     trace = record_merges(policy)
     policy.start(40, 40 + steps)
     cache = model.new_cache(batch, 4)

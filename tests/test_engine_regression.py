@@ -38,7 +38,6 @@ from pathlib import Path
 import pytest
 import torch
 
-from kvmini.generate import for_batch
 from kvmini.methods.registry import chooses_budget, make_policy, parse_spec, specs
 from reference import random_model
 from tiny import fitted, least_budget
@@ -148,7 +147,7 @@ def tiny_model():
 @torch.no_grad()
 def run(model, calls, name, budget, options, prompt_len):
     """-> tensors (name -> tensor) and facts (budgets, evicted) of one method on one scenario."""
-    policy = for_batch(make_policy(name, budget, **options), calls[0].shape[0])  # the model is called directly
+    policy = make_policy(name, budget, **options)
     cache = model.new_cache(calls[0].shape[0], 4)
     if policy is not None:
         policy.start(prompt_len, prompt_len + len(calls) - 1, model)

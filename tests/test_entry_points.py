@@ -438,15 +438,6 @@ def test_evict_one_of_a_whole_number_evicts_that_slot_in_every_head():
     assert lc.positions[0].tolist() == [[0, 4, 2, 3], [0, 4, 2, 3]]
 
 
-def test_sequence_refuses_a_row_outside_the_batch(tiny):
-    from kvmini.per_sequence import sequence
-
-    cache = tiny.new_cache(2)
-    for b in [2, -1, 1.0]:
-        with pytest.raises(KvminiError, match=r"b must be a whole number in \[0, 1\] \(the batch has 2\)"):
-            sequence(cache, b)
-
-
 def test_make_policy_and_fidelity_run_name_the_bad_argument(tiny):
     from kvmini.eval import fidelity
     from kvmini.methods.registry import make_policy

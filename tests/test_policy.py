@@ -12,12 +12,11 @@ from hypothesis import strategies as st
 from kvmini.budget import resolve_budget
 from kvmini.cache import PAD, LayerCache
 from kvmini.errors import KvminiError
-from kvmini.generate import for_batch, generate
+from kvmini.generate import generate
 from kvmini.methods.allocators import round_to_total
 from kvmini.methods.pyramidkv import pyramid
 from kvmini.methods.registry import METHODS, chooses_budget, make_policy, method_options
 from kvmini.methods.selectors import keep_top, shrink
-from kvmini.per_sequence import PerSequence, sequence
 from kvmini.report import full_nbytes
 from reference import in_position_order, random_model
 from tiny import budget_for, budget_of, fitted, least_budget
@@ -39,7 +38,6 @@ def run_calls(model, calls, policy, prompt_len):
     """Feed calls (ids (B, T) each) through the model; last-position logits per call and the cache."""
     B = calls[0].shape[0]
     cache = model.new_cache(B, 4)
-    policy = for_batch(policy, B)  # the model is called directly: a batch's policy per sequence, as generate does
     if policy is not None:
         policy.start(prompt_len, prompt_len + len(calls) - 1, model)
     with torch.no_grad():
@@ -140,8 +138,7 @@ def test_generate_with_huge_budget_gives_full_tokens(name):
 def test_invariants(name, kv_heads, group, B, n, steps, budget, chunk, seed):
     model = random_model(L=2, H=kv_heads * group, H_kv=kv_heads, seed=seed % 100)
     options = fitted(name)
-    base = make_policy(name, None if chooses_budget(name) else budget, **options)  # its parts and schedule
-    policy = for_batch(base, B)
+    policy = base = make_policy(name, None if chooses_budget(name) else budget, **options)
     gen = torch.Generator().manual_seed(seed)
     ids = torch.randint(0, 61, (B, n + steps), generator=gen)
     cache = model.new_cache(B, 4)
@@ -224,23 +221,6 @@ def test_batch_of_two_equals_two_single_runs(name):
             assert torch.equal(p2, p1)
             torch.testing.assert_close(k2, k1, atol=1e-5, rtol=0)
             torch.testing.assert_close(v2, v1, atol=1e-5, rtol=0)
-
-
-@pytest.mark.parametrize("name", ["dynamickv", "dbudgetkv"])
-def test_a_batch_with_per_sequence_budgets_is_the_batch_s_concern(name):
-    """make_policy gives the policy of one sequence; generate gives a batch a policy per sequence; a
-    batch fed to the model directly with that policy is refused, naming the two ways to run it."""
-    model, ids = random_model(seed=1), make_calls(2, 20, 0)[0]
-    policy = make_policy(name, **fitted(name)) if chooses_budget(name) else make_policy(name, 8, **fitted(name))
-    assert policy.per_sequence
-    policy.start(20)
-    with torch.no_grad(), pytest.raises(KvminiError, match=r"this batch holds 2: run it with kvmini.generate \(generate "
-                                        r"or prefill\), or wrap the policy: kvmini.per_sequence.PerSequence.of\(policy\)$"):
-        model(ids, model.new_cache(2, 4), policy)
-    generate(model, ids, 2, policy=policy)
-    batch = PerSequence.of(policy)
-    assert batch is PerSequence.of(policy) and batch.one is policy and len(batch.rows) == 2
-    assert PerSequence.of(make_policy("h2o", 8)).__class__ is not PerSequence  # a shared plan: the policy itself
 
 
 @pytest.mark.parametrize("name", COMPRESSING)

@@ -500,10 +500,10 @@ assert stats["seen"][0, 0].tolist() == [4, 4, 4, 4, 3, 2, 1]  # key 6 is seen by
 # when the prompt is complete (`schedule = "prefill"`), and takes the prompt in one call (a real method
 # adds up its statistics over a prompt's chunks, as SnapKV's does).
 #
-# Two things a real method of this kind needs that the toy leaves out: `per_sequence = True` on the
-# class, so that each sequence of a batch gets budgets from its own measures (without it a batch shares
-# one plan; a literal reference of a batch then sees pad positions in the kept sets, to strip before
-# comparing).
+# What a real method of this kind needs that the toy leaves out: budgets per sequence, so that each
+# sequence of a batch gets budgets from its own measures (`self.set_budgets(layer, rows)`, one per
+# sequence, and `shrink` with each row's count, as D2O's `compress` does; without it a batch shares
+# one plan).
 
 # %%
 class WindowVariance(Method):

@@ -10,7 +10,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from kvmini.config import ModelConfig
-from kvmini.generate import for_batch, prefill
+from kvmini.generate import prefill
 from kvmini.methods.registry import policy_for
 from kvmini.model import Transformer
 
@@ -41,7 +41,7 @@ def step_ops(model, method: str, batch: int, n: int = 512, budget: float = 0.2, 
     """The aten ops of one steady-state decode step (the model, the cache and the method): a batch of
     `batch` different random prompts of n tokens, `warm` decode steps, then the step counted."""
     ids = torch.randint(0, model.config.vocab_size, (batch, n), generator=torch.Generator().manual_seed(batch))
-    policy = for_batch(policy_for(method, budget), batch)
+    policy = policy_for(method, budget)
     cache = model.new_cache(batch, n + warm + 1)
     nxt = prefill(model, ids, cache, policy).argmax(-1)[:, None]  # (B, 1)
     for _ in range(warm):

@@ -41,7 +41,7 @@ import torch
 
 from kvmini import cli
 from kvmini.errors import KvminiError
-from kvmini.generate import for_batch, prefill, synchronize
+from kvmini.generate import prefill, synchronize
 from kvmini.eval.ops import OPS, ops_table, record_ops
 from kvmini.methods.registry import METHODS, policy_for
 from kvmini.report import full_nbytes
@@ -202,7 +202,7 @@ def batch_under_cap(model, ids: torch.Tensor, methods: list[str], budget: float,
             torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats(model.device)
             try:
-                policy = for_batch(_policy(name, budget), B)  # the decode steps below call the model directly
+                policy = _policy(name, budget)
                 cache = model.new_cache(B, ids.shape[1] + steps)
                 nxt = prefill(model, ids.expand(B, -1), cache, policy, total_len=ids.shape[1] + steps).argmax(-1)[:, None]
                 synchronize(model.device)

@@ -27,7 +27,7 @@ from kvmini.budget import Rule, check
 from kvmini.cache import KEY_NORM
 from kvmini.methods.ema_merging import EMAMerge, shrink_merging
 from kvmini.methods.method import Method
-from kvmini.methods.selectors import shrink
+from kvmini.methods.selectors import per_row, rows_held, shrink
 from kvmini.methods.variance_softmax import HEADS, allocate, idle_temperature, layer_variance
 from kvmini.attention import Statistic, add_up, reduce_heads
 
@@ -152,23 +152,24 @@ class D2O(Method):
                          self.o.clamp_budgets) for r in range(B)]
         for row in rows:
             check(self.name, self, dict(enumerate(row)), self.protected)
-        self.row_budgets = [list(b) for b in zip(*rows)]  # layer -> each sequence's S_l
-        self._budgets = [round(sum(b) / B) for b in self.row_budgets]
+        for layer, b in enumerate(zip(*rows)):
+            self.set_budgets(layer, b)  # each sequence's S_l
         self.recents = [torch.tensor([self.recent(x) for x in b], device=device)[:, None, None] for b in self.row_budgets]
         self.allocated = True
 
     def compress(self, layer: int, lc) -> None:
         """3. Keep T sinks + N heavy hitters + M recent tokens (Eq. 6-8), the evicted merged first (Eq. 9-12);
         each sequence to its own budget, all at once (rows that keep different counts: kvmini.cache)."""
-        held, b = self.held[layer], self.row_budgets[layer]  # per sequence (held: kept here, no wait for the device)
+        held = self.held[layer]  # per sequence, counted here: no wait for the device
+        b = self.budget_rows(layer, len(held))
         keep = [x if h > x + self.slack else h for h, x in zip(held, b)]
         if keep == held:
             return
         self.evicted[layer] += sum(held) - sum(keep)
         self.held[layer] = keep
         score = lc.aux("attention_sum")  # (B, H_kv, S): s_j
-        rows = len(set(keep)) > 1 or len(set(held)) > 1  # sequences of their own: each row's budget and window
-        b, held, recent = (keep, held, self.recents[layer]) if rows else (keep[0], None, self.recent(keep[0]))
+        b, held = per_row(keep, held)  # an int when every sequence agrees, else one each
+        recent = self.recent(b) if held is None else self.recents[layer]  # (B, 1, 1): each row's window
         if self.merge is None:
             shrink(lc, score, b, self.sinks, recent, self.newest, held)
         else:
@@ -180,8 +181,3 @@ class D2O(Method):
 
 def build(budget: float, o: Options = Options()) -> D2O:
     return D2O(budget, o)
-
-
-def rows_held(lc) -> list[int]:
-    """What each sequence of a layer holds (its first KV head's count): read once per prompt."""
-    return [lc.length] * lc.positions.shape[0] if lc.counts is None else lc.counts[:, 0].tolist()

@@ -17,7 +17,7 @@ stopping rule by a fixed budget, the same share of the prompt in every layer (an
 a fixed budget at the share it chose; kvmini.eval.ablation). Both use k = 1
 (the last query's row) and group reduction mean. Default: the `paper` variant (docs/methods.md's
 DBudgetKV table has the measured comparison). In a batch, every sequence gets its own budgets
-(kvmini.per_sequence.PerSequence).
+(`row_budgets`; kvmini.cache's ragged rows).
 """
 from dataclasses import dataclass
 from typing import Literal
@@ -27,7 +27,7 @@ import torch
 from kvmini.errors import KvminiError
 from kvmini.methods.frobenius_stop import eq1_row, to_prune
 from kvmini.methods.method import Method
-from kvmini.methods.selectors import shrink
+from kvmini.methods.selectors import per_row, rows_held, shrink
 from kvmini.methods.snapkv import window_scores
 from kvmini.attention import Statistic, add_up, reduce_heads
 
@@ -56,7 +56,6 @@ DEFAULT_VARIANT = "paper"
 
 class DBudgetKV(Method):
     schedule = "prefill"
-    per_sequence = True  # each sequence's budgets follow its own attention (kvmini.per_sequence)
 
     def __init__(self, o: Options = Options()):
         super().__init__("dbudgetkv", o.fixed_share or None)  # None: the stopping rule chooses each layer's budget
@@ -100,23 +99,29 @@ class DBudgetKV(Method):
             lc.aux("attention_sum").add_(got["column_sums"])
         if not (self.active and self.completes):
             return
-        b = self.budgets[layer]
         score = {"position": lambda: lc.positions.float(), "cumulative": lambda: lc.aux("attention_sum"),
                  "window_attention": lambda: window_scores(got["dbudgetkv_window"], lc.held(), self.window, 1, "avg")}
         score = score[self.o.ranking]()  # (B, H_kv, S), higher = keep
-        if self.rule:  # Alg. 1: prune while the attention norm drops by at most t
+        held = rows_held(lc)  # what each sequence holds
+        if self.rule:  # Alg. 1: prune while the attention norm drops by at most t, each sequence its own cut
             s = eq1_row(got["dbudgetkv_rows"], lc.positions, self.o.k)  # Eq. 1
-            S = lc.length
-            if self.o.ranking == "position":  # the earliest non-sinks first, the sinks last
-                idx = torch.arange(S, device=lc.positions.device)
-                order = torch.cat([idx[self.o.sinks :], idx[: self.o.sinks]]).expand_as(lc.positions)
-            else:  # least attended first (the window scores +inf)
-                order = score.argsort(dim=-1, stable=True)
-            b = self._budgets[layer] = S - to_prune(s, order, self.o.threshold, min(self.sinks, S), min(self.window, S),
-                                                     self.o.norm_excludes_kept)
-        if lc.length > b:
-            self.evicted[layer] += lc.length - b
-            shrink(lc, score, b, self.sinks, self.window, self.newest)
+            self.set_budgets(layer, [S - self.to_prune(s[r : r + 1, :, :S], score[r : r + 1, :, :S])
+                                     for r, S in enumerate(held)])
+        keep = [min(h, b) for h, b in zip(held, self.budget_rows(layer, len(held)))]
+        if keep != held:
+            self.evicted[layer] += sum(held) - sum(keep)
+            b, held = per_row(keep, held)
+            shrink(lc, score, b, self.sinks, self.window, self.newest, held)
+
+    def to_prune(self, s: torch.Tensor, score: torch.Tensor) -> int:
+        """How many of one sequence's S entries Alg. 1 prunes, s and score (1, H_kv, S)."""
+        S = s.shape[-1]
+        if self.o.ranking == "position":  # the earliest non-sinks first, the sinks last
+            idx = torch.arange(S, device=s.device)
+            order = torch.cat([idx[self.o.sinks :], idx[: self.o.sinks]]).expand_as(s)
+        else:  # least attended first (the window scores +inf)
+            order = score.argsort(dim=-1, stable=True)
+        return to_prune(s, order, self.o.threshold, min(self.sinks, S), min(self.window, S), self.o.norm_excludes_kept)
 
     def describe(self, lc) -> tuple[str, torch.Tensor | None]:
         if self.o.ranking == "position":

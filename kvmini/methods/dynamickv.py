@@ -12,7 +12,7 @@ Defaults, from the authors' code (the paper gives w_s, r_max and m no values; kv
 window 8, avg pooling, r_max 10 (methods/dynamic_v11.py:144, 150, 152), interval 4
 (llama_model_impl/dynamickv_v11.py:122, `layer_idx % 4 == 3`), kernel 7 (DynamicKVClusterV11's own
 default, dynamic_v11.py:14; init_dynamickv_V11 sets 5, :148); group reduction mean (kvmini's).
-In a batch, every sequence gets its own layer budgets (kvmini.per_sequence.PerSequence).
+In a batch, every sequence gets its own layer budgets (`row_budgets`; kvmini.cache's ragged rows).
 
 Variants: `paper` (the default, Alg. 1) and `official` (DreamMr/DynamicKV). Both re-allocate only
 when l % m == 0 (Alg. 1 line 24), so when L % m != 0 the last L % m layers keep b_s + w_s;
@@ -34,7 +34,7 @@ import torch
 
 from kvmini.methods import snapkv
 from kvmini.methods.progressive_budgets import alg1_budgets, first_budgets, floor_budgets, reallocate
-from kvmini.methods.selectors import keep_top, lowest
+from kvmini.methods.selectors import kept, lowest, one_over, per_row, rows_held
 from kvmini.methods.snapkv import SnapKV
 
 
@@ -70,8 +70,6 @@ class DynamicKV(SnapKV):
     """SnapKV's window scores, layer by layer in the prefill forward; every `interval` layers the finished
     layers are budgeted again against each other (Alg. 1) and trimmed."""
 
-    per_sequence = True  # each sequence's budgets follow its own scores (kvmini.per_sequence)
-
     def __init__(self, budget: float, o: Options = Options()):
         super().__init__(budget, snapkv.Options(o.window, o.kernel, o.pooling, o.reduce), "dynamickv")
         self.o, self.progressive = o, o.layer_budgets == "progressive"
@@ -97,43 +95,50 @@ class DynamicKV(SnapKV):
             return super().compress(layer, cache, score)
         self.scores[layer] = score
         for i, b in self.rebudget(layer, cache, score).items():  # this layer, and the finished ones re-budgeted
-            if cache[i].length > b:
-                self.evicted[i] += cache[i].length - b
-                kept = trim(cache[i], self.scores[i], b, self.window, self.newest)
+            held = rows_held(cache[i])
+            keep = [min(h, x) for h, x in zip(held, b)]  # per sequence
+            if keep != held:
+                self.evicted[i] += sum(held) - sum(keep)
+                kept = trim(cache[i], self.scores[i], *per_row(keep, held), self.window, self.newest)
                 self.scores[i] = self.scores[i].gather(2, kept)  # the score follows what is left
 
-    def rebudget(self, layer: int, cache, score: torch.Tensor) -> dict[int, int]:
-        """{layer: its budget} for this layer and every finished layer Eq. 5-8 re-budgets now (Alg. 1)."""
-        n, w, w_t, L, l = score.shape[-1], self.window, self.mean_budget, len(cache), layer + 1
+    def rebudget(self, layer: int, cache, score: torch.Tensor) -> dict[int, list[int]]:
+        """{layer: its budget per sequence} for this layer and every finished layer Eq. 5-8 re-budgets now (Alg. 1),
+        each sequence by its own scores."""
+        n, w, w_t, L, l, B = score.shape[-1], self.window, self.mean_budget, len(cache), layer + 1, score.shape[0]
         self.A.append(score[:, :, : n - w])  # A_l over the non-window keys
-        self.held.append(min(cache[layer].length, self._budgets[layer]))
-        keep = {layer: self._budgets[layer]}
+        self.held.append([min(h, self._budgets[layer]) for h in rows_held(cache[layer])])  # per sequence
+        keep = {layer: [self._budgets[layer]] * B}
         if l % self.o.interval == 0 or (l == L and self.o.tail_reallocation):  # Alg. 1 line 24; the tail is kvmini's
-            C, Z = reallocate(self.A, self.held, n, w, w_t, L)
-            if self.o.rounding == "floor":
-                Z = floor_budgets(C, min(int(self.o.r_max * (w_t - w)), n - w), w_t - w, L, n - w, self.A[0].shape[1])
-            elif self.o.rounding == "alg1":
-                Z = alg1_budgets(C, self.o.r_max * (w_t - w), w_t - w, L)  # b_s as Alg. 1 line 3
-            keep.update({i: Z[i] + w for i in range(l) if Z[i] < self.held[i] - w})
+            for r in range(B):  # each sequence's own counts: once per re-allocation
+                held = [h[r] for h in self.held]
+                C, Z = reallocate([A[r : r + 1] for A in self.A], held, n, w, w_t, L)
+                if self.o.rounding == "floor":
+                    Z = floor_budgets(C, min(int(self.o.r_max * (w_t - w)), n - w), w_t - w, L, n - w, self.A[0].shape[1])
+                elif self.o.rounding == "alg1":
+                    Z = alg1_budgets(C, self.o.r_max * (w_t - w), w_t - w, L)  # b_s as Alg. 1 line 3
+                for i in (i for i in range(l) if Z[i] < held[i] - w):
+                    keep.setdefault(i, list(self.held[i]))[r] = Z[i] + w  # the other rows as they are
         for i, b in keep.items():
-            self.held[i] = min(self.held[i], b)
+            self.held[i] = [min(h, x) for h, x in zip(self.held[i], b)]
         for i in range(l):
-            self._budgets[i] = min(self._budgets[i], self.held[i])
+            self.set_budgets(i, [min(x, h) for x, h in zip(self.budget_rows(i, B), self.held[i])])
         return keep
 
 
-def trim(lc, score: torch.Tensor, b: int, window: int, newest: int) -> torch.Tensor:
-    """`selectors.shrink` down to b entries (the window and the best scores), returning each kept entry's
-    old slot (B, H_kv, b), so that a layer trimmed again keeps its score aligned."""
+def trim(lc, score: torch.Tensor, b, held: list[int] | None, window: int, newest: int) -> torch.Tensor:
+    """`selectors.shrink` down to b entries (the window and the best scores; b and `held` one per row where
+    sequences keep their own), returning each kept entry's old slot (B, H_kv, b), so that a layer trimmed again
+    keeps its score aligned."""
     S = lc.length
-    if S == b + 1:  # one entry to drop: the last entry moves into its slot
+    if one_over(lc, b, held):  # one entry to drop: the row's last entry moves into its slot
         victim = lowest(score, lc.positions, 0, window, newest)  # (B, H_kv)
         lc.evict(victim)
+        last = S - 1 if held is None else torch.tensor(held, device=score.device)[:, None, None] - 1
         slots = torch.arange(S - 1, device=score.device)
-        return torch.where(slots == victim[..., None], S - 1, slots)
-    order = lc.positions.argsort(dim=-1)  # (B, H_kv, S): position order
-    idx = order.gather(2, keep_top(score.gather(2, order), b, 0, window))  # (B, H_kv, b)
-    lc.keep(idx)
+        return torch.where(slots == victim[..., None], last, slots)
+    idx, counts = kept(lc, score, b, 0, window, held)  # (B, H_kv, b)
+    lc.keep(idx, counts)
     return idx
 
 

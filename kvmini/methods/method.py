@@ -42,7 +42,6 @@ class Method:
         "decode"        after every call past the prompt: the first compression at the first decode step"""
 
     schedule = "every_call"
-    per_sequence = False  # budgets follow each sequence's statistics (kvmini.per_sequence)
     own_counts = False  # the heads of a layer keep their own counts (Ada-KV)
     prefill_chunk = None  # the prompt's chunk size the method asks for (None: one call)
     protected_spec: tuple = ()  # layers never compressed, -1 the last
@@ -79,7 +78,7 @@ class Method:
         self.prompt_start, self.prompt_end, self.total_len = 0, prompt_len, total_len
         self.started, self.evicted, self.active, self.note = False, [], False, None
         self.seen, self.skipped, self._merged = 0, False, []
-        self.planned, self.unchanged, self._budgets = False, None, None
+        self.planned, self.unchanged, self._budgets, self.row_budgets = False, None, None, None
         self.mean_budget, self.protected, self._model = None, (), None
 
     def next_prompt(self, prompt_len: int, total_len: int | None = None) -> None:
@@ -107,10 +106,6 @@ class Method:
         `aux`; at a prompt's first call plan its budgets. Then `in_prompt` (the call ends within the prompt),
         `completes` (it ends the prompt), `newest` (its last token's position), `slack` (entries a layer may hold beyond its budget) and `updates` (keep running sums in this call)."""
         start, end, n = cache.seen_tokens, cache.seen_tokens + T, self.prompt_end
-        if self.per_sequence and cache[0].positions.shape[0] > 1:
-            raise KvminiError(f"{self.name}: its budgets follow each sequence, and this batch holds "
-                              f"{cache[0].positions.shape[0]}: run it with kvmini.generate (generate or prefill), "
-                              "or wrap the policy: kvmini.per_sequence.PerSequence.of(policy)")
         self._check_call(start, end)
         if not self.started:
             self.started, self.evicted, self._merged = True, [0] * len(cache), [0.0] * len(cache)
@@ -139,7 +134,7 @@ class Method:
         """This prompt's budgets, for every token the run has seen when it completes (a ratio is of those)."""
         n = self.prompt_end
         b, self.note, advice = plan(self.name, self.budget, self, L, n)
-        self.planned = True
+        self.planned, self.row_budgets = True, None
         if b is None and self.budget is not None:  # a prompt no longer than what the method always keeps
             self.unchanged, self.active = [n] * L, False
             return
@@ -167,9 +162,20 @@ class Method:
             return f"too small for {self.sinks} sinks and a window of {tokens(max(recent, 0))}"
         return None
 
+    def set_budgets(self, layer: int, rows) -> None:
+        """Layer `layer`'s budget, one per sequence (where budgets follow each sequence's statistics):
+        `row_budgets[layer]`, each row's (kvmini.cache's counts); `budgets` reports their mean."""
+        if self.row_budgets is None:
+            self.row_budgets = [[b] * len(rows) for b in self._budgets]
+        self.row_budgets[layer], self._budgets[layer] = list(rows), round(sum(rows) / len(rows))
+
+    def budget_rows(self, layer: int, B: int) -> list[int]:
+        """What layer `layer` may keep in each of B sequences."""
+        return [self.budgets[layer]] * B if self.row_budgets is None else self.row_budgets[layer]
+
     @property
     def budgets(self) -> list[int] | None:
-        """What each layer may keep (None before the first call)."""
+        """What each layer may keep (None before the first call; the mean over the sequences of a batch)."""
         if not self.started:
             return None
         return self.unchanged if self.unchanged is not None else self._budgets

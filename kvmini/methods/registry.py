@@ -235,8 +235,8 @@ def some_budget_works(policy: Method) -> None:
 def make_policy(name: str, budget: float | None = None, **given) -> Method | None:
     """A fresh policy for method `name`; clear errors for unknown names, options and values.
     Option values are typed (int, float, bool, a tuple for layers or N:M) or text as on the command
-    line ("0,1,-1", "3:1", "true"). The policy runs one sequence (a batch with per-sequence budgets is
-    kvmini.generate's concern: kvmini.per_sequence). `evict_every=N` is an option of the engine
+    line ("0,1,-1", "3:1", "true"). One policy runs a batch (each sequence's budgets its own where they follow
+    its statistics: `row_budgets`). `evict_every=N` is an option of the engine
     (`evict_every` of the method) that every method evicting while decoding takes."""
     if not isinstance(name, str) or name not in METHODS:
         raise KvminiError(f"unknown method {name!r}; choose from {', '.join(METHODS)}")

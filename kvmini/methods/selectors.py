@@ -57,6 +57,16 @@ def shrink(lc, score: torch.Tensor, b, sinks: int, recent, newest: int, held: li
     lc.keep(*kept(lc, score, b, sinks, recent, held))
 
 
+def rows_held(lc) -> list[int]:
+    """What each sequence of a layer holds (its first KV head's count), read on the host: once per prompt."""
+    return [lc.length] * lc.positions.shape[0] if lc.counts is None else lc.counts[:, 0].tolist()
+
+
+def per_row(keep: list[int], held: list[int]) -> tuple:
+    """`shrink`'s b and held for sequences that keep `keep` of their `held` entries: (an int, None) when all agree."""
+    return (keep[0], None) if len(set(keep)) == 1 and len(set(held)) == 1 else (keep, held)
+
+
 def one_over(lc, b, held: list[int] | None) -> bool:
     """Does every row hold one entry more than its budget b (an int, or one per row with `held`)?"""
     return lc.length == b + 1 if held is None else all(h == x + 1 for h, x in zip(held, b))

@@ -15,8 +15,8 @@ from typing import Literal
 
 from kvmini.budget import check
 from kvmini.methods import snapkv
-from kvmini.methods.d2o import rows_held
 from kvmini.methods.ema_merging import EMAMerge, shrink_merging
+from kvmini.methods.selectors import per_row, rows_held
 from kvmini.methods.snapkv import SnapKV, window_scores
 from kvmini.methods.variance_softmax import allocate, idle_temperature, layer_variance
 from kvmini.attention import Statistic, add_up, reduce_heads
@@ -77,14 +77,14 @@ class SnapKVD2O(SnapKV):
                          cache[L - 1].length, (), (1, 1), self.window + 4, self.temperature) for r in range(B)]  # 2. Eq. 5
         for row in rows:
             check(self.name, self, dict(enumerate(row)), ())
-        self.row_budgets = [list(b) for b in zip(*rows)]  # layer -> each sequence's S_l; `budgets`: their mean
-        self._budgets = [round(sum(b) / B) for b in self.row_budgets]
+        for layer, b in enumerate(zip(*rows)):
+            self.set_budgets(layer, b)  # each sequence's S_l
         for layer in range(L):
             lc, held = cache[layer], rows_held(cache[layer])
             keep = [min(h, b) for h, b in zip(held, self.row_budgets[layer])]
             if keep != held:  # 3.
                 self.evicted[layer] += sum(held) - sum(keep)
-                b, held = (keep, held) if len(set(keep)) > 1 or len(set(held)) > 1 else (keep[0], None)
+                b, held = per_row(keep, held)
                 self._merged[layer] += shrink_merging(self.merge, layer, lc, self.scores[layer], b, 0, self.window,
                                                      self.newest, held)
 
