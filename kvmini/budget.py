@@ -5,11 +5,7 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
-import torch
-
 from kvmini.errors import KvminiError, tokens
-
-
 
 ADVICE = "; raise --budget, or use fewer sinks or a smaller window"
 
@@ -95,11 +91,8 @@ class Rule:
     text: str
     of: Callable[[int], int]
 
-    def __call__(self, b):
-        """The count for budget b; b one per row (rows, 1, 1) gives one per row."""
-        if not isinstance(b, torch.Tensor):
-            return self.of(b)
-        return torch.tensor([self.of(int(x)) for x in b.flatten().tolist()], device=b.device).view_as(b)
+    def __call__(self, b: int) -> int:
+        return self.of(b)
 
     def __str__(self) -> str:
         return self.text
