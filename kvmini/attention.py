@@ -103,13 +103,15 @@ def sdpa_attention(q, k, v, q_pos, k_pos, window=None, padded=False):
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
 
 
-def _one_query_attention(q, k, v, with_row=False):
+def _one_query_attention(q, k, v, mask=None, with_row=False):
     """Decode step, T = 1: two grouped matmuls read K and V once (CPU SDPA is slow for one query).
-    with_row: also return the attention row p (B, H_kv, g, S) of every query head."""
+    mask (B, H_kv, 1, S): the keys it may see, where rows hold pads; with_row: also return the attention
+    row p (B, H_kv, g, S) of every query head."""
     B, H, _, D = q.shape
     H_kv = k.shape[1]
     qg = q.view(B, H_kv, H // H_kv, D)  # (B, H_kv, g, D): the g query heads of each KV head
-    p = (wide(qg @ k.transpose(-1, -2)) / D**0.5).softmax(-1)  # (B, H_kv, g, S)
+    scores = wide(qg @ k.transpose(-1, -2)) / D**0.5  # (B, H_kv, g, S)
+    p = (scores if mask is None else scores.masked_fill(~mask, float("-inf"))).softmax(-1)
     out = (p.to(v.dtype) @ v).view(B, H, 1, D)
     return (out, p) if with_row else out
 
@@ -120,8 +122,8 @@ def attend(q, k, v, q_pos, k_pos, wants: dict | None, window=None, padded=False)
     (B, H_kv, S) or (B, H, S), float32, float64 for a float64 model)."""
     if not wants:
         return sdpa_attention(q, k, v, q_pos, k_pos, window, padded), {}
-    if q.shape[2] == 1 and window is None and not padded:  # decode: the row is every statistic
-        out, p = _one_query_attention(q, k, v, with_row=True)  # p (B, H_kv, g, S)
+    if q.shape[2] == 1 and window is None:  # decode: the row is every statistic
+        out, p = _one_query_attention(q, k, v, visible(q_pos, k_pos, None) if padded else None, True)  # (B, H_kv, g, S)
         return out, finish(wants, {(s.last, s.f): p if s.f is None else s.f(p[..., None, :])[..., 0, :]
                                    for s in wants.values()})
     lasts = [s.last for s in wants.values()]
