@@ -124,15 +124,15 @@ class LayerCache:
 
     def _append_ragged(self, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor, end: int) -> None:
         """`append` when rows differ: row r's T entries go to its places counts[r]..counts[r] + T - 1."""
-        for buf in (self._k, self._v, *self._aux.values()):  # places no row reaches stay pads
+        for buf in (self._k, self._v):  # places no row reaches: pads, their keys and values finite (0 * v = 0)
             buf[:, :, self.length : end] = 0
         self._pos[:, :, self.length : end] = PAD
         at = self.counts[..., None] + torch.arange(k.shape[2], device=self.counts.device)  # (B, H_kv, T)
         self._k.scatter_(2, at[..., None].expand_as(k), k)
         self._v.scatter_(2, at[..., None].expand_as(v), v)
         self._pos.scatter_(2, at, pos[:, None, :].expand_as(at))
-        if KEY_NORM in self._aux:
-            self._aux[KEY_NORM].scatter_(2, at, key_norm(k))
+        for name, buf in self._aux.items():  # a new entry's statistics start at 0; KEY_NORM holds its key's norm
+            buf.scatter_(2, along(at, buf), key_norm(k)) if name == KEY_NORM else buf.scatter_(2, along(at, buf), 0)
         self.counts = self.counts + k.shape[2]
         self.length = end
 
@@ -169,8 +169,8 @@ class LayerCache:
         last = slot.new_full((1,), self.length - 1) if self.counts is None else self.counts - 1  # (1,) or (B, H_kv)
         for buf in (self._k, self._v, self._pos, *self._aux.values()):  # (B, H_kv, cap, ...)
             buf.index_put_((b, h, slot), buf[b, h, last])  # read by index: a copy, so the two may be one entry
-            if self.counts is not None:  # the place left: a pad (without counts it is past length, never read)
-                buf[b, h, last] = PAD if buf is self._pos else 0
+        if self.counts is not None:  # the place left: a pad (without counts it is past length, never read)
+            self._pos[b, h, last] = PAD  # its key, value and statistics stay: finite, and never seen
         self.length -= 1  # every row held one more: the longest is one shorter (no device sync)
         self.counts = None if self.counts is None else last
 

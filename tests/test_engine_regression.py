@@ -38,6 +38,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from kvmini.cache import PAD
 from kvmini.methods.registry import chooses_budget, make_policy, parse_spec, specs
 from reference import random_model
 from tiny import fitted, least_budget
@@ -156,8 +157,9 @@ def run(model, calls, name, budget, options, prompt_len):
         out[f"logits.{c}"] = model(ids, cache, policy)[:, -1].contiguous()
         for i, lc in enumerate(cache.layers):
             out[f"positions.{c}.{i}"] = lc.positions.contiguous()
-    for i, lc in enumerate(cache.layers):
-        out[f"keys.{i}"], out[f"values.{i}"] = lc.keys.contiguous(), lc.values.contiguous()
+    for i, lc in enumerate(cache.layers):  # a pad's key and value are nothing's: recorded as 0
+        pad = (lc.positions == PAD)[..., None]
+        out[f"keys.{i}"], out[f"values.{i}"] = lc.keys.masked_fill(pad, 0), lc.values.masked_fill(pad, 0)
     by_position(out, len(cache.layers))
     facts = {} if policy is None else {"budgets": list(policy.budgets), "evicted": list(policy.evicted)}
     return out, facts
