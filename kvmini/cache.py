@@ -2,7 +2,7 @@
 
 Per layer we store, for every KV head (never expanded to query heads):
     keys      (B, H_kv, S, D)  after RoPE, so a key never needs re-rotating
-    values    (B, H_kv, S, D)
+    values    (B, H_kv, S, D)  beside its key in one buffer (B, H_kv, S, 2, D): an entry moves in one op
     positions (B, H_kv, S)     absolute token position of each entry
     aux[name] (B, H_kv, S, ...) per-token statistics a policy keeps (e.g. accumulated attention)
     aux[KEY_NORM] (B, H_kv, S) if declared: each key's l2 norm, kept by the cache (D2O's Eq. 9)
@@ -50,8 +50,8 @@ class LayerCache:
 
     def __init__(self, batch: int, kv_heads: int, head_dim: int, dtype, device, capacity: int = 256):
         self.reserve = max(int(capacity), 1)  # entries to allocate on the first append
-        self._k = torch.empty(batch, kv_heads, 0, head_dim, dtype=dtype, device=device)  # (B, H_kv, cap, D)
-        self._v = torch.empty_like(self._k)  # (B, H_kv, cap, D)
+        self._kv = torch.empty(batch, kv_heads, 0, 2, head_dim, dtype=dtype, device=device)  # (B, H_kv, cap, 2, D)
+        self._k, self._v = self._kv.unbind(3)  # (B, H_kv, cap, D) each: views of it
         self._pos = torch.empty(batch, kv_heads, 0, dtype=torch.long, device=device)  # (B, H_kv, cap)
         self._aux: dict[str, torch.Tensor] = {}  # name -> (B, H_kv, cap, *shape)
         self.length = 0  # S: entries held (by the longest row)
@@ -68,12 +68,16 @@ class LayerCache:
         return self._v[:, :, : self.length]  # (B, H_kv, S, D), a view
 
     @property
+    def entry_kv(self) -> torch.Tensor:
+        return self._kv[:, :, : self.length]  # (B, H_kv, S, 2, D): each entry's key and value, a view
+
+    @property
     def positions(self) -> torch.Tensor:
         return self._pos[:, :, : self.length]  # (B, H_kv, S), a view
 
     @property
     def capacity(self) -> int:
-        return self._k.shape[2]
+        return self._pos.shape[2]
 
     @property
     def padded(self) -> bool:
@@ -89,7 +93,7 @@ class LayerCache:
         per entry), (name, dtype), or (name, dtype, shape) for several values per entry (a history: (w,)).
         A part lists them (Scorer.aux), the policy declares them."""
         for spec in buffers:
-            name, dtype, shape = (spec, wide(self._k).dtype, ()) if isinstance(spec, str) else (*spec, ())[:3]
+            name, dtype, shape = (spec, wide(self._kv).dtype, ()) if isinstance(spec, str) else (*spec, ())[:3]
             if name not in self._aux:
                 self._aux[name] = entry_buffer(self._pos.shape[:2], self._pos.shape[2], shape, dtype, self._pos.device)
                 if name == KEY_NORM:  # the keys held already (pads' zero keys have norm 0)
@@ -124,12 +128,10 @@ class LayerCache:
 
     def _append_ragged(self, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor, end: int) -> None:
         """`append` when rows differ: row r's T entries go to its places counts[r]..counts[r] + T - 1."""
-        for buf in (self._k, self._v):  # places no row reaches: pads, their keys and values finite (0 * v = 0)
-            buf[:, :, self.length : end] = 0
+        self._kv[:, :, self.length : end] = 0  # places no row reaches: pads, their keys and values finite (0 * v = 0)
         self._pos[:, :, self.length : end] = PAD
         at = self.counts[..., None] + torch.arange(k.shape[2], device=self.counts.device)  # (B, H_kv, T)
-        self._k.scatter_(2, at[..., None].expand_as(k), k)
-        self._v.scatter_(2, at[..., None].expand_as(v), v)
+        self._kv.scatter_(2, along(at, self._kv), torch.stack([k, v], 3))
         self._pos.scatter_(2, at, pos[:, None, :].expand_as(at))
         for name, buf in self._aux.items():  # a new entry's statistics start at 0; KEY_NORM holds its key's norm
             buf.scatter_(2, along(at, buf), key_norm(k)) if name == KEY_NORM else buf.scatter_(2, along(at, buf), 0)
@@ -149,7 +151,7 @@ class LayerCache:
         places it leaves become pads. counts (B, H_kv): row r keeps only the first counts[r] of its idx."""
         S = idx.shape[2]
         pads = None if counts is None else torch.arange(S, device=idx.device) >= counts[..., None]  # (B, H_kv, S')
-        for buf in (self._k, self._v, self._pos, *self._aux.values()):  # (B, H_kv, cap, ...)
+        for buf in (self._kv, self._pos, *self._aux.values()):  # (B, H_kv, cap, ...)
             buf[:, :, :S] = buf[:, :, : self.length].gather(2, along(idx, buf))
             buf[:, :, S : self.length] = PAD if buf is self._pos else 0  # the places left: pads
             if pads is not None:
@@ -167,7 +169,7 @@ class LayerCache:
         new one) takes that slot, the place it leaves becomes a pad. Attention masks by position: order means nothing."""
         b, h = self.rows  # (B, 1), (H_kv,): with slot (B, H_kv), one index per row
         last = slot.new_full((1,), self.length - 1) if self.counts is None else self.counts - 1  # (1,) or (B, H_kv)
-        for buf in (self._k, self._v, self._pos, *self._aux.values()):  # (B, H_kv, cap, ...)
+        for buf in (self._kv, self._pos, *self._aux.values()):  # (B, H_kv, cap, ...): a key and its value at once
             buf.index_put_((b, h, slot), buf[b, h, last])  # read by index: a copy, so the two may be one entry
         if self.counts is not None:  # the place left: a pad (without counts it is past length, never read)
             self._pos[b, h, last] = PAD  # its key, value and statistics stay: finite, and never seen
@@ -177,7 +179,7 @@ class LayerCache:
     def _slot(self, slot) -> torch.Tensor:
         """`evict_one`'s argument as a (B, H_kv) tensor of held slots (an int: that slot in every head);
         values checked on the CPU only (on a GPU the check would wait for the device every step)."""
-        B, H = self._k.shape[:2]
+        B, H = self._pos.shape[:2]
         if isinstance(slot, int) and not isinstance(slot, bool):
             slot = torch.full((B, H), slot, dtype=torch.long, device=self._pos.device)
         if not isinstance(slot, torch.Tensor) or slot.shape != (B, H) or slot.dtype != torch.long:
@@ -195,12 +197,12 @@ class LayerCache:
     @property
     def entry_nbytes(self) -> int:
         """Bytes of one entry's key and value over the batch and KV heads: 2 * B * H_kv * D * bytes."""
-        B, H_kv, _, D = self._k.shape
-        return 2 * B * H_kv * D * self._k.element_size()
+        B, H_kv, _, _, D = self._kv.shape
+        return 2 * B * H_kv * D * self._kv.element_size()
 
     def nbytes(self) -> int:
         """Exact bytes of the keys and values held (pads, positions and aux buffers excluded)."""
-        return 2 * self._k.shape[3] * self._k.element_size() * int(self.held().sum())
+        return 2 * self._kv.shape[4] * self._kv.element_size() * int(self.held().sum())
 
     def aux_nbytes(self) -> int:
         """Bytes of the aux buffers' held entries: what a method keeps per token beside K and V."""
@@ -209,11 +211,12 @@ class LayerCache:
     def _resize(self, cap: int) -> None:
         """Move the held entries into buffers of `cap` >= length entries (aux buffers as `entry_buffer`)."""
         S = self.length
-        for name in ("_k", "_v", "_pos"):
+        for name in ("_kv", "_pos"):
             buf = getattr(self, name)
             new = buf.new_empty(buf.shape[:2] + (cap,) + buf.shape[3:])  # (B, H_kv, cap, ...)
             new[:, :, :S] = buf[:, :, :S]
             setattr(self, name, new)
+        self._k, self._v = self._kv.unbind(3)
         for name, buf in self._aux.items():
             new = entry_buffer(buf.shape[:2], cap, buf.shape[3:], buf.dtype, buf.device)
             new[:, :, :S] = buf[:, :, :S]

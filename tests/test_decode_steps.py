@@ -71,7 +71,7 @@ def test_a_pad_is_never_the_nearest_entry():
     lc = LayerCache(2, 1, 2, torch.float64, "cpu")
     keys = torch.tensor([[0.0, 0.0], [1.0, 0.0], [-1.0, -0.5], [-1.0, 0.1]])  # zero, a victim, two keys pointing away
     lc.append(keys.expand(2, 1, 4, 2), keys.expand(2, 1, 4, 2), torch.arange(4).expand(2, 4))
-    lc._k[0, 0, :4] = lc._v[0, 0, :4] = keys.roll(-1, 0)  # row 0 holds 3 entries (positions 1-3), then a pad
+    lc.keys[0, 0, :4] = lc.values[0, 0, :4] = keys.roll(-1, 0)  # row 0 holds 3 entries (positions 1-3), then a pad
     lc._pos[0, 0, :4] = torch.tensor([1, 2, 3, PAD])
     lc.counts = torch.tensor([[3], [4]])  # row 1 holds 4 (its zero key is real)
     merge = EMAMerge(beta=0.5, weights="official", tau="per_head")

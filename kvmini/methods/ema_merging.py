@@ -94,7 +94,7 @@ class EMAMerge:
         if self.trace is not None:
             self.record(layer, lc.positions, evict, targets.gather(2, j_star), best, merge)
         (b, h), keys, values = lc.entries, lc.keys, lc.values  # (B, 1, 1), (H_kv, 1): index entries (B, H_kv, s)
-        kv = lambda idx: wide(torch.cat([keys[b, h, idx], values[b, h, idx]], -1))  # noqa: E731
+        kv = lambda idx: wide(lc.entry_kv[b, h, idx].flatten(-2))  # noqa: E731  [k | v] of entries idx, (B, H_kv, s, 2D)
         combine = convex_merge if self.weights == "paper" else scatter_mean_merge
         merged = combine(kv(targets), kv(evict), j_star, best, merge)  # (B, H_kv, T, 2D): [k | v], the same weights
         D = keys.shape[-1]
