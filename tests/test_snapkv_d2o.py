@@ -41,12 +41,12 @@ def test_budgets_follow_eq5(setting):
 
 
 def test_without_its_merge_eviction_equals_masking(setting, monkeypatch):
-    """The composition's selection alone (its merge replaced by `selectors.shrink`): logits and kept
+    """The composition's selection alone (its merge replaced by `rows.shrink_rows`): logits and kept
     positions equal SnapKV's literal rule applied with the literal budgets, at every call."""
     from kvmini.methods import snapkv_d2o
-    from kvmini.methods.selectors import shrink
+    from kvmini.methods.rows import shrink_rows
 
-    monkeypatch.setattr(snapkv_d2o, "shrink_merging", lambda merge, layer, lc, *rest: shrink(lc, *rest) or torch.zeros(()))
+    monkeypatch.setattr(snapkv_d2o, "shrink_merging", lambda merge, layer, lc, *rest: shrink_rows(lc, *rest) or torch.zeros(()))
     model, calls, budgets = setting
     policy = make_policy("snapkv_d2o", BUDGET, window=WINDOW, kernel=KERNEL)
     got_logits, got_kept, _ = run(model, calls, policy)

@@ -501,8 +501,8 @@ assert stats["seen"][0, 0].tolist() == [4, 4, 4, 4, 3, 2, 1]  # key 6 is seen by
 # adds up its statistics over a prompt's chunks, as SnapKV's does).
 #
 # What a real method of this kind needs that the toy leaves out: budgets per sequence, so that each
-# sequence of a batch gets budgets from its own measures (`self.set_budgets(layer, rows)`, one per
-# sequence, and `shrink` with each row's count, as D2O's `compress` does; without it a batch shares
+# sequence of a batch gets budgets from its own measures (`kvmini.methods.rows`: `RowBudgets.set_budgets`,
+# one budget per sequence, and `shrink_rows` with each row's count, as D2O's `compress` does; without it a batch shares
 # one plan).
 
 # %%

@@ -27,7 +27,7 @@ from kvmini.budget import Rule, check
 from kvmini.cache import KEY_NORM
 from kvmini.methods.ema_merging import EMAMerge, shrink_merging
 from kvmini.methods.method import Method
-from kvmini.methods.selectors import per_row, rows_held, shrink
+from kvmini.methods.rows import RowBudgets, per_row, rows_held, shrink_rows
 from kvmini.methods.variance_softmax import HEADS, allocate, idle_temperature, layer_variance
 from kvmini.attention import Statistic, add_up, reduce_heads
 
@@ -70,7 +70,7 @@ def idle(o: Options) -> dict[str, str]:
     return found
 
 
-class D2O(Method):
+class D2O(RowBudgets, Method):
     def __init__(self, budget: float, o: Options = Options()):
         super().__init__("d2o", budget)
         N, M = self.nm = o.nm
@@ -171,7 +171,7 @@ class D2O(Method):
         b, held = per_row(keep, held)  # an int when every sequence agrees, else one each
         recent = self.recent(b) if held is None else self.recents[layer]  # (B, 1, 1): each row's window
         if self.merge is None:
-            shrink(lc, score, b, self.sinks, recent, self.newest, held)
+            shrink_rows(lc, score, b, self.sinks, recent, self.newest, held)
         else:
             self._merged[layer] += shrink_merging(self.merge, layer, lc, score, b, self.sinks, recent, self.newest, held)
 

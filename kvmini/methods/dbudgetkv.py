@@ -27,7 +27,7 @@ import torch
 from kvmini.errors import KvminiError
 from kvmini.methods.frobenius_stop import eq1_row, to_prune
 from kvmini.methods.method import Method
-from kvmini.methods.selectors import per_row, rows_held, shrink
+from kvmini.methods.rows import RowBudgets, per_row, rows_held, shrink_rows
 from kvmini.methods.snapkv import window_scores
 from kvmini.attention import Statistic, add_up, reduce_heads
 
@@ -54,7 +54,7 @@ VARIANTS = {"paper": Options(),
 DEFAULT_VARIANT = "paper"
 
 
-class DBudgetKV(Method):
+class DBudgetKV(RowBudgets, Method):
     schedule = "prefill"
 
     def __init__(self, o: Options = Options()):
@@ -111,7 +111,7 @@ class DBudgetKV(Method):
         if keep != held:
             self.evicted[layer] += sum(held) - sum(keep)
             b, held = per_row(keep, held)
-            shrink(lc, score, b, self.sinks, self.window, self.newest, held)
+            shrink_rows(lc, score, b, self.sinks, self.window, self.newest, held)
 
     def to_prune(self, s: torch.Tensor, score: torch.Tensor) -> int:
         """How many of one sequence's S entries Alg. 1 prunes, s and score (1, H_kv, S)."""

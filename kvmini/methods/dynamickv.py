@@ -34,7 +34,8 @@ import torch
 
 from kvmini.methods import snapkv
 from kvmini.methods.progressive_budgets import alg1_budgets, first_budgets, floor_budgets, reallocate
-from kvmini.methods.selectors import kept, lowest, one_over, per_row, rows_held
+from kvmini.methods.rows import RowBudgets, kept, one_over, per_row, rows_held
+from kvmini.methods.selectors import lowest
 from kvmini.methods.snapkv import SnapKV
 
 
@@ -66,7 +67,7 @@ def idle(o: Options) -> dict[str, str]:
     return {k: why for k in ("r_max", "interval", "tail_reallocation", "rounding")} if o.layer_budgets == "uniform" else {}
 
 
-class DynamicKV(SnapKV):
+class DynamicKV(RowBudgets, SnapKV):
     """SnapKV's window scores, layer by layer in the prefill forward; every `interval` layers the finished
     layers are budgeted again against each other (Alg. 1) and trimmed."""
 

@@ -25,7 +25,8 @@ import torch.nn.functional as F
 from kvmini.cache import KEY_NORM, PAD, LayerCache, wide
 from kvmini.errors import one_of
 from kvmini.methods.merged import Merged
-from kvmini.methods.selectors import kept, lowest, one_over
+from kvmini.methods.rows import kept, one_over
+from kvmini.methods.selectors import lowest
 
 WEIGHTS = ("paper", "official")
 TAUS = ("per_head", "per_layer")

@@ -162,17 +162,6 @@ class Method:
             return f"too small for {self.sinks} sinks and a window of {tokens(max(recent, 0))}"
         return None
 
-    def set_budgets(self, layer: int, rows) -> None:
-        """Layer `layer`'s budget, one per sequence (where budgets follow each sequence's statistics):
-        `row_budgets[layer]`, each row's (kvmini.cache's counts); `budgets` reports their mean."""
-        if self.row_budgets is None:
-            self.row_budgets = [[b] * len(rows) for b in self._budgets]
-        self.row_budgets[layer], self._budgets[layer] = list(rows), round(sum(rows) / len(rows))
-
-    def budget_rows(self, layer: int, B: int) -> list[int]:
-        """What layer `layer` may keep in each of B sequences."""
-        return [self.budgets[layer]] * B if self.row_budgets is None else self.row_budgets[layer]
-
     @property
     def budgets(self) -> list[int] | None:
         """What each layer may keep (None before the first call; the mean over the sequences of a batch)."""

@@ -31,51 +31,13 @@ def lowest(score: torch.Tensor, positions: torch.Tensor, sinks: int, recent, new
     return torch.where(low, positions, -1).argmax(-1)  # (B, H_kv): the latest of them
 
 
-def keep_top_rows(score: torch.Tensor, held: list[int], budgets: list[int], sinks: int, recent: torch.Tensor):
-    """`keep_top` for rows that keep counts of their own: row r (of B) holds its first held[r] entries (then pads)
-    and keeps budgets[r] of them, its window recent[r] (B, 1, 1). Returns (idx (B, H_kv, max budget), counts
-    (B, H_kv)): each row's kept entries ascending, then others of its own, which `LayerCache.keep` makes pads."""
-    B, H_kv, S = score.shape
-    i, k = torch.arange(S, device=score.device), torch.tensor(budgets, device=score.device)[:, None, None]  # (S,), (B, 1, 1)
-    h = torch.tensor(held, device=score.device)[:, None, None]  # (B, 1, 1)
-    always = (i < sinks) | (i >= h - recent)  # the sinks and each row's window: ranked first
-    rank = torch.where(always, float("inf"), score).masked_fill(i >= h, float("-inf"))  # a pad ranks last
-    top = rank.argsort(dim=-1, descending=True, stable=True)[..., : max(budgets)]  # (B, H_kv, k): ties to the earlier
-    past = torch.arange(top.shape[2], device=score.device) >= k  # (B, 1, k): past the row's budget
-    return (top + S * past).sort(-1).values % S, k[..., 0].expand(B, H_kv)  # kept ascending first
-
-
-def shrink(lc, score: torch.Tensor, b, sinks: int, recent, newest: int, held: list[int] | None = None) -> None:
+def shrink(lc, score: torch.Tensor, b: int, sinks: int, recent: int, newest: int) -> None:
     """Shrink every row of one layer's cache to b entries: the first `sinks`, the last `recent` and the
     best `score`s between them (`keep_top`). One entry over (a decode step) evicts the `lowest` in O(D)
     (`evict`); more sorts and gathers (`keep`, O(S·D)): the same result either way.
-    score (B, H_kv, S) in buffer order; newest: the position of the call's newest token. Rows that keep
-    counts of their own: b and `held` one int per row, recent (B, 1, 1) (`keep_top_rows`)."""
-    if one_over(lc, b, held):  # one entry to drop
+    score (B, H_kv, S) in buffer order; newest: the position of the call's newest token."""
+    if lc.length == b + 1:  # one entry to drop
         lc.evict(lowest(score, lc.positions, sinks, recent, newest))
         return
-    lc.keep(*kept(lc, score, b, sinks, recent, held))
-
-
-def rows_held(lc) -> list[int]:
-    """What each sequence of a layer holds (its first KV head's count), read on the host: once per prompt."""
-    return [lc.length] * lc.positions.shape[0] if lc.counts is None else lc.counts[:, 0].tolist()
-
-
-def per_row(keep: list[int], held: list[int]) -> tuple:
-    """`shrink`'s b and held for sequences that keep `keep` of their `held` entries: (an int, None) when all agree."""
-    return (keep[0], None) if len(set(keep)) == 1 and len(set(held)) == 1 else (keep, held)
-
-
-def one_over(lc, b, held: list[int] | None) -> bool:
-    """Does every row hold one entry more than its budget b (an int, or one per row with `held`)?"""
-    return lc.length == b + 1 if held is None else all(h == x + 1 for h, x in zip(held, b))
-
-
-def kept(lc, score: torch.Tensor, b, sinks: int, recent, held: list[int] | None = None) -> tuple:
-    """What `shrink` keeps when it sorts: (idx (B, H_kv, b) into the buffer, counts: None, or (B, H_kv) per row)."""
     order = lc.positions.argsort(dim=-1)  # (B, H_kv, S): position order (earlier steps may have mixed the buffer)
-    if held is None:
-        return order.gather(2, keep_top(score.gather(2, order), b, sinks, recent)), None
-    idx, counts = keep_top_rows(score.gather(2, order), held, b, sinks, recent)
-    return order.gather(2, idx), counts
+    lc.keep(order.gather(2, keep_top(score.gather(2, order), b, sinks, recent)))  # (B, H_kv, b) kept

@@ -16,7 +16,7 @@ from typing import Literal
 from kvmini.budget import check
 from kvmini.methods import snapkv
 from kvmini.methods.ema_merging import EMAMerge, shrink_merging
-from kvmini.methods.selectors import per_row, rows_held
+from kvmini.methods.rows import RowBudgets, per_row, rows_held
 from kvmini.methods.snapkv import SnapKV, window_scores
 from kvmini.methods.variance_softmax import allocate, idle_temperature, layer_variance
 from kvmini.attention import Statistic, add_up, reduce_heads
@@ -39,7 +39,7 @@ idle = idle_temperature  # given with allocation other than zscore, softmax_temp
 COLUMNS = Statistic(None, None, "heads")  # every query's attention, per query head: Eq. 4's
 
 
-class SnapKVD2O(SnapKV):
+class SnapKVD2O(RowBudgets, SnapKV):
     def __init__(self, budget: float, o: Options = Options()):
         super().__init__(budget, snapkv.Options(o.window, o.kernel, o.pooling, o.reduce), "snapkv_d2o")
         self.allocation, self.temperature, self.merge = o.allocation, o.softmax_temperature, EMAMerge(o.beta)
