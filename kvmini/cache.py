@@ -2,7 +2,7 @@
 
 Per layer we store, for every KV head (never expanded to query heads):
     keys      (B, H_kv, S, D)  after RoPE, so a key never needs re-rotating
-    values    (B, H_kv, S, D)  beside its key in one buffer (B, H_kv, S, 2, D): an entry moves in one op
+    values    (B, H_kv, S, D)  with the keys in one buffer (B, H_kv, S, 2, D): an entry moves in one op
     positions (B, H_kv, S)     absolute token position of each entry
     aux[name] (B, H_kv, S, ...) per-token statistics a policy keeps (e.g. accumulated attention)
     aux[KEY_NORM] (B, H_kv, S) if declared: each key's l2 norm, kept by the cache (D2O's Eq. 9)
@@ -45,12 +45,18 @@ def entry_buffer(lead: tuple, cap: int, rest: tuple, dtype, device) -> torch.Ten
     return torch.zeros(*lead, *rest, cap, dtype=dtype, device=device).movedim(-1, len(lead))
 
 
+def kv_buffer(B: int, H_kv: int, cap: int, D: int, dtype, device) -> torch.Tensor:
+    """Keys and values of `cap` entries, (B, H_kv, cap, 2, D), laid out (B, H_kv, 2, cap, D) in memory: an entry's
+    key and value move in one op, and the keys (the values) of a head stay contiguous, as attention reads them."""
+    return torch.empty(B, H_kv, 2, cap, D, dtype=dtype, device=device).transpose(2, 3)
+
+
 class LayerCache:
     """One layer's keys, values, positions and aux tensors in a growable buffer."""
 
     def __init__(self, batch: int, kv_heads: int, head_dim: int, dtype, device, capacity: int = 256):
         self.reserve = max(int(capacity), 1)  # entries to allocate on the first append
-        self._kv = torch.empty(batch, kv_heads, 0, 2, head_dim, dtype=dtype, device=device)  # (B, H_kv, cap, 2, D)
+        self._kv = kv_buffer(batch, kv_heads, 0, head_dim, dtype, device)  # (B, H_kv, cap, 2, D)
         self._k, self._v = self._kv.unbind(3)  # (B, H_kv, cap, D) each: views of it
         self._pos = torch.empty(batch, kv_heads, 0, dtype=torch.long, device=device)  # (B, H_kv, cap)
         self._aux: dict[str, torch.Tensor] = {}  # name -> (B, H_kv, cap, *shape)
@@ -211,10 +217,10 @@ class LayerCache:
     def _resize(self, cap: int) -> None:
         """Move the held entries into buffers of `cap` >= length entries (aux buffers as `entry_buffer`)."""
         S = self.length
-        for name in ("_kv", "_pos"):
-            buf = getattr(self, name)
-            new = buf.new_empty(buf.shape[:2] + (cap,) + buf.shape[3:])  # (B, H_kv, cap, ...)
-            new[:, :, :S] = buf[:, :, :S]
+        B, H_kv, _, _, D = self._kv.shape
+        for name, new in (("_kv", kv_buffer(B, H_kv, cap, D, self._kv.dtype, self._kv.device)),
+                          ("_pos", self._pos.new_empty(B, H_kv, cap))):
+            new[:, :, :S] = getattr(self, name)[:, :, :S]
             setattr(self, name, new)
         self._k, self._v = self._kv.unbind(3)
         for name, buf in self._aux.items():
