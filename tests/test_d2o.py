@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 
 from kvmini.cache import LayerCache
 from kvmini.errors import KvminiError
-from kvmini.methods.ema_merging import EMAMerge, convex_merge, ema_threshold, nearest
+from kvmini.methods.ema_merging import EMAMerge, convex_merge, ema_threshold, nearest, pair_weights, scatter_mean_merge
 from kvmini.methods.registry import make_policy
 from kvmini.generate import prefill
 from kvmini.methods.allocators import proportional
@@ -766,3 +766,21 @@ def test_a_merge_that_writes_one_side_leaves_the_other(writes):
     torch.testing.assert_close(lc.keys, k_both if writes == "keys" else as_before.keys)
     torch.testing.assert_close(lc.values, v_both if writes == "values" else as_before.values)
     assert not torch.equal(k_both, as_before.keys) and not torch.equal(v_both, as_before.values)  # k2 merged into k0
+
+
+@pytest.mark.parametrize("weights", ["paper", "official"])
+def test_a_decode_step_s_pair_weights_are_the_merge_of_one_token(weights):
+    """`pair_weights` (a decode step's Eq. 11-12: one evicted token i, its nearest entry j) gives what the
+    prompt's merge (`convex_merge`, `scatter_mean_merge`) gives for E = 1, merged or not; by hand at u = 0.5:
+    paper w_i = e^0.5 / (e^0.5 + e) = 0.37754, w_j = 0.62246; official 0.25 and 0.5."""
+    gen = torch.Generator().manual_seed(0)
+    x_j, x_i = (torch.randn(2, 3, 1, 8, generator=gen, dtype=torch.float64) for _ in range(2))  # (B, H_kv, 1, 2D)
+    u = torch.rand(2, 3, 1, generator=gen, dtype=torch.float64) * 2 - 1
+    merge = torch.tensor([[[True], [False], [True]], [[False], [True], [True]]])
+    combine = convex_merge if weights == "paper" else scatter_mean_merge
+    want = combine(x_j, x_i, torch.zeros(2, 3, 1, dtype=torch.long), u, merge)
+    w_i, w_j = pair_weights(u, merge, weights)
+    torch.testing.assert_close(w_j[..., None] * x_j + w_i[..., None] * x_i, want, rtol=1e-12, atol=1e-12)
+    w_i, w_j = pair_weights(torch.tensor([0.5, 0.5], dtype=torch.float64), torch.tensor([True, False]), weights)
+    hand = (0.37754, 0.62246) if weights == "paper" else (0.25, 0.5)
+    assert w_i.tolist() == pytest.approx([hand[0], 0.0], abs=1e-5) and w_j.tolist() == pytest.approx([hand[1], 1.0], abs=1e-5)

@@ -178,6 +178,27 @@ if solved("value_norm"):
     assert all(s[:4] == [0, 1, 2, 3] and s[-5:] == list(range(31, 36)) for s in kept[1] + kept[3])  # sinks, window
 
 # %% [markdown]
+# ## What a decode step costs
+#
+# Past the prompt, each decode step appends one entry, so a layer holds one more than its budget, and
+# `shrink` drops one in O(D): `selectors.lowest` picks the victim (the window masked by position, one
+# masked minimum, ties to the later position) and `LayerCache.evict` lets the new entry take its slot (one
+# index read and one `index_put_` for the key and value, which share a buffer, then the position and each
+# statistic). Beside the full cache's step, VATP's adds per layer only that, its statistic and its running
+# sum's update in place: no sort, no copy of the cache. In a batch the same ops run on every sequence at
+# once. On a GPU a step costs the ops it launches, not the bytes it reads (docs/speed.md, "Ops per decode
+# step"), so `tests/test_decode_ops.py` counts one steady-state step of every registered method, yours
+# included, and holds it to a limit (1.3x the full cache's; 1.6x for a method that merges).
+
+# %%
+from kvmini.eval.ops import step_ops  # noqa: E402
+
+if solved("value_norm"):
+    full, vatp_ops = (step_ops(model, name, 1, n=64).n for name in ("full", "vatp"))
+    print(f"one decode step on this 3-layer model: full cache {full} ops, VATP {vatp_ops} ({vatp_ops / full:.2f}x)")
+    assert vatp_ops > full  # the statistic, the victim and the move are ops of their own
+
+# %% [markdown]
 # ## A literal reference: evicting equals masking
 #
 # The strongest test of a method is a second implementation written from the paper in plain loops,

@@ -76,14 +76,26 @@ class EMAMerge:
         return self.merge(layer, lc, evict, keep, j_star, best, None if mine is None else evicted.gather(2, evict))
 
     def one(self, layer: int, lc: LayerCache, victim: torch.Tensor, newest: int) -> torch.Tensor:
-        """A decode step: `__call__` with every entry but `victim` (B, H_kv) kept, only the nearest entry's key
-        and value written (candidates: positions up to `newest`, never a shorter row's pads)."""
-        (b, h), pos, keys = lc.rows, lc.positions, lc.keys  # (B, 1), (H_kv,): one index per row; (B, H_kv, S, D)
+        """A decode step: Eq. 9-12 for each row's one evicted entry `victim` (B, H_kv) against every other held
+        entry (positions up to `newest`, never a shorter row's pads): its nearest entry j, the threshold, and j's
+        key and value mixed with the victim's (`pair_weights`), written back by index. The merges per row (B,)."""
+        (b, h), pos, kv = lc.rows, lc.positions, lc.entry_kv  # (B, 1), (H_kv,): one index per row; (B, H_kv, S, 2, D)
         exclude = pos == pos[b, h, victim][..., None]  # (B, H_kv, S): the victim itself, and a shorter row's pads
         norms = lc.aux(KEY_NORM) if KEY_NORM in lc.aux_names() else None  # (B, H_kv, S), kept by the cache
-        best, j_star = nearest(wide(keys[b, h, victim])[:, :, None], wide(keys), norms,
-                               (exclude | (pos > newest) if lc.padded else exclude)[:, :, None])  # (B, H_kv, 1), Eq. 9
-        return self.merge(layer, lc, victim[..., None], j_star, torch.zeros_like(j_star), best)  # into j_star itself
+        x_i = wide(kv[b, h, victim])  # (B, H_kv, 2, D): the victim's key and value
+        best, j = nearest(x_i[:, :, None, 0], wide(lc.keys), norms,
+                          (exclude | (pos > newest) if lc.padded else exclude)[:, :, None])  # (B, H_kv, 1): Eq. 9
+        merge = self.decide(layer, best)  # (B, H_kv, 1): Eq. 10
+        if self.trace is not None:
+            self.record(layer, pos, victim[..., None], j, best, merge)
+        w_i, w_j = pair_weights(best, merge, self.weights)  # (B, H_kv, 1) each: Eq. 11-12 with one token
+        j = j[..., 0]  # (B, H_kv)
+        x_j = w_j[..., None] * wide(kv[b, h, j]) + w_i[..., None] * x_i  # (B, H_kv, 2, D): key and value alike
+        if self.keys:
+            lc.set_keys(j, x_j[:, :, 0])
+        if self.values:
+            lc.values.index_put_((b, h, j), x_j[:, :, 1].to(lc.values.dtype))
+        return merge.float().mean(1).sum(-1)  # (B,): tokens merged, mean over heads
 
     def merge(self, layer: int, lc: LayerCache, evict, targets, j_star, best, real=None) -> torch.Tensor:
         """Eq. 10-12 for the evicted entries `evict` (B, H_kv, E), each nearest to `targets[j_star]` with
@@ -184,6 +196,17 @@ def convex_merge(x_keep, x_evict, j_star, best, merge) -> torch.Tensor:
     num.scatter_add_(2, j_star[..., None].expand_as(x_evict), weight[..., None] * x_evict)  # + sum e^u x_i
     return num / den[..., None]
     # END EXERCISE
+
+
+def pair_weights(u: torch.Tensor, merge: torch.Tensor, weights: str) -> tuple:
+    """Eq. 11-12 when one evicted token i is nearest to j (similarity u, `merge` bool, each (...)): (w_i, w_j),
+    0 and 1 where i does not merge: `convex_merge` (paper: e^u and e over e^u + e) or `scatter_mean_merge`
+    (official: u and 1 over 2) with |E_j| = 1, as a decode step evicts one token."""
+    if weights == "paper":
+        w = torch.where(merge, u.exp(), 0.0)
+        return w / (w + math.e), math.e / (w + math.e)
+    w, n = torch.where(merge, u, 0.0), merge + 1.0  # j itself, and i if it merges
+    return w / n, 1 / n
 
 
 def scatter_mean_merge(x_keep, x_evict, j_star, best, merge) -> torch.Tensor:
