@@ -57,7 +57,7 @@ class LayerCache:
     def __init__(self, batch: int, kv_heads: int, head_dim: int, dtype, device, capacity: int = 256):
         self.reserve = max(int(capacity), 1)  # entries to allocate on the first append
         self._kv = kv_buffer(batch, kv_heads, 0, head_dim, dtype, device)  # (B, H_kv, cap, 2, D)
-        self._k, self._v = self._kv.unbind(3)  # (B, H_kv, cap, D) each: views of it
+        self._k, self._v = self._kv.select(3, 0), self._kv.select(3, 1)  # (B, H_kv, cap, D) each: views of it
         self._pos = torch.empty(batch, kv_heads, 0, dtype=torch.long, device=device)  # (B, H_kv, cap)
         self._aux: dict[str, torch.Tensor] = {}  # name -> (B, H_kv, cap, *shape)
         self.length = 0  # S: entries held (by the longest row)
@@ -117,7 +117,8 @@ class LayerCache:
 
     def append(self, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor) -> None:
         """Add T new entries: k, v (B, H_kv, T, D); pos (B, T) absolute positions, each row's right after
-        its own entries. Amortized O(T)."""
+        its own entries. Amortized O(T). The cache keeps values, not an autograd graph (a model run with grad)."""
+        k, v = (k.detach(), v.detach()) if k.requires_grad else (k, v)
         T = k.shape[2]
         end = self.length + T
         if end > self.capacity:
@@ -222,7 +223,7 @@ class LayerCache:
                           ("_pos", self._pos.new_empty(B, H_kv, cap))):
             new[:, :, :S] = getattr(self, name)[:, :, :S]
             setattr(self, name, new)
-        self._k, self._v = self._kv.unbind(3)
+        self._k, self._v = self._kv.select(3, 0), self._kv.select(3, 1)
         for name, buf in self._aux.items():
             new = entry_buffer(buf.shape[:2], cap, buf.shape[3:], buf.dtype, buf.device)
             new[:, :, :S] = buf[:, :, :S]
