@@ -27,7 +27,7 @@ import torch
 from kvmini.errors import KvminiError
 from kvmini.methods.frobenius_stop import eq1_row, to_prune
 from kvmini.methods.method import Method
-from kvmini.methods.rows import RowBudgets, per_row, rows_held, shrink_rows
+from kvmini.methods.rows import RowBudgets, rows_held, shrink_rows
 from kvmini.methods.snapkv import window_scores
 from kvmini.attention import Statistic, add_up, reduce_heads
 
@@ -107,11 +107,8 @@ class DBudgetKV(RowBudgets, Method):
             s = eq1_row(got["dbudgetkv_rows"], lc.positions, self.o.k)  # Eq. 1
             self.set_budgets(layer, [S - self.to_prune(s[r : r + 1, :, :S], score[r : r + 1, :, :S])
                                      for r, S in enumerate(held)])
-        keep = [min(h, b) for h, b in zip(held, self.budget_rows(layer, len(held)))]
-        if keep != held:
-            self.evicted[layer] += sum(held) - sum(keep)
-            b, held = per_row(keep, held)
-            shrink_rows(lc, score, b, self.sinks, self.window, self.newest, held)
+        if cut := self.over(layer, lc, self.budget_rows(layer, len(held))):
+            shrink_rows(lc, score, cut[0], self.sinks, self.window, self.newest, cut[1])
 
     def to_prune(self, s: torch.Tensor, score: torch.Tensor) -> int:
         """How many of one sequence's S entries Alg. 1 prunes, s and score (1, H_kv, S)."""

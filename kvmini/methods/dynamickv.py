@@ -34,7 +34,7 @@ import torch
 
 from kvmini.methods import snapkv
 from kvmini.methods.progressive_budgets import alg1_budgets, first_budgets, floor_budgets, reallocate
-from kvmini.methods.rows import RowBudgets, kept, one_over, per_row, rows_held
+from kvmini.methods.rows import RowBudgets, kept, one_over, rows_held
 from kvmini.methods.selectors import lowest
 from kvmini.methods.snapkv import SnapKV
 
@@ -96,12 +96,9 @@ class DynamicKV(RowBudgets, SnapKV):
             return super().compress(layer, cache, score)
         self.scores[layer] = score
         for i, b in self.rebudget(layer, cache, score).items():  # this layer, and the finished ones re-budgeted
-            held = rows_held(cache[i])
-            keep = [min(h, x) for h, x in zip(held, b)]  # per sequence
-            if keep != held:
-                self.evicted[i] += sum(held) - sum(keep)
-                kept = trim(cache[i], self.scores[i], *per_row(keep, held), self.window, self.newest)
-                self.scores[i] = self.scores[i].gather(2, kept)  # the score follows what is left
+            if cut := self.over(i, cache[i], b):  # b: per sequence
+                slots = trim(cache[i], self.scores[i], *cut, self.window, self.newest)
+                self.scores[i] = self.scores[i].gather(2, slots)  # the score follows what is left
 
     def rebudget(self, layer: int, cache, score: torch.Tensor) -> dict[int, list[int]]:
         """{layer: its budget per sequence} for this layer and every finished layer Eq. 5-8 re-budgets now (Alg. 1),

@@ -21,6 +21,16 @@ class RowBudgets:
         """What layer `layer` may keep in each of B sequences."""
         return [self.budgets[layer]] * B if self.row_budgets is None else self.row_budgets[layer]
 
+    def over(self, layer: int, lc, budgets: list[int]) -> tuple | None:
+        """`shrink_rows`'s (b, held) to bring each sequence of layer `layer` down to its budget, the evictions
+        counted; None when no sequence holds more."""
+        held = rows_held(lc)
+        keep = [min(h, b) for h, b in zip(held, budgets)]
+        if keep == held:
+            return None
+        self.evicted[layer] += sum(held) - sum(keep)
+        return per_row(keep, held)
+
 
 def rows_held(lc) -> list[int]:
     """What each sequence of a layer holds (its first KV head's count), read on the host: once per prompt."""

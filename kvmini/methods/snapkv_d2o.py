@@ -16,7 +16,7 @@ from typing import Literal
 from kvmini.budget import check
 from kvmini.methods import snapkv
 from kvmini.methods.ema_merging import EMAMerge, shrink_merging
-from kvmini.methods.rows import RowBudgets, per_row, rows_held
+from kvmini.methods.rows import RowBudgets, rows_held
 from kvmini.methods.snapkv import SnapKV, window_scores
 from kvmini.methods.variance_softmax import allocate, idle_temperature, layer_variance
 from kvmini.attention import Statistic, add_up, reduce_heads
@@ -80,13 +80,9 @@ class SnapKVD2O(RowBudgets, SnapKV):
         for layer, b in enumerate(zip(*rows)):
             self.set_budgets(layer, b)  # each sequence's S_l
         for layer in range(L):
-            lc, held = cache[layer], rows_held(cache[layer])
-            keep = [min(h, b) for h, b in zip(held, self.row_budgets[layer])]
-            if keep != held:  # 3.
-                self.evicted[layer] += sum(held) - sum(keep)
-                b, held = per_row(keep, held)
-                self._merged[layer] += shrink_merging(self.merge, layer, lc, self.scores[layer], b, 0, self.window,
-                                                     self.newest, held)
+            if cut := self.over(layer, cache[layer], self.row_budgets[layer]):  # 3.
+                self._merged[layer] += shrink_merging(self.merge, layer, cache[layer], self.scores[layer], cut[0], 0,
+                                                     self.window, self.newest, cut[1])
 
 
 def build(budget: float, o: Options = Options()) -> SnapKVD2O:
