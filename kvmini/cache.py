@@ -5,7 +5,6 @@ Per layer we store, for every KV head (never expanded to query heads):
     values    (B, H_kv, S, D)  with the keys in one buffer (B, H_kv, S, 2, D): an entry moves in one op
     positions (B, H_kv, S)     absolute token position of each entry
     aux[name] (B, H_kv, S, ...) per-token statistics a policy keeps (e.g. accumulated attention)
-    aux[KEY_NORM] (B, H_kv, S) if declared: each key's l2 norm, kept by the cache (D2O's Eq. 9)
 S may differ between layers (per-layer budgets). A row, one (sequence, KV head), may hold fewer
 entries than S (`counts`: per-sequence budgets in a batch, heads that keep their own counts): its
 entries come first, then pads up to S. A pad's position is PAD, later than any query, so attention,
@@ -25,12 +24,6 @@ def wide(t: torch.Tensor) -> torch.Tensor:
     return t if t.dtype in (torch.float32, torch.float64) else t.float()
 
 PAD = torch.iinfo(torch.long).max  # the position of a pad entry: no query is late enough to see it
-KEY_NORM = "key_norm"  # the aux buffer of the keys' norms, kept by the cache (see the module's docstring)
-
-
-def key_norm(k: torch.Tensor) -> torch.Tensor:
-    """||k||_2 of each key, in the precision of statistics: (..., D) -> (...)."""
-    return torch.linalg.vector_norm(wide(k), dim=-1)
 
 
 def along(idx: torch.Tensor, buf: torch.Tensor) -> torch.Tensor:
@@ -102,8 +95,6 @@ class LayerCache:
             name, dtype, shape = (spec, wide(self._kv).dtype, ()) if isinstance(spec, str) else (*spec, ())[:3]
             if name not in self._aux:
                 self._aux[name] = entry_buffer(self._pos.shape[:2], self._pos.shape[2], shape, dtype, self._pos.device)
-                if name == KEY_NORM:  # the keys held already (pads' zero keys have norm 0)
-                    self._aux[name][:, :, : self.length] = key_norm(self.keys)
 
     def aux(self, name: str) -> torch.Tensor:
         """Per-token statistic `name` of the held entries, (B, H_kv, S, *shape); a name never declared is an error."""
@@ -128,9 +119,8 @@ class LayerCache:
         self._k[:, :, self.length : end] = k
         self._v[:, :, self.length : end] = v
         self._pos[:, :, self.length : end] = pos[:, None, :]
-        for name, buf in self._aux.items():  # a new entry's statistics start at 0; KEY_NORM holds its key's norm
-            fresh = buf.narrow(2, self.length, T)
-            fresh.copy_(key_norm(k)) if name == KEY_NORM else fresh.zero_()
+        for buf in self._aux.values():  # a new entry's statistics start at 0
+            buf.narrow(2, self.length, T).zero_()
         self.length = end
 
     def _append_ragged(self, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor, end: int) -> None:
@@ -140,18 +130,10 @@ class LayerCache:
         at = self.counts[..., None] + torch.arange(k.shape[2], device=self.counts.device)  # (B, H_kv, T)
         self._kv.scatter_(2, along(at, self._kv), torch.stack([k, v], 3))
         self._pos.scatter_(2, at, pos[:, None, :].expand_as(at))
-        for name, buf in self._aux.items():  # a new entry's statistics start at 0; KEY_NORM holds its key's norm
-            buf.scatter_(2, along(at, buf), key_norm(k)) if name == KEY_NORM else buf.scatter_(2, along(at, buf), 0)
+        for buf in self._aux.values():  # a new entry's statistics start at 0
+            buf.scatter_(2, along(at, buf), 0)
         self.counts = self.counts + k.shape[2]
         self.length = end
-
-    def set_keys(self, idx: torch.Tensor, k: torch.Tensor) -> None:
-        """Overwrite held keys in place (a merge, D2O's Eq. 11): entries idx (B, H_kv, s) get k (B, H_kv, s, D),
-        and their norms in KEY_NORM when it is declared; or one entry a row, idx (B, H_kv), k (B, H_kv, D)."""
-        at, keys = (*(self.rows if idx.dim() == 2 else self.entries), idx), self.keys
-        keys.index_put_(at, k.to(keys.dtype))
-        if KEY_NORM in self.aux_names():
-            self.aux(KEY_NORM).index_put_(at, key_norm(k))
 
     def keep(self, idx: torch.Tensor, counts: torch.Tensor | None = None) -> None:
         """Keep only entries `idx` (B, H_kv, S') of every row, in that order: the bulk eviction, O(S·D); the

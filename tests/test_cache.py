@@ -266,30 +266,6 @@ def test_a_buffer_of_several_values_per_entry_holds_each_value_of_every_entry_si
     assert lc.aux("history")[0, 1, :, 3].tolist() == list(range(0, 300, 10))
 
 
-def test_key_norms_are_kept_by_the_cache_through_appends_evictions_joins_and_set_keys():
-    """KEY_NORM, once declared, holds the norm of every held key: the keys held when it is declared,
-    each appended one (also in padded rows), after evictions, and after `set_keys`."""
-    from kvmini.cache import KEY_NORM, key_norm
-
-    def check(lc):
-        held = lc.positions != PAD  # a pad's key and norm are nothing's
-        torch.testing.assert_close(lc.aux(KEY_NORM)[held], key_norm(lc.keys)[held], rtol=1e-6, atol=0)
-
-    gen = torch.Generator().manual_seed(0)
-    kv = lambda T: (torch.randn(2, 3, T, 4, generator=gen), torch.randn(2, 3, T, 4, generator=gen))  # noqa: E731
-    lc = LayerCache(batch=2, kv_heads=3, head_dim=4, dtype=torch.float32, device="cpu", capacity=2)
-    lc.append(*kv(5), torch.arange(5).expand(2, 5))
-    lc.declare(KEY_NORM)
-    check(lc)
-    lc.append(*kv(3), torch.arange(5, 8).expand(2, 3))  # through a resize
-    lc.evict_one(torch.tensor([[1, 2, 3], [0, 6, 7]]))
-    lc.set_keys(torch.tensor([[[0], [1], [2]], [[3], [4], [5]]]), 3 * torch.randn(2, 3, 1, 4, generator=gen))
-    check(lc)
-    keep_row(lc, 1, torch.arange(4).expand(3, 4))  # row 1 shorter: padded rows
-    lc.append(*kv(1), torch.tensor([[8], [8]]))
-    check(lc)
-
-
 def test_the_report_rounds_the_counts_of_heads_that_keep_their_own():
     """A layer whose heads keep their own counts holds a mean over them (`lengths()`, a float): the report
     prints it to one decimal, and a whole count as an integer."""

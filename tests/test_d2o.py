@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 
 from kvmini.cache import LayerCache
 from kvmini.errors import KvminiError
-from kvmini.methods.ema_merging import EMAMerge, convex_merge, ema_threshold, nearest, pair_weights, scatter_mean_merge
+from kvmini.methods.ema_merging import EMAMerge, convex_merge, ema_threshold, nearest, pair_merge, scatter_mean_merge
 from kvmini.methods.registry import make_policy
 from kvmini.generate import prefill
 from kvmini.methods.allocators import proportional
@@ -634,7 +634,7 @@ def after_evict_one(items: list, victim: int) -> list:
 @pytest.mark.exercise("ema_merging")
 @pytest.mark.parametrize("seed", range(4))
 def test_one_eviction_merge_equals_literal_loops_paper(seed):
-    """A decode step (`EMAMerge.one` + `evict_one`: only the nearest entry is written) equals the
+    """A decode step (`EMAMerge.one`: the victim evicted, only its nearest entry written) equals the
     loops of Eq. 9-12 with every other entry kept, over several steps in a mixed buffer order."""
     gen = torch.Generator().manual_seed(seed)
     D, beta = 4, 0.7
@@ -649,7 +649,6 @@ def test_one_eviction_merge_equals_literal_loops_paper(seed):
         tau = sim if tau is None else beta * sim + (1 - beta) * tau  # tau_t, compared with this step's
         new_k, new_v, _ = literal_merge(cur_k, cur_v, keep, tau)
         merge.one(0, lc, torch.tensor([[victim]]), 7 + step)
-        lc.evict_one(torch.tensor([[victim]]))
         assert merge.tau[0].item() == pytest.approx(tau, abs=1e-6), TAU
         want_k = after_evict_one([new_k.get(j, cur_k[j]) for j in range(S)], victim)
         want_v = after_evict_one([new_v.get(j, cur_v[j]) for j in range(S)], victim)
@@ -675,7 +674,6 @@ def test_one_eviction_merge_equals_literal_loops_official(seed):
         keep = [[j for j in range(S) if j != victims[h]] for h in range(H)]
         want_k, want_v, tau = literal_official_merge(keys, values, keep, tau, beta)  # (H, S-1, D) in keep order
         merge.one(0, lc, torch.tensor([victims]), 7 + step)
-        lc.evict_one(torch.tensor([victims]))
         assert merge.tau[0].item() == pytest.approx(tau, abs=1e-6), TAU
         for h in range(H):
             by_index = dict(zip(keep[h], range(S - 1)))  # buffer index -> row of want
@@ -710,43 +708,6 @@ def test_nearest_reads_given_norms_and_never_chooses_an_excluded_pair():
             f"Eq. 9 (`nearest`, each nearest excluded, {d}): the similarity u to j*. {m}"))
 
 
-@pytest.mark.parametrize("options", [{}, {"variant": "paper"}, {"protected_layers": ""}], ids=str)
-def test_key_norms_kept_by_the_cache_change_nothing(options):
-    """Eq. 9 reads the kept keys' norms from the cache (KEY_NORM, set when a key is appended or merged
-    into) instead of computing them from the keys: the same caches, merges and thresholds as without
-    that buffer, for a prompt in chunks and decode steps with merges; and the kept norms are those of
-    the keys held."""
-    from kvmini.cache import KEY_NORM, key_norm
-
-    model = random_model(L=4).to(torch.float64)
-    ids = torch.randint(0, 61, (1, 48), generator=torch.Generator().manual_seed(1))
-
-    def run(kept: bool):
-        policy = make_policy("d2o", 12, **options)
-        if not kept:
-            policy.aux = ("attention_sum",)  # the norms computed from the keys at every step
-        policy.start(40, 48)
-        cache = model.new_cache(1, 4)
-        with torch.no_grad():
-            for a, b in [(0, 16), (16, 32), (32, 40)] + [(t, t + 1) for t in range(40, 48)]:
-                model(ids[:, a:b], cache, policy)
-        return cache, policy
-
-    (fast, p_fast), (slow, p_slow) = run(True), run(False)
-    assert sum(p_fast.merged) > 0 and p_fast.merged == pytest.approx(p_slow.merged, abs=1e-9)
-    norms = 0
-    for a, b in zip(fast.layers, slow.layers):
-        assert torch.equal(a.positions, b.positions)
-        torch.testing.assert_close(a.keys, b.keys, rtol=1e-12, atol=1e-12)
-        torch.testing.assert_close(a.values, b.values, rtol=1e-12, atol=1e-12)
-        if KEY_NORM in a.aux_names():
-            norms += 1
-            torch.testing.assert_close(a.aux(KEY_NORM), key_norm(a.keys), rtol=1e-12, atol=0)
-    assert norms > 0 and KEY_NORM not in slow[0].aux_names() + slow[2].aux_names()
-    for layer, tau in p_fast.merge.tau.items():
-        torch.testing.assert_close(tau, p_slow.merge.tau[layer], rtol=1e-12, atol=1e-12)
-
-
 @pytest.mark.parametrize("writes", ["keys", "values"])
 def test_a_merge_that_writes_one_side_leaves_the_other(writes):
     """writes="keys" (or "values"): the by-hand merge above on that side, the other side as it was:
@@ -763,14 +724,15 @@ def test_a_merge_that_writes_one_side_leaves_the_other(writes):
         EMAMerge(beta=0.7, writes=w).one(0, lc, torch.tensor([[2]]), newest=3)
         if w == "both":
             k_both, v_both = lc.keys.clone(), lc.values.clone()
+    as_before.evict_one(2)  # the step evicts k2: k3 takes its slot
     torch.testing.assert_close(lc.keys, k_both if writes == "keys" else as_before.keys)
     torch.testing.assert_close(lc.values, v_both if writes == "values" else as_before.values)
     assert not torch.equal(k_both, as_before.keys) and not torch.equal(v_both, as_before.values)  # k2 merged into k0
 
 
 @pytest.mark.parametrize("weights", ["paper", "official"])
-def test_a_decode_step_s_pair_weights_are_the_merge_of_one_token(weights):
-    """`pair_weights` (a decode step's Eq. 11-12: one evicted token i, its nearest entry j) gives what the
+def test_a_decode_step_s_pair_merge_is_the_merge_of_one_token(weights):
+    """`pair_merge` (a decode step's Eq. 11-12: one evicted token i, its nearest entry j) gives what the
     prompt's merge (`convex_merge`, `scatter_mean_merge`) gives for E = 1, merged or not; by hand at u = 0.5:
     paper w_i = e^0.5 / (e^0.5 + e) = 0.37754, w_j = 0.62246; official 0.25 and 0.5."""
     gen = torch.Generator().manual_seed(0)
@@ -779,8 +741,9 @@ def test_a_decode_step_s_pair_weights_are_the_merge_of_one_token(weights):
     merge = torch.tensor([[[True], [False], [True]], [[False], [True], [True]]])
     combine = convex_merge if weights == "paper" else scatter_mean_merge
     want = combine(x_j, x_i, torch.zeros(2, 3, 1, dtype=torch.long), u, merge)
-    w_i, w_j = pair_weights(u, merge, weights)
-    torch.testing.assert_close(w_j[..., None] * x_j + w_i[..., None] * x_i, want, rtol=1e-12, atol=1e-12)
-    w_i, w_j = pair_weights(torch.tensor([0.5, 0.5], dtype=torch.float64), torch.tensor([True, False]), weights)
+    torch.testing.assert_close(pair_merge(x_j, x_i, u[..., None], merge[..., None], weights), want, rtol=1e-12, atol=1e-12)
+    one, zero, half = (torch.tensor([v, v], dtype=torch.float64) for v in (1.0, 0.0, 0.5))
+    merges = torch.tensor([True, False])
+    w_j, w_i = pair_merge(one, zero, half, merges, weights), pair_merge(zero, one, half, merges, weights)
     hand = (0.37754, 0.62246) if weights == "paper" else (0.25, 0.5)
     assert w_i.tolist() == pytest.approx([hand[0], 0.0], abs=1e-5) and w_j.tolist() == pytest.approx([hand[1], 1.0], abs=1e-5)

@@ -24,7 +24,6 @@ from typing import Literal
 import torch
 
 from kvmini.budget import Rule, check
-from kvmini.cache import KEY_NORM
 from kvmini.methods.ema_merging import EMAMerge, shrink_merging
 from kvmini.methods.method import Method
 from kvmini.methods.rows import RowBudgets, per_row, rows_held, shrink_rows
@@ -81,7 +80,7 @@ class D2O(RowBudgets, Method):
             self.recent = Rule(f"budget * {M} // {N + M}", lambda S_l: S_l * M // (N + M))
         self.schedule = "decode" if o.start == "first_decode" else "after_prompt"
         self.merge = None if o.merge == "off" else EMAMerge(o.beta, weights=o.merge, tau=o.tau, writes=o.merge_writes)
-        self.aux = ("attention_sum",) + ((KEY_NORM,) if self.merge else ())  # Eq. 9 divides by the kept keys' norms
+        self.aux = ("attention_sum",)  # Eq. 9 divides by the kept keys' norms
 
     merger = property(lambda self: self.merge)  # its `trace` records the merges (kvmini.view)
 

@@ -22,7 +22,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-from kvmini.cache import KEY_NORM, PAD, LayerCache, wide
+from kvmini.cache import PAD, LayerCache, wide
 from kvmini.errors import one_of
 from kvmini.methods.merged import Merged
 from kvmini.methods.rows import kept, one_over
@@ -44,13 +44,13 @@ class EMAMerge:
         self.beta, self.weights = beta, one_of("EMAMerge weights", weights, WEIGHTS)
         self.per_layer = one_of("EMAMerge tau", tau, TAUS) == "per_layer"
         writes = one_of("EMAMerge writes", writes, WRITES)
-        self.keys, self.values = writes != "values", writes != "keys"  # what a merge overwrites
+        self.written = {"both": slice(0, 2), "keys": slice(0, 1), "values": slice(1, 2)}[writes]  # of an entry's [k, v]
         self.trace: list[Merged] | None = None
         self.reset()
 
     def reset(self) -> None:
         """A new run: no layer has a threshold yet."""
-        self.tau: dict[int, torch.Tensor] = {}  # layer -> its threshold (Eq. 10), (B, H_kv), or (B, 1) per layer
+        self.tau: dict[int, torch.Tensor] = {}  # layer -> its threshold (Eq. 10), (B, H_kv, 1), or (B, 1, 1) per layer
         self.partial: set[int] = set()  # layers where rows evicted different counts: some may have no threshold (NaN)
         if self.trace is not None:
             self.trace.clear()
@@ -58,7 +58,7 @@ class EMAMerge:
     def __call__(self, layer: int, lc: LayerCache, keep: torch.Tensor, counts: torch.Tensor | None = None) -> torch.Tensor:
         """Every entry of layer `layer` not in `keep` (B, H_kv, b) against the kept ones (Eq. 9-12), before
         they are gathered; `counts` (B, H_kv): each row keeps only its first counts[r] of `keep` (its pads
-        neither kept nor merged). Returns the merges per row (B,), mean over heads."""
+        neither kept nor merged). Returns the tokens merged (summed over rows, mean over heads)."""
         pos = lc.positions  # (B, H_kv, S)
         mine = None if counts is None else torch.arange(keep.shape[2], device=keep.device) < counts[..., None]
         kept = torch.zeros_like(pos, dtype=torch.bool).scatter_(2, keep, True if mine is None else mine)
@@ -76,51 +76,45 @@ class EMAMerge:
         return self.merge(layer, lc, evict, keep, j_star, best, None if mine is None else evicted.gather(2, evict))
 
     def one(self, layer: int, lc: LayerCache, victim: torch.Tensor, newest: int) -> torch.Tensor:
-        """A decode step: Eq. 9-12 for each row's one evicted entry `victim` (B, H_kv) against every other held
-        entry (positions up to `newest`, never a shorter row's pads): its nearest entry j, the threshold, and j's
-        key and value mixed with the victim's (`pair_weights`), written back by index. The merges per row (B,)."""
-        (b, h), pos, kv = lc.rows, lc.positions, lc.entry_kv  # (B, 1), (H_kv,): one index per row; (B, H_kv, S, 2, D)
-        exclude = pos == pos[b, h, victim][..., None]  # (B, H_kv, S): the victim itself, and a shorter row's pads
-        norms = lc.aux(KEY_NORM) if KEY_NORM in lc.aux_names() else None  # (B, H_kv, S), kept by the cache
-        x_i = wide(kv[b, h, victim])  # (B, H_kv, 2, D): the victim's key and value
-        best, j = nearest(x_i[:, :, None, 0], wide(lc.keys), norms,
-                          (exclude | (pos > newest) if lc.padded else exclude)[:, :, None])  # (B, H_kv, 1): Eq. 9
-        merge = self.decide(layer, best)  # (B, H_kv, 1): Eq. 10
+        """A decode step: each row's one evicted entry `victim` (B, H_kv) is read, then evicted (the new entry takes
+        its slot), then compared with every entry held (never a shorter row's pads, positions after `newest`): its
+        nearest j (Eq. 9), the threshold (Eq. 10), and j's key and value mixed with its own (Eq. 11-12 for one
+        token, `pair_merge`), written back by index. Returns the tokens merged (summed over rows, mean over heads)."""
+        b, h = lc.rows  # (B, 1), (H_kv,): one index per row
+        x_i = wide(lc.entry_kv[b, h, victim])  # (B, H_kv, 2, D): the victim's key and value
+        at = None if self.trace is None else lc.positions[b, h, victim][..., None]  # (B, H_kv, 1): its position
+        lc.evict(victim)
+        pos, kv = lc.positions, lc.entry_kv  # (B, H_kv, S), (B, H_kv, S, 2, D): the victim is no longer held
+        best, j = nearest(x_i[:, :, :1], wide(lc.keys), exclude=(pos > newest)[:, :, None] if lc.padded else None)  # Eq. 9
+        merge = self.decide(layer, best)  # (B, H_kv or 1, 1): Eq. 10
         if self.trace is not None:
-            self.record(layer, pos, victim[..., None], j, best, merge)
-        w_i, w_j = pair_weights(best, merge, self.weights)  # (B, H_kv, 1) each: Eq. 11-12 with one token
+            self.record(layer, pos, at, j, best, merge.expand_as(best))
         j = j[..., 0]  # (B, H_kv)
-        x_j = w_j[..., None] * wide(kv[b, h, j]) + w_i[..., None] * x_i  # (B, H_kv, 2, D): key and value alike
-        if self.keys:
-            lc.set_keys(j, x_j[:, :, 0])
-        if self.values:
-            lc.values.index_put_((b, h, j), x_j[:, :, 1].to(lc.values.dtype))
-        return merge.float().mean(1).sum(-1)  # (B,): tokens merged, mean over heads
+        x_j = pair_merge(wide(kv[b, h, j]), x_i, best[..., None], merge[..., None], self.weights)  # (B, H_kv, 2, D)
+        w = self.written
+        kv[:, :, :, w].index_put_((b, h, j), x_j[:, :, w].to(kv.dtype))
+        return merge.sum() / merge.shape[1]  # tokens merged, mean over heads
 
     def merge(self, layer: int, lc: LayerCache, evict, targets, j_star, best, real=None) -> torch.Tensor:
         """Eq. 10-12 for the evicted entries `evict` (B, H_kv, E), each nearest to `targets[j_star]` with
         similarity `best` (targets (B, H_kv, T) and evict: indices into the cache; j_star, best (B, H_kv, E);
         `real` (B, H_kv, E): which are evicted, where rows evict different counts): the threshold decides which
         merge, and each target's key and value become their mix (only the targets are written). Returns the
-        merges per row (B,), mean over heads."""
-        merge = self.decide(layer, best, real)  # (B, H_kv, E)
+        tokens merged (summed over rows, mean over heads)."""
+        merge = self.decide(layer, best, real).expand_as(best)  # (B, H_kv, E)
         if self.trace is not None:
-            self.record(layer, lc.positions, evict, targets.gather(2, j_star), best, merge)
-        (b, h), keys, values = lc.entries, lc.keys, lc.values  # (B, 1, 1), (H_kv, 1): index entries (B, H_kv, s)
-        kv = lambda idx: wide(lc.entry_kv[b, h, idx].flatten(-2))  # noqa: E731  [k | v] of entries idx, (B, H_kv, s, 2D)
+            self.record(layer, lc.positions, lc.positions.gather(2, evict), targets.gather(2, j_star), best, merge)
+        (b, h), kv, w = lc.entries, lc.entry_kv, self.written  # (B, 1, 1), (H_kv, 1): index entries (B, H_kv, s)
+        pair = lambda idx: wide(kv[b, h, idx].flatten(-2))  # noqa: E731  [k | v] of entries idx, (B, H_kv, s, 2D)
         combine = convex_merge if self.weights == "paper" else scatter_mean_merge
-        merged = combine(kv(targets), kv(evict), j_star, best, merge)  # (B, H_kv, T, 2D): [k | v], the same weights
-        D = keys.shape[-1]
-        if self.keys:
-            lc.set_keys(targets, merged[..., :D])
-        if self.values:
-            values.index_put_((b, h, targets), merged[..., D:].to(values.dtype))
-        return merge.float().mean(1).sum(-1)  # (B,): tokens merged, mean over heads
+        merged = combine(pair(targets), pair(evict), j_star, best, merge)  # (B, H_kv, T, 2D): [k | v], the same weights
+        kv[:, :, :, w].index_put_((b, h, targets), merged.unflatten(-1, (2, -1))[..., w, :].to(kv.dtype))
+        return merge.sum() / merge.shape[1]  # tokens merged, mean over heads
 
-    def record(self, layer: int, pos, evict, into, best, merge) -> None:
-        """Append to the trace: evicted entries `evict` (B, H_kv, E) and the entries `into` they are nearest
-        to (indices into `pos`, (B, H_kv, S)), with each one's weight in Eq. 11-12 (or the official
-        scatter-mean)."""
+    def record(self, layer: int, pos, evicted, into, best, merge) -> None:
+        """Append to the trace: the positions `evicted` (B, H_kv, E) of the evicted tokens and the entries `into`
+        they are nearest to (indices into `pos`, (B, H_kv, S)), with each one's weight in Eq. 11-12 (or the
+        official scatter-mean)."""
         S = pos.shape[2]
         if self.weights == "paper":  # w_i = e^u / (e + sum over the tokens merged into the same j of e^u)
             mass = torch.where(merge, best.exp(), 0.0)
@@ -128,40 +122,38 @@ class EMAMerge:
         else:  # u / (1 + |E_j|)
             mass = torch.where(merge, best, 0.0)
             den = torch.ones(pos.shape[:2] + (S,), dtype=mass.dtype, device=pos.device).scatter_add_(2, into, merge.to(mass.dtype))
-        self.trace.append(Merged(layer, pos.gather(2, evict), torch.where(merge, pos.gather(2, into), -1),
+        self.trace.append(Merged(layer, evicted, torch.where(merge, pos.gather(2, into), -1),
                                  mass / den.gather(2, into)))
 
     def decide(self, layer: int, best: torch.Tensor, real: torch.Tensor | None = None) -> torch.Tensor:
         """Eq. 10: update layer `layer`'s threshold with the evicted tokens' best similarities `best`
-        (B, H_kv, E) and say which of them merge, (B, H_kv, E) bool. `real` (B, H_kv, E): the entries truly
-        evicted, where rows evict different counts; a row that evicts none keeps its threshold (NaN: none yet)."""
+        (B, H_kv, E) and say which of them merge, (B, H_kv, E) bool ((B, 1, E) for a threshold per layer: every
+        head alike). `real` (B, H_kv, E): the entries truly evicted, where rows evict different counts; a row that
+        evicts none keeps its threshold (NaN: none yet)."""
         sim = best.mean(1, keepdim=True) if self.per_layer else best  # official: one threshold per layer,
         real_sim = None if real is None else real[:, :1] if self.per_layer else real  # similarities averaged over heads
-        new = sim.mean(-1) if real is None else torch.where(real_sim, sim, 0).sum(-1) / real_sim.sum(-1)  # (B, H_kv) or (B, 1)
+        new = (sim.mean(-1, keepdim=True) if real is None else  # (B, H_kv, 1) or (B, 1, 1)
+               torch.where(real_sim, sim, 0).sum(-1, keepdim=True) / real_sim.sum(-1, keepdim=True))
         prev = self.tau.get(layer)
         tau = ema_threshold(prev, new, self.beta)  # tau_0 if it has none yet
         if prev is not None and (real is not None or layer in self.partial):  # per row: tau_0, or no change
             tau = torch.where(prev.isnan(), new, torch.where(new.isnan(), prev, tau))
         self.tau[layer] = tau
         (self.partial.add if real is not None else self.partial.discard)(layer)  # some rows may have none yet
-        merge = (sim >= tau[..., None]).expand_as(best)
-        return merge if real is None else merge & real
+        return sim >= tau if real is None else (sim >= tau) & real
 
 
 def shrink_merging(merge: EMAMerge, layer: int, lc: LayerCache, score: torch.Tensor, b, sinks: int, recent,
                    newest: int, held: list[int] | None = None) -> torch.Tensor:
-    """`selectors.shrink` with the evicted tokens merged first (Eq. 9-12): one entry over (a decode step)
-    compared with every other (`EMAMerge.one`), more against the kept ones. Returns the tokens merged
-    (summed over the rows, each a mean over its heads)."""
-    if one_over(lc, b, held):
-        victim = lowest(score, lc.positions, sinks, recent, newest)  # (B, H_kv)
-        merged = merge.one(layer, lc, victim, newest)
-        lc.evict(victim)
-        return merged.sum()
+    """`selectors.shrink` with the evicted tokens merged (Eq. 9-12): one entry over (a decode step) against every
+    entry left once it is evicted (`EMAMerge.one`), more against the kept ones before they are gathered. Returns
+    the tokens merged (summed over the rows, each a mean over its heads)."""
+    if one_over(lc, b, held):  # one victim a row: read, evicted, then merged
+        return merge.one(layer, lc, lowest(score, lc.positions, sinks, recent, newest), newest)
     keep, counts = kept(lc, score, b, sinks, recent, held)  # (B, H_kv, b), None or (B, H_kv)
     merged = merge(layer, lc, keep, counts)
     lc.keep(keep, counts)
-    return merged.sum()
+    return merged
 
 
 def nearest(k_evict: torch.Tensor, keys: torch.Tensor, norms: torch.Tensor | None = None,
@@ -198,15 +190,14 @@ def convex_merge(x_keep, x_evict, j_star, best, merge) -> torch.Tensor:
     # END EXERCISE
 
 
-def pair_weights(u: torch.Tensor, merge: torch.Tensor, weights: str) -> tuple:
-    """Eq. 11-12 when one evicted token i is nearest to j (similarity u, `merge` bool, each (...)): (w_i, w_j),
-    0 and 1 where i does not merge: `convex_merge` (paper: e^u and e over e^u + e) or `scatter_mean_merge`
-    (official: u and 1 over 2) with |E_j| = 1, as a decode step evicts one token."""
+def pair_merge(x_j, x_i, u, merge, weights: str) -> torch.Tensor:
+    """Eq. 11-12 when one evicted token i (x_i) is nearest to j (x_j), similarity u, `merge` bool: x_j's new
+    value, x_j itself where i does not merge. What `convex_merge` (paper: (e x_j + e^u x_i) / (e + e^u)) or
+    `scatter_mean_merge` (official: (x_j + u x_i) / 2) give with |E_j| = 1, as a decode step evicts one token."""
     if weights == "paper":
         w = torch.where(merge, u.exp(), 0.0)
-        return w / (w + math.e), math.e / (w + math.e)
-    w, n = torch.where(merge, u, 0.0), merge + 1.0  # j itself, and i if it merges
-    return w / n, 1 / n
+        return (math.e * x_j + w * x_i) / (w + math.e)
+    return (x_j + torch.where(merge, u, 0.0) * x_i) / (merge + 1.0)  # j itself, and i if it merges
 
 
 def scatter_mean_merge(x_keep, x_evict, j_star, best, merge) -> torch.Tensor:
