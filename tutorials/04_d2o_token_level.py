@@ -489,7 +489,7 @@ if solved("ema_merging"):
 #    among them, each $(B, H_{kv}, E)$ (on a tie, the earlier key; kept keys of different norms, which
 #    a cosine divides out), the same when the keys' `norms` are
 #    given (use them, do not compute them), and never a pair that `exclude` marks (a decode step
-#    excludes the evicted entry itself); `ema_threshold` returns
+#    excludes a shorter row's pads); `ema_threshold` returns
 #    `new` itself when `tau_prev` is `None` (the prompt: $\tau_0$, the mean of the evicted keys' best
 #    similarities, which the caller computes), else $\beta$ `new` $+ (1 - \beta)$ `tau_prev` ($\beta$ = 0
 #    and 1 included); `convex_merge` gives each kept $x_j$ the weights $e^{u_{ij}}$ of the evicted
