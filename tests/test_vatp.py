@@ -32,18 +32,18 @@ def test_value_weighting_by_hand():
 
 
 def test_a_norm_is_kept_from_the_call_that_cached_the_value():
-    """Each row's newly appended values (its last T entries, also in a row that holds fewer) get their
-    norms; the earlier entries keep theirs."""
+    """The newly appended values (the last T entries) get their norms; the earlier entries keep theirs,
+    also after an eviction moved them."""
     lc = LayerCache(2, 1, 2, torch.float32, "cpu", capacity=8)
     lc.append(torch.zeros(2, 1, 2, 2), torch.tensor([[[[9.0, 9.0], [3.0, 0.0]]], [[[0.0, -1.0], [2.0, 2.0]]]]),
               torch.tensor([[0, 1], [0, 1]]))
     method = VATP(12)
     lc.declare(*method.aux)
     method.keep_norms(lc, 2)
-    lc.keep(torch.tensor([[[1, 0]], [[0, 1]]]), counts=torch.tensor([[1], [2]]))  # row 0 keeps position 1, then a pad
     lc.append(torch.zeros(2, 1, 1, 2), torch.tensor([[[[-4.0, 1.0]]], [[[0.5, 0.5]]]]), torch.tensor([[2], [2]]))
     method.keep_norms(lc, 1)
-    assert lc.aux("value_norm").tolist() == [[[3.0, 5.0, 0.0]], [[1.0, 4.0, 1.0]]]
+    lc.evict_one(torch.tensor([[0], [1]]))  # row 0 drops position 0, row 1 position 1: the newest takes the slot
+    assert lc.aux("value_norm").tolist() == [[[5.0, 3.0]], [[1.0, 1.0]]]
 
 
 def vatp_literal(budget, g, sinks=4, recent=None, p=1):

@@ -49,10 +49,11 @@ ENGINE_DEFAULTS = {"evict_every": 16}  # m: drop 16 tokens at once, every 16 dec
 
 
 def below_average(rows: torch.Tensor) -> torch.Tensor:
-    """low_j = 1[alpha_j < 1 / |K|] for each row (..., T, S) of attention; keys a row cannot see are 0."""
+    """low_j = 1[alpha_j < 1 / |K|] for each row (..., T, S) of attention, as bools (their sums count steps);
+    keys a row cannot see are 0."""
     seen = rows > 0
     K = seen.sum(-1, keepdim=True)  # (..., T, 1): |K_t|, the keys each query attends to
-    return (seen & (rows * K < 1)).to(rows.dtype)
+    return seen & (rows * K < 1)
 
 
 def remember(lc: LayerCache, low: torch.Tensor, start: int, T: int, w: int) -> None:
@@ -66,9 +67,9 @@ def remember(lc: LayerCache, low: torch.Tensor, start: int, T: int, w: int) -> N
         earlier = torch.arange(max(start, start + T - w), start + T - 1, device=ring.device) % w
         count.sub_(ring[..., earlier].sum(-1, dtype=torch.int32))
         ring.index_fill_(-1, earlier, 0)
-    last, new = (start + T - 1) % w, low.to(ring.dtype)  # sums of 0/1 flags, exact
-    count.add_(new - ring[..., last])  # the step w ago leaves the window, this one enters
-    ring[..., last] = new
+    old, new = ring[..., (start + T - 1) % w], low.to(ring.dtype)  # this step's slot; sums of 0/1 flags, exact
+    count.add_(new - old)  # the step w ago leaves the window, this one enters
+    old.copy_(new)
 
 
 def importance_score(lc: LayerCache) -> torch.Tensor:

@@ -74,10 +74,9 @@ class VATP(Method):
         return received if self.p is None else received * lc.aux("value_norm")
 
     def keep_norms(self, lc, T: int) -> None:
-        """The norms of each row's T newest values (its last T entries, also in a row holding fewer)."""
-        at = lc.held()[..., None] - T + torch.arange(T, device=lc.values.device)  # (B, H_kv, T)
-        new = lc.values.gather(2, at[..., None].expand(-1, -1, -1, lc.values.shape[-1]))  # (B, H_kv, T, D)
-        lc.aux("value_norm").scatter_(2, at, self.norm(wide(new)))
+        """The norms of the T newest values: the layer's last T places (VATP's rows all keep one budget, so no
+        row holds fewer than another)."""
+        lc.aux("value_norm")[:, :, -T:] = self.norm(wide(lc.values[:, :, -T:]))  # (B, H_kv, T)
 
     def norm(self, values: torch.Tensor) -> torch.Tensor:
         r"""\|v_j\|_p of each value: values (..., S, D) -> (..., S)."""
