@@ -98,6 +98,11 @@ def ops_markdown(res: dict) -> str:
             cells += [f"{(ops[B] - full[B]) / L:.0f}"] if B == "1" else []
             cells += [f"{kernels[name][B] / kernels['full'][B]:.2f}×"]
         rows.append("| " + " | ".join([name, *cells, "" if name == "full" else f"{ops_limit(name):.1f}×"]) + " |")
+    per_layer = {name: (ops["1"] - full["1"]) / L for name, ops in res["ops"].items()}
+    over = [f"{name} {per_layer[name] - per_layer['h2o']:+.0f}" for name, ops in res["ops"].items()
+            if name != "h2o" and ops["1"] / full["1"] > ops_limit(name)]
     return "\n".join([*rows, "", f"{res['n']}-token prompts, budget {res['budget']:g}; bold: above the limit (on "
-                       "every op, views included); kernels: the ops that are not views. "
+                       "every op, views included); kernels: the ops that are not views. The full cache's step is "
+                       f"{full['1'] / L:.0f} ops a layer, H2O's {per_layer['h2o']:.0f} more; above the limit, ops a "
+                       f"layer beyond H2O's at batch 1: {', '.join(over) or 'none'}. "
                        f"Recorded by `{res['command']}` at {res['commit']} ({res['date']})."])
