@@ -40,9 +40,8 @@ def entry_buffer(lead: tuple, cap: int, rest: tuple, dtype, device) -> torch.Ten
 
 def kv_buffer(B: int, H_kv: int, cap: int, D: int, dtype, device) -> torch.Tensor:
     """Keys and values of `cap` entries, (B, H_kv, cap, 2, D), laid out (B, H_kv, 2, cap, D) in memory: an entry's
-    key and value move in one op, and the keys (the values) of a head stay contiguous, as attention reads them.
-    Zeros, so that a place no entry was written to is finite too (a pad: attention's 0 * v must be 0)."""
-    return torch.zeros(B, H_kv, 2, cap, D, dtype=dtype, device=device).transpose(2, 3)
+    key and value move in one op, and the keys (the values) of a head stay contiguous, as attention reads them."""
+    return torch.empty(B, H_kv, 2, cap, D, dtype=dtype, device=device).transpose(2, 3)
 
 
 class LayerCache:
@@ -126,7 +125,8 @@ class LayerCache:
 
     def _append_ragged(self, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor, end: int) -> None:
         """`append` when rows differ: row r's T entries go to its places counts[r]..counts[r] + T - 1."""
-        self._pos[:, :, self.length : end] = PAD  # places no row reaches: pads (their K, V finite: `kv_buffer`)
+        self._kv[:, :, self.length : end] = 0  # places no row reaches: pads, their keys and values finite (0 * v = 0)
+        self._pos[:, :, self.length : end] = PAD
         at = self.counts[..., None] + torch.arange(k.shape[2], device=self.counts.device)  # (B, H_kv, T)
         self._kv.scatter_(2, along(at, self._kv), torch.stack([k, v], 3))
         self._pos.scatter_(2, at, pos[:, None, :].expand_as(at))
