@@ -34,8 +34,8 @@ WRITES = ("both", "keys", "values")
 
 
 class EMAMerge:
-    """D2O's merge of evicted tokens into kept ones, one layer at a time, and each layer's threshold:
-    called with the indices a layer keeps (or the one it evicts), before the cache evicts them.
+    """D2O's merge of evicted tokens into kept ones, one layer at a time, and each layer's threshold: called
+    with the indices a layer keeps, before the cache gathers them, or (`one`) with the one entry each row evicts.
     `trace`: None (default, no cost), or a list that each call extends with a `Merged` record."""
 
     at_once = 2**18  # similarities held at once when many keys are evicted (docs/speed.md, "Where D2O's decode step goes")
