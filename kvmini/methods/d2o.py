@@ -80,7 +80,7 @@ class D2O(RowBudgets, Method):
             self.recent = Rule(f"budget * {M} // {N + M}", lambda S_l: S_l * M // (N + M))
         self.schedule = "decode" if o.start == "first_decode" else "after_prompt"
         self.merge = None if o.merge == "off" else EMAMerge(o.beta, weights=o.merge, tau=o.tau, writes=o.merge_writes)
-        self.aux = ("attention_sum",)  # Eq. 9 divides by the kept keys' norms
+        self.aux = ("attention_sum",)  # s_j of every cached token, per KV head
 
     merger = property(lambda self: self.merge)  # its `trace` records the merges (kvmini.view)
 
