@@ -1,5 +1,5 @@
-"""Budgets: what a `--budget` means in tokens, and whether a method can work with it
-(docs/design.md, "Budgets"). Pure functions, asked by kvmini.methods.method.
+"""Budgets: what a `--budget` means in tokens, a prompt's budgets per layer, and whether a method can work with them
+(docs/design.md, "Budgets"). Pure functions, asked by the engine (kvmini.engine) once per prompt.
 """
 import math
 from collections.abc import Callable
@@ -54,24 +54,31 @@ def check(name: str, method, budgets: dict[int, int], protected: tuple, advice: 
         raise KvminiError(f"{name}: a budget of {tokens(b)} (layer {layer}{source}) is {why}{advice}")
 
 
-def plan(name: str, budget: float | None, method, L: int, n: int) -> tuple[int | None, str | None, str]:
-    """(b, note, advice) for an n-token prompt and L layers: the mean budget b in tokens (None: the
-    method chooses, or, for a budget given, the prompt is too short to compress), a note for the
-    report, and the advice a refusal of b gives. A ratio too small for what the method always keeps
-    is raised to the least mean budget that works."""
+def layer_budgets(method, L: int, n: int, total_len: int | None) -> tuple:
+    """A prompt's budgets, in one place: (budgets per layer, the mean budget b, the protected layers, whether
+    compressing can change anything, a note for the report), for an n-token prompt (every token the run has
+    seen when it completes; a ratio is of those), L layers and the method's sinks, window, protected layers
+    and layer plan (`method.plan`). A ratio too small for what the method always keeps is raised to the least
+    mean budget that works; a budget no layer can work with is refused, once, here."""
+    name, budget, protected = method.name, method.budget, method.protected_in(L)
     if any(not -L <= layer < L for layer in method.protected_spec):
         raise KvminiError(f"{name}: protected layers {list(method.protected_spec)} do not all exist; "
                           f"this model has layers 0 to {L - 1}")
-    b, note = None if budget is None else resolve_budget(budget, n), None
-    fits = b is None or _fits(method, b, L, n)
+    if budget is None:  # the method chooses every layer's budget (DBudgetKV)
+        return method.plan(None, L, n), None, protected, True, None
+    b, note = resolve_budget(budget, n), None
+    fits = _fits(method, b, L, n)
     fit = None if fits else next((x for x in range(b + 1, n + 1) if _fits(method, x, L, n)), None)
     if isinstance(budget, float) and budget <= 1 and not fits:  # a ratio (resolve_budget)
-        if fit is None:
-            return None, f"not compressed: the {n}-token prompt is no longer than what {name} always keeps", ""
+        if fit is None:  # a prompt no longer than what the method always keeps: compressed nowhere
+            return [n] * L, None, (), False, f"not compressed: the {n}-token prompt is no longer than what {name} always keeps"
         note, b = f"budget raised from {b} to {fit} tokens per layer, the least {name} can keep", fit
     least = (f"the least budget that works on this {n}-token prompt is {fit} tokens per layer" if fit else
              f"no budget up to the prompt's {n} tokens works: use fewer sinks or a smaller window")
-    return b, note, f"; {least}"
+    budgets = method.plan(b, L, n)
+    check(name, method, dict(enumerate(budgets)), protected, f"; {least}", mean=b)
+    longest = n if method.schedule == "prefill" else total_len  # a budget it never exceeds changes nothing
+    return budgets, b, protected, longest is None or b < longest, note
 
 
 def _fits(method, b: int, L: int, n: int) -> bool:

@@ -97,7 +97,7 @@ class Session:
         kept = result.cache.lengths()
         snapshot = fork(result.cache, policy) if self.keep_snapshots else None
         return Turn(label, ids, result, result.cache.seen_tokens, sum(kept) / len(kept), snapshot,
-                    None if policy is None else policy.note)
+                    None if policy is None else policy.run.note)
 
     def chat_turns(self, lines) -> list[Turn]:
         """Every non-empty line of `lines` is a turn of one conversation, continuing one cache."""

@@ -11,7 +11,7 @@ import torch
 
 from kvmini.cache import KVCache
 from kvmini.errors import KvminiError
-from kvmini.methods.method import run_length
+from kvmini.engine import run_length
 from kvmini.model import Transformer
 
 

@@ -15,6 +15,7 @@ from torch import nn
 from kvmini.attention import attend
 from kvmini.cache import KVCache, LayerCache, wide
 from kvmini.config import ModelConfig
+from kvmini.engine import begin
 
 
 class RMSNorm(nn.Module):
@@ -154,27 +155,27 @@ class Transformer(nn.Module):
     def forward(self, ids: torch.Tensor, cache: KVCache | None = None, method=None, all_logits: bool = False,
                 on_layer=None):
         """Run T new tokens, ids (B, T), through the model, appending them to `cache`. Returns logits
-        (B, T, V) if all_logits else (B, 1, V). A compression `method` (kvmini.methods.method) is called
-        before layer 0, after each layer's attention and after the last layer; before each layer's
-        attention, `method.wants` names what that pass computes for it. on_layer(i), if given, hears that
-        layer i is done (progress reports)."""
+        (B, T, V) if all_logits else (B, 1, V). A compression `method` (kvmini.methods.method) is handed this
+        call's step of its run (kvmini.engine.Step) before layer 0, where it names the statistics each
+        layer's attention computes for it (`wants`), after each layer's attention and after the last layer.
+        on_layer(i), if given, hears that layer i is done (progress reports)."""
         B, T = ids.shape
         cache = cache if cache is not None else self.new_cache(B, T)
         pos = torch.arange(cache.seen_tokens, cache.seen_tokens + T, device=ids.device).expand(B, T)  # (B, T)
         angles = pos[..., None].float() * self.inv_freq  # (B, T, D/2)
         angles = torch.cat((angles, angles), dim=-1)[:, None]  # (B, 1, T, D)
-        if method is not None:
-            method.before(cache, T)
+        step = begin(method, cache, T) if method is not None else None  # the run's facts for this call
+        wants = method.before(cache, step) if method is not None else None
         x = self.model.embed_tokens(ids)  # (B, T, C)
         cos, sin = angles.cos().to(x.dtype), angles.sin().to(x.dtype)
         for i, block in enumerate(self.model.layers):
-            x, seen = block(x, pos, cos, sin, cache[i], method.wants if method is not None else None)
+            x, seen = block(x, pos, cos, sin, cache[i], wants)
             if method is not None:
-                method.after_attention(i, cache, seen)
+                method.after_attention(i, cache, seen, step)
             if on_layer is not None:
                 on_layer(i)
         if method is not None:
-            method.after_layers(cache)
+            method.after_layers(cache, step)
         cache.seen_tokens += T
         x = x if all_logits else x[:, -1:]
         return self.lm_head(self.model.norm(x))  # (B, T or 1, V)

@@ -20,8 +20,8 @@ def run_report(folder: str, model, tok, chat, method: str, options: dict, policy
         lines.append(f"vocab     the model has {vocab} output ids, the tokenizer {tok.vocab_size}: "
                      f"the {vocab - tok.vocab_size} ids without text are never sampled")
     lines.append(f"method    {describe(method, options, policy)}")
-    if policy is not None and policy.note:
-        lines.append(f"note      {policy.note}")
+    if policy is not None and policy.run.note:
+        lines.append(f"note      {policy.run.note}")
     lines.append(f"prompt    {result.prompt_tokens} tokens ({type(chat).__name__ if chat else 'raw'} format)")
     lines.append(f"prefill   {result.prefill_s:.3f} s, {result.prompt_tokens / result.prefill_s:.1f} tokens/s"
                  + (f" ({threads})" if threads else ""))
@@ -39,7 +39,7 @@ def describe(method: str, given: dict, policy) -> str:
     budgets = policy.budgets
     per_layer = f"{budgets[0]}" if len(set(budgets)) == 1 else f"{min(budgets)}-{max(budgets)} (mean {sum(budgets) / len(budgets):.1f})"
     if policy.budget is None:
-        share = sum(budgets) / (len(budgets) * policy.prompt_end)
+        share = sum(budgets) / (len(budgets) * policy.run.prompt_end)
         return f"{method}, self-chosen budget {per_layer} tokens per layer = {share:.1%} of the prompt{shown}"
     every = policy.evict_every
     amortised = (f"; evicting {every} entries every {every} decode steps, so a layer holds up to {every - 1} "
@@ -54,12 +54,13 @@ def describe(method: str, given: dict, policy) -> str:
 def budget_note(policy) -> str:
     """Why the cache holds more than the budget asks (D2O's official protected layers, DynamicKV's
     last L % m layers: a budgeter's own `holds_more_because()`), when it does."""
-    if policy.unchanged is not None:  # a prompt too short to compress: the note says so
+    run = policy.run
+    if run.unchanged is not None:  # a prompt too short to compress: the note says so
         return ""
-    protected = sorted(policy.protected)
+    protected = sorted(run.protected)
     why = policy.holds_more_because() or (
         f"layers {', '.join(map(str, protected))} are protected (never compressed)" if protected else "")
-    asked, budgets = policy.mean_budget, policy.budgets
+    asked, budgets = run.mean_budget, policy.budgets
     mean = sum(budgets) / len(budgets)
     if not why or asked is None or mean <= asked:
         return ""
@@ -131,8 +132,8 @@ def cache_report(cache: KVCache, policy=None, blocks: str = BLOCKS) -> list[str]
     if aux := aux_nbytes(cache):
         lines.append(f"aux       {aux / 2**20:.2f} MiB of per-token statistics the method keeps beside K/V "
                      f"({', '.join(dict.fromkeys(n for lc in cache.layers for n in lc.aux_names()))})")
-    if policy is not None and policy.active and policy.schedule == "prefill" and cache.seen_tokens > policy.prompt_end:
-        lines.append(f"appended  each layer's last {cache.seen_tokens - policy.prompt_end} entries were appended while "
+    if policy is not None and policy.run.active and policy.schedule == "prefill" and cache.seen_tokens > policy.run.prompt_end:
+        lines.append(f"appended  each layer's last {cache.seen_tokens - policy.run.prompt_end} entries were appended while "
                      "decoding, after the prompt was compressed (this method compresses the prompt only)")
     if policy is not None:
         total, merged = sum(policy.evicted), sum(policy.merged)

@@ -77,7 +77,7 @@ def panel(cache: KVCache, policy=None, trace: list[Merged] | None = None, name: 
     from kvmini.report import aux_nbytes
 
     n, L = cache.seen_tokens, len(cache)
-    protected = set(policy.protected) if policy is not None else set()
+    protected = set(policy.run.protected) if policy is not None else set()
     merges = {}  # (layer, head) -> [(evicted, into, weight) arrays of each record]
     for m in trace or []:
         for h in range(m.evicted.shape[1]):
@@ -109,10 +109,10 @@ def panel(cache: KVCache, policy=None, trace: list[Merged] | None = None, name: 
         scores.append(rows["score"] if score is not None else None)  # None: no score in this layer
     windows = []
     for layer in range(L):
-        if policy is None or not policy.active or layer in protected:
+        if policy is None or not policy.run.active or layer in protected:
             windows.append(None)
             continue
-        end = policy.prompt_end if policy.schedule == "prefill" else n
+        end = policy.run.prompt_end if policy.schedule == "prefill" else n
         windows.append([policy.sinks, end - policy.recent(policy.budgets[layer]), end])
     return {
         "name": name or (policy.name if policy is not None else "full"),
@@ -257,7 +257,7 @@ def compare(args) -> int:
         runs.append(run_method(model, ids, spec, DEFAULT_BUDGET if args.budget is None else args.budget,
                                args.max_new_tokens))
         cache, policy = runs[-1][:2]
-        note = f"; {policy.note}" if getattr(policy, "note", None) else ""  # e.g. a budget raised to fit
+        note = f"; {policy.run.note}" if policy is not None and policy.run.note else ""  # e.g. a budget raised to fit
         print(f"{spec}: {cache_summary(cache)}{note}", file=sys.stderr)
     write_comparison(out, runs, tok, prompt)
     print(f"wrote {out} ({out.stat().st_size / 2**20:.2f} MiB)")

@@ -15,20 +15,21 @@ class ReadsModel(h2o.H2O):
         super().__init__(budget, o)
         self.name = "reads_model"
 
-    def before(self, cache, T: int) -> None:
-        super().before(cache, T)
+    def before(self, cache, step) -> dict | None:
+        wants = super().before(cache, step)
         blocks = self.model.model.layers  # AttributeError when the run was started without its model
         self.streams: list = []  # this call's residual stream, (B, T, C): before layer 0's attention, after it, ...
         keep = lambda norm, args: self.streams.append(args[0])  # noqa: E731  (a norm's input: the stream)
         self.hooks = [norm.register_forward_pre_hook(keep) for block in blocks
                       for norm in (block.input_layernorm, block.post_attention_layernorm)]
+        return wants
 
-    def after_layers(self, cache) -> None:
+    def after_layers(self, cache, step) -> None:
         for hook in self.hooks:
             hook.remove()
         pairs = zip(self.streams[0::2], self.streams[1::2])  # (before, after) each layer's attention
         self.cosines = [F.cosine_similarity(x, y, dim=-1).mean().item() for x, y in pairs]
-        super().after_layers(cache)
+        super().after_layers(cache, step)
 
 
 def build(budget: float, o: Options = Options()) -> ReadsModel:

@@ -2,6 +2,7 @@
 import pytest
 import torch
 
+from kvmini.methods.method import Method
 from kvmini.attention import attend, explicit_attention, sdpa_attention
 from kvmini.attention import Statistic
 
@@ -112,22 +113,18 @@ def test_unknown_group_reduction_is_rejected():
         column_sums("median")
 
 
-class AskEverything:
+class AskEverything(Method):
     """A do-nothing policy that makes every layer take the explicit (statistics) path."""
 
-    wants = {"column_sums": column_sums(), "window_sums": window_sums(4), "last_row": last_row()}
-
     def __init__(self):
+        super().__init__("ask_everything", None)
         self.seen = []
 
-    def before(self, cache, T):
-        pass
+    def before(self, cache, step):
+        return {"column_sums": column_sums(), "window_sums": window_sums(4), "last_row": last_row()}
 
-    def after_attention(self, layer, cache, stats):
+    def after_attention(self, layer, cache, stats, step):
         self.seen.append((layer, stats["column_sums"].shape))
-
-    def after_layers(self, cache):
-        pass
 
 
 def test_model_explicit_path_equals_sdpa_path(tiny):
@@ -137,6 +134,7 @@ def test_model_explicit_path_equals_sdpa_path(tiny):
     model = load_model(folder, "cpu", "float32")
     ids = torch.randint(0, 97, (2, 21), generator=torch.Generator().manual_seed(3))
     policy = AskEverything()
+    policy.start(21)
     with torch.no_grad():
         fast = model(ids, all_logits=True)
         slow = model(ids, model.new_cache(2), policy, all_logits=True)

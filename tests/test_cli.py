@@ -246,7 +246,7 @@ def test_a_prompt_shorter_than_the_window_is_not_compressed(tiny_llama):
     ids = torch.tensor([[5, 6, 7, 8, 9]])
     policy = make_policy("snapkv", 0.2)  # a 32-token window for a 5-token prompt
     result = generate(model, ids, 3, policy=policy)
-    assert policy.note == "not compressed: the 5-token prompt is no longer than what snapkv always keeps"
+    assert policy.run.note == "not compressed: the 5-token prompt is no longer than what snapkv always keeps"
     assert result.tokens == generate(model, ids, 3).tokens and result.cache.lengths() == [7, 7]
     with pytest.raises(Exception, match="too small for 0 sinks and a window of 32"):  # a token count stays exact
         generate(model, torch.arange(40)[None] % 90, 3, policy=make_policy("snapkv", 16))

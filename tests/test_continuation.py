@@ -269,7 +269,7 @@ def test_a_batch_with_budgets_per_sequence_moves_to_the_next_prompt():
     model, policy = random_model(L=3), make_policy("d2o", 0.5, variant="paper")
     first = generate(model, turns(B=2, sizes=(20,))[0], 2, policy=policy, more_prompts=True)
     generate(model, turns(B=2, sizes=(9,))[0], 2, policy=policy, cache=first.cache)
-    assert policy.prompt_end == 20 + 1 + 9 and len(policy.row_budgets[0]) == 2  # one policy, a budget per sequence
+    assert policy.run.prompt_end == 20 + 1 + 9 and len(policy.row_budgets[0]) == 2  # one policy, a budget per sequence
 
 
 @pytest.mark.parametrize("name", ["snapkv", "d2o", "h2o"])  # once per prompt, per sequence, every call
@@ -330,7 +330,7 @@ def test_next_prompt_refuses_a_total_len_short_of_its_end():
     with pytest.raises(KvminiError, match=r"h2o: total_len must be None or a whole number >= the prompt's end \(32\), got 31$"):
         policy.next_prompt(12, 31)
     policy.next_prompt(12, 32)
-    assert policy.prompt_end == 32
+    assert policy.run.prompt_end == 32
 
 
 def test_prefill_refuses_a_model_that_is_not_a_transformer():

@@ -436,7 +436,7 @@ def test_d2o_allocation_alternatives_and_short_prompts():
             prefill(model, ids[:, :6], model.new_cache(1), make_policy("d2o", 3, **KVMINI))
         half = make_policy("d2o", 0.5, **KVMINI)  # a share of a short prompt is raised to what works instead
         prefill(model, ids[:, :6], model.new_cache(1), half)
-        assert half.note == "budget raised from 3 to 5 tokens per layer, the least d2o can keep"
+        assert half.run.note == "budget raised from 3 to 5 tokens per layer, the least d2o can keep"
 
 
 def test_deferred_allocation_completes_with_protected_layers():

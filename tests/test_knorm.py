@@ -51,8 +51,7 @@ def test_knorm_asks_attention_for_nothing():
     policy.start(10, 10)
     model = random_model(L=2)
     cache = model.new_cache(1)
-    policy.before(cache, 10)
-    assert policy.wants is None  # the fast SDPA path
+    assert policy.before(cache, policy.run.step(policy, cache, 10)) is None  # the fast SDPA path
 
 
 def test_knorm_keeps_the_smallest_keys_by_hand():
@@ -64,6 +63,7 @@ def test_knorm_keeps_the_smallest_keys_by_hand():
     cache = type("OneLayer", (list,), {"seen_tokens": 0})([lc])  # what KNorm's hooks read of a KVCache
     policy = make_policy("knorm", 2)
     policy.start(4)
-    policy.before(cache, 4)
-    policy.after_attention(0, cache, None)
+    step = policy.run.step(policy, cache, 4)
+    policy.before(cache, step)
+    policy.after_attention(0, cache, {}, step)
     assert lc.positions.tolist() == [[[1, 2]]]  # the two keys of norm 1 (the tie goes to the earlier)

@@ -147,10 +147,10 @@ def test_a_new_method_with_a_new_option_needs_its_module_and_one_registry_line(m
     class VNorm(Method):
         schedule = "prefill"
 
-        def after_attention(self, layer, cache, seen):
-            lc, b = cache[layer], self.budgets[layer]
-            if self.active and self.completes and lc.length > b:
-                shrink(lc, lc.values.norm(dim=-1), b, 0, 0, self.newest)  # the largest values stay
+        def after_attention(self, layer, cache, seen, step):
+            lc, b = cache[layer], step.budgets[layer]
+            if step.compresses and step.completes and lc.length > b:
+                shrink(lc, lc.values.norm(dim=-1), b, 0, 0, step.newest)  # the largest values stay
 
     @dataclass(frozen=True)
     class Options:

@@ -160,13 +160,13 @@ def test_invariants(name, kv_heads, group, B, n, steps, budget, chunk, seed):
                 counts = [len(h) for h in heads]
                 held = Fraction(sum(counts), len(counts))  # per KV head, on average (exact)
                 assert own_counts(base) or len(set(counts)) == 1, "a layer's heads hold the same count"
-                b_l = budget_of(base, l, b) if base.active else seen  # inactive: budget >= the sequence
+                b_l = budget_of(base, l, b) if base.run.active else seen  # inactive: budget >= the sequence
                 if own_counts(base) and l in base.kept:  # each head's budget, as the method gave it
                     gave = base.kept[l][b].tolist()
                     assert sum(gave) / len(gave) <= b_l + 0.5, "never above budget (each head's count rounded)"
                     assert seen < n or counts == [g + seen - n for g in gave], "each head holds what it was given"
                     b_l = Fraction(sum(gave), len(gave))
-                if l in base.protected:  # never compressed
+                if l in base.run.protected:  # never compressed
                     assert held == seen
                     continue
                 if base.schedule == "decode":  # D2O's official variant: from the first decode step on
@@ -179,7 +179,7 @@ def test_invariants(name, kv_heads, group, B, n, steps, budget, chunk, seed):
                 elif seen <= n:  # prefill-only methods compress when the prompt is complete, then append
                     assert held == (min(n, b_l) if seen == n else seen)
                 else:
-                    assert held == min(n, b_l if base.active else n) + seen - n
+                    assert held == min(n, b_l if base.run.active else n) + seen - n
                 sinks = base.sinks if seen > 0 else 0
                 recent = min(base.recent(b_l), seen)
                 want = set(range(min(sinks, seen))) | set(range(seen - recent, seen))
@@ -402,12 +402,13 @@ def in_order(text: str, fragments: list[str]) -> bool:
 
 
 FORWARD = [  # (docs/design.md's forward call, the model's code): the same calls, in one order
-    ("method.before(cache, T)", "method.before(cache, T)"),
+    ("step = begin(method, cache, T)", "step = begin(method, cache, T)"),
+    ("wants = method.before(cache, step)", "wants = method.before(cache, step)"),
     ("cache[l].append(k, v, positions)", "cache.append(k, v, pos)"),
-    ("attend(q, cache[l], method.wants)", "attend(q, K, V,"),
+    ("attend(q, cache[l], wants)", "attend(q, K, V,"),
     ("o_proj -> MLP", "self.mlp("),
-    ("method.after_attention(l, cache, seen)", "method.after_attention(i, cache, seen)"),
-    ("method.after_layers(cache)", "method.after_layers(cache)"),
+    ("method.after_attention(l, cache, seen, step)", "method.after_attention(i, cache, seen, step)"),
+    ("method.after_layers(cache, step)", "method.after_layers(cache, step)"),
 ]
 
 

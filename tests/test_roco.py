@@ -63,7 +63,8 @@ def run_toy(calls, budget, options, seen=None):
     cache = OneLayer(lc)
     kept, t = [], 0
     for c, T in enumerate(calls):
-        method.before(cache, T)  # declares a, q and n at the first call
+        step = method.run.step(method, cache, T)  # declares a, q and n at the first call
+        method.before(cache, step)
         lc.append(torch.zeros(1, 1, T, 2, dtype=torch.float64), torch.zeros(1, 1, T, 2, dtype=torch.float64),
                   torch.arange(t, t + T)[None])
         held = lc.positions[0, 0].tolist()  # buffer order
@@ -75,11 +76,11 @@ def run_toy(calls, budget, options, seen=None):
                 w = TOY_ROWS[i][p] / total
                 sums[0, 0, held.index(p)] += w
                 squares[0, 0, held.index(p)] += w * w
-        method.add_up(lc, {"column_sums": sums, "column_squares": squares})  # R1-R2
+        method.add_up(lc, {"column_sums": sums, "column_squares": squares}, step)  # R1-R2
         if seen is not None:
             seen(c, lc, method)
         if lc.length > budget:
-            method.evict(lc, budget)  # R3-R5
+            method.evict(lc, budget, step.newest, decode=not step.in_prompt)  # R3-R5
         kept.append(sorted(lc.positions[0, 0].tolist()))
         t += T
         cache.seen_tokens = t

@@ -63,12 +63,12 @@ def budget_for(name: str, budget: int, L: int = 3, n: int = 40) -> int | None:
 
 def statistics(name: str, options: dict) -> frozenset:
     """The attention statistics (name, queries, head reduction, function) the method reads in a prompt's
-    call: what it asks for (`wants`) at each layer of a 40-token prompt on a tiny random model."""
+    call: what it asks for (`wants`) in each call of a 40-token prompt on a tiny random model."""
     from reference import random_model
 
     policy, asks = parts(name, options), []
-    run = policy.after_attention
-    policy.after_attention = lambda layer, cache, seen: asks.append(policy.wants) or run(layer, cache, seen)
+    before = policy.before
+    policy.before = lambda cache, step: asks.append(before(cache, step)) or asks[-1]
     ids = torch.randint(0, 61, (1, 40), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         prefill(random_model(L=3), ids, random_model(L=3).new_cache(1), policy)

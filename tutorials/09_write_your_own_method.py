@@ -49,10 +49,11 @@ from kvmini.methods.registry import make_policy, parse_spec  # noqa: E402
 # ## The score
 #
 # A method is one class in its own module (docs/design.md, "The method form"): it extends `Method`
-# (`kvmini/methods/method.py`, a run's bookkeeping) and fills in the hooks the model's forward pass
-# calls. `before(cache, T)` says what this call's attention passes compute (`self.wants`: here the
-# column sums of its queries); `after_attention(layer, cache, seen)` is the method's step for one
-# layer, read in order: add this call's column sums $\sum_i A_{ij}$ to every cached token's running
+# (`kvmini/methods/method.py`: its settings and the hook contract) and fills in the hooks the model's
+# forward pass calls, each handed the call's `step`, the facts of the run that the engine keeps
+# (`kvmini/engine.py`: `step.budgets`, `step.newest`, `step.compresses`, `step.keeps_sums`, ...).
+# `before(cache, step)` returns what this call's attention passes compute (here the column sums of its
+# queries); `after_attention(layer, cache, seen, step)` is the method's step for one layer, read in order: add this call's column sums $\sum_i A_{ij}$ to every cached token's running
 # sum (the cache's aux buffer `attention_sum`, which follows each eviction, as H2O's does), keep the
 # norms of the values this call cached, and, when the layer holds more than its budget, `shrink` it to
 # the sinks, the best scores and the recent window (`kvmini/methods/selectors.py`, a function H2O
@@ -417,9 +418,10 @@ print("kept sets equal at every call:", [len(kept[0][0][0]) for kept in got_kept
 class LowCounts(ColumnSums):
     """Records every layer's low counts over the last 400 queries of the prompt, compressing nothing."""
 
-    wants = {"low_counts": scissorhands.Scissorhands(0.2).low}  # over the last 400 queries
+    def before(self, cache, step):
+        return {"low_counts": scissorhands.Scissorhands(0.2).low}  # over the last 400 queries
 
-    def after_attention(self, layer, cache, stats):
+    def after_attention(self, layer, cache, stats, step):
         self.sums.append(stats["low_counts"])
 
 
@@ -539,28 +541,32 @@ class WindowVariance(Method):
     def recent(self, b):
         return W  # always kept: what the budget must leave room for
 
-    def before(self, cache, T):
-        super().before(cache, T)
-        self.variance, self.score, self.held = {}, {}, []  # layer -> V_l, and its score
-        self.wants = WINDOW | {"column_sums": Statistic()} if self.active and self.completes else None
+    def before(self, cache, step):
+        if step.first:  # this prompt's measures: layer -> V_l, and its score
+            self.variance, self.score, self.held, self.chosen = {}, {}, [], None
+        return WINDOW | {"column_sums": Statistic()} if step.compresses and step.completes else None
 
-    def after_attention(self, layer, cache, seen):
-        if self.wants is None:
+    def after_attention(self, layer, cache, seen, step):
+        if not seen:
             return
         self.variance[layer] = window_variance(seen)[seen["seen"] > 0].mean().item()  # V_l
         self.score[layer] = seen["column_sums"]  # (B, H_kv, S): the attention each key received
         self.held.append(cache[layer].length)  # nothing compressed yet
         print(f"layer {layer}: V_l = {self.variance[layer]:.5f}, holds {cache[layer].length} entries")
 
-    def after_layers(self, cache):
-        if self.wants is None:
+    def after_layers(self, cache, step):
+        if not (step.compresses and step.completes):
             return
-        L, n = len(cache), self.prompt_end
+        L, n = len(cache), step.prompt_end
         V = [self.variance[l] for l in range(L)]
-        self._budgets = proportional(V, self.mean_budget * L, low=W + 1, high=[n] * L)  # every layer, sum L·b
+        self.chosen = proportional(V, step.mean_budget * L, low=W + 1, high=[n] * L)  # every layer, sum L·b
         for layer in range(L):
-            self.evicted[layer] += cache[layer].length - self._budgets[layer]
-            shrink(cache[layer], self.score[layer], self._budgets[layer], 0, W, self.newest)
+            self.evicted[layer] += cache[layer].length - self.chosen[layer]
+            shrink(cache[layer], self.score[layer], self.chosen[layer], 0, W, step.newest)
+
+    @property
+    def budgets(self):  # the layer budgets it chose (the report reads them), else the run's plan
+        return self.chosen or super().budgets
 
 
 policy = WindowVariance("window_variance", 10)
@@ -628,13 +634,12 @@ class OutputAware(Method):
     def recent(self, b):
         return W
 
-    def before(self, cache, T):
-        super().before(cache, T)
-        wanted = self.active and self.completes
-        self.wants = {"columns": Statistic(reduce="heads")} if wanted else None  # (B, H, S): sum_i A^h_ij
+    def before(self, cache, step):
+        wanted = step.compresses and step.completes
+        return {"columns": Statistic(reduce="heads")} if wanted else None  # (B, H, S): sum_i A^h_ij
 
-    def after_attention(self, layer, cache, seen):
-        if self.wants is None:
+    def after_attention(self, layer, cache, seen, step):
+        if not seen:
             return
         lc, attn = cache[layer], self.model.model.layers[layer].self_attn  # this layer's attention module
         H, H_kv, D = attn.H, attn.H_kv, attn.D
@@ -642,9 +647,9 @@ class OutputAware(Method):
         v = lc.values.repeat_interleave(H // H_kv, dim=1)  # (B, H, S, D): the values each query head reads
         through = torch.einsum("bhsd,chd->bhsc", v, W_o).norm(dim=-1)  # (B, H, S): ||W_o^h v_j||
         score = reduce_heads(seen["columns"] * through, H_kv, "mean")  # (B, H_kv, S)
-        b = self.budgets[layer]
+        b = step.budgets[layer]
         self.evicted[layer] += lc.length - b
-        shrink(lc, score, b, 0, W, self.newest)
+        shrink(lc, score, b, 0, W, step.newest)
 
 
 policy = OutputAware("output_aware", 12)

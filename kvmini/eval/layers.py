@@ -21,20 +21,19 @@ ADAPTIVE = ("pyramidkv", "d2o", "d2o[variant=paper]", "dynamickv", "dbudgetkv")
 
 
 class ColumnSums:
-    """A policy that compresses nothing and records every layer's column sums, (1, H_kv, n) each."""
-
-    wants = {"column_sums": Statistic()}  # what every layer's attention pass computes
+    """A recorder that compresses nothing (it keeps no run: its hooks are handed no step) and records every
+    layer's column sums, (1, H_kv, n) each."""
 
     def __init__(self):
         self.sums: list[torch.Tensor] = []
 
-    def before(self, cache, T):
-        pass
+    def before(self, cache, step):
+        return {"column_sums": Statistic()}  # what every layer's attention pass computes
 
-    def after_attention(self, layer, cache, stats):
+    def after_attention(self, layer, cache, stats, step):
         self.sums.append(stats["column_sums"])
 
-    def after_layers(self, cache):
+    def after_layers(self, cache, step):
         pass
 
 

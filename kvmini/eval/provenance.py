@@ -45,7 +45,7 @@ REGISTRY = "kvmini/methods/registry.py"
 # timed row: the rows are measured once, when it completes, each step being measured side by side with the
 # commit before it instead, and every document that shows them says so (docs/evaluation.md, "When a result
 # is stale"). A method not measured, or changed sizes, stale a timed result as always.
-REDESIGN = None  # none today: issue 70's and issue 77's steps were measured again when they completed
+REDESIGN = "issue 83 moves the engine in steps (a run is the engine's; D2O's steps; one attention path)"
 RECORD = "PYTHONPATH=. python tests/test_engine_regression.py --record"
 
 

@@ -51,7 +51,7 @@ POLICY = "kvmini.method"  # the profiler label of the method's hooks (ops_per_st
 
 
 class Timed:
-    """A method's policy whose hooks are timed: `seconds` adds up the time spent in `wants`,
+    """A method's policy whose hooks are timed: `seconds` adds up the time spent in `before`,
     `after_attention` and `after_layers` (scoring, budgeting, compressing). Attention statistics are computed
     inside the attention pass, so they count as model time. CPU wall time (no CUDA synchronization).
     `marked`: the hooks also run under a profiler label (see ops_per_step)."""
@@ -74,15 +74,14 @@ class Timed:
         self.seconds += time.perf_counter() - t0
         return out
 
-    @property
-    def wants(self):
-        return self._timed(lambda: self.policy.wants)
+    def before(self, cache, step):
+        return self._timed(self.policy.before, cache, step)
 
-    def after_attention(self, layer: int, cache, stats: dict) -> None:
-        self._timed(self.policy.after_attention, layer, cache, stats)
+    def after_attention(self, layer: int, cache, stats: dict, step) -> None:
+        self._timed(self.policy.after_attention, layer, cache, stats, step)
 
-    def after_layers(self, cache) -> None:
-        self._timed(self.policy.after_layers, cache)
+    def after_layers(self, cache, step) -> None:
+        self._timed(self.policy.after_layers, cache, step)
 
 
 def ops_per_step(model, nxt: torch.Tensor, cache, policy: Timed) -> int:

@@ -64,11 +64,12 @@ class AdaKV(SnapKV):
         super().__init__(budget, snapkv.Options(o.window, o.kernel, o.pooling), "adakv")  # query heads averaged
         self.alpha = o.alpha
 
-    def _new_run(self, prompt_len, total_len) -> None:
-        super()._new_run(prompt_len, total_len)
-        self.kept = {}  # layer -> (B, H_kv) entries each head kept: its own budget
+    def before(self, cache, step) -> dict | None:
+        if step.start == 0:
+            self.kept = {}  # layer -> (B, H_kv) entries each head kept in this run: its own budget
+        return super().before(cache, step)
 
-    def select(self, layer: int, lc, score: torch.Tensor, b: int) -> None:
+    def select(self, layer: int, lc, score: torch.Tensor, b: int, newest: int) -> None:
         idx, self.kept[layer] = across_heads(score, b, self.window, self.alpha)
         lc.keep(idx, self.kept[layer])
 

@@ -92,23 +92,22 @@ class CaM(Method):
 
     merger = property(lambda self: self.merge)  # its `trace` records the merges (kvmini.view)
 
-    def before(self, cache, T: int) -> None:
-        if not self.started:
-            self.merge.start(len(cache))
-        super().before(cache, T)
+    def before(self, cache, step) -> dict | None:
+        if step.start == 0:
+            self.merge.start(len(cache))  # a new run: the merge draws start again
         if self.accumulated:
-            self.wants = {"column_sums": Statistic(reduce=self.reduce)} if self.updates else None  # sum_i A_ij
-        else:  # "w.o. Acc. Attention": the current step's row only
-            self.wants = {"last_row": Statistic(last=1, reduce=self.reduce)} if self.active else None
+            return {"column_sums": Statistic(reduce=self.reduce)} if step.keeps_sums else None  # sum_i A_ij
+        # "w.o. Acc. Attention": the current step's row only
+        return {"last_row": Statistic(last=1, reduce=self.reduce)} if step.compresses else None
 
-    def after_attention(self, layer: int, cache, seen) -> None:
-        lc, b = cache[layer], self.budgets[layer]
-        if self.accumulated and self.updates:
+    def after_attention(self, layer: int, cache, seen, step) -> None:
+        lc, b = cache[layer], step.budgets[layer]
+        if self.accumulated and step.keeps_sums:
             lc.aux("attention_sum").add_(seen["column_sums"])  # 1. \bar A_j (B, H_kv, S)
-        if self.active and lc.length > b + self.slack:
+        if step.compresses and lc.length > b + step.slack:
             self.evicted[layer] += lc.length - b
             score = lc.aux("attention_sum") if self.accumulated else seen["last_row"]
-            self._merged[layer] += self.merge(layer, lc, score, b)  # 2. the oldest go, merged (Eq. 14, Alg. 1)
+            self.run.merged[layer] += self.merge(layer, lc, score, b)  # 2. the oldest go, merged (Eq. 14, Alg. 1)
 
     def describe(self, lc) -> tuple[str, torch.Tensor | None]:
         if not self.accumulated:

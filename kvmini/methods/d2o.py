@@ -84,84 +84,84 @@ class D2O(RowBudgets, Method):
 
     merger = property(lambda self: self.merge)  # its `trace` records the merges (kvmini.view)
 
-    def before(self, cache, T: int) -> None:
-        if not self.started:  # a protected layer is scored too (the official allocation measures it)
+    def before(self, cache, step) -> dict | None:
+        if step.start == 0:  # a new run: a protected layer is scored too (the official allocation measures it)
             for layer in range(len(cache)):
                 cache[layer].declare(*self.aux)
             if self.merge is not None:
                 self.merge.reset()
-        super().before(cache, T)
-        start, n = self.seen - T, self.prompt_end
-        if start == self.prompt_start:  # this prompt's Eq. 4 (per layer, one per sequence), and its pieces' sums
+        n, T = step.prompt_end, step.T
+        if step.first:  # this prompt's Eq. 4 (per layer, one per sequence), and its pieces' sums
             self.F_v, self.allocated, self.sums, self.held = {}, False, {}, [rows_held(lc) for lc in cache.layers]
+            self.row_budgets = None
         self.held = [[h + T for h in rows] for rows in self.held]  # what each row of a layer holds in this call
-        self.pieces = self.active and self.in_prompt and T < n - self.prompt_start  # a prompt fed in several calls
-        self.compresses = self.active and (self.seen > n if self.schedule == "decode" else self.seen >= n)
-        measures = self.active and self.in_prompt  # F_v is taken on the prompt's attention
-        wanted = {"column_sums": Statistic(reduce=self.o.reduce)} if self.updates or measures else {}
+        self.pieces = step.compresses and step.in_prompt and T < n - step.prompt_start  # a prompt fed in several calls
+        self.due = step.compresses and (step.end > n if self.schedule == "decode" else step.end >= n)
+        measures = step.compresses and step.in_prompt  # F_v is taken on the prompt's attention
+        wanted = {"column_sums": Statistic(reduce=self.o.reduce)} if step.keeps_sums or measures else {}
         if measures and self.o.allocation in HEADS:
             wanted["column_sums_heads"] = Statistic(reduce="heads")  # (B, H, S): Eq. 4 per query head
         if self.pieces and wanted:  # each piece's share per query head, added up until the prompt is complete
             wanted = {"column_sums": Statistic(reduce="heads")}
-        self.wants = wanted or None
-        if self.compresses and not self.allocated and len(self.F_v) == len(cache):  # the first decode step
-            self.allocate(cache[0].length + T, cache[0].positions.device)
+        if self.due and not self.allocated and len(self.F_v) == len(cache):  # the first decode step
+            self.allocate(cache[0].length + T, cache[0].positions.device, step)
+        return wanted or None
 
-    def after_attention(self, layer: int, cache, seen) -> None:
+    def after_attention(self, layer: int, cache, seen, step) -> None:
         lc = cache[layer]
-        column, heads = self.column_sums(layer, lc, seen)
+        column, heads = self.column_sums(layer, lc, seen, step)
         if column is None:
             return  # nothing asked, or a piece of the prompt: its sums wait for the rest
-        if self.updates:
+        if step.keeps_sums:
             lc.aux("attention_sum").add_(column)  # 1. s_j += sum_i A_ij, (B, H_kv, S)
-        if self.completes and self.active:  # 2. Eq. 4 on the whole prompt, each sequence's own
+        if step.completes and step.compresses:  # 2. Eq. 4 on the whole prompt, each sequence's own
             self.F_v[layer] = [layer_variance(self.o.allocation, column[r : r + 1, :, :S], None if heads is None else
                                               heads[r : r + 1, :, :S]) for r, S in enumerate(self.held[layer])]
-        if self.allocated and layer not in self.protected:
-            self.compress(layer, lc)
+        if self.allocated and layer not in step.protected:
+            self.compress(layer, lc, step)
 
-    def after_layers(self, cache) -> None:
+    def after_layers(self, cache, step) -> None:
         """The prompt's call (paper: compressed when the prompt is complete): every layer measured, budgeted
         (Eq. 5) and compressed, in layer order."""
-        if self.compresses and not self.allocated and len(self.F_v) == len(cache):
-            self.allocate(cache[len(cache) - 1].length, cache[0].positions.device)
+        if self.due and not self.allocated and len(self.F_v) == len(cache):
+            self.allocate(cache[len(cache) - 1].length, cache[0].positions.device, step)
             for layer in range(len(cache)):
-                if layer not in self.protected:
-                    self.compress(layer, cache[layer])
+                if layer not in step.protected:
+                    self.compress(layer, cache[layer], step)
 
-    def column_sums(self, layer: int, lc, seen) -> tuple:
+    def column_sums(self, layer: int, lc, seen, step) -> tuple:
         """This call's column sums (B, H_kv, S) and, if Eq. 4 reads them, each query head's (B, H, S); for
         a prompt in pieces, the whole prompt's in the call that completes it and (None, None) before."""
-        if self.wants is None:
+        if not seen:
             return None, None
         if not self.pieces:
             return seen["column_sums"], seen.get("column_sums_heads")
         C = add_up(self.sums, layer, seen["column_sums"])  # (B, H, S): the prompt's so far, per query head
-        if not self.completes:
+        if not step.completes:
             return None, None
         del self.sums[layer]
         return reduce_heads(C, lc.keys.shape[1], self.o.reduce), C if self.o.allocation in HEADS else None
 
-    def allocate(self, length: int, device) -> None:
+    def allocate(self, length: int, device, step) -> None:
         """2. S_l of every layer from F_v (Eq. 5; `length`: what a layer holds now), each sequence's own, checked
         once; `budgets` reports their mean."""
         L, B = len(self.F_v), len(self.F_v[0])
-        rows = [allocate([self.F_v[l][r] for l in range(L)], self.o.allocation, self.mean_budget, self.prompt_end,
-                         length, self.protected, self.nm, self.o.sinks + 4, self.o.softmax_temperature,
+        rows = [allocate([self.F_v[l][r] for l in range(L)], self.o.allocation, step.mean_budget, step.prompt_end,
+                         length, step.protected, self.nm, self.o.sinks + 4, self.o.softmax_temperature,
                          self.o.clamp_budgets) for r in range(B)]
         for row in rows:
-            check(self.name, self, dict(enumerate(row)), self.protected)
+            check(self.name, self, dict(enumerate(row)), step.protected)
         for layer, b in enumerate(zip(*rows)):
             self.set_budgets(layer, b)  # each sequence's S_l
         self.recents = [torch.tensor([self.recent(x) for x in b], device=device)[:, None, None] for b in self.row_budgets]
         self.allocated = True
 
-    def compress(self, layer: int, lc) -> None:
+    def compress(self, layer: int, lc, step) -> None:
         """3. Keep T sinks + N heavy hitters + M recent tokens (Eq. 6-8), the evicted merged first (Eq. 9-12);
         each sequence to its own budget, all at once (rows that keep different counts: kvmini.cache)."""
         held = self.held[layer]  # per sequence, counted here: no wait for the device
         b = self.budget_rows(layer, len(held))
-        keep = [x if h > x + self.slack else h for h, x in zip(held, b)]
+        keep = [x if h > x + step.slack else h for h, x in zip(held, b)]
         if keep == held:
             return
         self.evicted[layer] += sum(held) - sum(keep)
@@ -170,9 +170,9 @@ class D2O(RowBudgets, Method):
         b, held = per_row(keep, held)  # an int when every sequence agrees, else one each
         recent = self.recent(b) if held is None else self.recents[layer]  # (B, 1, 1): each row's window
         if self.merge is None:
-            shrink_rows(lc, score, b, self.sinks, recent, self.newest, held)
+            shrink_rows(lc, score, b, self.sinks, recent, step.newest, held)
         else:
-            self._merged[layer] += shrink_merging(self.merge, layer, lc, score, b, self.sinks, recent, self.newest, held)
+            self.run.merged[layer] += shrink_merging(self.merge, layer, lc, score, b, self.sinks, recent, step.newest, held)
 
     def describe(self, lc) -> tuple[str, torch.Tensor | None]:
         return "accumulated attention (H2O's score: summed over every query so far)", lc.aux("attention_sum")

@@ -71,33 +71,31 @@ class DBudgetKV(RowBudgets, Method):
     def plan(self, b, L: int, n: int) -> list[int]:
         return [n] * L if self.rule else super().plan(b, L, n)  # the rule: nothing is pruned until a layer chose
 
-    def before(self, cache, T: int) -> None:
-        super().before(cache, T)
-        start, n = self.seen - T, self.prompt_end
-        if start == self.prompt_start:
-            self.sums = {}  # layer -> name -> this prompt's sums so far, per query head (B, H, S)
+    def before(self, cache, step) -> dict | None:
+        if step.first:
+            self.sums, self.row_budgets = {}, None  # layer -> name -> this prompt's sums so far, per query head (B, H, S)
         wanted = {}  # this call's share of the last k queries (Eq. 1), of the window's, of all (cumulative)
-        for name, last, needed in (("dbudgetkv_rows", self.o.k, self.rule and self.active),
-                                   ("dbudgetkv_window", self.window, self.window and self.active),
-                                   ("column_sums", n, self.o.ranking == "cumulative" and self.updates)):
-            mine = self.seen - max(start, n - last)  # this call's queries among them
-            if needed and self.in_prompt and mine > 0:
+        for name, last, needed in (("dbudgetkv_rows", self.o.k, self.rule and step.compresses),
+                                   ("dbudgetkv_window", self.window, self.window and step.compresses),
+                                   ("column_sums", step.prompt_end, self.o.ranking == "cumulative" and step.keeps_sums)):
+            mine = step.end - max(step.start, step.prompt_end - last)  # this call's queries among them
+            if needed and step.in_prompt and mine > 0:
                 wanted[name] = Statistic(mine, None, "heads")
-        self.wants = wanted or None
+        return wanted or None
 
-    def after_attention(self, layer: int, cache, seen) -> None:
-        if layer in self.protected or not self.in_prompt:
+    def after_attention(self, layer: int, cache, seen, step) -> None:
+        if layer in step.protected or not step.in_prompt:
             return
         lc = cache[layer]
         H_kv, sums = lc.keys.shape[1], self.sums.setdefault(layer, {})
-        for name in seen if self.wants is not None else ():  # this call's share added to the prompt's so far
+        for name in seen:  # this call's share added to the prompt's so far
             add_up(sums, name, seen[name])
-        if self.active and not self.completes:
+        if step.compresses and not step.completes:
             return  # a piece of the prompt: its sums wait for the rest
         got = {name: reduce_heads(C, H_kv, self.o.reduce) for name, C in self.sums.pop(layer).items()}
-        if self.updates and "column_sums" in got:
+        if step.keeps_sums and "column_sums" in got:
             lc.aux("attention_sum").add_(got["column_sums"])
-        if not (self.active and self.completes):
+        if not (step.compresses and step.completes):
             return
         score = {"position": lambda: lc.positions.float(), "cumulative": lambda: lc.aux("attention_sum"),
                  "window_attention": lambda: window_scores(got["dbudgetkv_window"], lc.held(), self.window, 1, "avg")}
@@ -108,7 +106,7 @@ class DBudgetKV(RowBudgets, Method):
             self.set_budgets(layer, [S - self.to_prune(s[r : r + 1, :, :S], score[r : r + 1, :, :S])
                                      for r, S in enumerate(held)])
         if cut := self.over(layer, lc, self.budget_rows(layer, len(held))):
-            shrink_rows(lc, score, cut[0], self.sinks, self.window, self.newest, cut[1])
+            shrink_rows(lc, score, cut[0], self.sinks, self.window, step.newest, cut[1])
 
     def to_prune(self, s: torch.Tensor, score: torch.Tensor) -> int:
         """How many of one sequence's S entries Alg. 1 prunes, s and score (1, H_kv, S)."""

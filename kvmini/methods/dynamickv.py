@@ -80,33 +80,35 @@ class DynamicKV(RowBudgets, SnapKV):
 
     def holds_more_because(self) -> str:
         """Why layers may hold more than the mean budget b asks (run.py's report, kvmini.report), or ''."""
-        tail = len(self._budgets or ()) % self.o.interval
+        tail = len(self.budgets or ()) % self.o.interval
         if not self.progressive or not tail or self.o.tail_reallocation:
             return ""
         return (f"the last {tail} layers come after the last re-allocation (every {self.o.interval} layers, "
                 "Alg. 1 line 24) and keep b_s + w_s; --tail-reallocation true re-budgets them")
 
-    def before(self, cache, T: int) -> None:
-        super().before(cache, T)
-        if self.seen - T == self.prompt_start:
+    def before(self, cache, step) -> dict | None:
+        if step.first:
             self.A, self.held, self.scores = [], [], {}  # per finished layer: A_l, what it holds, its score
+            self.row_budgets = None
+        return super().before(cache, step)
 
-    def compress(self, layer: int, cache, score: torch.Tensor) -> None:
+    def compress(self, layer: int, cache, score: torch.Tensor, step) -> None:
         if not self.progressive:  # the ablation: SnapKV with DynamicKV's window
-            return super().compress(layer, cache, score)
+            return super().compress(layer, cache, score, step)
         self.scores[layer] = score
-        for i, b in self.rebudget(layer, cache, score).items():  # this layer, and the finished ones re-budgeted
+        for i, b in self.rebudget(layer, cache, score, step).items():  # this layer, and the finished ones re-budgeted
             if cut := self.over(i, cache[i], b):  # b: per sequence
-                slots = trim(cache[i], self.scores[i], *cut, self.window, self.newest)
+                slots = trim(cache[i], self.scores[i], *cut, self.window, step.newest)
                 self.scores[i] = self.scores[i].gather(2, slots)  # the score follows what is left
 
-    def rebudget(self, layer: int, cache, score: torch.Tensor) -> dict[int, list[int]]:
+    def rebudget(self, layer: int, cache, score: torch.Tensor, step) -> dict[int, list[int]]:
         """{layer: its budget per sequence} for this layer and every finished layer Eq. 5-8 re-budgets now (Alg. 1),
         each sequence by its own scores."""
-        n, w, w_t, L, l, B = score.shape[-1], self.window, self.mean_budget, len(cache), layer + 1, score.shape[0]
+        n, w, w_t, L, l, B = score.shape[-1], self.window, step.mean_budget, len(cache), layer + 1, score.shape[0]
+        b_l = step.budgets[layer]  # this layer's first budget: r_max (w_t - w) + w
         self.A.append(score[:, :, : n - w])  # A_l over the non-window keys
-        self.held.append([min(h, self._budgets[layer]) for h in rows_held(cache[layer])])  # per sequence
-        keep = {layer: [self._budgets[layer]] * B}
+        self.held.append([min(h, b_l) for h in rows_held(cache[layer])])  # per sequence
+        keep = {layer: [b_l] * B}
         if l % self.o.interval == 0 or (l == L and self.o.tail_reallocation):  # Alg. 1 line 24; the tail is kvmini's
             for r in range(B):  # each sequence's own counts: once per re-allocation
                 held = [h[r] for h in self.held]

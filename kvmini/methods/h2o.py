@@ -32,17 +32,16 @@ class H2O(Method):
         super().__init__("h2o", budget)
         self.recent, self.reduce = Rule.of_(o.recent, "recent"), o.reduce  # recent(b): the window of budget b
 
-    def before(self, cache, T: int) -> None:
-        super().before(cache, T)
-        self.wants = {"column_sums": Statistic(reduce=self.reduce)} if self.updates else None  # this call's A_ij, summed over i
+    def before(self, cache, step) -> dict | None:
+        return {"column_sums": Statistic(reduce=self.reduce)} if step.keeps_sums else None  # this call's A_ij, summed over i
 
-    def after_attention(self, layer: int, cache, seen) -> None:
-        lc, b, s = cache[layer], self.budgets[layer], cache[layer].aux("attention_sum")  # s: s_j, (B, H_kv, S)
-        if self.updates:
+    def after_attention(self, layer: int, cache, seen, step) -> None:
+        lc, b, s = cache[layer], step.budgets[layer], cache[layer].aux("attention_sum")  # s: s_j, (B, H_kv, S)
+        if step.keeps_sums:
             s.add_(seen["column_sums"])  # s_j += \sum_i A_ij over this call's queries
-        if self.active and lc.length > b + self.slack:  # every call: a prompt chunk, or one decode step
+        if step.compresses and lc.length > b + step.slack:  # every call: a prompt chunk, or one decode step
             self.evicted[layer] += lc.length - b
-            shrink(lc, s, b, 0, self.recent(b), self.newest)  # the top s_j + the recent window
+            shrink(lc, s, b, 0, self.recent(b), step.newest)  # the top s_j + the recent window
 
     def describe(self, lc) -> tuple[str, torch.Tensor | None]:
         return "accumulated attention (H2O's score: summed over every query so far)", lc.aux("attention_sum")

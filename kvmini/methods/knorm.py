@@ -32,11 +32,11 @@ class KNorm(Method):
     def __init__(self, budget: float, o: Options = Options()):
         super().__init__("knorm", budget)
 
-    def after_attention(self, layer: int, cache, seen) -> None:
-        lc, b = cache[layer], self.budgets[layer]
-        if self.active and self.completes and lc.length > b:  # once, in the call that completes the prompt
+    def after_attention(self, layer: int, cache, seen, step) -> None:
+        lc, b = cache[layer], step.budgets[layer]
+        if step.compresses and step.completes and lc.length > b:  # once, in the call that completes the prompt
             self.evicted[layer] += lc.length - b
-            shrink(lc, -wide(lc.keys).norm(dim=-1), b, 0, 0, self.newest)  # s_j = -||k_j||: the lowest norms stay
+            shrink(lc, -wide(lc.keys).norm(dim=-1), b, 0, 0, step.newest)  # s_j = -||k_j||: the lowest norms stay
 
     def describe(self, lc) -> tuple[str, torch.Tensor | None]:
         return "key norm (KNorm keeps the lowest)", wide(lc.keys).norm(dim=-1)

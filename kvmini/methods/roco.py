@@ -99,34 +99,33 @@ class RoCo(Method):
         self.sinks = o.sinks if self.paper and o.decode_sinks else 0  # what is always kept (the report, the page)
         self.recent = self.guard_recent if self.paper else Rule.of_(0, "recent")
 
-    def before(self, cache, T: int) -> None:
-        super().before(cache, T)
-        self.T = T
-        self.wants = {"column_sums": Statistic(), "column_squares": COLUMN_SQUARES} if self.updates else None
+    def before(self, cache, step) -> dict | None:
+        return {"column_sums": Statistic(), "column_squares": COLUMN_SQUARES} if step.keeps_sums else None
 
-    def after_attention(self, layer: int, cache, seen) -> None:
-        lc, b = cache[layer], self.budgets[layer]
-        if self.updates:
-            self.add_up(lc, seen)  # (R1-R2)
-        if self.active and lc.length > b + self.slack:
+    def after_attention(self, layer: int, cache, seen, step) -> None:
+        lc, b = cache[layer], step.budgets[layer]
+        if step.keeps_sums:
+            self.add_up(lc, seen, step)  # (R1-R2)
+        if step.compresses and lc.length > b + step.slack:
             self.evicted[layer] += lc.length - b
-            self.evict(lc, b)  # (R3-R5)
+            self.evict(lc, b, step.newest, decode=not step.in_prompt)  # (R3-R5)
 
-    def add_up(self, lc, seen) -> None:
+    def add_up(self, lc, seen, step) -> None:
         """(R1-R2) a += sum_i A_ij, q += sum_i A_ij^2, n += the queries that saw j, (B, H_kv, S) each: in every
         call (paper), or from the first call whose cache overflows the budget (EasyKV, :603 and :620)."""
-        if self.o.prompt_statistics == "after_budget" and (self.mean_budget is None or lc.length <= self.mean_budget):
+        if self.o.prompt_statistics == "after_budget" and (step.mean_budget is None or lc.length <= step.mean_budget):
             return
         lc.aux("a").add_(seen["column_sums"])
-        lc.aux("n").add_(self.T - (lc.positions - (self.seen - self.T)).clamp(min=0))  # seen from max(p, start) on
+        lc.aux("n").add_(step.T - (lc.positions - step.start).clamp(min=0))  # seen from max(p, start) on
         lc.aux("q").add_(seen["column_squares"])
 
-    def evict(self, lc, b: int) -> None:
-        """(R3) the robust set R; (R4) the scope, every key but R; (R5) its lowest MAS go, down to b."""
-        T, L, rho = self.size(b, lc.length - b, decode=self.newest >= self.prompt_end)
+    def evict(self, lc, b: int, newest: int, decode: bool) -> None:
+        """(R3) the robust set R; (R4) the scope, every key but R; (R5) its lowest MAS go, down to b (newest: the
+        call's last position; decode: a step past the prompt)."""
+        T, L, rho = self.size(b, lc.length - b, decode)
         robust = robust_set(deviation(lc), lc.positions, rho, T, L, later_first=not self.paper)
         mas = lc.aux("a") / lc.aux("n")  # (R1)
-        shrink(lc, mas.masked_fill(robust, float("inf")), b, 0, 0, self.newest)
+        shrink(lc, mas.masked_fill(robust, float("inf")), b, 0, 0, newest)
 
     def size(self, b: int, e: int, decode: bool) -> tuple[int, int, int]:
         """(sinks, recent, rho) for a layer of budget b holding b + e entries."""

@@ -9,13 +9,21 @@ from kvmini.methods.selectors import keep_top, lowest
 
 
 class RowBudgets:
-    """A Method whose budgets follow each sequence: `row_budgets[layer]`, one per sequence; `budgets` their mean."""
+    """A Method whose budgets follow each sequence: `row_budgets[layer]`, one per sequence, once the method chose
+    some in this prompt (None before: the run's plan); `budgets` their means."""
+
+    row_budgets = None
+
+    @property
+    def budgets(self) -> list[int] | None:
+        rows = self.row_budgets
+        return super().budgets if rows is None else [round(sum(r) / len(r)) for r in rows]
 
     def set_budgets(self, layer: int, rows) -> None:
         """Layer `layer`'s budget in each sequence (`budgets` reports their mean, rounded)."""
         if self.row_budgets is None:
-            self.row_budgets = [[b] * len(rows) for b in self._budgets]
-        self.row_budgets[layer], self._budgets[layer] = list(rows), round(sum(rows) / len(rows))
+            self.row_budgets = [[b] * len(rows) for b in self.run.budgets]
+        self.row_budgets[layer] = list(rows)
 
     def budget_rows(self, layer: int, B: int) -> list[int]:
         """What layer `layer` may keep in each of B sequences."""

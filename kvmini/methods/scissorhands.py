@@ -121,18 +121,16 @@ class Scissorhands(Method):
         self.low = Statistic(self.w, below_average, "sum")  # (B, H_kv, S): the last w rows' low flags
         self.aux = (("low_history", torch.int16, (self.w,)), ("low_count", torch.int32))  # I_j's ring, and I_j
 
-    def before(self, cache, T: int) -> None:
-        super().before(cache, T)
-        self.T = T
-        self.wants = {"low_counts": self.low} if self.updates else None
+    def before(self, cache, step) -> dict | None:
+        return {"low_counts": self.low} if step.keeps_sums else None
 
-    def after_attention(self, layer: int, cache, seen) -> None:
-        lc, b = cache[layer], self.budgets[layer]
-        if self.updates:
-            remember(lc, seen["low_counts"], self.seen - self.T, self.T, self.w)  # I_j over the last w steps
-        if self.active and lc.length > b + self.slack:  # while decoding: every m = evict_every steps
+    def after_attention(self, layer: int, cache, seen, step) -> None:
+        lc, b = cache[layer], step.budgets[layer]
+        if step.keeps_sums:
+            remember(lc, seen["low_counts"], step.start, step.T, self.w)  # I_j over the last w steps
+        if step.compresses and lc.length > b + step.slack:  # while decoding: every m = evict_every steps
             self.evicted[layer] += lc.length - b
-            drop_lowest(lc, importance_score(lc), b, self.sinks, self.recent(b), self.newest)  # the m largest I_j
+            drop_lowest(lc, importance_score(lc), b, self.sinks, self.recent(b), step.newest)  # the m largest I_j
 
     def describe(self, lc) -> tuple[str, torch.Tensor | None]:
         return f"minus the low-attention steps among the last {self.w} (Scissorhands' importance record)", importance_score(lc)

@@ -53,34 +53,31 @@ class SnapKV(Method):
     def recent(self, b: int) -> int:
         return self.window
 
-    def before(self, cache, T: int) -> None:
-        super().before(cache, T)
-        start = self.seen - T
-        if start == self.prompt_start:
+    def before(self, cache, step) -> dict | None:
+        if step.first:
             self.C = {}  # layer -> this prompt's window rows so far, summed per query head (B, H, S)
-        mine = self.seen - max(start, self.prompt_end - self.window)  # this call's queries in the window
-        self.wants = ({"window_sums": Statistic(mine, None, "heads")}
-                      if self.active and self.in_prompt and mine > 0 else None)
+        mine = step.end - max(step.start, step.prompt_end - self.window)  # this call's queries in the window
+        return {"window_sums": Statistic(mine, None, "heads")} if step.compresses and step.in_prompt and mine > 0 else None
 
-    def after_attention(self, layer: int, cache, seen) -> None:
-        if self.wants is None or layer in self.protected:
+    def after_attention(self, layer: int, cache, seen, step) -> None:
+        if "window_sums" not in seen or layer in step.protected:
             return
         C = add_up(self.C, layer, seen["window_sums"])  # (B, H, S): the window's rows so far, 0 at pads
-        if self.completes:  # once: the call that completes the prompt
+        if step.completes:  # once: the call that completes the prompt
             lc = cache[layer]
             self.compress(layer, cache, window_scores(reduce_heads(C, lc.keys.shape[1], self.reduce), lc.held(),
-                                                      self.window, self.kernel, self.pooling))
+                                                      self.window, self.kernel, self.pooling), step)
 
-    def compress(self, layer: int, cache, score: torch.Tensor) -> None:
+    def compress(self, layer: int, cache, score: torch.Tensor, step) -> None:
         """Layer `layer` down to its budget by `score` (B, H_kv, S)."""
-        lc, b = cache[layer], self.budgets[layer]
+        lc, b = cache[layer], step.budgets[layer]
         if lc.length > b:
             self.evicted[layer] += lc.length - b
-            self.select(layer, lc, score, b)
+            self.select(layer, lc, score, b, step.newest)
 
-    def select(self, layer: int, lc, score: torch.Tensor, b: int) -> None:
+    def select(self, layer: int, lc, score: torch.Tensor, b: int, newest: int) -> None:
         """Keep the window and the b - window best pooled scores before it."""
-        shrink(lc, score, b, 0, self.window, self.newest)
+        shrink(lc, score, b, 0, self.window, newest)
 
 
 def build(budget: float, o: Options = Options()) -> SnapKV:

@@ -46,22 +46,21 @@ class SnapKVD2O(RowBudgets, SnapKV):
 
     merger = property(lambda self: self.merge)  # its `trace` records the merges (kvmini.view)
 
-    def before(self, cache, T: int) -> None:
-        if not self.started:
-            self.merge.reset()
-        super().before(cache, T)  # SnapKV's: the window's rows, in the calls that hold window queries
-        if self.seen - T == self.prompt_start:
-            self.columns, self.F_v, self.scores = {}, {}, {}
-        if self.active and self.in_prompt:
-            self.wants = {"column_sums": COLUMNS, **(self.wants or {})}
+    def before(self, cache, step) -> dict | None:
+        if step.start == 0:
+            self.merge.reset()  # a new run: the EMA threshold starts again
+        if step.first:
+            self.columns, self.F_v, self.scores, self.row_budgets = {}, {}, {}, None
+        wants = super().before(cache, step)  # SnapKV's: the window's rows, in the calls that hold window queries
+        return {"column_sums": COLUMNS, **(wants or {})} if step.compresses and step.in_prompt else wants
 
-    def after_attention(self, layer: int, cache, seen) -> None:
-        if self.wants is None:
+    def after_attention(self, layer: int, cache, seen, step) -> None:
+        if not seen:
             return
         lc, C = cache[layer], add_up(self.columns, layer, seen["column_sums"])  # (B, H, S): the prompt's so far
         if "window_sums" in seen:
             add_up(self.C, layer, seen["window_sums"])
-        if not self.completes:
+        if not step.completes:
             return
         H_kv, held = lc.keys.shape[1], rows_held(lc)
         self.F_v[layer] = [layer_variance(self.allocation, reduce_heads(C[r : r + 1, :, :S], H_kv, self.reduce),
@@ -69,11 +68,11 @@ class SnapKVD2O(RowBudgets, SnapKV):
         self.scores[layer] = window_scores(reduce_heads(self.C.pop(layer), H_kv, self.reduce), lc.held(), self.window,
                                            self.kernel, self.pooling)  # 1.
 
-    def after_layers(self, cache) -> None:
-        if not (self.active and self.completes):
+    def after_layers(self, cache, step) -> None:
+        if not (step.compresses and step.completes):
             return
         L, B = len(cache), len(self.F_v[0])
-        rows = [allocate([self.F_v[l][r] for l in range(L)], self.allocation, self.mean_budget, self.prompt_end,
+        rows = [allocate([self.F_v[l][r] for l in range(L)], self.allocation, step.mean_budget, step.prompt_end,
                          cache[L - 1].length, (), (1, 1), self.window + 4, self.temperature) for r in range(B)]  # 2. Eq. 5
         for row in rows:
             check(self.name, self, dict(enumerate(row)), ())
@@ -81,8 +80,8 @@ class SnapKVD2O(RowBudgets, SnapKV):
             self.set_budgets(layer, b)  # each sequence's S_l
         for layer in range(L):
             if cut := self.over(layer, cache[layer], self.row_budgets[layer]):  # 3.
-                self._merged[layer] += shrink_merging(self.merge, layer, cache[layer], self.scores[layer], cut[0], 0,
-                                                     self.window, self.newest, cut[1])
+                self.run.merged[layer] += shrink_merging(self.merge, layer, cache[layer], self.scores[layer], cut[0], 0,
+                                                     self.window, step.newest, cut[1])
 
 
 def build(budget: float, o: Options = Options()) -> SnapKVD2O:

@@ -31,11 +31,11 @@ class StreamingLLM(Method):
     def recent(self, b: int) -> int:
         return b - self.sinks  # the budget beyond the sinks: the most recent tokens
 
-    def after_attention(self, layer: int, cache, seen) -> None:
-        lc, b = cache[layer], self.budgets[layer]
-        if self.active and lc.length > b + self.slack:  # every call: a prompt chunk, or one decode step
+    def after_attention(self, layer: int, cache, seen, step) -> None:
+        lc, b = cache[layer], step.budgets[layer]
+        if step.compresses and lc.length > b + step.slack:  # every call: a prompt chunk, or one decode step
             self.evicted[layer] += lc.length - b
-            shrink(lc, lc.positions.float(), b, self.sinks, self.recent(b), self.newest)  # the later, the better
+            shrink(lc, lc.positions.float(), b, self.sinks, self.recent(b), step.newest)  # the later, the better
 
     def describe(self, lc) -> tuple[str, torch.Tensor | None]:
         return "the position itself (the later, the more important)", None

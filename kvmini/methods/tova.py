@@ -32,15 +32,14 @@ class TOVA(Method):
         super().__init__("tova", budget)
         self.sinks, self.recent, self.reduce = o.sinks, Rule.of_(o.recent, "recent"), o.reduce
 
-    def before(self, cache, T: int) -> None:
-        super().before(cache, T)
-        self.wants = {"last_row": Statistic(last=1, reduce=self.reduce)} if self.active else None  # A_tj: the latest query's row
+    def before(self, cache, step) -> dict | None:
+        return {"last_row": Statistic(last=1, reduce=self.reduce)} if step.compresses else None  # A_tj: the latest query's row
 
-    def after_attention(self, layer: int, cache, seen) -> None:
-        lc, b = cache[layer], self.budgets[layer]
-        if self.active and lc.length > b + self.slack:  # every call: a prompt chunk, or one decode step
+    def after_attention(self, layer: int, cache, seen, step) -> None:
+        lc, b = cache[layer], step.budgets[layer]
+        if step.compresses and lc.length > b + step.slack:  # every call: a prompt chunk, or one decode step
             self.evicted[layer] += lc.length - b
-            shrink(lc, seen["last_row"], b, self.sinks, self.recent(b), self.newest)  # the lowest A_tj goes
+            shrink(lc, seen["last_row"], b, self.sinks, self.recent(b), step.newest)  # the lowest A_tj goes
 
 
 def build(budget: float, o: Options = Options()) -> TOVA:

@@ -53,20 +53,18 @@ class VATP(Method):
         self.p = {"l1": 1.0, "l2": 2.0, "off": None}[o.value_norm]  # None: no weighting (H2O with sinks)
         self.aux = ("attention_sum",) + (() if self.p is None else ("value_norm",))  # per cached token
 
-    def before(self, cache, T: int) -> None:
-        super().before(cache, T)
-        self.T = T
-        self.wants = {"column_sums": Statistic(reduce=self.reduce)} if self.updates else None  # this call's A_ij, summed over i
+    def before(self, cache, step) -> dict | None:
+        return {"column_sums": Statistic(reduce=self.reduce)} if step.keeps_sums else None  # this call's A_ij, summed over i
 
-    def after_attention(self, layer: int, cache, seen) -> None:
-        lc, b = cache[layer], self.budgets[layer]
-        if self.updates:
+    def after_attention(self, layer: int, cache, seen, step) -> None:
+        lc, b = cache[layer], step.budgets[layer]
+        if step.keeps_sums:
             lc.aux("attention_sum").add_(seen["column_sums"])  # sum_{i <= t} A_ij, as H2O's (B, H_kv, S)
             if self.p is not None:
-                self.keep_norms(lc, self.T)  # ||v_j||_p of the values this call cached
-        if self.active and lc.length > b + self.slack:  # every call: a prompt chunk, or one decode step
+                self.keep_norms(lc, step.T)  # ||v_j||_p of the values this call cached
+        if step.compresses and lc.length > b + step.slack:  # every call: a prompt chunk, or one decode step
             self.evicted[layer] += lc.length - b
-            shrink(lc, self.score(lc), b, self.sinks, self.recent(b), self.newest)  # sinks + top s_j + window
+            shrink(lc, self.score(lc), b, self.sinks, self.recent(b), step.newest)  # sinks + top s_j + window
 
     def score(self, lc) -> torch.Tensor:
         r"""s_j = \|v_j\|_p \sum_{i \le t} A_{ij}, (B, H_kv, S)."""

@@ -66,26 +66,24 @@ class WeightedKV(Method):
 
     merger = property(lambda self: self if self.merges else None)
 
-    def before(self, cache, T: int) -> None:
-        if not self.started and self.trace is not None:
+    def before(self, cache, step) -> dict | None:
+        if step.start == 0 and self.trace is not None:
             self.trace.clear()  # a new run
-        super().before(cache, T)
-        self.T = T
-        self.wants = {"column_sums": Statistic(reduce=self.reduce)} if self.updates else None  # this call's A_ij, summed over i
+        return {"column_sums": Statistic(reduce=self.reduce)} if step.keeps_sums else None  # this call's A_ij, summed over i
 
-    def after_attention(self, layer: int, cache, seen) -> None:
-        lc, b, start = cache[layer], self.budgets[layer], self.seen - self.T
-        if self.updates:
-            attended(lc, seen["column_sums"], start, self.T)  # lines 4-5
-        if not self.active or lc.length <= b + self.slack:  # every call: a prefill chunk, or one decode step
+    def after_attention(self, layer: int, cache, seen, step) -> None:
+        lc, b = cache[layer], step.budgets[layer]
+        if step.keeps_sums:
+            attended(lc, seen["column_sums"], step.start, step.T)  # lines 4-5
+        if not step.compresses or lc.length <= b + step.slack:  # every call: a prefill chunk, or one decode step
             return
         self.evicted[layer] += lc.length - b
         if not self.merges:  # the ablation: the weakest tokens dropped, key and value
-            shrink(lc, lc.aux("a") / lc.aux("n"), b, self.sinks, self.recent(b), self.newest)
+            shrink(lc, lc.aux("a") / lc.aux("n"), b, self.sinks, self.recent(b), step.newest)
             return
-        self._merged[layer] += lc.length - b
+        self.run.merged[layer] += lc.length - b
         note = None if self.trace is None else lambda *record: self.trace.append(Merged(layer, *record))
-        merge_down(lc, b, self.sinks, self.recent(b), self.newest, self.sequential, note)  # lines 6-10
+        merge_down(lc, b, self.sinks, self.recent(b), step.newest, self.sequential, note)  # lines 6-10
 
     def describe(self, lc) -> tuple[str, torch.Tensor | None]:
         return "average attention a/n (WeightedKV's ranking)", lc.aux("a") / lc.aux("n")
