@@ -79,6 +79,10 @@ class LayerCache:
         return self._pos.shape[2]
 
     @property
+    def batch(self) -> int:
+        return self._pos.shape[0]  # B: the sequences (rows) of the batch
+
+    @property
     def padded(self) -> bool:
         """Do some rows hold fewer entries than `length`, the rest of their places being pads?"""
         return self.counts is not None

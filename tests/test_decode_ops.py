@@ -13,9 +13,11 @@ from kvmini.eval.ops import SMOLLM2, ops_limit, step_ops
 from kvmini.methods.registry import METHODS
 from kvmini.model import Transformer
 
-# (batch 1, batch 8) ceilings, a little above the ratios measured when written (issue 77)
+# (batch 1, batch 8) ceilings, a little above the ratios measured when written (issue 77). D2O's batch of 8:
+# 2.10 -> 2.13 when its step read each row's count from the cache instead of a host mirror of it (issue 83,
+# which allows D2O up to 2.2 and 2.4 where a form bent only to cut ops is undone): 2 ops a compressed layer.
 NOT_YET = {"vatp": (1.55, 1.55), "weightedkv": (2.05, 2.05), "cam": (2.0, 2.0), "roco": (2.25, 2.25),
-           "d2o": (1.87, 2.13)}
+           "d2o": (1.87, 2.14)}
 
 
 @pytest.fixture(scope="module")

@@ -26,7 +26,7 @@ import torch
 from kvmini.budget import Rule, check
 from kvmini.methods.ema_merging import EMAMerge, shrink_merging
 from kvmini.methods.method import Method
-from kvmini.methods.rows import RowBudgets, per_row, rows_held, shrink_rows
+from kvmini.methods.rows import RowBudgets, rows_held, shrink_rows
 from kvmini.methods.variance_softmax import HEADS, allocate, idle_temperature, layer_variance
 from kvmini.attention import Statistic, add_up, reduce_heads
 
@@ -70,17 +70,25 @@ def idle(o: Options) -> dict[str, str]:
 
 
 class D2O(RowBudgets, Method):
+    """D2O's three steps, each at its moment of the run: 1. F_v (Eq. 4) when the prompt is complete; 2. S_l
+    (Eq. 5) once, at the first decode step (official) or when the prompt is complete (paper, `start=prompt`);
+    3. eviction and merging (Eq. 6-12) at every step after that."""
+
+    schedule = "decode"  # the default variant's: compressed from the first decode step (start=prompt: "after_prompt")
+    aux = ("attention_sum",)  # s_j of every cached token, per KV head
+    sinks = property(lambda self: self.o.sinks)
+    protected_spec = property(lambda self: tuple(self.o.protected_layers))
+
     def __init__(self, budget: float, o: Options = Options()):
         super().__init__("d2o", budget)
-        N, M = self.nm = o.nm
-        self.o, self.sinks, self.protected_spec = o, o.sinks, tuple(o.protected_layers)
+        self.o, (N, M) = o, o.nm
         if o.split == "paper":  # Eq. 8: S_l = T + N + M, N:M of what is not a sink
             self.recent = Rule(f"(budget - {o.sinks}) * {M} // {N + M}", lambda S_l: (S_l - o.sinks) * M // (N + M))
         else:  # the official code: N:M of S_l, the sinks inside the heavy part
             self.recent = Rule(f"budget * {M} // {N + M}", lambda S_l: S_l * M // (N + M))
-        self.schedule = "decode" if o.start == "first_decode" else "after_prompt"
+        if o.start == "prompt":
+            self.schedule = "after_prompt"
         self.merge = None if o.merge == "off" else EMAMerge(o.beta, weights=o.merge, tau=o.tau, writes=o.merge_writes)
-        self.aux = ("attention_sum",)  # s_j of every cached token, per KV head
 
     merger = property(lambda self: self.merge)  # its `trace` records the merges (kvmini.view)
 
@@ -90,21 +98,16 @@ class D2O(RowBudgets, Method):
                 cache[layer].declare(*self.aux)
             if self.merge is not None:
                 self.merge.reset()
-        n, T = step.prompt_end, step.T
-        if step.first:  # this prompt's Eq. 4 (per layer, one per sequence), and its pieces' sums
-            self.F_v, self.allocated, self.sums, self.held = {}, False, {}, [rows_held(lc) for lc in cache.layers]
-            self.row_budgets = None
-        self.held = [[h + T for h in rows] for rows in self.held]  # what each row of a layer holds in this call
-        self.pieces = step.compresses and step.in_prompt and T < n - step.prompt_start  # a prompt fed in several calls
-        self.due = step.compresses and (step.end > n if self.schedule == "decode" else step.end >= n)
+        if step.first:  # this prompt's F_v (per layer, one per sequence), its pieces' column sums, its S_l
+            self.F_v, self.sums, self.row_budgets = {}, {}, None
+        if step.compresses and step.start == step.prompt_end and self.schedule == "decode":
+            self.allocate(cache[0].length + step.T, cache[0].positions.device, step)  # 2. at the first decode step
         measures = step.compresses and step.in_prompt  # F_v is taken on the prompt's attention
         wanted = {"column_sums": Statistic(reduce=self.o.reduce)} if step.keeps_sums or measures else {}
         if measures and self.o.allocation in HEADS:
             wanted["column_sums_heads"] = Statistic(reduce="heads")  # (B, H, S): Eq. 4 per query head
-        if self.pieces and wanted:  # each piece's share per query head, added up until the prompt is complete
+        if in_pieces(step) and wanted:  # each piece's share per query head, added up until the prompt is complete
             wanted = {"column_sums": Statistic(reduce="heads")}
-        if self.due and not self.allocated and len(self.F_v) == len(cache):  # the first decode step
-            self.allocate(cache[0].length + T, cache[0].positions.device, step)
         return wanted or None
 
     def after_attention(self, layer: int, cache, seen, step) -> None:
@@ -113,28 +116,28 @@ class D2O(RowBudgets, Method):
         if column is None:
             return  # nothing asked, or a piece of the prompt: its sums wait for the rest
         if step.keeps_sums:
-            lc.aux("attention_sum").add_(column)  # 1. s_j += sum_i A_ij, (B, H_kv, S)
-        if step.completes and step.compresses:  # 2. Eq. 4 on the whole prompt, each sequence's own
+            lc.aux("attention_sum").add_(column)  # s_j += sum_i A_ij, (B, H_kv, S)
+        if step.completes and step.compresses:  # 1. Eq. 4 on the whole prompt, each sequence's own
             self.F_v[layer] = [layer_variance(self.o.allocation, column[r : r + 1, :, :S], None if heads is None else
-                                              heads[r : r + 1, :, :S]) for r, S in enumerate(self.held[layer])]
-        if self.allocated and layer not in step.protected:
+                                              heads[r : r + 1, :, :S]) for r, S in enumerate(rows_held(lc))]
+        if step.compresses and not step.in_prompt and layer not in step.protected:  # 3. every step after the prompt
             self.compress(layer, lc, step)
 
     def after_layers(self, cache, step) -> None:
-        """The prompt's call (paper: compressed when the prompt is complete): every layer measured, budgeted
-        (Eq. 5) and compressed, in layer order."""
-        if self.due and not self.allocated and len(self.F_v) == len(cache):
-            self.allocate(cache[len(cache) - 1].length, cache[0].positions.device, step)
+        """The paper's moment (start=prompt): when the prompt is complete, every layer measured, budgeted (Eq. 5)
+        and compressed, in layer order."""
+        if self.schedule == "after_prompt" and step.compresses and step.completes:
+            self.allocate(cache[len(cache) - 1].length, cache[0].positions.device, step)  # 2.
             for layer in range(len(cache)):
                 if layer not in step.protected:
-                    self.compress(layer, cache[layer], step)
+                    self.compress(layer, cache[layer], step)  # 3.
 
     def column_sums(self, layer: int, lc, seen, step) -> tuple:
         """This call's column sums (B, H_kv, S) and, if Eq. 4 reads them, each query head's (B, H, S); for
         a prompt in pieces, the whole prompt's in the call that completes it and (None, None) before."""
         if not seen:
             return None, None
-        if not self.pieces:
+        if not in_pieces(step):
             return seen["column_sums"], seen.get("column_sums_heads")
         C = add_up(self.sums, layer, seen["column_sums"])  # (B, H, S): the prompt's so far, per query head
         if not step.completes:
@@ -147,27 +150,22 @@ class D2O(RowBudgets, Method):
         once; `budgets` reports their mean."""
         L, B = len(self.F_v), len(self.F_v[0])
         rows = [allocate([self.F_v[l][r] for l in range(L)], self.o.allocation, step.mean_budget, step.prompt_end,
-                         length, step.protected, self.nm, self.o.sinks + 4, self.o.softmax_temperature,
+                         length, step.protected, self.o.nm, self.o.sinks + 4, self.o.softmax_temperature,
                          self.o.clamp_budgets) for r in range(B)]
         for row in rows:
             check(self.name, self, dict(enumerate(row)), step.protected)
         for layer, b in enumerate(zip(*rows)):
             self.set_budgets(layer, b)  # each sequence's S_l
         self.recents = [torch.tensor([self.recent(x) for x in b], device=device)[:, None, None] for b in self.row_budgets]
-        self.allocated = True
 
     def compress(self, layer: int, lc, step) -> None:
         """3. Keep T sinks + N heavy hitters + M recent tokens (Eq. 6-8), the evicted merged first (Eq. 9-12);
         each sequence to its own budget, all at once (rows that keep different counts: kvmini.cache)."""
-        held = self.held[layer]  # per sequence, counted here: no wait for the device
-        b = self.budget_rows(layer, len(held))
-        keep = [x if h > x + step.slack else h for h, x in zip(held, b)]
-        if keep == held:
+        cut = self.over(layer, lc, self.row_budgets[layer], step.slack)  # S_l of each sequence
+        if cut is None:
             return
-        self.evicted[layer] += sum(held) - sum(keep)
-        self.held[layer] = keep
+        b, held = cut  # an int and None when every sequence agrees, else one each
         score = lc.aux("attention_sum")  # (B, H_kv, S): s_j
-        b, held = per_row(keep, held)  # an int when every sequence agrees, else one each
         recent = self.recent(b) if held is None else self.recents[layer]  # (B, 1, 1): each row's window
         if self.merge is None:
             shrink_rows(lc, score, b, self.sinks, recent, step.newest, held)
@@ -176,6 +174,11 @@ class D2O(RowBudgets, Method):
 
     def describe(self, lc) -> tuple[str, torch.Tensor | None]:
         return "accumulated attention (H2O's score: summed over every query so far)", lc.aux("attention_sum")
+
+
+def in_pieces(step) -> bool:
+    """The call is a piece of a prompt fed in several calls, and measured: its column sums wait for the rest."""
+    return step.compresses and step.in_prompt and step.T < step.prompt_end - step.prompt_start
 
 
 def build(budget: float, o: Options = Options()) -> D2O:

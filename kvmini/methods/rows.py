@@ -29,11 +29,11 @@ class RowBudgets:
         """What layer `layer` may keep in each of B sequences."""
         return [self.budgets[layer]] * B if self.row_budgets is None else self.row_budgets[layer]
 
-    def over(self, layer: int, lc, budgets: list[int]) -> tuple | None:
-        """`shrink_rows`'s (b, held) to bring each sequence of layer `layer` down to its budget, the evictions
-        counted; None when no sequence holds more."""
+    def over(self, layer: int, lc, budgets: list[int], slack: int = 0) -> tuple | None:
+        """`shrink_rows`'s (b, held) to bring each sequence of layer `layer` that holds more than its budget +
+        `slack` down to its budget, the evictions counted; None when no sequence holds more."""
         held = rows_held(lc)
-        keep = [min(h, b) for h, b in zip(held, budgets)]
+        keep = [b if h > b + slack else h for h, b in zip(held, budgets)]
         if keep == held:
             return None
         self.evicted[layer] += sum(held) - sum(keep)
@@ -41,8 +41,8 @@ class RowBudgets:
 
 
 def rows_held(lc) -> list[int]:
-    """What each sequence of a layer holds (its first KV head's count), read on the host: once per prompt."""
-    return [lc.length] * lc.positions.shape[0] if lc.counts is None else lc.counts[:, 0].tolist()
+    """What each sequence of a layer holds (its first KV head's count), read on the host."""
+    return [lc.length] * lc.batch if lc.counts is None else [heads[0] for heads in lc.counts.tolist()]
 
 
 def per_row(keep: list[int], held: list[int]) -> tuple:
