@@ -437,6 +437,30 @@ def test_every_method_and_variant_names_one_of_the_four_schedules():
     assert {names["d2o"], names["d2o[variant=paper]"]} == {"decode", "after_prompt"}
 
 
+def test_the_declared_schedule_is_the_one_a_default_policy_runs():
+    """The registry reads a method's schedule off its class, building nothing (start-up builds one method):
+    it must be what a policy built with the defaults runs, so that the budget rules and the tools agree."""
+    from kvmini.methods.registry import policy_for, schedule
+
+    for name, module in METHODS.items():
+        if module is not None:
+            assert schedule(name) == policy_for(name, 0.2).schedule, name
+
+
+def test_run_py_builds_only_the_method_asked_for_before_the_first_forward_pass(monkeypatch):
+    """Reading the command line (every method's flags, --help's list and schedules) and making the policy
+    build exactly one method: a debugger that starts at main steps through one constructor."""
+    import run
+    from kvmini.methods.method import Method
+    from kvmini.methods.registry import make_policy
+
+    built, init = [], Method.__init__
+    monkeypatch.setattr(Method, "__init__", lambda self, *a, **k: built.append(type(self).__name__) or init(self, *a, **k))
+    args = run.parse_args(["--method", "d2o", "--prompt", str(Path(__file__).resolve().parent.parent / "docs/lighthouse.txt")])
+    make_policy(args.method, args.budget, **args.options)
+    assert built == ["D2O"]
+
+
 def test_a_method_finds_the_model_of_its_run_and_a_fork_shares_it():
     """prefill hands the model to `start` (a method may read its weights: tutorial 9, part 4); it is held
     weakly, so `fork` copies the method's state but not the model."""

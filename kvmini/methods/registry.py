@@ -10,6 +10,7 @@ override their part of the chosen variant. `make_policy("h2o", 0.2, recent=16)` 
 import dataclasses
 import functools
 import re
+import typing
 from typing import Literal
 
 from kvmini.errors import KvminiError
@@ -166,10 +167,10 @@ def chosen(name: str, given: dict):
 
 
 def schedule(name: str) -> str:
-    """When method `name` compresses (kvmini.budget), with its default options. A module states it in
-    its `build` only (D2O's depends on the variant: "decode" or "after_prompt", both while decoding), so
-    it is read off a policy built with the defaults, here alone."""
-    return METHODS[name].build(DEFAULT_BUDGET).schedule
+    """When method `name` compresses (kvmini.budget), with its default options: the `schedule` its class
+    declares, the class its `build` returns, read without building one (D2O's paper variant sets another on
+    its policy, "after_prompt", also while decoding)."""
+    return typing.get_type_hints(METHODS[name].build)["return"].schedule
 
 
 def compress_every_call() -> list[str]:
