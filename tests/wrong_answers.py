@@ -92,8 +92,8 @@ WRONG = [
           "kvmini.methods.frobenius_stop", "return int((drop <= t).sum().item()) - 1",
           "return int((drop <= t).sum().item())"),
     Wrong("top_per_layer", "progressive_budgets", "Eq. 5's top-k taken over the finished layers without the KV heads' "
-          "share of it", "kvmini.methods.progressive_budgets", "k = min((w_t - w) * A.shape[1] * l, A.shape[-1] * A.shape[1])",
-          "k = min((w_t - w) * l, A.shape[-1] * A.shape[1])"),
+          "share of it", "kvmini.methods.progressive_budgets", "k = min((w_t - w) * A.shape[1] * l, int(A.isfinite().sum()))",
+          "k = min((w_t - w) * l, int(A.isfinite().sum()))"),
     Wrong("l2_always", "value_norm", "VATP's value norm always l2, whatever p", "kvmini.methods.vatp",
           "values.abs().sum(-1) if self.p == 1", "torch.linalg.vector_norm(values, dim=-1) if self.p == 1"),
     Wrong("l1_without_abs", "value_norm", "the l1 norm without the absolute values", "kvmini.methods.vatp",

@@ -102,14 +102,16 @@ class DBudgetKV(RowBudgets, Method):
         score = score[self.o.ranking]()  # (B, H_kv, S), higher = keep
         held = rows_held(lc)  # what each sequence holds
         if self.rule:  # Alg. 1: prune while the attention norm drops by at most t, each sequence its own cut
-            s = eq1_row(got["dbudgetkv_rows"], lc.positions, self.o.k)  # Eq. 1
-            self.set_budgets(layer, [S - self.to_prune(s[r : r + 1, :, :S], score[r : r + 1, :, :S])
+            s = eq1_row(got["dbudgetkv_rows"], lc.positions, self.o.k, step.prompt_end)  # Eq. 1
+            order = lc.positions.argsort(dim=-1)  # (B, H_kv, S): position order (an eviction may have mixed the buffer)
+            s, ranked = s.gather(2, order), score.gather(2, order)  # each row's entries first (pads sort last)
+            self.set_budgets(layer, [S - self.to_prune(s[r : r + 1, :, :S], ranked[r : r + 1, :, :S])
                                      for r, S in enumerate(held)])
         if cut := self.over(layer, lc, self.budget_rows(layer, len(held))):
             shrink_rows(lc, score, cut[0], self.sinks, self.window, step.newest, cut[1])
 
     def to_prune(self, s: torch.Tensor, score: torch.Tensor) -> int:
-        """How many of one sequence's S entries Alg. 1 prunes, s and score (1, H_kv, S)."""
+        """How many of one sequence's S entries Alg. 1 prunes, s and score (1, H_kv, S) in position order."""
         S = s.shape[-1]
         if self.o.ranking == "position":  # the earliest non-sinks first, the sinks last
             idx = torch.arange(S, device=s.device)

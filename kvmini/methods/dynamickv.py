@@ -31,6 +31,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 import torch
+import torch.nn.functional as F
 
 from kvmini.methods import snapkv
 from kvmini.methods.progressive_budgets import alg1_budgets, first_budgets, floor_budgets, reallocate
@@ -88,7 +89,7 @@ class DynamicKV(RowBudgets, SnapKV):
 
     def before(self, cache, step) -> dict | None:
         if step.first:
-            self.A, self.held, self.scores = [], [], {}  # per finished layer: A_l, what it holds, its score
+            self.A, self.lengths, self.scores = [], [], {}  # per finished layer: A_l and its length per sequence, its score
             self.row_budgets = None
         return super().before(cache, step)
 
@@ -104,26 +105,34 @@ class DynamicKV(RowBudgets, SnapKV):
     def rebudget(self, layer: int, cache, score: torch.Tensor, step) -> dict[int, list[int]]:
         """{layer: its budget per sequence} for this layer and every finished layer Eq. 5-8 re-budgets now (Alg. 1),
         each sequence by its own scores."""
-        n, w, w_t, L, l, B = score.shape[-1], self.window, step.mean_budget, len(cache), layer + 1, score.shape[0]
-        b_l = step.budgets[layer]  # this layer's first budget: r_max (w_t - w) + w
-        self.A.append(score[:, :, : n - w])  # A_l over the non-window keys
-        self.held.append([min(h, b_l) for h in rows_held(cache[layer])])  # per sequence
+        w, w_t, L, l, B, H_kv = self.window, step.mean_budget, len(cache), layer + 1, score.shape[0], score.shape[1]
+        b_l, n = step.budgets[layer], rows_held(cache[layer])  # this layer's first budget; each sequence's entries
+        self.A.append([score[r : r + 1, :, : n[r] - w] for r in range(B)])  # A_l over each sequence's non-window keys
+        self.lengths.append([min(h, b_l) for h in n])  # what it holds once kept to b_l, per sequence
         keep = {layer: [b_l] * B}
         if l % self.o.interval == 0 or (l == L and self.o.tail_reallocation):  # Alg. 1 line 24; the tail is kvmini's
             for r in range(B):  # each sequence's own counts: once per re-allocation
-                held = [h[r] for h in self.held]
-                C, Z = reallocate([A[r : r + 1] for A in self.A], held, n, w, w_t, L)
+                held, A = [h[r] for h in self.lengths], same_width([A_l[r] for A_l in self.A])
+                C, Z = reallocate(A, held, A[0].shape[-1] + w, w, w_t, L)
                 if self.o.rounding == "floor":
-                    Z = floor_budgets(C, min(int(self.o.r_max * (w_t - w)), n - w), w_t - w, L, n - w, self.A[0].shape[1])
+                    cap = n[r] - w
+                    Z = floor_budgets(C, min(int(self.o.r_max * (w_t - w)), cap), w_t - w, L, cap, H_kv)
                 elif self.o.rounding == "alg1":
                     Z = alg1_budgets(C, self.o.r_max * (w_t - w), w_t - w, L)  # b_s as Alg. 1 line 3
                 for i in (i for i in range(l) if Z[i] < held[i] - w):
-                    keep.setdefault(i, list(self.held[i]))[r] = Z[i] + w  # the other rows as they are
+                    keep.setdefault(i, list(self.lengths[i]))[r] = Z[i] + w  # the other rows as they are
         for i, b in keep.items():
-            self.held[i] = [min(h, x) for h, x in zip(self.held[i], b)]
+            self.lengths[i] = [min(h, x) for h, x in zip(self.lengths[i], b)]
         for i in range(l):
-            self.set_budgets(i, [min(x, h) for x, h in zip(self.budget_rows(i, B), self.held[i])])
+            self.set_budgets(i, [min(x, h) for x, h in zip(self.budget_rows(i, B), self.lengths[i])])
         return keep
+
+
+def same_width(A: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Each layer's A_l (1, H_kv, n_l - w) at one width, -inf after its own keys: after a next prompt the layers
+    hold different counts (what each kept of the prompt before), and Eq. 5 must count each hit for its own layer."""
+    width = max(a.shape[-1] for a in A)
+    return [F.pad(a, (0, width - a.shape[-1]), value=float("-inf")) for a in A]
 
 
 def trim(lc, score: torch.Tensor, b, held: list[int] | None, window: int, newest: int) -> torch.Tensor:

@@ -48,13 +48,12 @@ def frobenius_stop(s: torch.Tensor, order: torch.Tensor, t: float) -> int:
     # END EXERCISE
 
 
-def eq1_row(rows: torch.Tensor, positions: torch.Tensor, k: int) -> torch.Tensor:
+def eq1_row(rows: torch.Tensor, positions: torch.Tensor, k: int, n: int) -> torch.Tensor:
     """Eq. 1's s_j, (B, H_kv, S): the sum of the prompt's last k attention rows `rows` over the queries
-    among them that see each key (the prompt ends right after the newest position held)."""
+    among them that see each key, for a prompt that ends at position n (a pad's s_j is 0: no query sees it)."""
     if k == 1:
         return rows  # the last row itself
-    n = int(positions.max()) + 1  # this runs in the call that completes the prompt
-    return rows / (n - positions).clamp(max=k).float()  # queries among the last k that see each key
+    return rows / (n - positions).clamp(min=1, max=k).float()  # queries among the last k that see each key
 
 
 def to_prune(s: torch.Tensor, order: torch.Tensor, t: float, first: int, last: int, excludes_kept: bool) -> int:

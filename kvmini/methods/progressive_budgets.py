@@ -42,12 +42,13 @@ def first_budgets(b: int, L: int, window: int, r_max: float) -> list[int]:
 
 def reallocate(A_finished: list[torch.Tensor], held: list[int], n: int, w: int, w_t: int, L: int) -> tuple[list, list]:
     """Eq. 5-8 over the l finished layers: (C, Z), each layer's count of the global top scores and its new
-    budget beyond the window. A_finished: each layer's A_l over its n - w non-window keys (B, H_kv, n - w);
+    budget beyond the window. A_finished: each layer's A_l over its non-window keys (1, H_kv, n - w), -inf after
+    them where a layer holds fewer;
     held: what each holds now; w_t the mean budget, L the model's layers."""
     l = len(A_finished)
     # BEGIN EXERCISE progressive_budgets: tutorials/07_dynamickv.py, "Progressive re-allocation (Eq. 5-8)"
     A = torch.cat(A_finished, dim=-1)  # (B, H_kv, l * (n - ws)): all finished layers side by side
-    k = min((w_t - w) * A.shape[1] * l, A.shape[-1] * A.shape[1])
+    k = min((w_t - w) * A.shape[1] * l, int(A.isfinite().sum()))  # at most every key held (-inf: none there)
     top = A.flatten(1).topk(k, dim=-1).indices % A.shape[-1] // (n - w)  # Eq. 5: layer of each hit
     C = torch.bincount(top.flatten(), minlength=l).tolist()  # Eq. 6
     held = [h - w for h in held]

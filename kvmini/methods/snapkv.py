@@ -34,6 +34,14 @@ def window_scores(C: torch.Tensor, held: torch.Tensor, window: int, kernel: int,
     return torch.where(earlier, pooled, torch.where(slot < held[..., None], float("inf"), float("-inf")))
 
 
+def window_scores_of(lc, C: torch.Tensor, window: int, kernel: int, pooling: str) -> torch.Tensor:
+    """`window_scores` of a layer's entries, C (B, H_kv, S) in buffer order: pooled along positions (an eviction
+    that moved an entry into another's slot leaves neighbours by slot that are not neighbours by position)."""
+    order = lc.positions.argsort(dim=-1)  # (B, H_kv, S): position order, pads last
+    pooled = window_scores(C.gather(2, order), lc.held(), window, kernel, pooling)
+    return pooled.scatter(2, order, pooled)  # back in buffer order
+
+
 @dataclass(frozen=True)
 class Options:
     window: int = 32  # observation window: the last prompt tokens whose attention scores the others; always kept
@@ -65,8 +73,9 @@ class SnapKV(Method):
         C = add_up(self.C, layer, seen["window_sums"])  # (B, H, S): the window's rows so far, 0 at pads
         if step.completes:  # once: the call that completes the prompt
             lc = cache[layer]
-            self.compress(layer, cache, window_scores(reduce_heads(C, lc.keys.shape[1], self.reduce), lc.held(),
-                                                      self.window, self.kernel, self.pooling), step)
+            score = window_scores_of(lc, reduce_heads(C, lc.keys.shape[1], self.reduce), self.window, self.kernel,
+                                     self.pooling)
+            self.compress(layer, cache, score, step)
 
     def compress(self, layer: int, cache, score: torch.Tensor, step) -> None:
         """Layer `layer` down to its budget by `score` (B, H_kv, S)."""

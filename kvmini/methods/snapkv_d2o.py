@@ -17,7 +17,7 @@ from kvmini.budget import check
 from kvmini.methods import snapkv
 from kvmini.methods.ema_merging import EMAMerge, shrink_merging
 from kvmini.methods.rows import RowBudgets, rows_held
-from kvmini.methods.snapkv import SnapKV, window_scores
+from kvmini.methods.snapkv import SnapKV, window_scores_of
 from kvmini.methods.variance_softmax import allocate, idle_temperature, layer_variance
 from kvmini.attention import Statistic, add_up, reduce_heads
 
@@ -65,8 +65,8 @@ class SnapKVD2O(RowBudgets, SnapKV):
         H_kv, held = lc.keys.shape[1], rows_held(lc)
         self.F_v[layer] = [layer_variance(self.allocation, reduce_heads(C[r : r + 1, :, :S], H_kv, self.reduce),
                                           C[r : r + 1, :, :S]) for r, S in enumerate(held)]  # 2. Eq. 4, per sequence
-        self.scores[layer] = window_scores(reduce_heads(self.C.pop(layer), H_kv, self.reduce), lc.held(), self.window,
-                                           self.kernel, self.pooling)  # 1.
+        self.scores[layer] = window_scores_of(lc, reduce_heads(self.C.pop(layer), H_kv, self.reduce), self.window,
+                                              self.kernel, self.pooling)  # 1.
 
     def after_layers(self, cache, step) -> None:
         if not (step.compresses and step.completes):
