@@ -78,21 +78,23 @@ class EMAMerge:
     def one(self, layer: int, lc: LayerCache, victim: torch.Tensor, newest: int) -> torch.Tensor:
         """A decode step: each row's one evicted entry `victim` (B, H_kv) is read, then evicted (the new entry takes
         its slot), then compared with every entry held (never a shorter row's pads, positions after `newest`): its
-        nearest j (Eq. 9), the threshold (Eq. 10), and j's key and value mixed with its own (Eq. 11-12 for one
-        token, `pair_merge`), written back by index. Returns the tokens merged (summed over rows, mean over heads)."""
-        b, h = lc.rows  # (B, 1), (H_kv,): one index per row
-        x_i = wide(lc.entry_kv[b, h, victim])  # (B, H_kv, 2, D): the victim's key and value
+        nearest j (Eq. 9), the threshold (Eq. 10), and j's key and value mixed with its own (Eq. 11-12 with E = 1:
+        the same `convex_merge` or `scatter_mean_merge`), written back by index. Returns the tokens merged (summed
+        over rows, mean over heads)."""
+        (b, h), (b_, h_) = lc.rows, lc.entries  # index one entry (B, H_kv), or E of them (B, H_kv, E), per row
+        x_i = wide(lc.entry_kv[b_, h_, victim[..., None]].flatten(-2))  # (B, H_kv, E = 1, 2D): the victim's [k | v]
         at = None if self.trace is None else lc.positions[b, h, victim][..., None]  # (B, H_kv, 1): its position
         lc.evict(victim)
         pos, kv = lc.positions, lc.entry_kv  # (B, H_kv, S), (B, H_kv, S, 2, D): the victim is no longer held
-        best, j = nearest(x_i[:, :, :1], wide(lc.keys), exclude=(pos > newest)[:, :, None] if lc.padded else None)  # Eq. 9
-        merge = self.decide(layer, best)  # (B, H_kv or 1, 1): Eq. 10
+        k_i = x_i[..., : kv.shape[-1]]  # (B, H_kv, 1, D): its key
+        best, j = nearest(k_i, wide(lc.keys), exclude=(pos > newest)[:, :, None] if lc.padded else None)  # Eq. 9
+        merge = self.decide(layer, best).expand_as(best)  # (B, H_kv, 1): Eq. 10
         if self.trace is not None:
-            self.record(layer, pos, at, j, best, merge.expand_as(best))
-        j = j[..., 0]  # (B, H_kv)
-        x_j = pair_merge(wide(kv[b, h, j]), x_i, best[..., None], merge[..., None], self.weights)  # (B, H_kv, 2, D)
+            self.record(layer, pos, at, j, best, merge)
+        combine = convex_merge if self.weights == "paper" else scatter_mean_merge
+        x_j = combine(wide(kv[b_, h_, j].flatten(-2)), x_i, torch.zeros_like(j), best, merge)  # (B, H_kv, 1, 2D)
         w = self.written
-        kv[:, :, :, w].index_put_((b, h, j), x_j[:, :, w].to(kv.dtype))
+        kv[:, :, :, w].index_put_((b_, h_, j), x_j.unflatten(-1, (2, -1))[..., w, :].to(kv.dtype))
         return merge.sum() / merge.shape[1]  # tokens merged, mean over heads
 
     def merge(self, layer: int, lc: LayerCache, evict, targets, j_star, best, real=None) -> torch.Tensor:
@@ -188,16 +190,6 @@ def convex_merge(x_keep, x_evict, j_star, best, merge) -> torch.Tensor:
     num.scatter_add_(2, j_star[..., None].expand_as(x_evict), weight[..., None] * x_evict)  # + sum e^u x_i
     return num / den[..., None]
     # END EXERCISE
-
-
-def pair_merge(x_j, x_i, u, merge, weights: str) -> torch.Tensor:
-    """Eq. 11-12 when one evicted token i (x_i) is nearest to j (x_j), similarity u, `merge` bool: x_j's new
-    value, x_j itself where i does not merge. What `convex_merge` (paper: (e x_j + e^u x_i) / (e + e^u)) or
-    `scatter_mean_merge` (official: (x_j + u x_i) / 2) give with |E_j| = 1, as a decode step evicts one token."""
-    if weights == "paper":
-        w = torch.where(merge, u.exp(), 0.0)
-        return (math.e * x_j + w * x_i) / (w + math.e)
-    return (x_j + torch.where(merge, u, 0.0) * x_i) / (merge + 1.0)  # j itself, and i if it merges
 
 
 def scatter_mean_merge(x_keep, x_evict, j_star, best, merge) -> torch.Tensor:
