@@ -159,7 +159,11 @@ class LayerCache:
 
     def evict(self, slot: torch.Tensor) -> None:
         """Evict entry `slot` (B, H_kv) of every row in O(D), two ops a buffer: the row's last entry (a decode step's
-        new one) takes that slot, the place it leaves becomes a pad. Attention masks by position: order means nothing."""
+        new one) takes that slot, the place it leaves becomes a pad. Attention masks by position: order means nothing.
+        Example: a row holding positions [0, 1, 2, 3, 4] (4 the new entry), slot 1 evicted -> [0, 4, 2, 3], and the
+        key and value of position 4 now in slot 1 (`buf[b, h, last]`, a read by index, is a copy, so one entry may be
+        both read and written). The buffer is then no longer in position order: what needs neighbours or an order
+        (`selectors.shrink`'s sort, SnapKV's pooling) sorts by position first."""
         b, h = self.rows  # (B, 1), (H_kv,): with slot (B, H_kv), one index per row
         last = slot.new_full((1,), self.length - 1) if self.counts is None else self.counts - 1  # (1,) or (B, H_kv)
         for buf in (self._kv, self._pos, *self._aux.values()):  # (B, H_kv, cap, ...): a key and its value at once

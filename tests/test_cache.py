@@ -186,6 +186,8 @@ def test_heads_with_their_own_counts_attend_and_score_their_own_entries():
 
 
 def test_evict_one_moves_the_last_entry_into_the_slot():
+    """LayerCache.evict's worked example: positions [0, 1, 2, 3, 4], slot 1 evicted -> [0, 4, 2, 3], the key, value
+    and statistics of position 4 moved with it (head 1 evicts the newest itself: nothing moves)."""
     lc = LayerCache(1, 2, 1, torch.float32, "cpu")
     for t in range(5):
         lc.append(torch.full((1, 2, 1, 1), float(t)), torch.full((1, 2, 1, 1), 10.0 * t), torch.tensor([[t]]))
