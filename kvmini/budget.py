@@ -77,8 +77,7 @@ def layer_budgets(method, L: int, n: int, total_len: int | None) -> tuple:
              f"no budget up to the prompt's {n} tokens works: use fewer sinks or a smaller window")
     budgets = method.plan(b, L, n)
     check(name, method, dict(enumerate(budgets)), protected, f"; {least}", mean=b)
-    longest = n if method.schedule == "prefill" else total_len  # a budget it never exceeds changes nothing
-    return budgets, b, protected, longest is None or b < longest, note
+    return budgets, b, protected, not is_noop(b, n, total_len, method.schedule), note
 
 
 def _fits(method, b: int, L: int, n: int) -> bool:

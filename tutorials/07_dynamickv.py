@@ -150,8 +150,9 @@ for variant in ("paper", "official") if solved("progressive_budgets") else ():
 #    `C` (Eq. 6's counts per layer) and `Z` (Eq. 7-8's budgets beyond the window, one per finished
 #    layer, capped at what each holds beyond the window, integers summing to
 #    $\min((w_t - w_s) L, \sum$ that$)$, as in "Progressive re-allocation" above: one top-$k$ over every
-#    head of every finished layer). `A_finished` holds each finished layer's scores $(B, H, n - w_s)$,
-#    `held` what each holds, `w_t` the mean budget and `w` the window $w_s$. Check it with
+#    head of every finished layer). `A_finished` holds each finished layer's scores $(1, H, n - w_s)$ (after a
+#    next prompt the layers hold different counts: a shorter one is filled with $-\infty$ up to $n - w_s$, a
+#    key no top-$k$ may count), `held` what each holds, `w_t` the mean budget and `w` the window $w_s$. Check it with
 #    `python -m kvmini.course check progressive_budgets`: the whole method against a literal Alg. 1 on
 #    random models (a prompt and three decode steps; kept tokens and logits) for $L$ from 3 to 5 and $m$
 #    from 2 to 4, $L \bmod m \ne 0$ included, with and without `tail_reallocation`, $r_{max}$ 2 to 10
