@@ -106,7 +106,7 @@ def test_text_and_typed_values_build_the_same_policy():
     typed = make_policy("d2o", 0.2, nm=(3, 1), protected_layers=(0, -1), clamp_budgets=False, beta=0.3)
     text = make_policy("d2o", 0.2, nm="3:1", protected_layers="0;-1", clamp_budgets="false", beta="0.3")
     for p in (typed, text):
-        assert p.protected_spec == (0, -1) and p.nm == (3, 1) and p.o.clamp_budgets is False
+        assert p.protected_spec == (0, -1) and p.o.nm == (3, 1) and p.o.clamp_budgets is False
     with pytest.raises(KvminiError, match=r"--nm must be a pair of whole numbers \(N, M\), got \[3, 1\]"):
         make_policy("d2o", 0.2, nm=[3, 1])
     with pytest.raises(KvminiError, match="--recent must be a whole number of at most 2,147,483,647 in size, got 2.5"):
@@ -159,7 +159,10 @@ def test_a_new_method_with_a_new_option_needs_its_module_and_one_registry_line(m
     mine = types.ModuleType("vnorm", "VNorm: keep the largest values.")
     mine.Options = Options
     mine.CHECKS = {"norm_power": (lambda x: x >= 1, "be >= 1")}
-    mine.build = lambda budget, o=Options(): VNorm("vnorm", budget)
+    def build(budget, o=Options()) -> VNorm:  # the class it returns: its schedule is read off it
+        return VNorm("vnorm", budget)
+
+    mine.build = build
     monkeypatch.setitem(METHODS, "vnorm", mine)
     registry.declarations.cache_clear()
     try:

@@ -5,7 +5,8 @@ Everything about an option (its flag, type, default, help, check, and its value 
 is read from the module's declaration; nothing here or in run.py repeats it. A method with
 variants names them as instances of its Options (`VARIANTS`, `DEFAULT_VARIANT`): given options
 override their part of the chosen variant. `make_policy("h2o", 0.2, recent=16)` -> a fresh method;
-`make_policy("full")` -> None. Adding a method: its module, one line in METHODS, and its tests.
+`make_policy("full")` -> None. Adding a method: its module (its `build` names the class it returns,
+`-> H2O`), one line in METHODS, and its tests.
 """
 import dataclasses
 import functools
