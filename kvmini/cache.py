@@ -5,7 +5,7 @@ Per layer we store, for every KV head (never expanded to query heads):
     values    (B, H_kv, S, D)  with the keys in one buffer (B, H_kv, S, 2, D): an entry moves in one op
     positions (B, H_kv, S)     absolute token position of each entry
     aux[name] (B, H_kv, S, ...) per-token statistics a policy keeps (e.g. accumulated attention)
-S may differ between layers (per-layer budgets). A row, one (sequence, KV head), may hold fewer
+S may differ between layers (per-layer budgets). A head (one KV head of one sequence) may hold fewer
 entries than S (`counts`: per-sequence budgets in a batch, heads that keep their own counts): its
 entries come first, then pads up to S. A pad's position is PAD, later than any query, so attention,
 which masks by position, never sees it: that is the one rule (`padded` says when it is needed).
@@ -53,10 +53,10 @@ class LayerCache:
         self._k, self._v = self._kv.select(3, 0), self._kv.select(3, 1)  # (B, H_kv, cap, D) each: views of it
         self._pos = torch.empty(batch, kv_heads, 0, dtype=torch.long, device=device)  # (B, H_kv, cap)
         self._aux: dict[str, torch.Tensor] = {}  # name -> (B, H_kv, cap, *shape)
-        self.length = 0  # S: entries held (by the longest row)
-        self.counts: torch.Tensor | None = None  # (B, H_kv) entries each row holds when rows differ, else None
+        self.length = 0  # S: entries held (by the longest head)
+        self.counts: torch.Tensor | None = None  # (B, H_kv) entries each head holds when heads differ, else None
         b, h = torch.arange(batch, device=device), torch.arange(kv_heads, device=device)
-        self.rows, self.entries = (b[:, None], h), (b[:, None, None], h[:, None])  # index slots (B, H_kv), (B, H_kv, s)
+        self.per_head, self.per_entry = (b[:, None], h), (b[:, None, None], h[:, None])  # index slots (B, H_kv), (B, H_kv, s)
 
     @property
     def keys(self) -> torch.Tensor:
@@ -80,15 +80,15 @@ class LayerCache:
 
     @property
     def batch(self) -> int:
-        return self._pos.shape[0]  # B: the sequences (rows) of the batch
+        return self._pos.shape[0]  # B: the sequences of the batch
 
     @property
     def padded(self) -> bool:
-        """Do some rows hold fewer entries than `length`, the rest of their places being pads?"""
+        """Do some heads hold fewer entries than `length`, the rest of their places being pads?"""
         return self.counts is not None
 
     def held(self) -> torch.Tensor:
-        """Entries each row holds, (B, H_kv)."""
+        """Entries each head holds, (B, H_kv)."""
         return self._pos.new_full(self._pos.shape[:2], self.length) if self.counts is None else self.counts
 
     def declare(self, *buffers: "str | tuple") -> None:
@@ -111,7 +111,7 @@ class LayerCache:
         return list(self._aux)
 
     def append(self, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor) -> None:
-        """Add T new entries: k, v (B, H_kv, T, D); pos (B, T) absolute positions, each row's right after
+        """Add T new entries: k, v (B, H_kv, T, D); pos (B, T) absolute positions, each head's right after
         its own entries. Amortized O(T). The cache keeps values, not an autograd graph (a model run with grad)."""
         k, v = (k.detach(), v.detach()) if k.requires_grad else (k, v)
         T = k.shape[2]
@@ -128,8 +128,8 @@ class LayerCache:
         self.length = end
 
     def _append_ragged(self, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor, end: int) -> None:
-        """`append` when rows differ: row r's T entries go to its places counts[r]..counts[r] + T - 1."""
-        self._kv[:, :, self.length : end] = 0  # places no row reaches: pads, their keys and values finite (0 * v = 0)
+        """`append` when heads differ: head r's T entries go to its places counts[r]..counts[r] + T - 1."""
+        self._kv[:, :, self.length : end] = 0  # places no head reaches: pads, their keys and values finite (0 * v = 0)
         self._pos[:, :, self.length : end] = PAD
         at = self.counts[..., None] + torch.arange(k.shape[2], device=self.counts.device)  # (B, H_kv, T)
         self._kv.scatter_(2, along(at, self._kv), torch.stack([k, v], 3))
@@ -140,8 +140,8 @@ class LayerCache:
         self.length = end
 
     def keep(self, idx: torch.Tensor, counts: torch.Tensor | None = None) -> None:
-        """Keep only entries `idx` (B, H_kv, S') of every row, in that order: the bulk eviction, O(S·D); the
-        places it leaves become pads. counts (B, H_kv): row r keeps only the first counts[r] of its idx."""
+        """Keep only entries `idx` (B, H_kv, S') of every head, in that order: the bulk eviction, O(S·D); the
+        places it leaves become pads. counts (B, H_kv): head r keeps only the first counts[r] of its idx."""
         S = idx.shape[2]
         pads = None if counts is None else torch.arange(S, device=idx.device) >= counts[..., None]  # (B, H_kv, S')
         for buf in (self._kv, self._pos, *self._aux.values()):  # (B, H_kv, cap, ...)
@@ -149,28 +149,28 @@ class LayerCache:
             buf[:, :, S : self.length] = PAD if buf is self._pos else 0  # the places left: pads
             if pads is not None:
                 buf[:, :, :S].masked_fill_(along(pads, buf), PAD if buf is self._pos else 0)
-        self.length = S if counts is None else int(counts.max())  # the longest row
+        self.length = S if counts is None else int(counts.max())  # the longest head
         self.counts = None if counts is None or bool((counts == self.length).all()) else counts
         self._shrink()
 
     def evict_one(self, slot) -> None:
-        """`evict`, `slot` checked first (an int: that slot in every row): for a caller outside a method's step."""
+        """`evict`, `slot` checked first (an int: that slot in every head): for a caller outside a method's step."""
         self.evict(self._slot(slot))
 
     def evict(self, slot: torch.Tensor) -> None:
-        """Evict entry `slot` (B, H_kv) of every row in O(D), two ops a buffer: the row's last entry (a decode step's
+        """Evict entry `slot` (B, H_kv) of every head in O(D), two ops a buffer: the head's last entry (a decode step's
         new one) takes that slot, the place it leaves becomes a pad. Attention masks by position: order means nothing.
-        Example: a row holding positions [0, 1, 2, 3, 4] (4 the new entry), slot 1 evicted -> [0, 4, 2, 3], and the
-        key and value of position 4 now in slot 1 (`buf[b, h, last]`, a read by index, is a copy, so one entry may be
+        Example: a head holding positions [0, 1, 2, 3, 4] (4 the new entry), slot 1 evicted -> [0, 4, 2, 3], and the
+        key and value of position 4 now in slot 1 (`buf[r, h, last]`, a read by index, is a copy, so one entry may be
         both read and written). The buffer is then no longer in position order: what needs neighbours or an order
         (`selectors.shrink`'s sort, SnapKV's pooling) sorts by position first."""
-        b, h = self.rows  # (B, 1), (H_kv,): with slot (B, H_kv), one index per row
+        r, h = self.per_head  # (B, 1), (H_kv,): with slot (B, H_kv), one index per head
         last = slot.new_full((1,), self.length - 1) if self.counts is None else self.counts - 1  # (1,) or (B, H_kv)
         for buf in (self._kv, self._pos, *self._aux.values()):  # (B, H_kv, cap, ...): a key and its value at once
-            buf.index_put_((b, h, slot), buf[b, h, last])  # read by index: a copy, so the two may be one entry
+            buf.index_put_((r, h, slot), buf[r, h, last])  # read by index: a copy, so the two may be one entry
         if self.counts is not None:  # the place left: a pad (without counts it is past length, never read)
-            self._pos[b, h, last] = PAD  # its key, value and statistics stay: finite, and never seen
-        self.length -= 1  # every row held one more: the longest is one shorter (no device sync)
+            self._pos[r, h, last] = PAD  # its key, value and statistics stay: finite, and never seen
+        self.length -= 1  # every head held one more: the longest is one shorter (no device sync)
         self.counts = None if self.counts is None else last
 
     def _slot(self, slot) -> torch.Tensor:
@@ -237,7 +237,7 @@ class KVCache:
         return len(self.layers)
 
     def lengths(self) -> list[float]:
-        """Entries held per layer: the mean over its rows (sequences and KV heads), an int when they agree."""
+        """Entries held per layer: the mean over its heads (of every sequence), an int when they agree."""
         return [layer.length if layer.counts is None else layer.counts.float().mean().item() for layer in self.layers]
 
     def nbytes(self) -> int:

@@ -62,7 +62,7 @@ class Run:
         self.prompt_start, self.prompt_end = 0, prompt_length(self.name, "start", prompt_len)
         self.total_len = run_length(self.name, total_len, prompt_len)
         self.model = None if model is None else weakref.ref(model)  # weak: a `fork` copies the run, not the model
-        self.seen, self.skipped = 0, False
+        self.fed, self.skipped = 0, False
         self.budgets = self.unchanged = self.mean_budget = self.note = None  # this prompt's plan: `plan`
         self.protected, self.active = (), False
         self.evicted: list[int] = []
@@ -71,15 +71,15 @@ class Run:
     def next_prompt(self, prompt_len: int, total_len: int | None = None) -> None:
         """The run's next prompt_len tokens are a new prompt (docs/design.md, "A cache that lives on")."""
         prompt_length(self.name, "next_prompt", prompt_len)
-        if self.seen < self.prompt_end:
-            raise KvminiError(f"{self.name}: the prompt is not complete ({self.prompt_end - self.seen} of its tokens are still "
+        if self.fed < self.prompt_end:
+            raise KvminiError(f"{self.name}: the prompt is not complete ({self.prompt_end - self.fed} of its tokens are still "
                               "to come); feed them before a next prompt")
         if self.skipped:
             raise KvminiError(f"{self.name}: this run was started to end at {self.total_len} tokens (total_len), so it kept "
                               "no attention statistics while its budget was not reached; to continue a run, start it "
                               "without total_len (generate(..., more_prompts=True))")
-        end = self.seen + prompt_len
-        self.prompt_start, self.prompt_end, self.total_len = self.seen, end, run_length(self.name, total_len, end)
+        end = self.fed + prompt_len
+        self.prompt_start, self.prompt_end, self.total_len = self.fed, end, run_length(self.name, total_len, end)
 
     def step(self, method, cache, T: int) -> Step:
         """The Step of a call of T tokens on `cache`: refuse one the method would have to guess about; at a run's
@@ -93,15 +93,15 @@ class Run:
                     cache[layer].declare(*method.aux)
         if start == self.prompt_start:
             self.plan(method, L)
-        self.seen = end
+        self.fed = end
         keeps_sums = self.active or self.total_len is None  # an idle run that may go on keeps its sums too
         self.skipped |= bool(method.aux) and not keeps_sums  # then a next prompt would lack them
         return Step(start, end, self.prompt_start, self.prompt_end, tuple(self.budgets), self.mean_budget,
                     self.protected, self.active, keeps_sums, 0 if end <= self.prompt_end else method.evict_every - 1)
 
     def check_call(self, start: int, end: int) -> None:
-        if start != self.seen:
-            raise KvminiError(f"{self.name}: this cache holds {start} tokens, but this run of the policy has fed {self.seen}; "
+        if start != self.fed:
+            raise KvminiError(f"{self.name}: this cache holds {start} tokens, but this run of the policy has fed {self.fed}; "
                               "a new cache needs policy.start(prompt_len), and one policy follows one cache")
         if start < self.prompt_end < end:
             raise KvminiError(f"{self.name}: a call of {end - start} tokens from position {start} crosses the prompt's end at "

@@ -92,10 +92,10 @@ def sample(logits: torch.Tensor, s: Sampling, generator: torch.Generator | None)
     return torch.multinomial(logits.softmax(-1), 1, generator=generator)[:, 0]
 
 
-def check_finite(logits: torch.Tensor, step: int) -> None:
+def check_finite(logits: torch.Tensor, t: int) -> None:
     """A model whose weights or dtype overflow gives NaN/inf logits: say so instead of answering nothing."""
     if not torch.isfinite(logits).all():
-        where = "the prompt" if step == 0 else f"decode step {step}"
+        where = "the prompt" if t == 0 else f"decode step {t}"
         raise KvminiError(f"the model produced non-finite logits (NaN or inf) at {where}: broken weights, "
                           "or a dtype too narrow for them (try --dtype float32)")
 
@@ -123,13 +123,13 @@ def prefill(model: Transformer, ids: torch.Tensor, cache: KVCache, policy=None, 
     if ids.shape[0] != cache[0].positions.shape[0]:
         raise KvminiError(f"ids hold {ids.shape[0]} sequences but the cache {cache[0].positions.shape[0]}")
     method_chunk = policy.chunk_for(before + T, total_len) if policy is not None else None  # e.g. WeightedKV's
-    step = chunk_size or method_chunk or T
+    chunk = chunk_size or method_chunk or T
     if policy is not None:
         policy.start(T, total_len, model) if before == 0 else policy.next_prompt(T, total_len)
-    for start in range(0, T, step):
-        c = min(step, T - start)
+    for start in range(0, T, chunk):
+        c = min(chunk, T - start)
         on_layer = None if on_progress is None else (lambda i, start=start, c=c: on_progress(start + c * (i + 1) / L))
-        logits = model(ids[:, start : start + step], cache, policy, on_layer=on_layer)
+        logits = model(ids[:, start : start + chunk], cache, policy, on_layer=on_layer)
     return logits[:, -1]
 
 
@@ -179,18 +179,18 @@ def generate(
     tokens: list[list[int]] = [[] for _ in range(B)]
     done = [False] * B
     steps = 0
-    for step in range(max_new_tokens):
-        check_finite(logits, step)
+    for t in range(max_new_tokens):
+        check_finite(logits, t)
         nxt = sample(logits, sampling, generator)  # (B,)
-        for b, i in enumerate(nxt.tolist()):
-            if not done[b]:
+        for row, i in enumerate(nxt.tolist()):
+            if not done[row]:
                 if i in stop_ids:
-                    done[b] = True
+                    done[row] = True
                 else:
-                    tokens[b].append(i)
-                    if b == 0 and on_token is not None:
+                    tokens[row].append(i)
+                    if row == 0 and on_token is not None:
                         on_token(i)
-        if all(done) or step == max_new_tokens - 1:
+        if all(done) or t == max_new_tokens - 1:
             break
         logits = model(nxt[:, None], cache, policy)[:, -1]
         steps += 1

@@ -169,9 +169,9 @@ class Transformer(nn.Module):
         x = self.model.embed_tokens(ids)  # (B, T, C)
         cos, sin = angles.cos().to(x.dtype), angles.sin().to(x.dtype)
         for i, block in enumerate(self.model.layers):
-            x, seen = block(x, pos, cos, sin, cache[i], wants)
+            x, stats = block(x, pos, cos, sin, cache[i], wants)
             if method is not None:
-                method.after_attention(i, cache, seen, step)
+                method.after_attention(i, cache, stats, step)
             if on_layer is not None:
                 on_layer(i)
         if method is not None:

@@ -3,7 +3,7 @@ import pytest
 import torch
 
 from kvmini.methods.method import Method
-from kvmini.attention import attend, explicit_attention, sdpa_attention
+from kvmini.attention import attend, explicit_attention, in_chunks, pool, sdpa_attention
 from kvmini.attention import Statistic
 
 
@@ -64,7 +64,8 @@ def test_explicit_path_statistics_equal_naive(reduce, T, S_old, window, chunk):
     q, k, v, q_pos, k_pos, w = setup(T, S_old, window, shuffle=True)
     expected, probs = naive(q, k, v, q_pos, k_pos, w)  # probs (B, H, T, S)
     req = {"column_sums": column_sums(reduce), "window_sums": window_sums(3, reduce), "last_row": last_row(reduce)}
-    out, stats = explicit_attention(q, k, v, q_pos, k_pos, req, w, chunk=chunk)
+    out, sums = in_chunks(q, k, v, q_pos, k_pos, req, w, chunk=chunk)
+    stats = {name: pool(sums[name], s.reduce) for name, s in req.items()}
     torch.testing.assert_close(out, expected, atol=1e-5, rtol=0)
     B, H, _, S = probs.shape
     grouped = probs.view(B, 2, H // 2, T, S)  # (B, H_kv, g, T, S)
@@ -103,9 +104,11 @@ def test_attend_equals_naive_on_every_path(request_, T, S_old, window):
 
 def test_statistics_are_only_computed_when_requested():
     q, k, v, q_pos, k_pos, w = setup()
-    _, stats = explicit_attention(q, k, v, q_pos, k_pos, {"last_row": last_row()})
-    assert set(stats) == {"last_row"}
-    assert stats["last_row"].shape == (q.shape[0], k.shape[1], k.shape[2])
+    _, sums = explicit_attention(q, k, v, q_pos, k_pos, {"last_row": last_row()})
+    assert set(sums) == {"last_row"}
+    assert sums["last_row"].shape == (q.shape[0], k.shape[1], q.shape[1] // k.shape[1], k.shape[2])  # per query head
+    _, stats = attend(q, k, v, q_pos, k_pos, {"last_row": last_row()}, w)
+    assert set(stats) == {"last_row"} and stats["last_row"].shape == (q.shape[0], k.shape[1], k.shape[2])
 
 
 def test_unknown_group_reduction_is_rejected():

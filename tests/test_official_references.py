@@ -294,7 +294,7 @@ def test_d2o_official_equals_the_authors_per_query_head_code_when_g_is_1(seed):
             torch.testing.assert_close(V, V_ref, **TOL, msg=f"call {c}, layer {l}: values")
     assert want[0][2][2].shape[1] == N  # nothing compressed in the prompt (start=first_decode)
     assert sum(policy.merged) > 0  # the merge path ran
-    assert all(abs(d2o.threshold[l] - policy.merge.tau[l].item()) < 1e-9 for l in compressed)
+    assert all(abs(d2o.threshold[l] - policy.merger.tau[l].item()) < 1e-9 for l in compressed)
 
 
 def test_d2o_official_budgets_agree_with_the_authors_for_g_above_1():

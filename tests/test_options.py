@@ -147,7 +147,7 @@ def test_a_new_method_with_a_new_option_needs_its_module_and_one_registry_line(m
     class VNorm(Method):
         schedule = "prefill"
 
-        def after_attention(self, layer, cache, seen, step):
+        def after_attention(self, layer, cache, stats, step):
             lc, b = cache[layer], step.budgets[layer]
             if step.compresses and step.completes and lc.length > b:
                 shrink(lc, lc.values.norm(dim=-1), b, 0, 0, step.newest)  # the largest values stay

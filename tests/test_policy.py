@@ -442,7 +442,7 @@ FORWARD = [  # (docs/design.md's forward call, the model's code): the same calls
     ("cache[l].append(k, v, positions)", "cache.append(k, v, pos)"),
     ("attend(q, cache[l], wants)", "attend(q, K, V,"),
     ("o_proj -> MLP", "self.mlp("),
-    ("method.after_attention(l, cache, seen, step)", "method.after_attention(i, cache, seen, step)"),
+    ("method.after_attention(l, cache, stats, step)", "method.after_attention(i, cache, stats, step)"),
     ("method.after_layers(cache, step)", "method.after_layers(cache, step)"),
 ]
 

@@ -20,7 +20,7 @@ sys.path.insert(0, str(Path.cwd() if Path("kvmini").is_dir() else Path.cwd().par
 
 import torch  # noqa: E402
 
-from kvmini.attention import explicit_attention, sdpa_attention  # noqa: E402
+from kvmini.attention import explicit_attention, in_chunks, sdpa_attention  # noqa: E402
 from kvmini.cache import PAD, KVCache, LayerCache  # noqa: E402
 from kvmini.config import ModelConfig  # noqa: E402
 from kvmini.model import RMSNorm, Transformer, apply_rope, rope_frequencies  # noqa: E402
@@ -100,9 +100,9 @@ assert torch.allclose(logit(rope_half_split, 7, 3), logit(rope_half_split, 14, 1
 # With $H$ query heads and $H_{kv}$ key/value heads, the $g = H / H_{kv}$ query heads of a group
 # share one key and one value head. SmolLM2 has $H = 9$, $H_{kv} = 3$: the cache is 3x smaller than
 # with one KV head per query head. kvmini never copies K/V to the query heads: query head $h$ reads
-# KV head $\lfloor h / g \rfloor$. The check below runs kvmini's three attention paths (a prompt
-# through SDPA, one decode query through two grouped matmuls, the explicit chunked pass that also
-# computes statistics) against the literal "repeat each KV head g times" softmax, written out here.
+# KV head $\lfloor h / g \rfloor$. The check below runs kvmini's two ways to attend (PyTorch's fused SDPA,
+# and the attention written out, 2 queries at a time here, which also gives the statistics a method asks
+# for) against the literal "repeat each KV head g times" softmax, written out here.
 
 # %%
 B, H, H_kv, T = 1, 6, 2, 5
@@ -113,8 +113,8 @@ k_rep, v_rep = kh.repeat_interleave(g, 1), vh.repeat_interleave(g, 1)  # (B, H, 
 scores = qh @ k_rep.transpose(-1, -2) / math.sqrt(D) + torch.full((T, T), float("-inf")).triu(1)  # causal
 literal = scores.softmax(-1) @ v_rep  # (B, H, T, D)
 prompt = sdpa_attention(qh, kh, vh, pos[None], pos.expand(B, H_kv, T))  # the prompt: SDPA, grouped
-one = sdpa_attention(qh[:, :, -1:], kh, vh, pos[None, -1:], pos.expand(B, H_kv, T))  # a decode step's query
-chunked, _ = explicit_attention(qh, kh, vh, pos[None], pos.expand(B, H_kv, T), {}, chunk=2)
+one, _ = explicit_attention(qh[:, :, -1:], kh, vh, pos[None, -1:], pos.expand(B, H_kv, T), {})  # a decode step
+chunked, _ = in_chunks(qh, kh, vh, pos[None], pos.expand(B, H_kv, T), {}, chunk=2)
 assert torch.allclose(prompt, literal, atol=1e-5) and torch.allclose(chunked, literal, atol=1e-5)
 assert torch.allclose(one, literal[:, :, -1:], atol=1e-5)
 

@@ -20,7 +20,7 @@ sys.path.insert(0, str(Path.cwd() if Path("kvmini").is_dir() else Path.cwd().par
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-from kvmini.attention import Statistic, explicit_attention  # noqa: E402
+from kvmini.attention import Statistic, attend  # noqa: E402
 from kvmini.budget import resolve_budget  # noqa: E402
 from kvmini.config import ModelConfig  # noqa: E402
 from kvmini.methods.pyramidkv import pyramid  # noqa: E402
@@ -39,17 +39,16 @@ torch.manual_seed(0)
 #
 # Each is a sum over some of the queries (all, the last $w$, the last one) of the attention rows,
 # a `Statistic(last, f, reduce)` (`kvmini.attention`); a method names the ones it reads in its `wants`.
-# `explicit_attention` computes them chunk by chunk of queries in the same pass as the attention
-# output, and combines the $g$ query heads of a KV head (mean by default). The check uses the full
+# `attend` computes them from the attention rows it writes out for the output (64 queries at a time,
+# `in_chunks`), and combines the $g$ query heads of a KV head (mean by default). The check uses the full
 # matrix, which is fine at this size.
 
 # %%
 B, H, H_kv, T, D = 1, 4, 2, 10, 8
 q, k, v = torch.randn(B, H, T, D), torch.randn(B, H_kv, T, D), torch.randn(B, H_kv, T, D)
 pos = torch.arange(T)[None]
-out, stats = explicit_attention(q, k, v, pos, pos.expand(B, H_kv, T)[:, :, :],
-                                {"column_sums": Statistic(), "window_sums": Statistic(last=3),
-                                 "last_row": Statistic(last=1)}, chunk=4)
+out, stats = attend(q, k, v, pos, pos.expand(B, H_kv, T)[:, :, :],
+                    {"column_sums": Statistic(), "window_sums": Statistic(last=3), "last_row": Statistic(last=1)})
 A = F.softmax((q @ k.repeat_interleave(2, 1).transpose(-1, -2)) / math.sqrt(D)
               + torch.full((T, T), float("-inf")).triu(1), dim=-1)  # (B, H, T, T), the full matrix
 A_kv = A.view(B, H_kv, 2, T, T).mean(2)  # mean over the query heads of each KV head
@@ -107,8 +106,7 @@ print("PyramidKV budgets, layers 0, 10, 20, 29:", budgets[0], budgets[10], budge
 kept = torch.tensor([0, 3, 4, 7])
 q1 = torch.randn(1, H, 1, D)  # the next query, at position 8
 k8, v8 = torch.randn(1, H_kv, 8, D), torch.randn(1, H_kv, 8, D)
-evicted_out, _ = explicit_attention(q1, k8[:, :, kept], v8[:, :, kept], torch.tensor([[8]]),
-                                    kept.expand(1, H_kv, 4), {})
+evicted_out, _ = attend(q1, k8[:, :, kept], v8[:, :, kept], torch.tensor([[8]]), kept.expand(1, H_kv, 4), {})
 mask = torch.full((8,), float("-inf"))
 mask[kept] = 0
 masked_out = F.scaled_dot_product_attention(q1, k8.repeat_interleave(2, 1), v8.repeat_interleave(2, 1),

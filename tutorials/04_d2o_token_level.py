@@ -277,7 +277,7 @@ if solved("ema_merging", "variance_softmax"):  # zscore and uniform budgets read
         with torch.no_grad():
             model(torch.randint(0, 50, (1, 40), generator=torch.Generator().manual_seed(0)), cache, p)
             for t in range(20):
-                taus.append(p.merge.tau[1].mean().item())  # layer 1, mean over KV heads
+                taus.append(p.merger.tau[1].mean().item())  # layer 1, mean over KV heads
                 model(torch.tensor([[t % 50]]), cache, p)
         ax.plot(taus, marker=".", label=f"beta = {beta}")
     ax.set_xlabel("decode step")

@@ -53,7 +53,7 @@ from kvmini.methods.registry import make_policy, parse_spec  # noqa: E402
 # forward pass calls, each handed the call's `step`, the facts of the run that the engine keeps
 # (`kvmini/engine.py`: `step.budgets`, `step.newest`, `step.compresses`, `step.keeps_sums`, ...).
 # `before(cache, step)` returns what this call's attention passes compute (here the column sums of its
-# queries); `after_attention(layer, cache, seen, step)` is the method's step for one layer, read in order: add this call's column sums $\sum_i A_{ij}$ to every cached token's running
+# queries); `after_attention(layer, cache, stats, step)` is the method's step for one layer, read in order: add this call's column sums $\sum_i A_{ij}$ to every cached token's running
 # sum (the cache's aux buffer `attention_sum`, which follows each eviction, as H2O's does), keep the
 # norms of the values this call cached, and, when the layer holds more than its budget, `shrink` it to
 # the sinks, the best scores and the recent window (`kvmini/methods/selectors.py`, a function H2O
@@ -546,11 +546,11 @@ class WindowVariance(Method):
             self.variance, self.score, self.held, self.chosen = {}, {}, [], None
         return WINDOW | {"column_sums": Statistic()} if step.compresses and step.completes else None
 
-    def after_attention(self, layer, cache, seen, step):
-        if not seen:
+    def after_attention(self, layer, cache, stats, step):
+        if not stats:
             return
-        self.variance[layer] = window_variance(seen)[seen["seen"] > 0].mean().item()  # V_l
-        self.score[layer] = seen["column_sums"]  # (B, H_kv, S): the attention each key received
+        self.variance[layer] = window_variance(stats)[stats["seen"] > 0].mean().item()  # V_l
+        self.score[layer] = stats["column_sums"]  # (B, H_kv, S): the attention each key received
         self.held.append(cache[layer].length)  # nothing compressed yet
         print(f"layer {layer}: V_l = {self.variance[layer]:.5f}, holds {cache[layer].length} entries")
 
@@ -638,15 +638,15 @@ class OutputAware(Method):
         wanted = step.compresses and step.completes
         return {"columns": Statistic(reduce="heads")} if wanted else None  # (B, H, S): sum_i A^h_ij
 
-    def after_attention(self, layer, cache, seen, step):
-        if not seen:
+    def after_attention(self, layer, cache, stats, step):
+        if not stats:
             return
         lc, attn = cache[layer], self.model.model.layers[layer].self_attn  # this layer's attention module
         H, H_kv, D = attn.H, attn.H_kv, attn.D
         W_o = attn.o_proj.weight.view(-1, H, D)  # (C, H, D): W_o^h is W_o[:, h]
         v = lc.values.repeat_interleave(H // H_kv, dim=1)  # (B, H, S, D): the values each query head reads
         through = torch.einsum("bhsd,chd->bhsc", v, W_o).norm(dim=-1)  # (B, H, S): ||W_o^h v_j||
-        score = reduce_heads(seen["columns"] * through, H_kv, "mean")  # (B, H_kv, S)
+        score = reduce_heads(stats["columns"] * through, H_kv, "mean")  # (B, H_kv, S)
         b = step.budgets[layer]
         self.evicted[layer] += lc.length - b
         shrink(lc, score, b, 0, W, step.newest)

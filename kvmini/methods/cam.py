@@ -87,27 +87,26 @@ class CaM(Method):
         super().__init__("cam", budget)
         self.sinks, self.reduce, self.accumulated = o.sinks, o.reduce, o.merge_score == "accumulated"
         self.recent = Rule(f"budget - {o.sinks}", lambda b: b - o.sinks)  # StreamingLLM's window
-        self.merge = CacheMerge(o.sinks, o.merge_window, o.merge_divide, o.merge_mask, o.merge_seed)
+        self.merger = CacheMerge(o.sinks, o.merge_window, o.merge_divide, o.merge_mask, o.merge_seed)
         self.aux = ("attention_sum",) if self.accumulated else ()  # \bar A per cached token
 
-    merger = property(lambda self: self.merge)  # its `trace` records the merges (kvmini.view)
 
     def before(self, cache, step) -> dict | None:
         if step.start == 0:
-            self.merge.start(len(cache))  # a new run: the merge draws start again
+            self.merger.start(len(cache))  # a new run: the merge draws start again
         if self.accumulated:
             return {"column_sums": Statistic(reduce=self.reduce)} if step.keeps_sums else None  # sum_i A_ij
         # "w.o. Acc. Attention": the current step's row only
         return {"last_row": Statistic(last=1, reduce=self.reduce)} if step.compresses else None
 
-    def after_attention(self, layer: int, cache, seen, step) -> None:
+    def after_attention(self, layer: int, cache, stats, step) -> None:
         lc, b = cache[layer], step.budgets[layer]
         if self.accumulated and step.keeps_sums:
-            lc.aux("attention_sum").add_(seen["column_sums"])  # 1. \bar A_j (B, H_kv, S)
+            lc.aux("attention_sum").add_(stats["column_sums"])  # 1. \bar A_j (B, H_kv, S)
         if step.compresses and lc.length > b + step.slack:
             self.evicted[layer] += lc.length - b
-            score = lc.aux("attention_sum") if self.accumulated else seen["last_row"]
-            self.run.merged[layer] += self.merge(layer, lc, score, b)  # 2. the oldest go, merged (Eq. 14, Alg. 1)
+            score = lc.aux("attention_sum") if self.accumulated else stats["last_row"]
+            self.run.merged[layer] += self.merger(layer, lc, score, b)  # 2. the oldest go, merged (Eq. 14, Alg. 1)
 
     def describe(self, lc) -> tuple[str, torch.Tensor | None]:
         if not self.accumulated:

@@ -88,31 +88,31 @@ class D2O(RowBudgets, Method):
             self.recent = Rule(f"budget * {M} // {N + M}", lambda S_l: S_l * M // (N + M))
         if o.start == "prompt":
             self.schedule = "after_prompt"
-        self.merge = None if o.merge == "off" else EMAMerge(o.beta, weights=o.merge, tau=o.tau, writes=o.merge_writes)
+        self.merger = None if o.merge == "off" else EMAMerge(o.beta, weights=o.merge, tau=o.tau, writes=o.merge_writes)
 
-    merger = property(lambda self: self.merge)  # its `trace` records the merges (kvmini.view)
 
     def before(self, cache, step) -> dict | None:
         if step.start == 0:  # a new run: a protected layer is scored too (the official allocation measures it)
             for layer in range(len(cache)):
                 cache[layer].declare(*self.aux)
-            if self.merge is not None:
-                self.merge.reset()
+            if self.merger is not None:
+                self.merger.reset()
         if step.first:  # this prompt's F_v (per layer, one per sequence), its pieces' column sums, its S_l
             self.F_v, self.sums, self.row_budgets = {}, {}, None
         if step.compresses and step.start == step.prompt_end and self.schedule == "decode":
             self.allocate(cache[0].length + step.T, cache[0].positions.device, step)  # 2. at the first decode step
-        measures = step.compresses and step.in_prompt  # F_v is taken on the prompt's attention
-        wanted = {"column_sums": Statistic(reduce=self.o.reduce)} if step.keeps_sums or measures else {}
-        if measures and self.o.allocation in HEADS:
-            wanted["column_sums_heads"] = Statistic(reduce="heads")  # (B, H, S): Eq. 4 per query head
-        if in_pieces(step) and wanted:  # each piece's share per query head, added up until the prompt is complete
-            wanted = {"column_sums": Statistic(reduce="heads")}
-        return wanted or None
+        if not (step.keeps_sums or step.compresses and step.in_prompt):  # F_v is taken on the prompt's attention
+            return None
+        return {"column_sums": Statistic(reduce="heads" if self.per_head(step) else self.o.reduce)}
 
-    def after_attention(self, layer: int, cache, seen, step) -> None:
+    def per_head(self, step) -> bool:
+        """Are this call's column sums asked per query head: for Eq. 4 per head, or to be added up over a
+        prompt fed in pieces?"""
+        return step.compresses and step.in_prompt and (self.o.allocation in HEADS or in_pieces(step))
+
+    def after_attention(self, layer: int, cache, stats, step) -> None:
         lc = cache[layer]
-        column, heads = self.column_sums(layer, lc, seen, step)
+        column, heads = self.column_sums(layer, lc, stats, step)
         if column is None:
             return  # nothing asked, or a piece of the prompt: its sums wait for the rest
         if step.keeps_sums:
@@ -132,17 +132,19 @@ class D2O(RowBudgets, Method):
                 if layer not in step.protected:
                     self.compress(layer, cache[layer], step)  # 3.
 
-    def column_sums(self, layer: int, lc, seen, step) -> tuple:
+    def column_sums(self, layer: int, lc, stats, step) -> tuple:
         """This call's column sums (B, H_kv, S) and, if Eq. 4 reads them, each query head's (B, H, S); for
         a prompt in pieces, the whole prompt's in the call that completes it and (None, None) before."""
-        if not seen:
+        if not stats:
             return None, None
-        if not in_pieces(step):
-            return seen["column_sums"], seen.get("column_sums_heads")
-        C = add_up(self.sums, layer, seen["column_sums"])  # (B, H, S): the prompt's so far, per query head
-        if not step.completes:
-            return None, None
-        del self.sums[layer]
+        C = stats["column_sums"]  # (B, H_kv, S), or (B, H, S) per query head
+        if not self.per_head(step):
+            return C, None
+        if in_pieces(step):
+            C = add_up(self.sums, layer, C)  # the prompt's so far
+            if not step.completes:
+                return None, None
+            del self.sums[layer]
         return reduce_heads(C, lc.keys.shape[1], self.o.reduce), C if self.o.allocation in HEADS else None
 
     def allocate(self, length: int, device, step) -> None:
@@ -167,10 +169,10 @@ class D2O(RowBudgets, Method):
         b, held = cut  # an int and None when every sequence agrees, else one each
         score = lc.aux("attention_sum")  # (B, H_kv, S): s_j
         recent = self.recent(b) if held is None else self.recents[layer]  # (B, 1, 1): each row's window
-        if self.merge is None:
+        if self.merger is None:
             shrink_rows(lc, score, b, self.sinks, recent, step.newest, held)
         else:
-            self.run.merged[layer] += shrink_merging(self.merge, layer, lc, score, b, self.sinks, recent, step.newest, held)
+            self.run.merged[layer] += shrink_merging(self.merger, layer, lc, score, b, self.sinks, recent, step.newest, held)
 
     def describe(self, lc) -> tuple[str, torch.Tensor | None]:
         return "accumulated attention (H2O's score: summed over every query so far)", lc.aux("attention_sum")

@@ -17,7 +17,7 @@ stopping rule by a fixed budget, the same share of the prompt in every layer (an
 a fixed budget at the share it chose; kvmini.eval.ablation). Both use k = 1
 (the last query's row) and group reduction mean. Default: the `paper` variant (docs/methods.md's
 DBudgetKV table has the measured comparison). In a batch, every sequence gets its own budgets
-(`row_budgets`; kvmini.cache's ragged rows).
+(`row_budgets`; kvmini.cache's ragged heads).
 """
 from dataclasses import dataclass
 from typing import Literal
@@ -83,13 +83,13 @@ class DBudgetKV(RowBudgets, Method):
                 wanted[name] = Statistic(mine, None, "heads")
         return wanted or None
 
-    def after_attention(self, layer: int, cache, seen, step) -> None:
+    def after_attention(self, layer: int, cache, stats, step) -> None:
         if layer in step.protected or not step.in_prompt:
             return
         lc = cache[layer]
         H_kv, sums = lc.keys.shape[1], self.sums.setdefault(layer, {})
-        for name in seen:  # this call's share added to the prompt's so far
-            add_up(sums, name, seen[name])
+        for name in stats:  # this call's share added to the prompt's so far
+            add_up(sums, name, stats[name])
         if step.compresses and not step.completes:
             return  # a piece of the prompt: its sums wait for the rest
         got = {name: reduce_heads(C, H_kv, self.o.reduce) for name, C in self.sums.pop(layer).items()}

@@ -12,7 +12,7 @@ Defaults, from the authors' code (the paper gives w_s, r_max and m no values; kv
 window 8, avg pooling, r_max 10 (methods/dynamic_v11.py:144, 150, 152), interval 4
 (llama_model_impl/dynamickv_v11.py:122, `layer_idx % 4 == 3`), kernel 7 (DynamicKVClusterV11's own
 default, dynamic_v11.py:14; init_dynamickv_V11 sets 5, :148); group reduction mean (kvmini's).
-In a batch, every sequence gets its own layer budgets (`row_budgets`; kvmini.cache's ragged rows).
+In a batch, every sequence gets its own layer budgets (`row_budgets`; kvmini.cache's ragged heads).
 
 Variants: `paper` (the default, Alg. 1) and `official` (DreamMr/DynamicKV). Both re-allocate only
 when l % m == 0 (Alg. 1 line 24), so when L % m != 0 the last L % m layers keep b_s + w_s;

@@ -35,7 +35,7 @@ WRITES = ("both", "keys", "values")
 
 class EMAMerge:
     """D2O's merge of evicted tokens into kept ones, one layer at a time, and each layer's threshold: called
-    with the indices a layer keeps, before the cache gathers them, or (`one`) with the one entry each row evicts.
+    with the indices a layer keeps, before the cache gathers them, or (`one`) with the one entry each head evicts.
     `trace`: None (default, no cost), or a list that each call extends with a `Merged` record."""
 
     at_once = 2**18  # similarities held at once when many keys are evicted (docs/speed.md, "Where D2O's decode step goes")
@@ -51,14 +51,14 @@ class EMAMerge:
     def reset(self) -> None:
         """A new run: no layer has a threshold yet."""
         self.tau: dict[int, torch.Tensor] = {}  # layer -> its threshold (Eq. 10), (B, H_kv, 1), or (B, 1, 1) per layer
-        self.partial: set[int] = set()  # layers where rows evicted different counts: some may have no threshold (NaN)
+        self.partial: set[int] = set()  # layers where heads evicted different counts: some may have no threshold (NaN)
         if self.trace is not None:
             self.trace.clear()
 
     def __call__(self, layer: int, lc: LayerCache, keep: torch.Tensor, counts: torch.Tensor | None = None) -> torch.Tensor:
         """Every entry of layer `layer` not in `keep` (B, H_kv, b) against the kept ones (Eq. 9-12), before
-        they are gathered; `counts` (B, H_kv): each row keeps only its first counts[r] of `keep` (its pads
-        neither kept nor merged). Returns the tokens merged (summed over rows, mean over heads)."""
+        they are gathered; `counts` (B, H_kv): each head keeps only its first counts[r] of `keep` (its pads
+        neither kept nor merged). Returns the tokens merged (summed over sequences, mean over heads)."""
         pos = lc.positions  # (B, H_kv, S)
         mine = None if counts is None else torch.arange(keep.shape[2], device=keep.device) < counts[..., None]
         kept = torch.zeros_like(pos, dtype=torch.bool).scatter_(2, keep, True if mine is None else mine)
@@ -69,21 +69,21 @@ class EMAMerge:
         k_keep = wide(lc.keys.gather(2, keep[..., None].expand(-1, -1, -1, D)))  # (B, H_kv, b, D)
         k_evict = wide(lc.keys.gather(2, evict[..., None].expand(-1, -1, -1, D)))  # (B, H_kv, E, D)
         unit = F.normalize(k_keep, dim=-1)  # the kept keys normalized once for every chunk: their norms are 1
-        rows = max(1, self.at_once // max(1, k_keep.shape[:-1].numel()))  # evicted keys per chunk
-        others = None if mine is None else ~mine[:, :, None]  # (B, H_kv, 1, b): a row's places past its count
-        found = [nearest(chunk, unit, unit.new_ones(unit.shape[:-1]), others) for chunk in k_evict.split(rows, dim=2)]
+        per_chunk = max(1, self.at_once // max(1, k_keep.shape[:-1].numel()))  # evicted keys per chunk
+        others = None if mine is None else ~mine[:, :, None]  # (B, H_kv, 1, b): a head's places past its count
+        found = [nearest(chunk, unit, unit.new_ones(unit.shape[:-1]), others) for chunk in k_evict.split(per_chunk, dim=2)]
         best, j_star = (torch.cat(t, -1) for t in zip(*found))  # (B, H_kv, E) each: Eq. 9
         return self.merge(layer, lc, evict, keep, j_star, best, None if mine is None else evicted.gather(2, evict))
 
     def one(self, layer: int, lc: LayerCache, victim: torch.Tensor, newest: int) -> torch.Tensor:
-        """A decode step: each row's one evicted entry `victim` (B, H_kv) is read, then evicted (the new entry takes
-        its slot), then compared with every entry held (never a shorter row's pads, positions after `newest`): its
+        """A decode step: each head's one evicted entry `victim` (B, H_kv) is read, then evicted (the new entry takes
+        its slot), then compared with every entry held (never a shorter head's pads, positions after `newest`): its
         nearest j (Eq. 9), the threshold (Eq. 10), and j's key and value mixed with its own (Eq. 11-12 with E = 1:
         the same `convex_merge` or `scatter_mean_merge`), written back by index. Returns the tokens merged (summed
-        over rows, mean over heads)."""
-        (b, h), (b_, h_) = lc.rows, lc.entries  # index one entry (B, H_kv), or E of them (B, H_kv, E), per row
-        x_i = wide(lc.entry_kv[b_, h_, victim[..., None]].flatten(-2))  # (B, H_kv, E = 1, 2D): the victim's [k | v]
-        at = None if self.trace is None else lc.positions[b, h, victim][..., None]  # (B, H_kv, 1): its position
+        over sequences, mean over heads)."""
+        (r, h), (r_, h_) = lc.per_head, lc.per_entry  # index one entry (B, H_kv), or E of them (B, H_kv, E), per head
+        x_i = wide(lc.entry_kv[r_, h_, victim[..., None]].flatten(-2))  # (B, H_kv, E = 1, 2D): the victim's [k | v]
+        at = None if self.trace is None else lc.positions[r, h, victim][..., None]  # (B, H_kv, 1): its position
         lc.evict(victim)
         pos, kv = lc.positions, lc.entry_kv  # (B, H_kv, S), (B, H_kv, S, 2, D): the victim is no longer held
         k_i = x_i[..., : kv.shape[-1]]  # (B, H_kv, 1, D): its key
@@ -92,25 +92,25 @@ class EMAMerge:
         if self.trace is not None:
             self.record(layer, pos, at, j, best, merge)
         combine = convex_merge if self.weights == "paper" else scatter_mean_merge
-        x_j = combine(wide(kv[b_, h_, j].flatten(-2)), x_i, torch.zeros_like(j), best, merge)  # (B, H_kv, 1, 2D)
+        x_j = combine(wide(kv[r_, h_, j].flatten(-2)), x_i, torch.zeros_like(j), best, merge)  # (B, H_kv, 1, 2D)
         w = self.written
-        kv[:, :, :, w].index_put_((b_, h_, j), x_j.unflatten(-1, (2, -1))[..., w, :].to(kv.dtype))
+        kv[:, :, :, w].index_put_((r_, h_, j), x_j.unflatten(-1, (2, -1))[..., w, :].to(kv.dtype))
         return merge.sum() / merge.shape[1]  # tokens merged, mean over heads
 
     def merge(self, layer: int, lc: LayerCache, evict, targets, j_star, best, real=None) -> torch.Tensor:
         """Eq. 10-12 for the evicted entries `evict` (B, H_kv, E), each nearest to `targets[j_star]` with
         similarity `best` (targets (B, H_kv, T) and evict: indices into the cache; j_star, best (B, H_kv, E);
-        `real` (B, H_kv, E): which are evicted, where rows evict different counts): the threshold decides which
+        `real` (B, H_kv, E): which are evicted, where heads evict different counts): the threshold decides which
         merge, and each target's key and value become their mix (only the targets are written). Returns the
-        tokens merged (summed over rows, mean over heads)."""
+        tokens merged (summed over sequences, mean over heads)."""
         merge = self.decide(layer, best, real).expand_as(best)  # (B, H_kv, E)
         if self.trace is not None:
             self.record(layer, lc.positions, lc.positions.gather(2, evict), targets.gather(2, j_star), best, merge)
-        (b, h), kv, w = lc.entries, lc.entry_kv, self.written  # (B, 1, 1), (H_kv, 1): index entries (B, H_kv, s)
-        pair = lambda idx: wide(kv[b, h, idx].flatten(-2))  # noqa: E731  [k | v] of entries idx, (B, H_kv, s, 2D)
+        (r, h), kv, w = lc.per_entry, lc.entry_kv, self.written  # (B, 1, 1), (H_kv, 1): index entries (B, H_kv, s)
+        pair = lambda idx: wide(kv[r, h, idx].flatten(-2))  # noqa: E731  [k | v] of entries idx, (B, H_kv, s, 2D)
         combine = convex_merge if self.weights == "paper" else scatter_mean_merge
         merged = combine(pair(targets), pair(evict), j_star, best, merge)  # (B, H_kv, T, 2D): [k | v], the same weights
-        kv[:, :, :, w].index_put_((b, h, targets), merged.unflatten(-1, (2, -1))[..., w, :].to(kv.dtype))
+        kv[:, :, :, w].index_put_((r, h, targets), merged.unflatten(-1, (2, -1))[..., w, :].to(kv.dtype))
         return merge.sum() / merge.shape[1]  # tokens merged, mean over heads
 
     def record(self, layer: int, pos, evicted, into, best, merge) -> None:
@@ -130,7 +130,7 @@ class EMAMerge:
     def decide(self, layer: int, best: torch.Tensor, real: torch.Tensor | None = None) -> torch.Tensor:
         """Eq. 10: update layer `layer`'s threshold with the evicted tokens' best similarities `best`
         (B, H_kv, E) and say which of them merge, (B, H_kv, E) bool ((B, 1, E) for a threshold per layer: every
-        head alike). `real` (B, H_kv, E): the entries truly evicted, where rows evict different counts; a row that
+        head alike). `real` (B, H_kv, E): the entries truly evicted, where heads evict different counts; a head that
         evicts none keeps its threshold (NaN: none yet)."""
         sim = best.mean(1, keepdim=True) if self.per_layer else best  # official: one threshold per layer,
         real_sim = None if real is None else real[:, :1] if self.per_layer else real  # similarities averaged over heads
@@ -138,10 +138,10 @@ class EMAMerge:
                torch.where(real_sim, sim, 0).sum(-1, keepdim=True) / real_sim.sum(-1, keepdim=True))
         prev = self.tau.get(layer)
         tau = ema_threshold(prev, new, self.beta)  # tau_0 if it has none yet
-        if prev is not None and (real is not None or layer in self.partial):  # per row: tau_0, or no change
+        if prev is not None and (real is not None or layer in self.partial):  # per head: tau_0, or no change
             tau = torch.where(prev.isnan(), new, torch.where(new.isnan(), prev, tau))
         self.tau[layer] = tau
-        (self.partial.add if real is not None else self.partial.discard)(layer)  # some rows may have none yet
+        (self.partial.add if real is not None else self.partial.discard)(layer)  # some heads may have none yet
         return sim >= tau if real is None else (sim >= tau) & real
 
 
@@ -149,8 +149,8 @@ def shrink_merging(merge: EMAMerge, layer: int, lc: LayerCache, score: torch.Ten
                    newest: int, held: list[int] | None = None) -> torch.Tensor:
     """`selectors.shrink` with the evicted tokens merged (Eq. 9-12): one entry over (a decode step) against every
     entry left once it is evicted (`EMAMerge.one`), more against the kept ones before they are gathered. Returns
-    the tokens merged (summed over the rows, each a mean over its heads)."""
-    if one_over(lc, b, held):  # one victim a row: read, evicted, then merged
+    the tokens merged (summed over the sequences, each a mean over its heads)."""
+    if one_over(lc, b, held):  # one victim a head: read, evicted, then merged
         return merge.one(layer, lc, lowest(score, lc.positions, sinks, recent, newest), newest)
     keep, counts = kept(lc, score, b, sinks, recent, held)  # (B, H_kv, b), None or (B, H_kv)
     merged = merge(layer, lc, keep, counts)

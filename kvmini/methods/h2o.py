@@ -35,10 +35,10 @@ class H2O(Method):
     def before(self, cache, step) -> dict | None:
         return {"column_sums": Statistic(reduce=self.reduce)} if step.keeps_sums else None  # this call's A_ij, summed over i
 
-    def after_attention(self, layer: int, cache, seen, step) -> None:
+    def after_attention(self, layer: int, cache, stats, step) -> None:
         lc, b, s = cache[layer], step.budgets[layer], cache[layer].aux("attention_sum")  # s: s_j, (B, H_kv, S)
         if step.keeps_sums:
-            s.add_(seen["column_sums"])  # s_j += \sum_i A_ij over this call's queries
+            s.add_(stats["column_sums"])  # s_j += \sum_i A_ij over this call's queries
         if step.compresses and lc.length > b + step.slack:  # every call: a prompt chunk, or one decode step
             self.evicted[layer] += lc.length - b
             shrink(lc, s, b, 0, self.recent(b), step.newest)  # the top s_j + the recent window

@@ -32,7 +32,7 @@ class KNorm(Method):
     def __init__(self, budget: float, o: Options = Options()):
         super().__init__("knorm", budget)
 
-    def after_attention(self, layer: int, cache, seen, step) -> None:
+    def after_attention(self, layer: int, cache, stats, step) -> None:
         lc, b = cache[layer], step.budgets[layer]
         if step.compresses and step.completes and lc.length > b:  # once, in the call that completes the prompt
             self.evicted[layer] += lc.length - b

@@ -4,7 +4,7 @@ prompt ends, the budgets in tokens per layer, whether compressing can change any
 "The method form"):
 
     before(cache, step) -> wants           before layer 0: the statistics each layer's attention computes (None: none)
-    after_attention(layer, cache, seen, step)   after a layer's attention; `seen` holds what `wants` named
+    after_attention(layer, cache, stats, step)   after a layer's attention; `stats` holds what `wants` named
     after_layers(cache, step)              after the last layer
 
 The run itself (its prompts, what has been fed, its budgets) is the engine's (kvmini.engine.Run, made by
@@ -100,7 +100,7 @@ class Method:
 
     @property
     def merged(self) -> list[float]:
-        """Tokens merged per layer (mean over heads, sum over rows), tensors until read: no step waits to count."""
+        """Tokens merged per layer (mean over heads, sum over sequences), tensors until read: no step waits to count."""
         return [float(m) for m in self.run.merged]
 
     def describe(self, lc) -> tuple:
@@ -117,7 +117,7 @@ class Method:
         """Before layer 0 of a call: the statistics each layer's attention computes for the method (None: none)."""
         return None
 
-    def after_attention(self, layer: int, cache, seen, step) -> None:
+    def after_attention(self, layer: int, cache, stats, step) -> None:
         """After layer `layer`'s attention: nothing, unless the method says otherwise."""
 
     def after_layers(self, cache, step) -> None:

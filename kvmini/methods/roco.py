@@ -102,22 +102,22 @@ class RoCo(Method):
     def before(self, cache, step) -> dict | None:
         return {"column_sums": Statistic(), "column_squares": COLUMN_SQUARES} if step.keeps_sums else None
 
-    def after_attention(self, layer: int, cache, seen, step) -> None:
+    def after_attention(self, layer: int, cache, stats, step) -> None:
         lc, b = cache[layer], step.budgets[layer]
         if step.keeps_sums:
-            self.add_up(lc, seen, step)  # (R1-R2)
+            self.add_up(lc, stats, step)  # (R1-R2)
         if step.compresses and lc.length > b + step.slack:
             self.evicted[layer] += lc.length - b
             self.evict(lc, b, step.newest, decode=not step.in_prompt)  # (R3-R5)
 
-    def add_up(self, lc, seen, step) -> None:
+    def add_up(self, lc, stats, step) -> None:
         """(R1-R2) a += sum_i A_ij, q += sum_i A_ij^2, n += the queries that saw j, (B, H_kv, S) each: in every
         call (paper), or from the first call whose cache overflows the budget (EasyKV, :603 and :620)."""
         if self.o.prompt_statistics == "after_budget" and (step.mean_budget is None or lc.length <= step.mean_budget):
             return
-        lc.aux("a").add_(seen["column_sums"])
+        lc.aux("a").add_(stats["column_sums"])
         lc.aux("n").add_(step.T - (lc.positions - step.start).clamp(min=0))  # seen from max(p, start) on
-        lc.aux("q").add_(seen["column_squares"])
+        lc.aux("q").add_(stats["column_squares"])
 
     def evict(self, lc, b: int, newest: int, decode: bool) -> None:
         """(R3) the robust set R; (R4) the scope, every key but R; (R5) its lowest MAS go, down to b (newest: the

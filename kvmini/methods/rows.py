@@ -1,6 +1,6 @@
 """Sequences of a batch that keep counts of their own, where budgets follow each sequence's statistics
 (D2O, snapkv_d2o, DBudgetKV, DynamicKV): one policy shrinks every row at once, each to its own count,
-the row dimension vectorized like the head dimension (kvmini.cache's ragged rows: entries, then pads).
+the batch dimension vectorized like the head dimension (kvmini.cache's ragged heads: entries, then pads).
 A single sequence, or rows that agree, take `selectors`' plain form (`per_row`).
 """
 import torch

@@ -124,10 +124,10 @@ class Scissorhands(Method):
     def before(self, cache, step) -> dict | None:
         return {"low_counts": self.low} if step.keeps_sums else None
 
-    def after_attention(self, layer: int, cache, seen, step) -> None:
+    def after_attention(self, layer: int, cache, stats, step) -> None:
         lc, b = cache[layer], step.budgets[layer]
         if step.keeps_sums:
-            remember(lc, seen["low_counts"], step.start, step.T, self.w)  # I_j over the last w steps
+            remember(lc, stats["low_counts"], step.start, step.T, self.w)  # I_j over the last w steps
         if step.compresses and lc.length > b + step.slack:  # while decoding: every m = evict_every steps
             self.evicted[layer] += lc.length - b
             drop_lowest(lc, importance_score(lc), b, self.sinks, self.recent(b), step.newest)  # the m largest I_j

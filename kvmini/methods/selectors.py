@@ -32,7 +32,7 @@ def lowest(score: torch.Tensor, positions: torch.Tensor, sinks: int, recent, new
 
 
 def shrink(lc, score: torch.Tensor, b: int, sinks: int, recent: int, newest: int) -> None:
-    """Shrink every row of one layer's cache to b entries: the first `sinks`, the last `recent` and the
+    """Shrink every head of one layer's cache to b entries: the first `sinks`, the last `recent` and the
     best `score`s between them (`keep_top`). One entry over (a decode step) evicts the `lowest` in O(D)
     (`evict`); more sorts and gathers (`keep`, O(S·D)): the same result either way.
     score (B, H_kv, S) in buffer order; newest: the position of the call's newest token."""

@@ -67,10 +67,10 @@ class SnapKV(Method):
         mine = step.end - max(step.start, step.prompt_end - self.window)  # this call's queries in the window
         return {"window_sums": Statistic(mine, None, "heads")} if step.compresses and step.in_prompt and mine > 0 else None
 
-    def after_attention(self, layer: int, cache, seen, step) -> None:
-        if "window_sums" not in seen or layer in step.protected:
+    def after_attention(self, layer: int, cache, stats, step) -> None:
+        if "window_sums" not in stats or layer in step.protected:
             return
-        C = add_up(self.C, layer, seen["window_sums"])  # (B, H, S): the window's rows so far, 0 at pads
+        C = add_up(self.C, layer, stats["window_sums"])  # (B, H, S): the window's rows so far, 0 at pads
         if step.completes:  # once: the call that completes the prompt
             lc = cache[layer]
             score = window_scores_of(lc, reduce_heads(C, lc.keys.shape[1], self.reduce), self.window, self.kernel,

@@ -42,24 +42,23 @@ COLUMNS = Statistic(None, None, "heads")  # every query's attention, per query h
 class SnapKVD2O(RowBudgets, SnapKV):
     def __init__(self, budget: float, o: Options = Options()):
         super().__init__(budget, snapkv.Options(o.window, o.kernel, o.pooling, o.reduce), "snapkv_d2o")
-        self.allocation, self.temperature, self.merge = o.allocation, o.softmax_temperature, EMAMerge(o.beta)
+        self.allocation, self.temperature, self.merger = o.allocation, o.softmax_temperature, EMAMerge(o.beta)
 
-    merger = property(lambda self: self.merge)  # its `trace` records the merges (kvmini.view)
 
     def before(self, cache, step) -> dict | None:
         if step.start == 0:
-            self.merge.reset()  # a new run: the EMA threshold starts again
+            self.merger.reset()  # a new run: the EMA threshold starts again
         if step.first:
             self.columns, self.F_v, self.scores, self.row_budgets = {}, {}, {}, None
         wants = super().before(cache, step)  # SnapKV's: the window's rows, in the calls that hold window queries
         return {"column_sums": COLUMNS, **(wants or {})} if step.compresses and step.in_prompt else wants
 
-    def after_attention(self, layer: int, cache, seen, step) -> None:
-        if not seen:
+    def after_attention(self, layer: int, cache, stats, step) -> None:
+        if not stats:
             return
-        lc, C = cache[layer], add_up(self.columns, layer, seen["column_sums"])  # (B, H, S): the prompt's so far
-        if "window_sums" in seen:
-            add_up(self.C, layer, seen["window_sums"])
+        lc, C = cache[layer], add_up(self.columns, layer, stats["column_sums"])  # (B, H, S): the prompt's so far
+        if "window_sums" in stats:
+            add_up(self.C, layer, stats["window_sums"])
         if not step.completes:
             return
         H_kv, held = lc.keys.shape[1], rows_held(lc)
@@ -80,7 +79,7 @@ class SnapKVD2O(RowBudgets, SnapKV):
             self.set_budgets(layer, b)  # each sequence's S_l
         for layer in range(L):
             if cut := self.over(layer, cache[layer], self.row_budgets[layer]):  # 3.
-                self.run.merged[layer] += shrink_merging(self.merge, layer, cache[layer], self.scores[layer], cut[0], 0,
+                self.run.merged[layer] += shrink_merging(self.merger, layer, cache[layer], self.scores[layer], cut[0], 0,
                                                      self.window, step.newest, cut[1])
 
 

@@ -31,7 +31,7 @@ class StreamingLLM(Method):
     def recent(self, b: int) -> int:
         return b - self.sinks  # the budget beyond the sinks: the most recent tokens
 
-    def after_attention(self, layer: int, cache, seen, step) -> None:
+    def after_attention(self, layer: int, cache, stats, step) -> None:
         lc, b = cache[layer], step.budgets[layer]
         if step.compresses and lc.length > b + step.slack:  # every call: a prompt chunk, or one decode step
             self.evicted[layer] += lc.length - b

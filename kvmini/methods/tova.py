@@ -35,11 +35,11 @@ class TOVA(Method):
     def before(self, cache, step) -> dict | None:
         return {"last_row": Statistic(last=1, reduce=self.reduce)} if step.compresses else None  # A_tj: the latest query's row
 
-    def after_attention(self, layer: int, cache, seen, step) -> None:
+    def after_attention(self, layer: int, cache, stats, step) -> None:
         lc, b = cache[layer], step.budgets[layer]
         if step.compresses and lc.length > b + step.slack:  # every call: a prompt chunk, or one decode step
             self.evicted[layer] += lc.length - b
-            shrink(lc, seen["last_row"], b, self.sinks, self.recent(b), step.newest)  # the lowest A_tj goes
+            shrink(lc, stats["last_row"], b, self.sinks, self.recent(b), step.newest)  # the lowest A_tj goes
 
 
 def build(budget: float, o: Options = Options()) -> TOVA:

@@ -56,10 +56,10 @@ class VATP(Method):
     def before(self, cache, step) -> dict | None:
         return {"column_sums": Statistic(reduce=self.reduce)} if step.keeps_sums else None  # this call's A_ij, summed over i
 
-    def after_attention(self, layer: int, cache, seen, step) -> None:
+    def after_attention(self, layer: int, cache, stats, step) -> None:
         lc, b = cache[layer], step.budgets[layer]
         if step.keeps_sums:
-            lc.aux("attention_sum").add_(seen["column_sums"])  # sum_{i <= t} A_ij, as H2O's (B, H_kv, S)
+            lc.aux("attention_sum").add_(stats["column_sums"])  # sum_{i <= t} A_ij, as H2O's (B, H_kv, S)
             if self.p is not None:
                 self.keep_norms(lc, step.T)  # ||v_j||_p of the values this call cached
         if step.compresses and lc.length > b + step.slack:  # every call: a prompt chunk, or one decode step

@@ -71,10 +71,10 @@ class WeightedKV(Method):
             self.trace.clear()  # a new run
         return {"column_sums": Statistic(reduce=self.reduce)} if step.keeps_sums else None  # this call's A_ij, summed over i
 
-    def after_attention(self, layer: int, cache, seen, step) -> None:
+    def after_attention(self, layer: int, cache, stats, step) -> None:
         lc, b = cache[layer], step.budgets[layer]
         if step.keeps_sums:
-            attended(lc, seen["column_sums"], step.start, step.T)  # lines 4-5
+            attended(lc, stats["column_sums"], step.start, step.T)  # lines 4-5
         if not step.compresses or lc.length <= b + step.slack:  # every call: a prefill chunk, or one decode step
             return
         self.evicted[layer] += lc.length - b
