@@ -1,6 +1,7 @@
 """D2O: variance-softmax allocation (Eq. 4-5) and EMA-threshold merging (Eq. 9-12), by hand and against
 literal loops; the whole method on a random model; and variance-softmax composed with SnapKV scoring."""
 import math
+import random
 
 import pytest
 import torch
@@ -61,10 +62,25 @@ def test_eq4_attention_variance_by_hand():
 
 @pytest.mark.exercise("reciprocal_allocation")
 def test_reciprocal_allocation_by_hand():
-    """Exercise `reciprocal_allocation` (tutorial 3, Table 4)."""
-    got = layer_weights([1, 2, 3], "reciprocal")
-    assert got == pytest.approx([6 / 11, 3 / 11, 2 / 11]), \
-        f"Table 4's reciprocal allocation (`layer_weights`, how='reciprocal'): want [6/11, 3/11, 2/11], got {got}"
+    """Exercise `reciprocal_allocation` (tutorial 3, Table 4): w_l = (1/F_l) / sum_k 1/F_k. [1, 2, 3] is its own
+    rank vector with minimum 1, so [0.5, 2, 8] (not ranks, minimum 0.5) also tells 1/F from 1/rank and from
+    1/(F - min + 1): 1/F = [2, 0.5, 0.125], their sum 2.625 -> [16/21, 4/21, 1/21]."""
+    for F_v, want in (([1, 2, 3], [6 / 11, 3 / 11, 2 / 11]), ([0.5, 2.0, 8.0], [16 / 21, 4 / 21, 1 / 21]),
+                      ([8.0, 0.5, 2.0], [1 / 21, 16 / 21, 4 / 21])):
+        got = layer_weights(F_v, "reciprocal")
+        assert got == pytest.approx(want, rel=1e-12), \
+            f"Table 4's reciprocal allocation (`layer_weights`, how='reciprocal') of F_v = {F_v}: want {want}, got {got}"
+
+
+@pytest.mark.exercise("reciprocal_allocation")
+def test_reciprocal_allocation_of_a_zero_variance():
+    """A layer whose attention is perfectly even has F_v = 0 (Eq. 4): 1/F_v is infinite, so that layer's share
+    is the whole (the limit of F -> 0), the others' 0, and no share is NaN (1/0 / sum(1/F) literally is inf/inf)."""
+    got = layer_weights([0.0, 2.0, 4.0], "reciprocal")
+    assert all(math.isfinite(x) for x in got), f"Table 4's reciprocal allocation (`layer_weights`) of F_v = [0, 2, 4]: " \
+        f"want finite shares [1, 0, 0], got {got} (1/0 taken literally?)"
+    assert got == pytest.approx([1.0, 0.0, 0.0], abs=1e-12), \
+        f"Table 4's reciprocal allocation (`layer_weights`) of F_v = [0, 2, 4]: want [1, 0, 0], got {got}"
 
 
 @pytest.mark.exercise("variance_softmax")
@@ -136,6 +152,26 @@ def test_allocation_is_the_clamped_proportional_split(weights, b, low, n):
     assert sum(S) == total and all(low <= s <= n for s in S)
     for got, exact in zip(S, exact_clamped_split(weights, total, low, n)):
         assert abs(got - exact) < 1 + 1e-6
+
+
+def test_exact_ties_go_to_the_earliest_layer_whatever_the_weights_scale():
+    """`round_to_total`'s tie rule: remainders equal in exact arithmetic give their tokens to the earliest layers,
+    by hand, and the same split for weights rescaled by any factor (float error differs, the rule does not)."""
+    assert proportional([1, 1, 1], 10, 0, [100] * 3) == [4, 3, 3]  # 3.33 each: the first takes the extra token
+    assert proportional([2, 1, 1], 10, 0, [100] * 3) == [5, 3, 2]  # 5, 2.5, 2.5: layer 1 before layer 2
+    assert proportional([1, 3, 1, 3], 12, 0, [100] * 4) == [2, 5, 1, 4]  # 1.5, 4.5, 1.5, 4.5: layers 0 and 1
+    rng = random.Random(0)
+    changed = []
+    for case in range(3000):
+        L = rng.randint(2, 12)
+        weights = [rng.randint(1, 5) for _ in range(L)]  # small integers: many exact ties
+        total, low = rng.randint(L, 40 * L), rng.randint(0, 3)
+        high = [rng.choice([10**6, rng.randint(low + 1, 60)]) for _ in range(L)]
+        want = proportional(weights, total, low, high)
+        for c in (3.0, 0.1, 1e-3, 7.7, 1 / 3):
+            if proportional([w * c for w in weights], total, low, high) != want:
+                changed.append((weights, total, low, high, c))
+    assert not changed, f"`proportional` split {len(changed)} rescaled cases otherwise, e.g. {changed[:2]}"
 
 
 def test_allocation_regression_rounding_near_the_cap():

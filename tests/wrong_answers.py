@@ -84,6 +84,15 @@ WRONG = [
           "return torch.softmax(F, dim=0).tolist()"),
     Wrong("reciprocal_not_normalized", "reciprocal_allocation", "Table 4's reciprocal weights not normalized to sum to 1",
           "kvmini.methods.variance_softmax", "return (inv / inv.sum()).tolist()", "return inv.tolist()"),
+    Wrong("reciprocal_rank", "reciprocal_allocation", "Table 4's reciprocal of each layer's variance rank, not of the "
+          "variance", "kvmini.methods.variance_softmax", "inv = 1 / F.clamp(min=1e-30)",
+          "inv = 1 / (F.argsort().argsort() + 1.0)", "test_reciprocal_allocation_by_hand"),
+    Wrong("reciprocal_shifted", "reciprocal_allocation", "the variances shifted so that the smallest is 1 before the "
+          "reciprocal", "kvmini.methods.variance_softmax", "inv = 1 / F.clamp(min=1e-30)", "inv = 1 / (F - F.min() + 1)",
+          "test_reciprocal_allocation_by_hand"),
+    Wrong("reciprocal_of_zero", "reciprocal_allocation", "1/F_v taken literally: a zero variance gives inf, and its "
+          "share inf/inf", "kvmini.methods.variance_softmax", "inv = 1 / F.clamp(min=1e-30)", "inv = 1 / F",
+          "test_reciprocal_allocation_of_a_zero_variance"),
     Wrong("no_squares", "frobenius_stop", "Eq. 2's Frobenius norm without the squares: a sum of the attention itself",
           "kvmini.methods.frobenius_stop", "sq = s.gather(-1, order).double() ** 2", "sq = s.gather(-1, order).double()"),
     Wrong("removed_not_kept", "frobenius_stop", "Eq. 2's R_i as the norm of the tokens removed, not of those that remain",

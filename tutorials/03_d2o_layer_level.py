@@ -277,8 +277,9 @@ for how in ("paper", "zscore", "official", "uniform") if solved("variance_softma
 #    its measured $F_v$ (Eq. 4), clamped to [8, n]. Check it with
 #    `python -m kvmini.course check variance_softmax`.
 # 2. *(assignment: `reciprocal_allocation`)* Implement the reciprocal-of-variance allocator, the
-#    `how == "reciprocal"` branch of `layer_weights` in the same file: shares summing to 1 (the test:
-#    $[1, 2, 3] \to [6/11, 3/11, 2/11]$). Check it with
+#    `how == "reciprocal"` branch of `layer_weights` in the same file: shares summing to 1 (the checks:
+#    $[1, 2, 3] \to [6/11, 3/11, 2/11]$; $[0.5, 2, 8] \to [16/21, 4/21, 1/21]$, which tells $1/F$ from the
+#    reciprocal of a rank; a zero variance takes the whole share, and no share is NaN). Check it with
 #    `python -m kvmini.course check reciprocal_allocation`.
 # 3. Raise `--softmax-temperature` to 4 and predict how the fidelity of kvmini's `zscore` reading
 #    changes; check with `python -m kvmini.eval.fidelity --budgets 0.2 --methods

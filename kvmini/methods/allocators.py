@@ -2,12 +2,18 @@
 DynamicKV's Eq. 7-8); PyramidKV's pyramid is in its own module."""
 
 
+QUANTUM = 2**-20  # of a token: reals this close count as equal, so that float error never decides a tie
+
+
 def round_to_total(exact: list[float], total: int) -> list[int]:
-    """Round non-negative reals to integers that sum to `total` (largest remainder): [1.5, 1.5, 1.0], 4 -> [2, 1, 1]."""
-    floors = [int(x) for x in exact]
-    short = total - sum(floors)
-    by_remainder = sorted(range(len(exact)), key=lambda i: (-(exact[i] - floors[i]), i))
-    for i in by_remainder[:short]:
+    """Round non-negative reals to integers that sum to `total` (largest remainder; equal remainders: the
+    earliest first): [1.5, 1.5, 1.0], 4 -> [2, 1, 1]. Each real is first taken to a whole number of QUANTUMs,
+    so that reals equal but for float error (the same split of rescaled weights) round alike."""
+    units = [round(x / QUANTUM) for x in exact]  # whole quanta: an exact int comparison from here on
+    per = round(1 / QUANTUM)
+    floors = [u // per for u in units]
+    by_remainder = sorted(range(len(exact)), key=lambda i: (-(units[i] % per), i))
+    for i in by_remainder[: total - sum(floors)]:
         floors[i] += 1
     return floors
 
