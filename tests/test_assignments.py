@@ -194,7 +194,7 @@ def test_a_module_that_does_not_parse_fails_its_tests_with_the_reason(tmp_path):
     assert proc.returncode == 1, proc.stderr
     assert re.search(r"^value_norm: kvmini/methods/vatp.py: line \d+$", proc.stdout, re.M)  # no parse: its line
     assert "did not run: the test module does not import: SyntaxError" in proc.stdout
-    assert "value_norm: 0 of 3 tests pass" in proc.stdout
+    assert "value_norm: 0 of 4 tests pass" in proc.stdout
     proc = course(copy, "check")  # the table says why too: every method module is imported by the registry
     assert re.search(r"^\d+ tests did not run: the test module does not import: SyntaxError", proc.stdout, re.M), proc.stdout
     from kvmini.course.grading import grade_one, handed_out_here

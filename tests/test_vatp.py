@@ -31,6 +31,26 @@ def test_value_weighting_by_hand():
         assert got == pytest.approx(want), f"VATP's score (`value_norm`, norm {norm}): accumulated attention times the values' norm, got {got}"
 
 
+@pytest.mark.exercise("value_norm")
+def test_value_norm_alone():
+    """`VATP.norm` on its own: ||v_j||_p over each value's D entries, in every KV head apart (a token's values in
+    two heads are two norms), for any leading dimensions, the values themselves left unchanged. By hand:
+    head 0 holds [1, -3] and [0.5, 1.5], head 1 [-2, 0] and [3, 4]: l1 [[4, 2], [2, 7]], l2 [[10^.5, 2.5^.5], [2, 5]]."""
+    v = torch.tensor([[[[1.0, -3.0], [0.5, 1.5]], [[-2.0, 0.0], [3.0, 4.0]]]])  # (B = 1, H_kv = 2, S = 2, D = 2)
+    for norm, want in (("l1", [[[4.0, 2.0], [2.0, 7.0]]]), ("l2", [[[10**0.5, 2.5**0.5], [2.0, 5.0]]])):
+        method, before = VATP(12, Options(value_norm=norm)), v.clone()
+        got = method.norm(v)
+        assert torch.equal(v, before), f"`value_norm` (`VATP.norm`, {norm}) changed the values it measured: want " \
+            f"{before.tolist()}, got {v.tolist()} (an in-place op on `values`?)"
+        flat = [x for head in want[0] for x in head]
+        assert got.shape == (1, 2, 2) and got.flatten().tolist() == pytest.approx(flat), \
+            f"`value_norm` (`VATP.norm`, {norm}): each value's norm per KV head, want {want}, got {got.tolist()}"
+        for shape in ((4, 2), (1, 2, 1, 2, 2)):  # any leading dimensions: (S, D), (..., S, D)
+            got = method.norm(v.reshape(shape))
+            assert got.shape == shape[:-1] and got.flatten().tolist() == pytest.approx(flat), \
+                f"`value_norm` (`VATP.norm`, {norm}) of values shaped {shape}: want {flat} shaped {shape[:-1]}, got {got.tolist()}"
+
+
 def test_a_norm_is_kept_from_the_call_that_cached_the_value():
     """The newly appended values (the last T entries) get their norms; the earlier entries keep theirs,
     also after an eviction moved them."""

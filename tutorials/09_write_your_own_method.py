@@ -748,8 +748,10 @@ print("cosine of the stream before and after each layer's attention:", [round(c,
 #    general $\ell_p$ otherwise ($p = 2$ for `value_norm=l2`), over the last dimension: values
 #    $(\dots, S, D) \to (\dots, S)$, any leading dimensions. Check it with
 #    `python -m kvmini.course check value_norm`: the by-hand scores above ($p$ = 1 and 2, a value with a
-#    negative entry), the whole method against a literal masked simulation (a batch of two, a prompt
-#    in chunks, decode steps, sinks and a recent window), and H2O as the special case.
+#    negative entry), `VATP.norm` alone (two KV heads, each value's own norm; the values left unchanged;
+#    values shaped $(S, D)$ and with three leading dimensions), the whole method against a literal masked
+#    simulation (a batch of two, a prompt in chunks, decode steps, sinks and a recent window), and H2O as
+#    the special case.
 # 2. Write a method of your own: keys instead of values (`-\|k_j\|_2`, as KNorm does, but times the
 #    accumulated attention). Which functions do you reuse? Which tests do you get for free?
 # 3. VATP keeps the first 4 tokens unconditionally. Run `vatp[sinks=0]` in the fidelity tool: what
