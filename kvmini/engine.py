@@ -43,7 +43,7 @@ class Step:
     mean_budget: int | None  # the mean b they were planned from (None: the method chooses, DBudgetKV)
     protected: tuple[int, ...]  # layers never compressed
     compresses: bool  # compressing can change what this run keeps (else the method only watches)
-    keeps_sums: bool  # running statistics are kept in this call (a run that may go on keeps them too)
+    keeps_sums: bool  # running statistics are kept in this call: whenever it compresses, and in a run that may go on
     slack: int  # entries a layer may hold beyond its budget: evict_every - 1 while decoding, else 0
 
     T = property(lambda self: self.end - self.start)  # tokens in the call
@@ -51,6 +51,7 @@ class Step:
     first = property(lambda self: self.start == self.prompt_start)  # the call starts its prompt
     in_prompt = property(lambda self: self.end <= self.prompt_end)  # it ends within the prompt (not a decode step)
     completes = property(lambda self: self.end == self.prompt_end)  # it ends the prompt
+    first_decode = property(lambda self: self.start == self.prompt_end)  # the first call after the prompt
 
 
 class Run:
@@ -64,7 +65,7 @@ class Run:
         self.model = None if model is None else weakref.ref(model)  # weak: a `fork` copies the run, not the model
         self.fed, self.skipped = 0, False
         self.budgets = self.unchanged = self.mean_budget = self.note = None  # this prompt's plan: `plan`
-        self.protected, self.active = (), False
+        self.protected, self.compresses = (), False
         self.evicted: list[int] = []
         self.merged: list = []  # tokens merged per layer, tensors until read
 
@@ -94,10 +95,12 @@ class Run:
         if start == self.prompt_start:
             self.plan(method, L)
         self.fed = end
-        keeps_sums = self.active or self.total_len is None  # an idle run that may go on keeps its sums too
+        keeps_sums = self.compresses or self.total_len is None  # an idle run that may go on keeps its sums too
         self.skipped |= bool(method.aux) and not keeps_sums  # then a next prompt would lack them
-        return Step(start, end, self.prompt_start, self.prompt_end, tuple(self.budgets), self.mean_budget,
-                    self.protected, self.active, keeps_sums, 0 if end <= self.prompt_end else method.evict_every - 1)
+        return Step(start=start, end=end, prompt_start=self.prompt_start, prompt_end=self.prompt_end,
+                    budgets=tuple(self.budgets), mean_budget=self.mean_budget, protected=self.protected,
+                    compresses=self.compresses, keeps_sums=keeps_sums,
+                    slack=0 if end <= self.prompt_end else method.evict_every - 1)
 
     def check_call(self, start: int, end: int) -> None:
         if start != self.fed:
@@ -111,7 +114,7 @@ class Run:
         """This prompt's budgets, for every token the run has seen when it completes (a ratio is of those)."""
         n = self.prompt_end
         plan = layer_budgets(method, L, n, self.total_len)
-        self.budgets, self.mean_budget, self.protected, self.active, self.note = plan
+        self.budgets, self.mean_budget, self.protected, self.compresses, self.note = plan
         self.unchanged = self.budgets if self.mean_budget is None and method.budget is not None else None
 
 

@@ -132,7 +132,7 @@ def cache_report(cache: KVCache, policy=None, blocks: str = BLOCKS) -> list[str]
     if aux := aux_nbytes(cache):
         lines.append(f"aux       {aux / 2**20:.2f} MiB of per-token statistics the method keeps beside K/V "
                      f"({', '.join(dict.fromkeys(n for lc in cache.layers for n in lc.aux_names()))})")
-    if policy is not None and policy.run.active and policy.schedule == "prefill" and cache.seen_tokens > policy.run.prompt_end:
+    if policy is not None and policy.run.compresses and policy.schedule == "prefill" and cache.seen_tokens > policy.run.prompt_end:
         lines.append(f"appended  each layer's last {cache.seen_tokens - policy.run.prompt_end} entries were appended while "
                      "decoding, after the prompt was compressed (this method compresses the prompt only)")
     if policy is not None:

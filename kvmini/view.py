@@ -109,7 +109,7 @@ def panel(cache: KVCache, policy=None, trace: list[Merged] | None = None, name: 
         scores.append(rows["score"] if score is not None else None)  # None: no score in this layer
     windows = []
     for layer in range(L):
-        if policy is None or not policy.run.active or layer in protected:
+        if policy is None or not policy.run.compresses or layer in protected:
             windows.append(None)
             continue
         end = policy.run.prompt_end if policy.schedule == "prefill" else n

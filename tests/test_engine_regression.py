@@ -372,8 +372,8 @@ def test_a_one_token_score_change_fails(recorded, monkeypatch):
     gone = sorted(set(range(n)) - set(expected["positions.0.1"][0, 0].tolist()))[0]  # evicted by the prompt's call
     original = h2o.shrink
 
-    def bumped(lc, score, *args):  # token `gone` scores one more (one query's worth of attention)
-        return original(lc, score + (lc.positions == gone), *args)
+    def bumped(lc, score, *args, **kwargs):  # token `gone` scores one more (one query's worth of attention)
+        return original(lc, score + (lc.positions == gone), *args, **kwargs)
 
     monkeypatch.setattr(h2o, "shrink", bumped)
     out, _ = run(tiny_model(), calls, *variant, n)

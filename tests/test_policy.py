@@ -160,7 +160,7 @@ def test_invariants(name, kv_heads, group, B, n, steps, budget, chunk, seed):
                 counts = [len(h) for h in heads]
                 held = Fraction(sum(counts), len(counts))  # per KV head, on average (exact)
                 assert own_counts(base) or len(set(counts)) == 1, "a layer's heads hold the same count"
-                b_l = budget_of(base, l, b) if base.run.active else seen  # inactive: budget >= the sequence
+                b_l = budget_of(base, l, b) if base.run.compresses else seen  # inactive: budget >= the sequence
                 if own_counts(base) and l in base.kept:  # each head's budget, as the method gave it
                     gave = base.kept[l][b].tolist()
                     assert sum(gave) / len(gave) <= b_l + 0.5, "never above budget (each head's count rounded)"
@@ -179,7 +179,7 @@ def test_invariants(name, kv_heads, group, B, n, steps, budget, chunk, seed):
                 elif seen <= n:  # prefill-only methods compress when the prompt is complete, then append
                     assert held == (min(n, b_l) if seen == n else seen)
                 else:
-                    assert held == min(n, b_l if base.run.active else n) + seen - n
+                    assert held == min(n, b_l if base.run.compresses else n) + seen - n
                 sinks = base.sinks if seen > 0 else 0
                 recent = min(base.recent(b_l), seen)
                 want = set(range(min(sinks, seen))) | set(range(seen - recent, seen))

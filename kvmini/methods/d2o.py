@@ -14,7 +14,8 @@ on real prompts: raw variances grow with n), and merges by their scatter-mean, n
 
 Variants `paper` (the equations) and `official` (AIoT-MLSys-Lab/D2O): docs/methods.md, "D2O".
 Deviation: one cache per KV head (the g query heads reduced by mean); the authors' code keeps one per query head.
-Deviation: `clamp_budgets` (default) bounds each S_l to [sinks + 4, n] and hands on the excess; Eq. 5 does not.
+Deviation: `clamp_budgets` (default) bounds each S_l of Eq. 5 to [sinks + 4, n] and hands on the excess; Eq. 5
+does not. The official allocation only floors S_l at sinks + 4 (its ratio is the authors', clamped to [0.01, 1]).
 Deviation: the EMA threshold restarts with every run; the authors' code never resets it.
 Deviation: every layer is held at its budget, also one budgeted n - 1 or more (the authors' code does not).
 """
@@ -92,16 +93,16 @@ class D2O(RowBudgets, Method):
 
 
     def before(self, cache, step) -> dict | None:
-        if step.start == 0:  # a new run: a protected layer is scored too (the official allocation measures it)
+        if step.start == 0:  # a new run: s_j is kept in a protected layer too (the report and the page show it)
             for layer in range(len(cache)):
                 cache[layer].declare(*self.aux)
             if self.merger is not None:
                 self.merger.reset()
         if step.first:  # this prompt's F_v (per layer, one per sequence), its pieces' column sums, its S_l
             self.F_v, self.sums, self.row_budgets = {}, {}, None
-        if step.compresses and step.start == step.prompt_end and self.schedule == "decode":
+        if step.compresses and step.first_decode and self.schedule == "decode":
             self.allocate(cache[0].length + step.T, cache[0].positions.device, step)  # 2. at the first decode step
-        if not (step.keeps_sums or step.compresses and step.in_prompt):  # F_v is taken on the prompt's attention
+        if not step.keeps_sums:  # (it holds whenever the run compresses, so when F_v is to be measured too)
             return None
         return {"column_sums": Statistic(reduce="heads" if self.per_head(step) else self.o.reduce)}
 

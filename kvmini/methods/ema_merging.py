@@ -4,13 +4,15 @@ The default `d2o` (its `official` variant, the authors' code) merges by `scatter
 is the `paper` variant's Eq. 12.
 
     u_{ij} = \frac{k_i \cdot k_j}{\|k_i\| \|k_j\|},   j^*_i = \arg\max_j u_{ij}  over kept j   (Eq. 9)
-    \tau_0 = \mathrm{mean}_{i \in \text{evicted}} u_{i j^*_i}   at prefill                          (Eq. 10)
+    \tau_0 = \mathrm{mean}_{i \in \text{evicted}} u_{i j^*_i}   at a layer's first compression        (Eq. 10)
     \tau_t = \beta \max_j u_{t j} + (1 - \beta) \tau_{t-1}      at decode step t
     i is merged iff u_{i j^*_i} \ge \tau_t   (the threshold updated with this step's similarities)
     k_j \leftarrow w_c k_j + \sum_{i \in E_j} w_i k_i,  v likewise                                  (Eq. 11-12)
     w_i = \frac{e^{u_{ij}}}{\sum_{i' \in E_j} e^{u_{i'j}} + e},   w_c = \frac{e}{\sum_{i' \in E_j} e^{u_{i'j}} + e}
 
-(a softmax over {j itself, similarity 1} and the tokens that chose j), tau per (sequence, KV head).
+(a softmax over {j itself, similarity 1} and the tokens that chose j), tau per (sequence, KV head), or per
+(sequence, layer) with `tau="per_layer"` (the official default). The first compression is the prompt's end
+(the paper) or the first decode step (the official default).
 `writes` says what a merge overwrites: both the key and the value (the paper), or one of them (an ablation:
 docs/methods.md, "Why D2O loses here").
 The authors' variants (`weights="official"`, `tau="per_layer"`) and kvmini's reading of Eq. 12:

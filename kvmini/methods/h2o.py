@@ -41,7 +41,7 @@ class H2O(Method):
             s.add_(stats["column_sums"])  # s_j += \sum_i A_ij over this call's queries
         if step.compresses and lc.length > b + step.slack:  # every call: a prompt chunk, or one decode step
             self.evicted[layer] += lc.length - b
-            shrink(lc, s, b, 0, self.recent(b), step.newest)  # the top s_j + the recent window
+            shrink(lc, s, b, sinks=0, recent=self.recent(b), newest=step.newest)  # the top s_j + the recent window
 
     def describe(self, lc) -> tuple[str, torch.Tensor | None]:
         return "accumulated attention (H2O's score: summed over every query so far)", lc.aux("attention_sum")

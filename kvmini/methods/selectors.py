@@ -33,8 +33,9 @@ def lowest(score: torch.Tensor, positions: torch.Tensor, sinks: int, recent, new
 
 def shrink(lc, score: torch.Tensor, b: int, sinks: int, recent: int, newest: int) -> None:
     """Shrink every head of one layer's cache to b entries: the first `sinks`, the last `recent` and the
-    best `score`s between them (`keep_top`). One entry over (a decode step) evicts the `lowest` in O(D)
-    (`evict`); more sorts and gathers (`keep`, O(S·D)): the same result either way.
+    best `score`s between them (`keep_top`). One entry over (a decode step) finds the `lowest` in O(S) and evicts
+    it in O(D) (`evict`); more sorts and gathers (`keep`, O(S·D)): the same result either way (their tie rules
+    agree: tests/test_policy.py, test_lowest_drops_what_keep_top_drops_in_any_buffer_order).
     score (B, H_kv, S) in buffer order; newest: the position of the call's newest token."""
     if lc.length == b + 1:  # one entry to drop
         lc.evict(lowest(score, lc.positions, sinks, recent, newest))
