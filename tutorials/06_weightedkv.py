@@ -160,7 +160,8 @@ show(fig, "06_merge_chain")
 # %% [markdown]
 # ## Defaults from the experiments (Sec. V-A)
 #
-# The paper keeps 4 initial tokens and $(m - 8)/2$ recent ones: 508 for $m = 1024$, 124 for $m = 256$.
+# The paper keeps 4 initial tokens and, for its two cache sizes, 508 recent ones at $m = 1024$ and 124 at
+# $m = 256$ (Sec. V-A); it states no rule. kvmini's default window is $(m - 8)/2$, a rule that gives both.
 
 # %%
 policy = make_policy("weightedkv", 256)
@@ -172,8 +173,10 @@ assert policy.sinks == 4 and policy.recent(1024) == 508 and policy.recent(256) =
 # On a small random model with capacity 16, every evicted token's value went somewhere: the merging
 # compressor records each merge when asked (`record_merges`), and `kvmini.view` draws the prompt with
 # what each layer and KV head holds. Every grey token has an orange underline (WeightedKV never just
-# drops a value); hover it to see the neighbour it went into and its weight
-# $\bar a_j / (\bar a_j + \bar a_{j+1})$.
+# drops a value); hover it to see the kept token it went into and its weight there: $\bar a_j / (\bar a_j +
+# \bar a_{j+1})$ for a token merged alone (Alg. 1 line 9), $\bar a_i / (\bar a_s + \sum_{\text{run}} \bar a)$ for a
+# token in a run of consecutive deleted tokens merged at once into the kept token $s$ after it (`merge_runs`;
+# most merges of a chunked prompt are such runs).
 
 # %%
 import tempfile  # noqa: E402

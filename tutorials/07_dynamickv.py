@@ -99,8 +99,9 @@ for tail in (False, True) if solved("progressive_budgets") else ():
         assert lengths[-2:] == [b_s + w_s] * 2 and sum(lengths[:-2]) == (w_t - w_s) * 30 + w_s * 28
 
 # %% [markdown]
-# The budgets as the prefill goes: after each layer, what every layer may keep (a layer's line
-# starts when it is reached at b_s + w_s and drops at each re-allocation, every m = 4 layers).
+# The budgets as the prefill goes: after each layer, what every layer may keep. A layer's line starts
+# when it is reached, at b_s + w_s, unless a re-allocation runs right after that layer (every m = 4
+# layers): that one already counts it, so its line starts lower. It drops at each later re-allocation.
 
 # %%
 import matplotlib.pyplot as plt  # noqa: E402
@@ -152,9 +153,9 @@ for variant in ("paper", "official") if solved("progressive_budgets") else ():
 #    $\min((w_t - w_s) L, \sum$ that$)$, as in "Progressive re-allocation" above: one top-$k$ over every
 #    head of every finished layer). `A_finished` holds each finished layer's scores $(1, H, n - w_s)$ (after a
 #    next prompt the layers hold different counts: a shorter one is filled with $-\infty$ up to $n - w_s$, a
-#    key no top-$k$ may count), `held` what each holds, `w_t` the mean budget and `w` the window $w_s$. Check it with
-#    `python -m kvmini.course check progressive_budgets`: the whole method against a literal Alg. 1 on
-#    random models (a prompt and three decode steps; kept tokens and logits) for $L$ from 3 to 5 and $m$
+#    key no top-$k$ may count), `held` what each holds (its window included), `w_t` the mean budget and `w` the
+#    window $w_s$. Check it with `python -m kvmini.course check progressive_budgets`: the whole method against
+#    a literal Alg. 1 (its Eq. 7-8 split is kvmini's: capped, rounded by largest remainder) on random models (a prompt and three decode steps; kept tokens and logits) for $L$ from 3 to 5 and $m$
 #    from 2 to 4, $L \bmod m \ne 0$ included, with and without `tail_reallocation`, $r_{max}$ 2 to 10
 #    (so that caps bind), and the authors' rounding (`rounding=floor`) against their code's steps.
 # 2. Set `--interval 30` (one re-allocation at the end) and `--interval 1`: which keeps more fidelity?

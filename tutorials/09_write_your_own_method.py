@@ -146,13 +146,14 @@ assert registry.METHODS["vatp"] is vatp
 #   batch of two equals two single runs;
 #   back-to-back prompts equal fresh runs;
 # - `tests/test_continuation.py`: three prompts on one cache, and budgets respected where they are given;
-# - `tests/test_chunked_prefill.py` (a method that compresses once the prompt is complete): a prompt in
-#   chunks keeps what one call keeps, in each variant and for each option that reads other statistics;
 # - `tests/test_options.py`: the declaration is typed, has help, and reads back what `--help` prints;
 #   a shared name means the same thing;
 # - `tests/test_cli.py` and `tests/test_fidelity.py`: the flag and the spec exist, and a short question
 #   runs (with the note that a ratio budget was raised, where the method always keeps more);
 # - `tests/test_engine_regression.py`: its behaviour is recorded, once you record it (the checklist).
+#
+# (`tests/test_chunked_prefill.py` runs only the methods that compress once, when the prompt is complete: a
+# prompt in chunks keeps what one call keeps. VATP compresses after every call, so it is not among them.)
 #
 # Here is one of them, run on VATP as the test suite does: a prompt fed in one call and in chunks keeps
 # its budget in every layer and head, with the sinks and the recent window, after six decode steps.
@@ -324,8 +325,9 @@ show(fig, "09_fidelity")
 
 # %% [markdown]
 # At 135M parameters and K = 32 the differences are small and a single prompt is noisy; the
-# paper measured LongBench tasks on 7B models. Measure before you believe either way: the same
-# command with `--n 2048 --k 256` and the methods above runs in a few minutes.
+# paper measured LongBench tasks on 7B models. Measure before you believe either way, on a longer
+# prompt and continuation: `python -m kvmini.eval.fidelity --n 2048 --k 256 --budgets 0.1 0.2
+# --methods h2o vatp "vatp[value_norm=l2]" "vatp[value_norm=off]"`.
 #
 # ## Part 2: a method that needs a statistic the engine does not compute (Scissorhands)
 #
