@@ -86,6 +86,37 @@ def dynamickv_reference(model, calls, *literal):
     # END REFERENCE
 
 
+@pytest.mark.exercise("progressive_budgets")
+def test_eq5_6_reallocate_counts_by_hand():
+    """`reallocate`'s Eq. 5-6 alone: 2 finished layers, 2 KV heads, window w = 1, mean budget w_t = 3, so the top
+    k = (w_t - w) * H_kv * l = 8 keys over every head of both layers (layer 0 holds one key fewer: -inf).
+    Sorted: .9 .8 .7 .6 .5 in layer 0, .4 .35 .3 in layer 1 -> C = [5, 3]."""
+    from kvmini.methods.progressive_budgets import reallocate
+
+    inf = float("inf")
+    A0 = torch.tensor([[[0.9, 0.8, 0.7, -inf], [0.6, 0.5, 0.0, -inf]]])  # (1, H_kv, n - w): layer 0, 3 keys held
+    A1 = torch.tensor([[[0.4, 0.3, 0.0, 0.0], [0.35, 0.2, 0.1, 0.05]]])  # layer 1, 4 keys held
+    C, _ = reallocate([A0, A1], [4, 5], n=5, w=1, w_t=3, L=3)
+    assert C == [5, 3], f"Eq. 5-6 (`reallocate`): C, each finished layer's count among the top (w_t - w) * H_kv * l = 8 " \
+        f"scores over every head of every finished layer: want [5, 3], got {C}"
+
+
+@pytest.mark.exercise("progressive_budgets")
+def test_eq7_8_reallocate_budgets_by_hand():
+    """`reallocate`'s Eq. 7-8 alone, on the counts C = [5, 3] above: the finished layers share (w_t - w) * L = 6
+    tokens beyond the window, 5 : 3 = 3.75 : 2.25, each capped at what it holds beyond the window (held - w =
+    3 and 4): layer 0 stops at 3 and hands its excess on, so Z = [3, 3]."""
+    from kvmini.methods.progressive_budgets import reallocate
+
+    inf = float("inf")
+    A0 = torch.tensor([[[0.9, 0.8, 0.7, -inf], [0.6, 0.5, 0.0, -inf]]])
+    A1 = torch.tensor([[[0.4, 0.3, 0.0, 0.0], [0.35, 0.2, 0.1, 0.05]]])
+    C, Z = reallocate([A0, A1], [4, 5], n=5, w=1, w_t=3, L=3)
+    if C == [5, 3]:  # else Eq. 5-6's own check says what is wrong
+        assert Z == [3, 3], f"Eq. 7-8 (`reallocate`): Z, (w_t - w) * L = 6 tokens split 5 : 3 over the finished layers, " \
+            f"each capped at held - w = [3, 4] and the excess handed on: want [3, 3], got {Z}"
+
+
 @pytest.mark.parametrize("L,m,w_t,r_max,tail", [(4, 2, 12, 10, True), (5, 2, 12, 10, True), (5, 3, 10, 2, True),
                                                 (3, 4, 9, 3, True), (5, 2, 12, 10, False), (5, 3, 10, 2, False)])
 @pytest.mark.exercise("progressive_budgets")

@@ -102,7 +102,17 @@ WRONG = [
           "return int((drop <= t).sum().item())"),
     Wrong("top_per_layer", "progressive_budgets", "Eq. 5's top-k taken over the finished layers without the KV heads' "
           "share of it", "kvmini.methods.progressive_budgets", "k = min((w_t - w) * A.shape[1] * l, int(A.isfinite().sum()))",
-          "k = min((w_t - w) * l, int(A.isfinite().sum()))"),
+          "k = min((w_t - w) * l, int(A.isfinite().sum()))", "test_eq5_6_reallocate_counts_by_hand"),
+    Wrong("layer_without_head_stride", "progressive_budgets", "Eq. 5's hits read as layers without taking each KV "
+          "head's row apart first", "kvmini.methods.progressive_budgets",
+          "top = A.flatten(1).topk(k, dim=-1).indices % A.shape[-1] // (n - w)",
+          "top = A.flatten(1).topk(k, dim=-1).indices // (n - w)", "test_eq5_6_reallocate_counts_by_hand"),
+    Wrong("total_of_finished", "progressive_budgets", "Eq. 7's total over the l finished layers, not all L",
+          "kvmini.methods.progressive_budgets", "Z = proportional(C, (w_t - w) * L, 0, held)",
+          "Z = proportional(C, (w_t - w) * l, 0, held)", "test_eq7_8_reallocate_budgets_by_hand"),
+    Wrong("cap_with_window", "progressive_budgets", "Eq. 8's cap the whole of what a layer holds, its window included",
+          "kvmini.methods.progressive_budgets", "held = [h - w for h in held]", "held = list(held)",
+          "test_eq7_8_reallocate_budgets_by_hand"),
     Wrong("l2_always", "value_norm", "VATP's value norm always l2, whatever p", "kvmini.methods.vatp",
           "values.abs().sum(-1) if self.p == 1", "torch.linalg.vector_norm(values, dim=-1) if self.p == 1"),
     Wrong("l1_without_abs", "value_norm", "the l1 norm without the absolute values", "kvmini.methods.vatp",

@@ -154,7 +154,9 @@ for variant in ("paper", "official") if solved("progressive_budgets") else ():
 #    head of every finished layer). `A_finished` holds each finished layer's scores $(1, H, n - w_s)$ (after a
 #    next prompt the layers hold different counts: a shorter one is filled with $-\infty$ up to $n - w_s$, a
 #    key no top-$k$ may count), `held` what each holds (its window included), `w_t` the mean budget and `w` the
-#    window $w_s$. Check it with `python -m kvmini.course check progressive_budgets`: the whole method against
+#    window $w_s$. Check it with `python -m kvmini.course check progressive_budgets`: `reallocate` alone by hand
+#    (Eq. 5-6: the top $k$ over two KV heads of two layers, one holding a key fewer; Eq. 7-8: the total over
+#    all $L$ layers, a cap without the window, the excess handed on), then the whole method against
 #    a literal Alg. 1 (its Eq. 7-8 split is kvmini's: capped, rounded by largest remainder) on random models (a prompt and three decode steps; kept tokens and logits) for $L$ from 3 to 5 and $m$
 #    from 2 to 4, $L \bmod m \ne 0$ included, with and without `tail_reallocation`, $r_{max}$ 2 to 10
 #    (so that caps bind), and the authors' rounding (`rounding=floor`) against their code's steps.
