@@ -25,6 +25,45 @@ def set_average_attention(lc: LayerCache, abar: list[float]) -> None:
     lc.aux("n")[:] = 1.0
 
 
+def toy_layer(a: list[float], n: list[float]) -> LayerCache:
+    """One head holding positions 0..S-1, key 10 e_t and value e_t (its mixing weights show), and Alg. 1's a and n."""
+    lc = LayerCache(1, 1, 8, torch.float32, "cpu", capacity=8)
+    for t in range(len(a)):
+        lc.append(10 * E[t].view(1, 1, 1, 8), E[t].view(1, 1, 1, 8), torch.tensor([[t]]))
+    lc.declare("a", "n")
+    lc.aux("a")[:] = torch.tensor(a).view(1, 1, -1)
+    lc.aux("n")[:] = torch.tensor(n).view(1, 1, -1)
+    return lc
+
+
+ONE_MERGE = [  # (what it tells apart, a, n, sinks, j deleted, the weights of v_{j+1} after the merge)
+    # line 7: abar = a / n with n > 1: [.9, .2, .3, .25, .9], so j = 1 (a alone would pick 2) into 2: .4 v_1 + .6 v_2
+    ("line 7, abar = a / n", [0.9, 0.6, 0.3, 0.5, 0.9], [1, 3, 1, 2, 1], 0, 1, {1: 0.4, 2: 0.6}),
+    # line 8: a tie of abar at positions 1 and 2 goes to the earliest, 1, merged into 2 half and half
+    ("line 8, a tie to the earliest", [0.5, 0.2, 0.2, 0.6, 0.9], [1] * 5, 0, 1, {1: 0.5, 2: 0.5}),
+    # line 9: abar_j = abar_{j+1} = 0 is 0/0 read literally: kvmini gives each half (and no NaN)
+    ("line 9, two zero averages", [0.5, 0.0, 0.0, 0.6, 0.9], [1] * 5, 0, 1, {1: 0.5, 2: 0.5}),
+    # line 8's range: with 1 sink, position 1 is the first j may be, here the lowest: .1 / .6 v_1 + .5 / .6 v_2
+    ("line 8, the first position after the sinks", [0.9, 0.1, 0.5, 0.6, 0.9], [1] * 5, 1, 1, {1: 1 / 6, 2: 5 / 6}),
+]
+
+
+@pytest.mark.exercise("convex_value_merge")
+def test_alg1_one_merge_by_hand():
+    """One merge of `convex_value_merge` (five entries to a capacity of 4, recent window 1) on inputs that tell
+    the readings of Alg. 1 lines 7-9 apart: n > 1, a tie, two zero averages, the lowest just after the sinks."""
+    for case, a, n, sinks, j, weights in ONE_MERGE:
+        lc = toy_layer(a, n)
+        convex_value_merge(lc, capacity=4, sinks=sinks, recent=1)
+        kept = lc.positions.flatten().tolist()
+        want = [p for p in range(5) if p != j]
+        assert kept == want, f"Alg. 1 {case} (`convex_value_merge`): j = {j} is deleted, want {want} kept, got {kept}"
+        got = lc.values[0, 0, kept.index(j + 1)]
+        want_v = sum(w * E[p] for p, w in weights.items())
+        assert torch.allclose(got, want_v, atol=1e-6), (f"Alg. 1 {case} (`convex_value_merge`): v_{j + 1} becomes "
+                                                         f"{want_v[:5].tolist()}, got {got[:5].tolist()}")
+
+
 @pytest.mark.exercise("convex_value_merge")
 def test_fig3_toy_run_with_cache_size_4():
     """Fig. 3 / Sec. III-B: at step 5 v2 (abar 0.1) merges into v3 (0.5) as v2/6 + 5 v3/6; after step 8
@@ -131,6 +170,7 @@ def literal_alg1(model, ids: torch.Tensor, m: int, sinks: int, recent: int):
     # END REFERENCE
 
 
+@pytest.mark.exercise("convex_value_merge")
 def test_chunk_size_1_is_algorithm_1_literally():
     model = random_model(L=2, H=4, H_kv=2, seed=11)
     ids = torch.randint(0, 61, (2, 26), generator=torch.Generator().manual_seed(3))

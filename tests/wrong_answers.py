@@ -131,6 +131,19 @@ WRONG = [
           "share = torch.where(w_j + w_next > 0, w_next / (w_j + w_next), 0.5)"),
     Wrong("window_outside", "convex_value_merge", "Alg. 1 line 8's range: the recent window not protected",
           "kvmini.methods.convex_value_merge", "free = (pos >= sinks) & (pos <= top - window)", "free = pos >= sinks"),
+    Wrong("a_not_abar", "convex_value_merge", "Alg. 1 line 7's average attention read as the sum a, not a / n",
+          "kvmini.methods.convex_value_merge", 'abar = lc.aux("a") / lc.aux("n")', 'abar = lc.aux("a")',
+          "test_alg1_one_merge_by_hand"),
+    Wrong("tie_to_later", "convex_value_merge", "Alg. 1 line 8's tie going to the later position",
+          "kvmini.methods.convex_value_merge", "j = torch.where(low, pos, PAD).argmin(-1, keepdim=True)",
+          "j = torch.where(low, pos, -1).argmax(-1, keepdim=True)", "test_alg1_one_merge_by_hand"),
+    Wrong("zero_over_zero", "convex_value_merge", "Alg. 1 line 9 read literally: two zero averages give 0/0",
+          "kvmini.methods.convex_value_merge", "share = torch.where(w_j + w_next > 0, w_j / (w_j + w_next), 0.5)",
+          "share = w_j / (w_j + w_next)", "test_alg1_one_merge_by_hand"),
+    Wrong("sinks_one_wider", "convex_value_merge", "Alg. 1 line 8's range one position short: the first position after "
+          "the sinks never chosen", "kvmini.methods.convex_value_merge",
+          "free = (pos >= sinks) & (pos <= top - window)", "free = (pos > sinks) & (pos <= top - window)",
+          "test_alg1_one_merge_by_hand"),
 ]
 BY_NAME = {w.name: w for w in WRONG}
 

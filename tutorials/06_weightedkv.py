@@ -298,12 +298,15 @@ if solved("convex_value_merge"):  # a student copy: WeightedKV's merge is an exe
 #    sink (position below `sinks`) nor among the $\max(\text{recent}, 1)$ newest positions up to `newest`
 #    (so the newest token is never $j$, even with `recent=0`; on a tie, the earliest position); its
 #    neighbour $j + 1$ is the held entry with the next position (it may be a recent token);
-#    $v_{j+1} \leftarrow (\bar a_j v_j + \bar a_{j+1} v_{j+1}) / (\bar a_j + \bar a_{j+1})$; entry $j$ is
+#    $v_{j+1} \leftarrow (\bar a_j v_j + \bar a_{j+1} v_{j+1}) / (\bar a_j + \bar a_{j+1})$ (half each where both
+#    averages are 0, never 0/0); entry $j$ is
 #    then deleted with its key, $a$ and $n$ (`lc.keep` of the others with `keep_order`, else
 #    `lc.evict_one`), and $j + 1$ keeps its own $a$ and $n$; keys are never merged. Check it with
-#    `python -m kvmini.course check convex_value_merge`: this toy run (Fig. 3), sinks and window, the
-#    newest token, a decode step's merge in a mixed-up buffer against the same merge in order, and
-#    `merge_runs` against your function.
+#    `python -m kvmini.course check convex_value_merge`: one merge by hand on inputs that tell the readings
+#    of lines 7-9 apart ($n > 1$, a tie, two zero averages, the lowest $\bar a$ just after the sinks), this
+#    toy run (Fig. 3), sinks and window, the newest token, a decode step's merge in a mixed-up buffer against
+#    the same merge in order, `merge_runs` against your function, and WeightedKV with prompt chunks of one
+#    token against Alg. 1 written out.
 # 2. Replace the convex merge by plain eviction (drop $v_j$). Predict the change in the fidelity
 #    table at a budget of 128, then measure it.
 # 3. Why is the newest token never chosen as $j$? What would merging it "into its right neighbour" mean?
